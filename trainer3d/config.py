@@ -1,0 +1,187 @@
+"""Typed run configuration and the command line that fills it.
+
+Flag names are stable (scripts depend on them). Every check that can be made before a process group exists is
+made in `validate`, which raises a ConfigError / LayoutError whose message is one sentence naming the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from .model import MODEL_PRESETS, GPTConfig
+from .pipeline import SCHEDULES, check_pipeline
+from .tensor_parallel import check_tensor_parallel
+from .topology import Layout, LayoutError, infer_layout
+
+
+class ConfigError(ValueError):
+    """A flag or file that cannot work; the message names the fix."""
+
+
+@dataclass
+class TrainConfig:
+    # model
+    model: str = "tiny"
+    dropout: float = 0.0
+    vocab_size: int | None = None  # default: the tokenizer's
+    init_from_hf: str | None = None
+    # layout
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batches: int | None = None  # per optimizer step and dp rank; default pp (2·pp for multi-stage), 1 at pp=1
+    # batch
+    seq_len: int = 128
+    global_batch: int = 16  # sequences per optimizer step, over all dp ranks and micro-batches
+    global_batch_tokens: int | None = None  # alternative to --global-batch: tokens per step (GPT-2: 524288)
+    # optimizer and schedule
+    max_steps: int = 300
+    lr: float = 1e-3
+    min_lr: float | None = None  # default lr / 10
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    seed: int = 1337
+    # data
+    data: str | None = None
+    data_config: str | None = None
+    data_split: str = "train"
+    text_field: str = "text"
+    tokenizer: str | None = None
+    eval_every: int = 0
+    eval_batches: int = 8
+    # output
+    out_dir: str = "runs/default"
+    log_every: int = 10
+    peak_tflops: float | None = None  # per device, for MFU; known GPUs are recognised
+    verbose: bool = False
+    # DeepSpeed (owns batch sizes, ZeRO, offload and precision when given)
+    deepspeed_config: str | None = None
+
+    def resolved_precision(self, device_type: str) -> str:
+        if self.precision == "auto":
+            return "bf16" if device_type == "cuda" else "fp32"
+        return self.precision
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        base = MODEL_PRESETS[self.model]
+        return dataclasses.replace(base, vocab_size=self.vocab_size or vocab_size, dropout=self.dropout)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch: int  # sequences per optimizer step
+    micro_batches: int  # per dp rank and step (gradient accumulation / pipeline micro-batches)
+    micro_batch_size: int  # sequences per micro-batch
+
+    @property
+    def local_batch(self) -> int:
+        return self.micro_batches * self.micro_batch_size
+
+
+def plan_batch(cfg: TrainConfig, layout: Layout) -> BatchPlan:
+    gb = cfg.global_batch
+    if cfg.global_batch_tokens is not None:
+        if cfg.global_batch_tokens % cfg.seq_len:
+            raise ConfigError(
+                f"--global-batch-tokens {cfg.global_batch_tokens} is not a multiple of --seq-len {cfg.seq_len}; "
+                "make it one (e.g. 524288 tokens = 512 × 1024)."
+            )
+        gb = cfg.global_batch_tokens // cfg.seq_len
+    if cfg.micro_batches is not None:
+        mb = cfg.micro_batches
+    elif layout.pp == 1:
+        mb = 1
+    else:
+        mb = 2 * layout.pp if SCHEDULES[cfg.schedule].multi_stage else layout.pp
+    if mb < 1 or gb % (layout.dp * mb):
+        raise ConfigError(
+            f"The global batch of {gb} sequences does not split into dp={layout.dp} × {mb} micro-batches; "
+            f"make --global-batch a multiple of {layout.dp * mb} or change --micro-batches."
+        )
+    return BatchPlan(global_batch=gb, micro_batches=mb, micro_batch_size=gb // (layout.dp * mb))
+
+
+def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> tuple[Layout, BatchPlan]:
+    """Every check that needs no process group, so bad layouts fail before anything spawns or connects."""
+    if cfg.model not in MODEL_PRESETS:
+        raise ConfigError(f"Unknown --model {cfg.model!r}; choose one of {', '.join(MODEL_PRESETS)}.")
+    if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
+        raise ConfigError(f"--precision must be auto, fp32, bf16 or fp16 (got {cfg.precision!r}).")
+    layout = infer_layout(world_size, cfg.tp, cfg.pp)
+    mcfg = cfg.gpt_config(vocab_size)
+    if cfg.seq_len > mcfg.n_positions:
+        raise ConfigError(
+            f"--seq-len {cfg.seq_len} exceeds the model's context of {mcfg.n_positions} positions; "
+            f"use --seq-len {mcfg.n_positions} or less."
+        )
+    check_tensor_parallel(mcfg, layout.tp)
+    plan = plan_batch(cfg, layout)
+    check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches)
+    if cfg.max_steps < 1:
+        raise ConfigError("--max-steps must be at least 1.")
+    return layout, plan
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="train_gpt2.py",
+        description="Train a GPT-2 at any data × tensor × pipeline layout (python, torchrun, deepspeed or srun).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=d.model, choices=list(MODEL_PRESETS))
+    m.add_argument("--dropout", type=float, default=d.dropout)
+    m.add_argument("--vocab-size", type=int, default=None, help="override the tokenizer's vocabulary size")
+    m.add_argument("--init-from-hf", default=None, help="a GPT2LMHeadModel save_pretrained directory")
+    lay = p.add_argument_group("layout (dp is world size / (tp·pp))")
+    lay.add_argument("--tp", type=int, default=d.tp)
+    lay.add_argument("--pp", type=int, default=d.pp)
+    lay.add_argument("--schedule", default=d.schedule, choices=list(SCHEDULES))
+    lay.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank (interleaved)")
+    lay.add_argument("--micro-batches", type=int, default=None, help="per step and dp rank")
+    b = p.add_argument_group("batch")
+    b.add_argument("--seq-len", type=int, default=d.seq_len)
+    b.add_argument("--global-batch", type=int, default=d.global_batch, help="sequences per optimizer step")
+    b.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per step, e.g. 524288")
+    o = p.add_argument_group("optimization")
+    o.add_argument("--max-steps", type=int, default=d.max_steps)
+    o.add_argument("--lr", type=float, default=d.lr)
+    o.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
+    o.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    o.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    o.add_argument("--beta1", type=float, default=d.beta1)
+    o.add_argument("--beta2", type=float, default=d.beta2)
+    o.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global-norm clip; 0 disables")
+    o.add_argument("--precision", default=d.precision, choices=["auto", "fp32", "bf16", "fp16"])
+    o.add_argument("--seed", type=int, default=d.seed)
+    da = p.add_argument_group("data")
+    da.add_argument("--data", default=None, help="file, folder, save_to_disk dir or HF dataset name")
+    da.add_argument("--data-config", default=None, help="HF dataset config name")
+    da.add_argument("--data-split", default=d.data_split)
+    da.add_argument("--text-field", default=d.text_field)
+    da.add_argument("--tokenizer", default=None, help="HF tokenizer name or path (default: bundled GPT-2 BPE)")
+    da.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validations; 0: only at end")
+    da.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    out = p.add_argument_group("output")
+    out.add_argument("--out-dir", default=d.out_dir)
+    out.add_argument("--log-every", type=int, default=d.log_every)
+    out.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
+    out.add_argument("--verbose", action="store_true", help="let every rank print")
+    ds = p.add_argument_group("deepspeed")
+    ds.add_argument("--deepspeed_config", "--deepspeed-config", "--deepspeed", dest="deepspeed_config", default=None)
+    ds.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    ns = vars(build_parser().parse_args(argv))
+    ns.pop("local_rank")  # the launcher also sets LOCAL_RANK, which is what we read
+    return TrainConfig(**ns)

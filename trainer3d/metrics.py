@@ -1,0 +1,68 @@
+"""Throughput, model FLOPs utilisation, memory, and the metrics.jsonl that tools and tests read."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+
+import torch
+
+from .model import GPTConfig
+
+# Dense peak TFLOP/s per device (vendor datasheets; no sparsity).
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},  # SXM; fp32 column is TF32
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 35.0},
+    "V100": {"bf16": 125.0, "fp16": 125.0, "fp32": 15.7},
+}
+
+
+def device_peak_tflops(device: torch.device, precision: str, override: float | None) -> float | None:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None  # CPUs vary too much; pass --peak-tflops to get MFU
+    name = torch.cuda.get_device_name(device)
+    for key, table in PEAK_TFLOPS.items():
+        if key in name:
+            return table.get(precision)
+    return None
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter touched by a token (all matmuls, the LM head included, the
+    embedding lookups excluded) plus attention's QK^T and AV, 12·L·d·T (PaLM appendix B / Megatron)."""
+    matmul_params = cfg.num_params(include_embedding=False) + cfg.vocab_size * cfg.n_embd
+    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsFile:
+    """Append-only JSON lines, one object per optimizer step (and per evaluation); written by one rank."""
+
+    def __init__(self, out_dir: str, enabled: bool, append: bool = False):
+        self.enabled = enabled
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self._f = None
+        if enabled:
+            os.makedirs(out_dir, exist_ok=True)
+            self._f = open(self.path, "a" if append else "w")
+
+    def write(self, record: dict) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None

@@ -1,0 +1,152 @@
+"""GPT-2 in plain PyTorch: learned positions, pre-LayerNorm, GELU, tied input/output embedding.
+
+No distributed code lives here. Tensor parallelism swaps the Linear/Embedding modules for sharded ones
+(tensor_parallel.py) and pipeline parallelism deletes the parts a stage does not own (pipeline.py), so
+`forward` tolerates a missing embedding (input is hidden states) and a missing head (output is hidden
+states). Parameter names follow Hugging Face's GPT2Model without the `transformer.` prefix; blocks live in
+a ModuleDict keyed by their global index, so a name means the same parameter under every layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        d, L, V, P = self.n_embd, self.n_layer, self.vocab_size, self.n_positions
+        per_block = 12 * d * d + 13 * d  # qkv, proj, fc, proj weights and biases + 2 LayerNorms
+        n = L * per_block + 2 * d  # + final LayerNorm
+        if include_embedding:
+            n += V * d + P * d
+        return n
+
+
+# The published GPT-2 family (Radford et al. 2019) plus a tiny one for CPU runs and tests.
+MODEL_PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_positions=256, n_embd=128, n_layer=4, n_head=4),
+    "gpt2": GPTConfig(n_embd=768, n_layer=12, n_head=12),
+    "gpt2-medium": GPTConfig(n_embd=1024, n_layer=24, n_head=16),
+    "gpt2-large": GPTConfig(n_embd=1280, n_layer=36, n_head=20),
+    "gpt2-xl": GPTConfig(n_embd=1600, n_layer=48, n_head=25),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v stacked along the output dim
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.head_dim = cfg.head_dim
+        self.attn_dropout_p = cfg.dropout
+        # Attention probabilities are sharded by head under tensor parallelism and need a per-rank dropout
+        # stream; tensor_parallel.py installs it here. One process: the default generator.
+        self.sharded_rng = contextlib.nullcontext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        # The local head count follows from the (possibly sharded) width.
+        q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        dropout_p = self.attn_dropout_p if self.training else 0.0
+        with self.sharded_rng():
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe: nn.Module | None = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.ln_f: nn.Module | None = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.lm_head: nn.Module | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied; pipeline stages that split them keep a synced copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None:  # first stage: x holds token ids
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(positions))
+        for block in self.h.values():
+            x = block(x)
+        if self.lm_head is not None:  # last stage: x becomes logits (a vocab shard under TP)
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+
+def canonical_name(name: str) -> str:
+    """The layout-free name of a parameter: a stage's untied copy of the head is the embedding."""
+    return "wte.weight" if name == "lm_head.weight" else name
+
+
+def init_value(name: str, shape: torch.Size, cfg: GPTConfig, seed: int) -> torch.Tensor:
+    """The initial value of a full (unsharded) parameter, a pure function of its name and the seed.
+
+    Every layout builds its shards from these values, which is what makes a (dp, tp, pp) run start from the
+    exact weights of the one-process run. GPT-2's scheme: N(0, 0.02), residual projections scaled by
+    1/sqrt(2 * n_layer), zero biases, unit LayerNorm gains.
+    """
+    name = canonical_name(name)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if ".ln_" in name or name.startswith("ln_f"):
+        return torch.ones(shape)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(name))
+    return torch.randn(shape, generator=gen) * std
+
+
+def _stable_hash(text: str) -> int:
+    # Python's hash() is salted per process; ranks must agree.
+    h = 0
+    for ch in text.encode():
+        h = (h * 131 + ch) % (2**31 - 1)
+    return h

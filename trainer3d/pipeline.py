@@ -1,0 +1,141 @@
+"""Pipeline parallelism with torch.distributed.pipelining: split the model into contiguous stages, give each
+rank its stage(s), and drive them with one of torch's schedules.
+
+Stages are balanced by forward FLOPs: a transformer block costs ~24·d² per token, the LM head 2·d·V, which
+for GPT-2 124M is worth ~5 blocks, so the last stage gets fewer blocks. With v virtual stages per rank the
+model is cut into pp·v stages; "looped" schedules give rank r stages r, r+pp, r+2pp, ... and the V-shaped
+ones (ZBV, DualPipeV) give it stages r and 2pp-1-r, which puts the first and last stage on rank 0.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, schedules
+
+from .model import GPT, GPTConfig
+from .topology import LayoutError
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    cls: type
+    multi_stage: bool  # takes a list of stages (virtual stages per rank)
+    v_shape: bool = False  # exactly two stages per rank, placed in a V
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {
+    "gpipe": ScheduleInfo(schedules.ScheduleGPipe, multi_stage=False),
+    "1f1b": ScheduleInfo(schedules.Schedule1F1B, multi_stage=False),
+    "interleaved-1f1b": ScheduleInfo(schedules.ScheduleInterleaved1F1B, multi_stage=True),
+    "looped-bfs": ScheduleInfo(schedules.ScheduleLoopedBFS, multi_stage=True),
+    "interleaved-zb": ScheduleInfo(schedules.ScheduleInterleavedZeroBubble, multi_stage=True),
+    "zbv": ScheduleInfo(schedules.ScheduleZBVZeroBubble, multi_stage=True, v_shape=True),
+    "dualpipev": ScheduleInfo(schedules.ScheduleDualPipeV, multi_stage=True, v_shape=True),
+}
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    info = SCHEDULES[schedule]
+    if info.v_shape:
+        return 2
+    return virtual_stages if info.multi_stage else 1
+
+
+def check_pipeline(cfg: GPTConfig, pp: int, schedule: str, virtual_stages: int, micro_batches: int) -> None:
+    """Refuse, before any process group exists, a pipeline the model or the schedule cannot run."""
+    if schedule not in SCHEDULES:
+        raise LayoutError(f"Unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    info = SCHEDULES[schedule]
+    if virtual_stages > 1 and not info.multi_stage:
+        raise LayoutError(
+            f"--virtual-stages {virtual_stages} needs a multi-stage schedule; use --schedule interleaved-1f1b."
+        )
+    if info.v_shape and virtual_stages not in (1, 2):
+        raise LayoutError(f"--schedule {schedule} places exactly 2 stages per rank; drop --virtual-stages.")
+    n_stages = pp * stages_per_rank(schedule, virtual_stages)
+    if n_stages > cfg.n_layer:
+        raise LayoutError(
+            f"{n_stages} pipeline stages (pp={pp} × {stages_per_rank(schedule, virtual_stages)} per rank) "
+            f"exceed the model's {cfg.n_layer} layers; lower --pp or --virtual-stages."
+        )
+    if schedule == "1f1b" and micro_batches < pp:
+        raise LayoutError(f"1F1B needs at least pp={pp} micro-batches (got {micro_batches}); raise --micro-batches.")
+    if info.multi_stage and not info.v_shape and micro_batches % pp:
+        raise LayoutError(
+            f"--schedule {schedule} needs --micro-batches to be a multiple of pp={pp} (got {micro_batches})."
+        )
+    if info.v_shape and micro_batches < n_stages:
+        raise LayoutError(
+            f"--schedule {schedule} needs at least {n_stages} micro-batches (2 per stage... got {micro_batches}); "
+            "raise --micro-batches."
+        )
+
+
+def balance_layers(cfg: GPTConfig, n_stages: int) -> list[range]:
+    """Contiguous block ranges per stage minimising the most expensive stage (forward FLOPs per token), at
+    least one block per stage. The head (and its loss) is charged to the last stage."""
+    block_cost = 24 * cfg.n_embd**2 + 4 * cfg.n_positions * cfg.n_embd
+    head_cost = 2 * cfg.n_embd * cfg.vocab_size
+    L = cfg.n_layer
+
+    def cost(start: int, end: int, stage: int) -> int:
+        return (end - start) * block_cost + (head_cost if stage == n_stages - 1 else 0)
+
+    # best[s][i]: the smallest max-cost of splitting blocks [0, i) into stages 0..s-1.
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (L + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, n_stages + 1):
+        for i in range(s, L - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                c = max(best[s - 1][j], cost(j, i, s - 1))
+                if c < best[s][i]:
+                    best[s][i], cut[s][i] = c, j
+    bounds, i = [], L
+    for s in range(n_stages, 0, -1):
+        bounds.append(range(cut[s][i], i))
+        i = cut[s][i]
+    return bounds[::-1]
+
+
+def stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int) -> list[int]:
+    """The global stage indices owned by one pipeline rank."""
+    if SCHEDULES[schedule].v_shape:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(stages_per_rank(schedule, virtual_stages))]
+
+
+def split_stage(model: GPT, layers: range, first: bool, last: bool) -> GPT:
+    """A copy of `model` (on the meta device: cheap) that keeps only what one stage owns."""
+    stage = copy.deepcopy(model)
+    stage.h = nn.ModuleDict({str(i): stage.h[str(i)] for i in layers})
+    if not first:
+        stage.wte = stage.wpe = None
+    if not last:
+        stage.ln_f = stage.lm_head = None
+    return stage
+
+
+def build_schedule(
+    stage_modules: list[nn.Module],
+    ids: list[int],
+    n_stages: int,
+    schedule: str,
+    micro_batches: int,
+    loss_fn: Callable,
+    pp_group,
+    device: torch.device,
+):
+    stages = [PipelineStage(m, i, n_stages, device, group=pp_group) for m, i in zip(stage_modules, ids)]
+    info = SCHEDULES[schedule]
+    # scale_grads=False: the loss is already divided by the number of micro-batches (see train.py), so the
+    # gradient means the same thing at every layout.
+    if info.multi_stage:
+        return info.cls(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
+    return info.cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)

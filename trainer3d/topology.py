@@ -1,0 +1,179 @@
+"""World size -> (pp, dp, tp) grid and the process groups of each axis.
+
+tp varies fastest (adjacent ranks share a node: TP's all-reduces are the heaviest and most frequent), then dp,
+then pp outermost: rank = (pp_rank * dp + dp_rank) * tp + tp_rank. This is Megatron's order and DeepSpeed's
+`['pipe', 'data', 'model']`. Groups are built once; everything else asks the Topology.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """A (dp, tp, pp) layout that cannot work; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def __str__(self) -> str:
+        return f"dp{self.dp}×tp{self.tp}×pp{self.pp}"
+
+
+def infer_layout(world_size: int, tp: int, pp: int) -> Layout:
+    if tp < 1 or pp < 1:
+        raise LayoutError(f"--tp and --pp must be at least 1 (got tp={tp}, pp={pp}).")
+    if world_size % (tp * pp):
+        raise LayoutError(
+            f"World size {world_size} is not divisible by tp×pp = {tp}×{pp} = {tp * pp}; "
+            f"launch a multiple of {tp * pp} processes or change --tp/--pp."
+        )
+    return Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher (python, torchrun, deepspeed, srun) told this process."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls) -> LaunchEnv:
+        env = os.environ
+        if "RANK" in env:  # torchrun, deepspeed, or an sbatch that exports them
+            rank, world = int(env["RANK"]), int(env.get("WORLD_SIZE", "1"))
+            local = int(env.get("LOCAL_RANK", "0"))
+        elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, one task per GPU
+            rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+            local = int(env.get("SLURM_LOCALID", "0"))
+        else:
+            rank, world, local = 0, 1, 0
+        return cls(
+            rank=rank,
+            local_rank=local,
+            world_size=world,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+        )
+
+
+def default_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(env: LaunchEnv, device: torch.device, timeout_s: float = 600.0) -> None:
+    """nccl on CUDA, gloo on CPU; a timeout on every collective so a dead peer fails the job, not hangs it."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # One process started by plain `python`: an in-memory store, so no port is needed (or can collide).
+    rendezvous = (
+        {"store": dist.HashStore()}
+        if env.world_size == 1 and "MASTER_PORT" not in os.environ
+        else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+    )
+    dist.init_process_group(
+        backend=backend,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+        **rendezvous,
+    )
+
+
+class Topology:
+    """This rank's coordinates and the groups of each axis. Every rank must construct it (group creation is
+    collective over the world), in the same order as every other Topology built in the process."""
+
+    def __init__(self, layout: Layout, ranks: list[int] | None = None):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.layout = layout
+        # `ranks`: the global ranks this grid lives on (all of them by default); tests run several
+        # smaller grids inside one world.
+        self.ranks = list(range(layout.world_size)) if ranks is None else list(ranks)
+        if len(self.ranks) != layout.world_size or world < layout.world_size:
+            raise LayoutError(f"Layout {layout} needs {layout.world_size} processes but the world has {world}.")
+        global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.active = global_rank in self.ranks
+        self.rank = self.ranks.index(global_rank) if self.active else -1
+        self.pp_rank, self.dp_rank, self.tp_rank = layout.coords(max(self.rank, 0))
+        L = layout
+
+        def lines(fixed_axes) -> list[list[int]]:
+            # Every line of the grid along one axis, as global ranks.
+            out = []
+            for a in range(fixed_axes[0]):
+                for b in range(fixed_axes[1]):
+                    out.append(fixed_axes[2](a, b))
+            return out
+
+        tp_lines = lines((L.pp, L.dp, lambda p, d: [L.rank(p, d, t) for t in range(L.tp)]))
+        dp_lines = lines((L.pp, L.tp, lambda p, t: [L.rank(p, d, t) for d in range(L.dp)]))
+        pp_lines = lines((L.dp, L.tp, lambda d, t: [L.rank(p, d, t) for p in range(L.pp)]))
+        # Model-parallel group (all tp and pp peers of one dp replica): where the grad norm is summed.
+        mp_lines = [[L.rank(p, d, t) for p in range(L.pp) for t in range(L.tp)] for d in range(L.dp)]
+        self.tp_group = self._build(tp_lines)
+        self.dp_group = self._build(dp_lines)
+        self.pp_group = self._build(pp_lines)
+        self.mp_group = self._build(mp_lines)
+        self.world_group = self._build([list(range(L.world_size))])
+        self.embedding_group = None  # set by the pipeline once it knows which ranks hold wte copies
+
+    def _build(self, lines: list[list[int]]):
+        """Create a group for every line (collectively), return the one holding this rank."""
+        mine = None
+        for line in lines:
+            global_ranks = [self.ranks[r] for r in line]
+            group = dist.new_group(global_ranks) if dist.is_initialized() else None
+            if self.active and self.rank in line:
+                mine = group
+        return mine
+
+    def build_embedding_group(self, first_pp_rank: int, last_pp_rank: int) -> None:
+        """Ranks holding the first stage's wte and the last stage's lm_head copy, per (dp, tp)."""
+        L = self.layout
+        lines = [
+            sorted({L.rank(first_pp_rank, d, t), L.rank(last_pp_rank, d, t)})
+            for d in range(L.dp)
+            for t in range(L.tp)
+        ]
+        self.embedding_group = self._build(lines)
+
+    def global_rank(self, pp: int, dp: int, tp: int) -> int:
+        return self.ranks[self.layout.rank(pp, dp, tp)]
+
+    def destroy(self) -> None:
+        for g in {self.tp_group, self.dp_group, self.pp_group, self.mp_group, self.world_group, self.embedding_group}:
+            if g is not None:
+                dist.destroy_process_group(g)
+
+    def __repr__(self) -> str:
+        return f"Topology({self.layout}, rank={self.rank}, pp={self.pp_rank}, dp={self.dp_rank}, tp={self.tp_rank})"
