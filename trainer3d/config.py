@@ -24,6 +24,9 @@ class ConfigError(ValueError):
 class TrainConfig:
     # model
     model: str = "tiny"
+    n_layer: int | None = None  # overrides of the preset's sizes
+    n_head: int | None = None
+    n_embd: int | None = None
     dropout: float = 0.0
     vocab_size: int | None = None  # default: the tokenizer's
     init_from_hf: str | None = None
@@ -71,7 +74,8 @@ class TrainConfig:
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         base = MODEL_PRESETS[self.model]
-        return dataclasses.replace(base, vocab_size=self.vocab_size or vocab_size, dropout=self.dropout)
+        sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd)) if v}
+        return dataclasses.replace(base, vocab_size=self.vocab_size or vocab_size, dropout=self.dropout, **sizes)
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> tupl
             f"--seq-len {cfg.seq_len} exceeds the model's context of {mcfg.n_positions} positions; "
             f"use --seq-len {mcfg.n_positions} or less."
         )
+    if mcfg.n_embd % mcfg.n_head:
+        raise ConfigError(f"--n-embd {mcfg.n_embd} must be a multiple of --n-head {mcfg.n_head}.")
     check_tensor_parallel(mcfg, layout.tp)
     plan = plan_batch(cfg, layout)
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches)
@@ -138,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("model")
     m.add_argument("--model", default=d.model, choices=list(MODEL_PRESETS))
+    m.add_argument("--n-layer", type=int, default=None, help="override the preset's number of blocks")
+    m.add_argument("--n-head", type=int, default=None, help="override the preset's attention heads")
+    m.add_argument("--n-embd", type=int, default=None, help="override the preset's width")
     m.add_argument("--dropout", type=float, default=d.dropout)
     m.add_argument("--vocab-size", type=int, default=None, help="override the tokenizer's vocabulary size")
     m.add_argument("--init-from-hf", default=None, help="a GPT2LMHeadModel save_pretrained directory")

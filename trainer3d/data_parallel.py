@@ -8,6 +8,7 @@ all-reduce happens once per step. (DeepSpeed ZeRO as the dp engine lives in zero
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -20,17 +21,37 @@ from .tensor_parallel import all_reduce, group_size
 def wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:
     if group_size(dp_group) == 1:
         return module
+    # Expected with find_unused_parameters (below): every parameter is used; the flag is there for buckets.
+    warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified")
     return DistributedDataParallel(
         module,
         process_group=dp_group,
         device_ids=[device.index] if device.type == "cuda" else None,
-        broadcast_buffers=False,  # no buffers to sync; the weights start identical on every replica
         # The pipeline stage runs every forward under no_sync and arms the reducer by hand before the last
         # backward, so DDP's forward never gets to rebuild its buckets and its first-iteration bookkeeping
         # overflows (reducer.cpp "rebuilt parameter indices size"). With find_unused_parameters the reducer
         # does not rebuild buckets at all; the graph walk it costs is small next to a stage's backward.
         find_unused_parameters=True,
     )
+
+
+def all_reduce_grads(params: list[nn.Parameter], dp_group, bucket_elems: int = 25_000_000) -> None:
+    """Average gradients over dp in flat buckets: for the zero-bubble schedules, whose weight-gradient pass DDP
+    cannot see. Same arithmetic as DDP (sum, then divide by the dp size)."""
+    n = group_size(dp_group)
+    if n == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        if sum(b.numel() for b in bucket) >= bucket_elems or i == len(grads) - 1:
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=dp_group)
+            flat.div_(n)
+            for b, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                b.copy_(reduced)
+            bucket = []
 
 
 def unwrap(module: nn.Module) -> nn.Module:

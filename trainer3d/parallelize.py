@@ -31,6 +31,7 @@ class ParallelModel:
     last_stage_pp_rank: int  # where the loss lives (pp-1, or 0 for V-shaped schedules)
     vocab_start: int  # first vocab id of this rank's shard of the logits
     padded_vocab: int
+    ddp: bool  # gradients averaged over dp by DDP during backward (else by the trainer after it)
 
     @property
     def has_first(self) -> bool:
@@ -84,13 +85,9 @@ def build_parallel_model(
     for s in stages:
         materialize(s, device, full_value, topo.tp_rank, L.tp)
 
-    # the tied embedding's copies: first stage (wte) and last stage (lm_head) of every pipeline
-    last_pp_rank = 0 if pipeline.SCHEDULES[schedule].v_shape else L.pp - 1
-    if L.pp > 1:
-        topo.build_embedding_group(first_pp_rank=0, last_pp_rank=last_pp_rank)
-
-    # 5. data parallel
-    if wrap_data_parallel:
+    # 5. data parallel (DDP, except under zero-bubble schedules: see pipeline.ScheduleInfo.split_backward)
+    ddp = wrap_data_parallel and not pipeline.SCHEDULES[schedule].split_backward
+    if ddp:
         stages = [wrap_ddp(s, topo.dp_group, device) for s in stages]
 
     padded = padded_vocab_size(mcfg.vocab_size, L.tp)
@@ -99,9 +96,10 @@ def build_parallel_model(
         stage_ids=ids,
         n_stages=n_stages,
         layer_ranges=ranges,
-        last_stage_pp_rank=last_pp_rank,
+        last_stage_pp_rank=pipeline.last_stage_pp_rank(schedule, L.pp),
         vocab_start=topo.tp_rank * (padded // L.tp),
         padded_vocab=padded,
+        ddp=ddp,
     )
 
 
@@ -121,3 +119,11 @@ def named_full_params(pm: ParallelModel) -> dict[str, tuple[nn.Parameter, object
                 continue
             out[canonical_name(name)] = (p, getattr(p, "tp_spec", None))
     return out
+
+
+def gather_stage_params(pm: ParallelModel, topo: Topology) -> dict[str, torch.Tensor]:
+    """Full (unsharded, unpadded) values of this rank's stage parameters, by canonical name. Collective over
+    the tp group; every tp rank gets the result."""
+    from .tensor_parallel import gather_full
+
+    return {name: gather_full(p.data, spec, topo.tp_group) for name, (p, spec) in named_full_params(pm).items()}

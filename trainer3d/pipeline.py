@@ -26,6 +26,9 @@ class ScheduleInfo:
     cls: type
     multi_stage: bool  # takes a list of stages (virtual stages per rank)
     v_shape: bool = False  # exactly two stages per rank, placed in a V
+    # Zero-bubble schedules split backward into input- and weight-gradient passes; the weight pass runs outside
+    # DDP's autograd hooks, so their dp gradient reduction is done after the schedule (data_parallel.py).
+    split_backward: bool = False
 
 
 SCHEDULES: dict[str, ScheduleInfo] = {
@@ -33,9 +36,9 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     "1f1b": ScheduleInfo(schedules.Schedule1F1B, multi_stage=False),
     "interleaved-1f1b": ScheduleInfo(schedules.ScheduleInterleaved1F1B, multi_stage=True),
     "looped-bfs": ScheduleInfo(schedules.ScheduleLoopedBFS, multi_stage=True),
-    "interleaved-zb": ScheduleInfo(schedules.ScheduleInterleavedZeroBubble, multi_stage=True),
-    "zbv": ScheduleInfo(schedules.ScheduleZBVZeroBubble, multi_stage=True, v_shape=True),
-    "dualpipev": ScheduleInfo(schedules.ScheduleDualPipeV, multi_stage=True, v_shape=True),
+    "interleaved-zb": ScheduleInfo(schedules.ScheduleInterleavedZeroBubble, multi_stage=True, split_backward=True),
+    "zbv": ScheduleInfo(schedules.ScheduleZBVZeroBubble, multi_stage=True, v_shape=True, split_backward=True),
+    "dualpipev": ScheduleInfo(schedules.ScheduleDualPipeV, multi_stage=True, v_shape=True, split_backward=True),
 }
 
 
@@ -109,6 +112,11 @@ def stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int) -> list
     if SCHEDULES[schedule].v_shape:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(stages_per_rank(schedule, virtual_stages))]
+
+
+def last_stage_pp_rank(schedule: str, pp: int) -> int:
+    """The pipeline rank holding the last stage (the loss and the LM head's copy of the embedding)."""
+    return 0 if SCHEDULES[schedule].v_shape else pp - 1
 
 
 def split_stage(model: GPT, layers: range, first: bool, last: bool) -> GPT:

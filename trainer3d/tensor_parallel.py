@@ -166,7 +166,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, vocab_size):
-        logits = logits.float()
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the softmax in fp32 under mixed precision
         n_local = logits.shape[-1]
         n_valid = max(0, min(n_local, vocab_size - vocab_start))
         if n_valid < n_local:

@@ -113,7 +113,7 @@ class Topology:
     """This rank's coordinates and the groups of each axis. Every rank must construct it (group creation is
     collective over the world), in the same order as every other Topology built in the process."""
 
-    def __init__(self, layout: Layout, ranks: list[int] | None = None):
+    def __init__(self, layout: Layout, ranks: list[int] | None = None, last_stage_pp_rank: int | None = None):
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.layout = layout
         # `ranks`: the global ranks this grid lives on (all of them by default); tests run several
@@ -145,7 +145,12 @@ class Topology:
         self.pp_group = self._build(pp_lines)
         self.mp_group = self._build(mp_lines)
         self.world_group = self._build([list(range(L.world_size))])
-        self.embedding_group = None  # set by the pipeline once it knows which ranks hold wte copies
+        # The tied embedding's copies live on the first stage (pp rank 0) and the last stage: pp rank pp-1, or
+        # 0 for V-shaped schedules (pipeline.last_stage_pp_rank). One group per (dp, tp).
+        last = L.pp - 1 if last_stage_pp_rank is None else last_stage_pp_rank
+        self.embedding_group = self._build(
+            [sorted({L.rank(0, d, t), L.rank(last, d, t)}) for d in range(L.dp) for t in range(L.tp)]
+        )
 
     def _build(self, lines: list[list[int]]):
         """Create a group for every line (collectively), return the one holding this rank."""
@@ -156,16 +161,6 @@ class Topology:
             if self.active and self.rank in line:
                 mine = group
         return mine
-
-    def build_embedding_group(self, first_pp_rank: int, last_pp_rank: int) -> None:
-        """Ranks holding the first stage's wte and the last stage's lm_head copy, per (dp, tp)."""
-        L = self.layout
-        lines = [
-            sorted({L.rank(first_pp_rank, d, t), L.rank(last_pp_rank, d, t)})
-            for d in range(L.dp)
-            for t in range(L.tp)
-        ]
-        self.embedding_group = self._build(lines)
 
     def global_rank(self, pp: int, dp: int, tp: int) -> int:
         return self.ranks[self.layout.rank(pp, dp, tp)]

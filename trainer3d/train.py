@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from . import pipeline
-from .config import BatchPlan, TrainConfig, parse_args, validate
-from .data_parallel import clip_grads_, global_grad_norm, sync_tied_embedding_grads
+from .config import BatchPlan, ConfigError, TrainConfig, parse_args, validate
+from .data_parallel import all_reduce_grads, clip_grads_, global_grad_norm, sync_tied_embedding_grads
 from .metrics import MetricsFile, device_peak_tflops, flops_per_token, peak_memory_bytes
 from .model import GPTConfig
 from .parallelize import ParallelModel, build_parallel_model, seed_rngs
 from .tensor_parallel import all_reduce, vocab_parallel_cross_entropy
-from .topology import LaunchEnv, Topology, default_device, init_distributed
+from .topology import LaunchEnv, LayoutError, Topology, default_device, init_distributed
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -134,6 +134,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._run_schedule(batch, train=True)
 
+        if not self.pm.ddp:
+            all_reduce_grads(list(self.pm.parameters()), self.topo.dp_group)
         sync_tied_embedding_grads(modules, self.topo.embedding_group)
         if self.loss_scale:
             grads = [p.grad for p in self.pm.parameters() if p.grad is not None]
@@ -168,11 +170,16 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = parse_args(argv)
     env = LaunchEnv.from_environ()
-    layout, plan = validate(cfg, env.world_size)  # before any process group: bad layouts fail here
+    try:
+        layout, plan = validate(cfg, env.world_size)  # before any process group: bad layouts fail here
+    except (ConfigError, LayoutError) as e:
+        if env.rank == 0:
+            print(f"trainer3d: error: {e}", file=sys.stderr)
+        return 2
     device = default_device(env.local_rank)
     init_distributed(env, device)
     try:
-        topo = Topology(layout)
+        topo = Topology(layout, last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, layout.pp))
         data_cfg = DataConfig(
             data=cfg.data,
             data_config=cfg.data_config,
@@ -180,22 +187,37 @@ def main(argv: list[str] | None = None) -> int:
             text_field=cfg.text_field,
             tokenizer=cfg.tokenizer,
         )
-        # Rank 0 tokenizes (and caches); the others then read the cache.
-        if env.rank == 0:
-            blocks = build_token_blocks(data_cfg, cfg.seq_len)
-        dist.barrier()
-        if env.rank != 0:
-            blocks = build_token_blocks(data_cfg, cfg.seq_len)
+        blocks = local_leader_first(env, lambda: build_token_blocks(data_cfg, cfg.seq_len))
         mcfg = cfg.gpt_config(blocks.vocab_size)
         trainer = Trainer(cfg, topo, device, mcfg, plan)
-        loader = BatchLoader(blocks.train, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
-        run(trainer, loader, lambda: val_batches(blocks.val, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches))
+        loader = BatchLoader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
+        run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches))
     except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if env.rank == 0:
+            print(f"trainer3d: error: {e}", file=sys.stderr)
         return 2
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def local_leader_first(env: LaunchEnv, build):
+    """Run `build` on each node's local rank 0 (it tokenizes and fills the cache), then on the other ranks
+    (they read the cache). An error on a leader reaches every rank, so nobody waits at the barrier."""
+    from .data import DataError
+
+    result, error = None, None
+    if env.local_rank == 0:
+        try:
+            result = build()
+        except DataError as e:
+            error = str(e)
+    errors = [None] * env.world_size
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise DataError(first)
+    return result if env.local_rank == 0 else build()
 
 
 def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:

@@ -1,0 +1,80 @@
+"""Run a function on N local processes (gloo, CPU) with a hard timeout, and collect what each rank returns.
+
+Spawning a world costs seconds (imports, rendezvous) while a tiny model's step costs milliseconds, so tests
+run many layouts inside one world. A hang fails the test after `timeout` seconds instead of eating CI's budget.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, out_dir, fn, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result = None
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world_size: int, fn, *args, timeout: float = 300.0) -> list:
+    """fn(rank, world_size, *args) on every rank; returns the list of results (rank order). `fn` must be a
+    module-level function (it is pickled into spawned processes)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size}-process world did not finish within {timeout:.0f} s (hang?)")
+        except mp.ProcessRaisedException as e:  # pragma: no cover - a rank died before writing its result
+            raise RuntimeError(str(e)) from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} exited without a result")
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results

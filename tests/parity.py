@@ -1,0 +1,71 @@
+"""Shared by the parity tests: train one layout for a few steps on synthetic data, inside a spawned world."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer3d import pipeline
+from trainer3d.config import TrainConfig, validate
+from trainer3d.parallelize import gather_stage_params
+from trainer3d.topology import Topology
+from trainer3d.train import Trainer
+
+VOCAB = 500
+SEQ = 32
+GLOBAL_BATCH = 16
+
+
+def parity_config(**layout) -> TrainConfig:
+    """fp32, dropout 0, clipping active (grad norms here are 1-3), 8 blocks and 8 heads so that tp and pp up
+    to 8 are valid."""
+    base = dict(
+        model="tiny", n_layer=8, n_head=8, n_embd=64, vocab_size=VOCAB, seq_len=SEQ, global_batch=GLOBAL_BATCH,
+        lr=3e-3, warmup_steps=3, max_steps=10, grad_clip=0.5, precision="fp32", seed=1234,
+    )
+    base.update(layout)
+    return TrainConfig(**base)
+
+
+def global_batches(steps: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(99)
+    return torch.randint(0, VOCAB, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
+
+
+def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
+    """Run on every rank of the world (group creation is collective); ranks outside the layout idle.
+    Returns, on active ranks: the per-step losses, and on tp rank 0 of dp replica 0 the full values of its
+    stages' parameters (plus the last stage's copy of the tied embedding)."""
+    layout = dict(layout)
+    n = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
+    cfg = parity_config(**layout)
+    cfg_layout, plan = validate(cfg, n, VOCAB)
+    topo = Topology(cfg_layout, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
+    result = None
+    if topo.active:
+        trainer = Trainer(cfg, topo, torch.device("cpu"), cfg.gpt_config(VOCAB), plan)
+        per = plan.global_batch // cfg_layout.dp
+        losses, norms = [], []
+        for batch in global_batches(steps):
+            rec = trainer.train_step(batch[topo.dp_rank * per : (topo.dp_rank + 1) * per])
+            losses.append(rec["loss"])
+            norms.append(rec["grad_norm"])
+        params = gather_stage_params(trainer.pm, topo)
+        head_copy = {}
+        for m in trainer.pm.plain_modules():
+            if m.lm_head is not None and m.wte is None:
+                from trainer3d.tensor_parallel import gather_full
+
+                head_copy["wte.weight"] = gather_full(m.lm_head.weight.data, m.lm_head.weight.tp_spec, topo.tp_group)
+        result = {"losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank)}
+        if topo.tp_rank == 0 and topo.dp_rank == 0:
+            result.update(params=params, head_copy=head_copy)
+    topo.destroy()
+    return result
+
+
+def run_layouts(rank: int, world_size: int, layouts: list[dict], steps: int) -> list:
+    """The reference (one process, on rank 0) first, then every layout, all in this one world."""
+    out = [train_layout(world_size, {}, steps)]
+    for layout in layouts:
+        out.append(train_layout(world_size, layout, steps))
+    return out

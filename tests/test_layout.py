@@ -1,0 +1,119 @@
+"""Topology order, layout validation (before any process group), stage balancing, TP shard maps and the
+vocab-parallel cross-entropy against torch's, all in one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer3d.config import ConfigError, TrainConfig, validate
+from trainer3d.model import MODEL_PRESETS
+from trainer3d.pipeline import balance_layers, stage_ids
+from trainer3d.tensor_parallel import TPSpec, padded_vocab_size, shard_tensor, unshard_tensor, vocab_parallel_cross_entropy
+from trainer3d.topology import Layout, LayoutError, infer_layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_rank_order_tp_fastest_pp_outermost():
+    L = Layout(dp=2, tp=2, pp=2)
+    assert [L.coords(r) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
+    ]
+    assert all(L.rank(*L.coords(r)) == r for r in range(8))
+
+
+def test_dp_is_inferred_and_bad_world_refused():
+    assert infer_layout(8, tp=2, pp=2) == Layout(dp=2, tp=2, pp=2)
+    with pytest.raises(LayoutError, match="not divisible by tp×pp"):
+        infer_layout(6, tp=4, pp=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,world,message",
+    [
+        (dict(tp=3, n_head=4), 3, "must divide the model's 4 attention heads"),
+        (dict(pp=8, n_layer=4), 8, "exceed the model's 4 layers"),
+        (dict(pp=2, schedule="interleaved-1f1b", virtual_stages=4, n_layer=4), 2, "exceed the model's 4 layers"),
+        (dict(pp=2, virtual_stages=2, schedule="1f1b"), 2, "needs a multi-stage schedule"),
+        (dict(pp=4, micro_batches=2, global_batch=16), 4, "1F1B needs at least pp=4 micro-batches"),
+        (dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batches=3, global_batch=12), 2, "multiple of pp=2"),
+        (dict(global_batch=10), 4, "does not split into dp=4"),
+        (dict(seq_len=4096), 1, "exceeds the model's context"),
+        (dict(global_batch_tokens=1000, seq_len=128), 1, "not a multiple of --seq-len"),
+        (dict(model="gpt5"), 1, "Unknown --model"),
+        (dict(n_embd=100, n_head=3), 1, "must be a multiple of --n-head"),
+    ],
+)
+def test_impossible_layouts_refused_with_one_sentence(kwargs, world, message):
+    with pytest.raises((LayoutError, ConfigError), match=message) as err:
+        validate(TrainConfig(**kwargs), world)
+    assert str(err.value).count("\n") == 0
+
+
+def test_gpt2_batch_in_tokens():
+    cfg = TrainConfig(model="gpt2", seq_len=1024, global_batch_tokens=524288, micro_batches=8, tp=2, pp=2)
+    layout, plan = validate(cfg, 64)
+    assert (layout.dp, plan.global_batch, plan.micro_batches, plan.micro_batch_size) == (16, 512, 8, 4)
+
+
+def test_cli_refuses_bad_layout_before_any_process_group():
+    # RANK/WORLD_SIZE say 4 processes but nobody else exists: reaching init_process_group would hang.
+    env = dict(os.environ, RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "train_gpt2.py"), "--tp", "3"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert "World size 4 is not divisible by tp×pp = 3×1 = 3" in out.stderr
+    assert time.monotonic() - t0 < 120
+
+
+def test_balance_charges_the_head_to_the_last_stage():
+    ranges = balance_layers(MODEL_PRESETS["gpt2"], 4)
+    sizes = [len(r) for r in ranges]
+    assert sum(sizes) == 12 and sizes[-1] < sizes[0]
+    assert [r.start for r in ranges] == sorted(r.start for r in ranges)  # contiguous, in order
+    assert stage_ids(1, 4, "interleaved-1f1b", 2) == [1, 5]
+    assert stage_ids(1, 4, "zbv", 1) == [1, 6]
+
+
+def test_vocab_padding():
+    assert padded_vocab_size(50257, 1) == 50304
+    assert padded_vocab_size(50257, 2) == 50432
+    assert padded_vocab_size(50257, 8) % (128 * 8) == 0
+
+
+def test_shard_unshard_roundtrip_fused_qkv_and_padded_vocab():
+    qkv = torch.arange(3 * 8 * 4, dtype=torch.float32).reshape(24, 4)
+    spec = TPSpec(0, (24, 4), chunks=3)
+    shards = [shard_tensor(qkv, spec, r, 2) for r in range(2)]
+    # each rank holds the same heads of q, k and v: rows 0-3 of each 8-row block on rank 0
+    assert torch.equal(shards[0][:4], qkv[:4]) and torch.equal(shards[0][4:8], qkv[8:12])
+    assert torch.equal(unshard_tensor(shards, spec), qkv)
+    emb = torch.randn(500, 6)
+    vspec = TPSpec(0, (500, 6), padded=padded_vocab_size(500, 4))
+    vshards = [shard_tensor(emb, vspec, r, 4) for r in range(4)]
+    assert vshards[0].shape == (128, 6) and torch.count_nonzero(vshards[3][500 - 384 :]) == 0
+    assert torch.equal(unshard_tensor(vshards, vspec), emb)
+
+
+def test_vocab_parallel_cross_entropy_matches_torch_with_padding_masked():
+    torch.manual_seed(0)
+    V, Vp = 500, 512
+    logits = torch.randn(3, 7, Vp, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, V, (3, 7))
+    ours = vocab_parallel_cross_entropy(logits, target, None, 0, V)
+    ref = F.cross_entropy(logits[..., :V].reshape(-1, V), target.reshape(-1), reduction="none").reshape(3, 7)
+    torch.testing.assert_close(ours.double(), ref)
+    g_ours, = torch.autograd.grad(ours.sum(), logits)
+    g_ref, = torch.autograd.grad(ref.sum(), logits)
+    torch.testing.assert_close(g_ours, g_ref)
+    assert torch.count_nonzero(g_ours[..., V:]) == 0
