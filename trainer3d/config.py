@@ -38,7 +38,7 @@ class TrainConfig:
     micro_batches: int | None = None  # per optimizer step and dp rank; default pp (2·pp for multi-stage), 1 at pp=1
     # batch
     seq_len: int = 128
-    global_batch: int = 16  # sequences per optimizer step, over all dp ranks and micro-batches
+    global_batch: int = 8  # sequences per optimizer step, over all dp ranks and micro-batches
     global_batch_tokens: int | None = None  # alternative to --global-batch: tokens per step (GPT-2: 524288)
     # optimizer and schedule
     max_steps: int = 300
@@ -57,11 +57,11 @@ class TrainConfig:
     data_split: str = "train"
     text_field: str = "text"
     tokenizer: str | None = None
-    eval_every: int = 0
-    eval_batches: int = 8
+    eval_every: int = 100
+    eval_batches: int = 4
     # output
     out_dir: str = "runs/default"
-    log_every: int = 10
+    log_every: int = 25
     peak_tflops: float | None = None  # per device, for MFU; known GPUs are recognised
     verbose: bool = False
     # DeepSpeed (owns batch sizes, ZeRO, offload and precision when given)

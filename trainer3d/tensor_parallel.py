@@ -166,34 +166,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, vocab_size):
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # the softmax in fp32 under mixed precision
+        # One full-size temporary (the shifted logits, turned into the softmax in place): at GPT-2's vocab
+        # the logits are the largest activation of the model.
         n_local = logits.shape[-1]
         n_valid = max(0, min(n_local, vocab_size - vocab_start))
+        if n_valid > 0:
+            local_max = logits[..., :n_valid].max(dim=-1)[0].float()
+        else:  # a shard made only of padding
+            local_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+        logits_max = all_reduce(local_max, group, dist.ReduceOp.MAX)
+        shifted = logits.float() - logits_max.unsqueeze(-1)  # fp32 softmax under mixed precision
         if n_valid < n_local:
-            logits = logits.clone()
-            logits[..., n_valid:] = float("-inf")
-        logits_max = all_reduce(logits.max(dim=-1)[0], group, dist.ReduceOp.MAX)
-        logits = logits - logits_max.unsqueeze(-1)
+            shifted[..., n_valid:] = float("-inf")
 
         outside = (target < vocab_start) | (target >= vocab_start + n_local)
         local_target = torch.where(outside, 0, target - vocab_start)
-        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         target_logit = all_reduce(target_logit, group)
 
-        exp = logits.exp()
-        sum_exp = all_reduce(exp.sum(dim=-1), group)
+        softmax = shifted.exp_()
+        sum_exp = all_reduce(softmax.sum(dim=-1), group)
         loss = torch.log(sum_exp) - target_logit
-
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
+        softmax.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        ctx.input_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax
+        grad = softmax  # reused in place: backward runs once
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).unsqueeze(-1).to(grad.dtype))
-        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, target, group, vocab_start: int, vocab_size: int) -> torch.Tensor:
