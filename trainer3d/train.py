@@ -241,6 +241,11 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
             flush=True,
         )
     history = []
+    if cfg.eval_every and trainer.step == 0:  # the starting point of the validation curve
+        val = trainer.evaluate(make_val_batches())
+        metrics.write({"step": 0, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+        if log:
+            print(f"step      0 | val_loss {val:.4f}", flush=True)
     bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=not log, dynamic_ncols=True, unit="step")
     while trainer.step < cfg.max_steps:
         t0 = time.perf_counter()
