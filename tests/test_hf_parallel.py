@@ -1,0 +1,59 @@
+"""Hugging Face GPT-2 weights loaded at any layout give transformers' logits: one process and tp=2 × pp=2."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from distributed import run_world
+from trainer3d import pipeline
+from trainer3d.config import TrainConfig, validate
+from trainer3d.hf import load_hf_checkpoint
+from trainer3d.model import canonical_name
+from trainer3d.topology import Topology
+from trainer3d.train import Trainer
+
+
+def _logits_at_layouts(rank, world_size, hf_dir, ids):
+    gcfg, state = load_hf_checkpoint(hf_dir)
+    out = {}
+    for tp, pp in [(1, 1), (2, 2)]:
+        cfg = TrainConfig(
+            model="tiny", n_layer=gcfg.n_layer, n_head=gcfg.n_head, n_embd=gcfg.n_embd, vocab_size=gcfg.vocab_size,
+            seq_len=ids.shape[1], global_batch=ids.shape[0], micro_batches=2, tp=tp, pp=pp, precision="fp32",
+        )
+        layout, plan = validate(cfg, tp * pp, gcfg.vocab_size)
+        topo = Topology(layout, ranks=list(range(tp * pp)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, pp))
+        if topo.active:
+            mcfg = cfg.gpt_config(gcfg.vocab_size)
+            trainer = Trainer(cfg, topo, torch.device("cpu"), mcfg, plan, full_value=lambda n, s: state[canonical_name(n)])
+            for m in trainer.pm.modules:
+                m.eval()
+            args = (ids,) if trainer.pm.has_first else ()
+            kwargs = {"target": ids} if trainer.pm.has_last else {}  # the schedule computes a loss too
+            with torch.no_grad():
+                local = trainer.schedule.eval(*args, **kwargs)
+            if trainer.pm.has_last:
+                shards = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(shards, local.contiguous(), group=topo.tp_group)
+                out[(tp, pp)] = torch.cat(shards, dim=-1)[..., : gcfg.vocab_size]
+        topo.destroy()
+    return out
+
+
+def test_hf_weights_give_transformers_logits_at_tp2_pp2(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=4, n_head=4, n_embd=64, n_positions=64, vocab_size=1000,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    results = run_world(4, _logits_at_layouts, str(tmp_path), ids, timeout=300)
+    got = {k: v for r in results for k, v in r.items()}
+    assert set(got) == {(1, 1), (2, 2)}
+    for layout, logits in got.items():
+        diff = (logits - expected).abs().max().item()
+        assert diff < 1e-5, f"layout tp,pp={layout}: max logit diff {diff:.2e}"
