@@ -1,0 +1,494 @@
+"""DeepSpeed ZeRO as the data-parallel axis (trainer3d/zero.py), composed with TP and PP.
+
+- Parity: per-step losses of every ZeRO stage (0-3), with and without CPU offload, under 1F1B and interleaved
+  1F1B, equal the DDP run of the same layout and the one-process reference to 1e-5 (fp32, 10 steps, clipping
+  active); grad norms and final parameters (gathered from ZeRO's fp32 master copies) too.
+- Memory: under ZeRO-3 each rank holds 1/dp of its stage's parameters, gradients and optimizer states.
+- ZeRO-Infinity: NVMe offload (nvme_path on local disk) trains, with the same parity.
+- Config: the JSON's "auto" values, contradictions and bad input fail before any process group.
+- Glue: the DeepSpeed internals zero.py relies on still exist (an upgrade that moves them fails here).
+
+Each world is spawned once and runs the reference, the DDP runs and all ZeRO cases (module-scoped fixtures).
+DeepSpeed's JIT ops must be prebuilt (`python -m trainer3d.zero --build-ops`, which .ci/run does); tests never
+build them (a killed build leaves a lock that hangs every later run).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+
+deepspeed = pytest.importorskip("deepspeed")
+
+from distributed import run_world  # noqa: E402
+from parity import VOCAB, global_batches, parity_config, train_layout  # noqa: E402
+from trainer3d import pipeline, zero  # noqa: E402
+from trainer3d.config import ConfigError, parse_args, validate  # noqa: E402
+from trainer3d.topology import Layout, Topology  # noqa: E402
+
+STEPS = 10
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _require_ops(nvme: bool = False):
+    missing = zero.missing_ops(zero.ops_needed("cpu", nvme=nvme))
+    if missing:
+        msg = (
+            f"DeepSpeed ops {missing} are not built in {zero.default_extensions_dir()}; run "
+            "`python -m trainer3d.zero --build-ops` first (tests never build them)"
+        )
+        if os.environ.get("TRAINER3D_REQUIRE_DS_OPS"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+# ---- cases -----------------------------------------------------------------------------------------------------
+def ds_config(stage: int, offload: str = "none", nvme_path: str | None = None, bf16: bool = False) -> dict:
+    """fp32 (no bf16 section), buckets small enough that several fill per step (a stage has ~0.25-0.45M
+    elements), every ZeRO-3 parameter partitioned (persistence threshold 0)."""
+    z = {"stage": stage, "reduce_bucket_size": 100000, "allgather_bucket_size": 100000}
+    if stage == 3:
+        z.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=100000)
+    if offload in ("opt", "all"):
+        z["offload_optimizer"] = {"device": "cpu"}
+    if offload == "all":
+        z["offload_param"] = {"device": "cpu"}
+    if offload in ("nvme", "nvme-opt"):  # ZeRO-Infinity; max_in_cpu 0: every swappable parameter goes to disk
+        z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "fast_init": False}
+        z["offload_param"] = {"device": "cpu"}
+    if offload == "nvme":
+        z["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 5, "buffer_size": 2**20, "max_in_cpu": 0}
+    cfg = {
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": z,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if offload.startswith("nvme"):
+        cfg["aio"] = {"block_size": 262144, "queue_depth": 4, "thread_count": 1, "single_submit": False, "overlap_events": True}
+    return cfg
+
+
+def layout(dp=2, tp=1, pp=1, schedule="1f1b"):
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    return dict(dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v, micro_batches=2)  # accumulation too
+
+
+def label(lay: dict, ds: dict | None) -> str:
+    name = f"{lay['dp']}x{lay['tp']}x{lay['pp']} {lay['schedule']}"
+    if ds is None:
+        return name + " DDP"
+    z = ds["zero_optimization"]
+    off = z.get("offload_optimizer", {}).get("device", "none")
+    par = z.get("offload_param", {}).get("device", "none")
+    return f"{name} ZeRO-{z['stage']} offload(opt={off},param={par})"
+
+
+# ---- what runs inside the spawned world -------------------------------------------------------------------------
+def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
+    from trainer3d.parallelize import named_full_params
+    from trainer3d.tensor_parallel import gather_full
+    from trainer3d.train import Trainer
+
+    lay = dict(lay)
+    n = lay.get("tp", 1) * lay.get("pp", 1) * lay.pop("dp", 1)
+    cfg = parity_config(**lay, deepspeed_config=copy.deepcopy(ds))
+    L, plan = validate(cfg, n, VOCAB)
+    topo = Topology(L, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
+    result = None
+    if topo.active:
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg, topo, torch.device("cpu"), cfg.gpt_config(VOCAB), plan)
+        t_init = time.perf_counter() - t0
+        per = plan.global_batch // L.dp
+        losses, norms, records = [], [], []
+        t0 = time.perf_counter()
+        for batch in global_batches(steps):
+            rec = trainer.train_step(batch[topo.dp_rank * per : (topo.dp_rank + 1) * per])
+            losses.append(rec["loss"])
+            norms.append(rec["grad_norm"])
+            records.append(rec)
+        t_steps = time.perf_counter() - t0
+        zdp = trainer.zero
+        # final parameters from ZeRO's fp32 masters (collective over dp, then tp)
+        params = {}
+        for name, (p, spec) in named_full_params(trainer.pm).items():
+            params[name] = gather_full(zdp.full_param(p), spec, topo.tp_group)
+        head_copy = {}
+        for m in trainer.pm.plain_modules():
+            if m.lm_head is not None and m.wte is None:
+                w = m.lm_head.weight
+                head_copy["wte.weight"] = gather_full(zdp.full_param(w), w.tp_spec, topo.tp_group)
+        # the memory formula: this rank's stage parameters, each partitioned on its own over dp (ZeRO-3)
+        seen, numel, part = set(), 0, 0
+        for e in zdp.engines:
+            for p in e.module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    full = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                    numel += full
+                    part += -(-full // L.dp)
+        mem = {k: v for k, v in records[-1].items() if k.endswith("_bytes")}
+        nvme = (ds["zero_optimization"].get("offload_optimizer") or {}).get("nvme_path")
+        swapped = {"optimizer": 0, "params": 0}  # ZeRO-Infinity: this rank's swap files (.../<kind>/rank<r>/)
+        if nvme:
+            for root, _, files in os.walk(nvme):
+                parts = root.split(os.sep)
+                if f"rank{torch.distributed.get_rank()}" in parts:
+                    kind = "optimizer" if "optimizer" in parts else "params"
+                    swapped[kind] += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        result = {
+            "losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank),
+            "memory": mem, "stage_numel": numel, "partition_numel": part, "init_s": t_init, "step_s": t_steps / steps,
+            "nvme_swap": swapped,
+        }
+        if topo.tp_rank == 0 and topo.dp_rank == 0:
+            result.update(params=params, head_copy=head_copy)
+        for e in zdp.engines:
+            e.destroy()
+    topo.destroy()
+    return result
+
+
+def run_cases(rank: int, world_size: int, cases: list, steps: int) -> list:
+    """The one-process reference first, then every (layout, ds config or None for DDP) case."""
+    out = [train_layout(world_size, {}, steps)]
+    for lay, ds in cases:
+        if ds is None:
+            res = train_layout(world_size, lay, steps)
+            if res is not None:
+                res.pop("params", None)
+        else:
+            res = train_zero(world_size, lay, ds, steps)
+        out.append(res)
+    return out
+
+
+# ---- checking -------------------------------------------------------------------------------------------------------
+def rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def check_world(results: list, cases: list) -> tuple[list[str], list[str]]:
+    ref = results[0][0]
+    assert max(ref["grad_norms"]) > 0.5, "clipping (at 0.5) should be active in the reference run"
+    ddp_losses: dict[str, list] = {}
+    table, failures = [], []
+    for i, (lay, ds) in enumerate(cases, start=1):
+        per_rank = [r[i] for r in results if r[i] is not None]
+        losses = per_rank[0]["losses"]
+        name = label(lay, ds)
+        key = f"{lay['dp']}x{lay['tp']}x{lay['pp']} {lay['schedule']}"
+        if not all(r["losses"] == losses for r in per_rank):
+            failures.append(f"{name}: ranks disagree on the loss")
+        if ds is None:
+            ddp_losses[key] = losses
+            continue
+        vs_ddp = rel(losses, ddp_losses[key])
+        vs_ref = rel(losses, ref["losses"])
+        vs_norm = rel(per_rank[0]["grad_norms"], ref["grad_norms"])
+        params, head = {}, {}
+        for r in per_rank:
+            params.update(r.get("params", {}))
+            head.update(r.get("head_copy", {}))
+        dparam = max((params[k] - ref["params"][k]).abs().max().item() for k in ref["params"])
+        tied = max([(head[k] - params[k]).abs().max().item() for k in head] or [0.0])
+        if lay["pp"] > 1 and not head:
+            tied = math.inf  # a last stage without the embedding must hold a copy
+        table.append(
+            f"{name:<58} loss vs DDP {vs_ddp:.1e}  vs 1-proc {vs_ref:.1e}  grad_norm {vs_norm:.1e}  "
+            f"param {dparam:.1e}  tied {tied:.0e}  init {per_rank[0]['init_s']:.1f}s  step {per_rank[0]['step_s']:.2f}s"
+        )
+        if set(params) != set(ref["params"]):
+            failures.append(f"{name}: parameters missing after gathering")
+        if max(vs_ddp, vs_ref) > 1e-5 or vs_norm > 1e-4 or dparam > 1e-4 or tied > 1e-6:
+            failures.append(
+                f"{name}: loss rel diff vs DDP {vs_ddp:.2e}, vs 1-proc {vs_ref:.2e}, grad norm {vs_norm:.2e}, "
+                f"param {dparam:.2e}, tied copies {tied:.2e}"
+            )
+    return table, failures
+
+
+def check_memory(results: list, cases: list) -> list[str]:
+    """ZeRO-3: parameters, gradients and optimizer states (fp32 master + 2 Adam moments) are 1/dp of the stage
+    (each parameter padded to a multiple of dp); offloaded ones are reported as such."""
+    lines, failures = [], []
+    for i, (lay, ds) in enumerate(cases, start=1):
+        if ds is None or ds["zero_optimization"]["stage"] != 3:
+            continue
+        z = ds["zero_optimization"]
+        for r in (r[i] for r in results if r[i] is not None):
+            m, P, N = r["memory"], 4 * r["partition_numel"], 4 * r["stage_numel"]
+            expect = {"param_bytes": P, "grad_bytes": P}
+            ok = all(m[k] == v for k, v in expect.items()) and 3 * P <= m["optim_bytes"] <= 3 * P + 64
+            if z.get("offload_param"):
+                ok &= m["param_offloaded_bytes"] == m["param_bytes"]
+            if z.get("offload_optimizer"):
+                ok &= m["optim_offloaded_bytes"] == m["optim_bytes"] and m["grad_offloaded_bytes"] == m["grad_bytes"]
+            else:
+                ok &= m["optim_offloaded_bytes"] == 0
+            lines.append(
+                f"{label(lay, ds):<58} rank(pp,dp,tp)={r['coords']} stage {N} B, formula 1/dp {P} B: "
+                f"params {m['param_bytes']} grads {m['grad_bytes']} optim {m['optim_bytes']} "
+                f"(offloaded {m['param_offloaded_bytes']}/{m['grad_offloaded_bytes']}/{m['optim_offloaded_bytes']})"
+            )
+            if not ok:
+                failures.append(lines[-1])
+    return lines, failures
+
+
+# ---- the worlds -----------------------------------------------------------------------------------------------------
+def world2_cases():
+    lay = layout(2)
+    cases = [(lay, None)]
+    cases += [(lay, ds_config(s)) for s in (0, 1, 2, 3)]
+    cases += [(lay, ds_config(1, "opt")), (lay, ds_config(3, "all"))]  # ZeRO-2 + offload: worlds 4 and 8
+    return cases
+
+
+# DeepSpeed swaps only tensors of at least 1 MiB (swap_tensor/utils.py MIN_AIO_BYTES): the ZeRO-Infinity cases
+# use a model whose embedding partition (8192 x 128 / dp) and optimizer sub-groups are larger than that.
+NVME_MODEL = dict(n_embd=128, vocab_size=8192, n_layer=2)
+
+
+def nvme_cases(nvme_path: str):
+    """fp32: optimizer (and its fp32 gradients) on NVMe, parameters on CPU -- parity with DDP. bf16: parameters
+    and optimizer on NVMe -- equal to the same bf16 run with CPU offload (DeepSpeed 0.19.8 cannot swap fp32
+    parameters on a CPU host, see zero.resolve_deepspeed)."""
+    lay, lay16 = dict(layout(2), **NVME_MODEL), dict(layout(2), precision="auto", **NVME_MODEL)
+    paths = [os.path.join(nvme_path, kind) for kind in ("fp32", "bf16")]  # one per run: swap files are counted
+    for path in paths:
+        os.makedirs(path, exist_ok=True)
+    return [
+        (lay, None),
+        (lay, ds_config(3, "nvme-opt", paths[0])),
+        (lay16, ds_config(3, "all", bf16=True)),
+        (lay16, ds_config(3, "nvme", paths[1], bf16=True)),
+    ]
+
+
+def world4_cases():
+    cases = []
+    a, b, c = layout(2, tp=2), layout(2, pp=2), layout(2, pp=2, schedule="interleaved-1f1b")
+    cases += [(a, None)] + [(a, ds_config(s)) for s in (1, 2, 3)]
+    cases += [(b, None)] + [(b, ds_config(s)) for s in (1, 2, 3)] + [(b, ds_config(2, "opt"))]
+    cases += [(c, None), (c, ds_config(1)), (c, ds_config(3, "all"))]
+    return cases
+
+
+def world8_cases():
+    a, c = layout(2, tp=2, pp=2), layout(2, tp=2, pp=2, schedule="interleaved-1f1b")
+    return [(a, None)] + [(a, ds_config(s)) for s in (1, 2, 3)] + [(c, None), (c, ds_config(2, "opt")), (c, ds_config(3, "all"))]
+
+
+def _run(world, cases, timeout):
+    t0 = time.perf_counter()
+    results = run_world(world, run_cases, cases, STEPS, timeout=timeout)
+    return results, time.perf_counter() - t0
+
+
+def _nvme_available() -> bool:
+    return not zero.missing_ops(["AsyncIOBuilder"])
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    """One 2-process world: the dp2 matrix, then (if async_io is built) the ZeRO-Infinity cases."""
+    _require_ops()
+    cases = world2_cases()
+    extra = nvme_cases(str(tmp_path_factory.mktemp("nvme"))) if _nvme_available() else []
+    results, wall = _run(2, cases + extra, timeout=900)
+    return cases, results, wall, extra
+
+
+def _report(title, table, wall):
+    print(f"\n{title} ({wall:.0f} s)\n" + "\n".join(table))
+
+
+def test_parity_world2(world2):
+    cases, results, wall, _ = world2
+    table, failures = check_world(results, cases)
+    _report("ZeRO parity, world 2", table, wall)
+    assert not failures, "\n".join(failures)
+
+
+def test_zero3_memory_world2(world2):
+    cases, results, _, _ = world2
+    lines, failures = check_memory(results, cases)
+    print("\n" + "\n".join(lines))
+    assert lines and not failures, "\n".join(failures)
+
+
+def test_nvme_offload(world2):
+    """ZeRO-Infinity: optimizer states (and parameters) swapped to an nvme_path on local disk; same losses."""
+    cases, results, _, extra = world2
+    if not extra:
+        pytest.skip("DeepSpeed's async_io op is not built (needs libaio-dev, then --build-ops); the NVMe config "
+                    "is still validated in test_shipped_configs_resolve / test_config_errors")
+    first = len(cases) + 1
+    runs = [[r[first + k] for r in results] for k in range(len(extra))]
+    losses = [run[0]["losses"] for run in runs]
+    swap = [[r.get("nvme_swap") for r in run] for run in runs]
+    print(f"\nZeRO-Infinity (per rank, bytes in swap files after {STEPS} steps): fp32 optimizer on NVMe {swap[1]}, "
+          f"bf16 parameters + optimizer on NVMe {swap[3]}")
+    print(f"fp32 NVMe vs DDP: {rel(losses[1], losses[0]):.1e}; bf16 NVMe vs bf16 CPU offload: "
+          f"{rel(losses[3], losses[2]):.1e}; bf16 vs fp32: {rel(losses[3], losses[0]):.1e}")
+    assert rel(losses[1], losses[0]) <= 1e-5
+    assert rel(losses[3], losses[2]) <= 1e-6 and rel(losses[3], losses[0]) < 1e-2
+    assert all(s["optimizer"] > 0 for s in swap[1]) and all(s["optimizer"] > 0 and s["params"] > 0 for s in swap[3])
+    # and the step record says so (memory: bytes in this rank's swap files)
+    assert all(r["memory"]["nvme_bytes"] == s["optimizer"] + s["params"] for r, s in zip(runs[3], swap[3]))
+
+
+def test_parity_world4():
+    _require_ops()
+    cases = world4_cases()
+    results, wall = _run(4, cases, timeout=900)
+    table, failures = check_world(results, cases)
+    _report("ZeRO parity, world 4", table, wall)
+    lines, mem_failures = check_memory(results, cases)
+    print("\n".join(lines))
+    assert not failures + mem_failures, "\n".join(failures + mem_failures)
+
+
+def test_parity_world8():
+    _require_ops()
+    cases = world8_cases()
+    results, wall = _run(8, cases, timeout=900)
+    table, failures = check_world(results, cases)
+    _report("ZeRO parity, world 8", table, wall)
+    lines, mem_failures = check_memory(results, cases)
+    print("\n".join(lines))
+    assert not failures + mem_failures, "\n".join(failures + mem_failures)
+
+
+# ---- configuration (no process group) ---------------------------------------------------------------------------
+def _write(tmp_path, obj, name="ds.json"):
+    path = tmp_path / name
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(path)
+
+
+def test_shipped_configs_resolve(tmp_path):
+    """Every ds_configs/*.json resolves at a dp2×tp2×pp2 layout; "auto" filled from the flags and the layout."""
+    names = sorted(os.listdir(os.path.join(REPO, "ds_configs")))
+    assert {"ddp.json", "zero1.json", "zero2.json", "zero3.json", "zero3_offload.json", "zero3_nvme.json"} <= set(names)
+    for name in names:
+        path = os.path.join(REPO, "ds_configs", name)
+        if name == "zero3_nvme.json":  # point it at a directory that exists here
+            data = json.load(open(path))
+            for k in ("offload_optimizer", "offload_param"):
+                data["zero_optimization"][k]["nvme_path"] = str(tmp_path)
+            path = _write(tmp_path, data, name)
+        cfg = parse_args(["--tp", "2", "--pp", "2", "--global-batch", "32", "--lr", "3e-4", "--deepspeed_config", path])
+        if name == "zero3_nvme.json" and not zero.aio_available():  # no libaio here: refused, clearly
+            with pytest.raises(ConfigError, match="libaio"):
+                validate(cfg, 8)
+            continue
+        L, plan = validate(cfg, 8)
+        spec = zero.resolve_deepspeed(cfg, L)
+        ds = spec.ds_config
+        assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (32, plan.micro_batches), name
+        assert ds["train_micro_batch_size_per_gpu"] * plan.micro_batches * 2 == 32, name
+        assert spec.cfg.lr == 3e-4 and spec.cfg.grad_clip == 1.0 and ds["gradient_clipping"] == 0.0, name
+        assert spec.cfg.precision == "bf16" and "optimizer" not in ds, name
+        assert not [k for k, v in zero._walk(ds) if v == "auto"], name
+
+
+def test_json_batch_wins_without_flags(tmp_path):
+    path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}})
+    L, plan = validate(parse_args(["--pp", "2", "--deepspeed", path]), 4)
+    assert (plan.global_batch, plan.micro_batches, plan.micro_batch_size) == (16, 4, 2)
+    path = _write(tmp_path, {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 2}})
+    L, plan = validate(parse_args(["--deepspeed-config", path]), 4)
+    assert (plan.global_batch, plan.micro_batches, plan.micro_batch_size) == (24, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "flags,world,ds,message",
+    [
+        ([], 4, "{not json", "is not valid JSON"),
+        ([], 4, "[1, 2]", "JSON object"),
+        (["--global-batch", "16"], 4, {"train_batch_size": 32}, "train_batch_size=32"),
+        (["--micro-batches", "2"], 4, {"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4"),
+        ([], 4, {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, "train_batch_size 30 !="),
+        (["--lr", "1e-3"], 2, {"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}}}, "lr=0.0005"),
+        (["--grad-clip", "0.5"], 2, {"gradient_clipping": 2.0}, "gradient_clipping=2.0"),
+        (["--precision", "fp32"], 2, {"bf16": {"enabled": True}}, "set bf16.enabled"),
+        ([], 2, {"fp16": {"enabled": True}}, "use a \"bf16\" section"),
+        ([], 2, {"scheduler": {"type": "WarmupLR"}}, "scheduler"),
+        ([], 2, {"optimizer": {"type": "Lamb"}}, "not supported"),
+        ([], 2, {"zero_optimization": {"stage": 4}}, "must be 0, 1, 2 or 3"),
+        ([], 2, {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "only ZeRO stage 3"),
+        ([], 2, {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "stage 0"),
+        ([], 2, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/no/such/dir"}}}, "does not exist"),
+        ([], 2, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "no nvme_path"),
+        ([], 2, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, "enable bf16"),
+        ([], 2, {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}, "needs ZeRO stage 3"),
+        (["--pp", "2", "--schedule", "zbv"], 4, {"zero_optimization": {"stage": 1}}, "splits backward"),
+        ([], 2, {"zero_optimization": {"stage": 1, "sub_group_size": "auto"}}, "cannot be \"auto\""),
+        (["--save-every", "5"], 2, {"zero_optimization": {"stage": 1}}, "--save-every/--resume"),
+    ],
+)
+def test_config_errors(tmp_path, flags, world, ds, message):
+    path = _write(tmp_path, ds)
+    with pytest.raises(ConfigError, match=".*" + __import__("re").escape(message)):
+        validate(parse_args(flags + ["--deepspeed_config", path]), world)
+
+
+def test_missing_and_unwritable_config(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        validate(parse_args(["--deepspeed_config", str(tmp_path / "nope.json")]), 2)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    path = _write(tmp_path, {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(ro)}}})
+    try:
+        if os.access(str(ro), os.W_OK):  # root ignores permission bits
+            pytest.skip("running as root: cannot make a directory unwritable")
+        with pytest.raises(ConfigError, match="not writable"):
+            validate(parse_args(["--deepspeed_config", path]), 2)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_main_reports_config_error(tmp_path, capsys):
+    """A bad JSON fails in train.main before any process group, with a one-line error."""
+    from trainer3d.train import main
+
+    path = _write(tmp_path, {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2})
+    assert main(["--deepspeed_config", path]) == 2
+    assert "train_batch_size" in capsys.readouterr().err
+
+
+# ---- the glue contract ------------------------------------------------------------------------------------------
+def test_glue_contract():
+    """The DeepSpeed internals zero.py patches or calls exist in the installed version, and the version is in the
+    pinned range; a version outside it is refused with a message naming the fix."""
+    zero.check_deepspeed_version()
+    zero.check_glue()
+    with pytest.raises(ConfigError, match="not supported"):
+        zero.check_deepspeed_version("0.20.0")
+    with pytest.raises(ConfigError, match="not supported"):
+        zero.check_deepspeed_version("0.19.7")
+    zero.check_deepspeed_version("0.19.9+abc")
+    pyproject = open(os.path.join(REPO, "pyproject.toml")).read()
+    assert '"deepspeed>=0.19.8,<0.20"' in pyproject
+
+
+def test_mpu_over_topology():
+    """The mpu hands DeepSpeed our sub-groups (no process group needed to check the mapping of ranks)."""
+    topo = Topology.__new__(Topology)
+    topo.layout, topo.pp_rank, topo.dp_rank, topo.tp_rank = Layout(dp=2, tp=4, pp=3), 2, 1, 3
+    topo.dp_group = topo.tp_group = topo.pp_group = None
+    mpu = zero.TopologyMPU(topo)
+    assert (mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()) == (2, 1)
+    assert (mpu.get_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()) == (4, 3)
+    assert (mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()) == (3, 2)
