@@ -1,0 +1,498 @@
+"""Checkpoints (trainer3d/checkpoint.py, trainer3d/export.py): exact resume, resume at another layout, a kill in
+the middle of a save, SIGTERM to a torchrun job, the Hugging Face round trip, and bad input.
+
+The layout tests run in one spawned 8-process world (tests/distributed.py), with the real BatchLoader over a
+small synthetic array of blocks (so its dp-size-independent state is what carries the data position), fp32 and
+dropout 0 except where dropout is the point. The CLI tests run launch/train_gpt2.py (python or torchrun) in
+subprocesses and `train.main` in-process, on a small text corpus tokenized into a per-module cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import free_port, run_world
+from trainer3d import pipeline
+from trainer3d.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    apply,
+    latest_checkpoint,
+    prepare,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from trainer3d.config import TrainConfig, validate
+from trainer3d.topology import Topology
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB, SEQ, GB, N = 500, 32, 16, 4  # N steps, save, N more
+
+
+def _rows(n: int = 40) -> np.ndarray:
+    """40 blocks = 2.5 global batches, 2 steps an epoch: the 2N steps run through four epochs (reshuffles)."""
+    return np.random.default_rng(7).integers(0, VOCAB, size=(n, SEQ + 1), dtype=np.int64).astype(np.int32)
+
+
+def _cfg(out_dir, dp=1, tp=1, pp=1, schedule="1f1b", virtual_stages=1, micro_batches=None, **kw) -> TrainConfig:
+    info = pipeline.SCHEDULES[schedule]
+    if micro_batches is None:
+        micro_batches = max(2, pp * (virtual_stages if info.multi_stage else 1))
+    base = dict(
+        model="tiny", n_layer=8, n_head=8, n_embd=64, vocab_size=VOCAB, seq_len=SEQ, global_batch=GB, lr=3e-3,
+        warmup_steps=3, max_steps=2 * N, grad_clip=0.5, precision="fp32", seed=1234, tp=tp, pp=pp,
+        schedule=schedule, virtual_stages=virtual_stages, micro_batches=micro_batches, out_dir=str(out_dir),
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _full_state(trainer, topo) -> dict[str, torch.Tensor]:
+    """Full (gathered over tp) parameters and optimizer moments of this rank's stages, by canonical name."""
+    from trainer3d.parallelize import named_full_params
+    from trainer3d.tensor_parallel import gather_full
+
+    out = {}
+    for name, (p, spec) in named_full_params(trainer.pm).items():
+        out[name] = gather_full(p.data, spec, topo.tp_group)
+        for k, v in trainer.optimizer_state_of(p).items():
+            out[f"{name}.{k}"] = gather_full(v, spec, topo.tp_group) if v.shape == p.shape else v.clone()
+    return out
+
+
+def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: str | None = None, loss_scale=None):
+    """One layout inside the world: build (fresh or from a checkpoint), train `steps`, saving after step `save_at`
+    and going on (the uninterrupted run). Every rank calls this (Topology is collective); ranks outside the layout
+    return None. Returns the losses, the loader state, and on (dp 0, tp 0) ranks the full parameters at the end
+    plus the full parameters and optimizer state where the run started and where it saved."""
+    from trainer3d.parallelize import gather_stage_params
+    from trainer3d.train import DynamicLossScale, Trainer
+    from trainer3d.data import BatchLoader
+
+    layout = dict(layout)
+    dp = layout.get("dp", 1)
+    cfg = _cfg(out_dir, resume=resume, **layout)
+    n = dp * cfg.tp * cfg.pp
+    L, plan = validate(cfg, n, VOCAB)
+    topo = Topology(L, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
+    out = None
+    if topo.active:
+        mcfg = cfg.gpt_config(VOCAB)
+        start = prepare(cfg, mcfg, topo)
+        trainer = Trainer(cfg, topo, torch.device("cpu"), mcfg, plan, full_value=start.full_value)
+        if loss_scale is not None:  # fp16's dynamic loss scale, driven in fp32 (a power of two: exact)
+            trainer.loss_scale = DynamicLossScale(init=loss_scale, growth_interval=3)
+        loader = BatchLoader(_rows(), GB, topo.dp_rank, L.dp, cfg.seed)
+        apply(start, trainer, loader)
+        start_step = trainer.step
+        state_start = _full_state(trainer, topo)
+        losses, state_saved = [], None
+        for _ in range(steps):
+            losses.append(trainer.train_step(loader.next_batch())["loss"])
+            if trainer.step == save_at:
+                state_saved = _full_state(trainer, topo)
+                save_checkpoint(trainer, out_dir, loader)
+        params = gather_stage_params(trainer.pm, topo)
+        out = {
+            "losses": losses, "start_step": start_step, "loader": loader.state_dict(),
+            "loss_scale": None if trainer.loss_scale is None else vars(trainer.loss_scale).copy(),
+        }
+        if topo.dp_rank == 0 and topo.tp_rank == 0:
+            out.update(params=params, state_start=state_start, state_saved=state_saved)
+    topo.destroy()
+    return out
+
+
+L111 = dict()
+L222 = dict(dp=2, tp=2, pp=2)
+RESHARD = [dict(tp=2, pp=4, schedule="interleaved-1f1b", virtual_stages=2), dict(dp=8), dict()]
+
+
+def _world_scenarios(rank, world_size, tmp, hf_dir, hf_batches):
+    tmp = Path(tmp)
+    r = {}
+    # Exact resume. The uninterrupted run saves after step N and goes on (at (1,1,1) it is also checked against a
+    # run that never saves: saving must not perturb anything); the resumed run rebuilds from that checkpoint.
+    # (1,1,1) carries a dynamic loss scale (fp16's) along; the resumed run is built with another one.
+    r["111_nosave"] = _run(L111, tmp / "a0", 2 * N, loss_scale=1024.0)
+    r["111_straight"] = _run(L111, tmp / "a", 2 * N, save_at=N, loss_scale=1024.0)
+    r["111_resumed"] = _run(L111, tmp / "a", N, resume="latest", loss_scale=1.0)
+    r["222_straight"] = _run(L222, tmp / "b", 2 * N, save_at=N)
+    r["222_resumed"] = _run(L222, tmp / "b", N, resume="latest")
+    # the same with dropout: the per-rank RNG states (default and sharded streams) must come back too
+    r["222d_straight"] = _run(dict(L222, dropout=0.1), tmp / "c", 2 * N, save_at=N)
+    r["222d_resumed"] = _run(dict(L222, dropout=0.1), tmp / "c", N, resume="latest")
+    # reshard: the (2,2,2) 1F1B checkpoint resumed at other layouts and schedules
+    for i, layout in enumerate(RESHARD):
+        r[f"reshard{i}"] = _run(layout, tmp / "b", N, resume=str(tmp / "b" / "checkpoints" / "step_000004"))
+    # Hugging Face weights imported at (1,2,2) (ranks 0-3), trained, saved (test_hf_import_train_export)
+    r["hf"] = _hf_run(hf_dir, str(tmp / "hf_run"), hf_batches)
+    return r
+
+
+def _merged(results, key, what="params"):
+    per_rank = [res[key] for res in results if res[key] is not None]
+    losses = per_rank[0]["losses"]
+    assert all(p["losses"] == losses for p in per_rank), f"{key}: ranks disagree on the loss"
+    params = {}
+    for p in per_rank:
+        params.update(p.get(what, {}))
+    return per_rank[0], losses, params
+
+
+def _assert_loaded_exactly(results, saved_key, resumed_key):
+    """What a resumed (or resharded) run starts from is bitwise what was saved: every parameter and every AdamW
+    moment and step, gathered to full tensors."""
+    saved = _merged(results, saved_key, "state_saved")[2]
+    loaded = _merged(results, resumed_key, "state_start")[2]
+    assert set(saved) == set(loaded) and len(saved) > 3 * 100
+    bad = [k for k in saved if not torch.equal(saved[k], loaded[k])]
+    assert not bad, f"{resumed_key}: restored state differs from the saved one in {bad[:5]}"
+
+
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt_world")
+    hf_dir, hf_model, hf_batches = _hf_model_dir(tmp / "hf")
+    t0 = time.perf_counter()
+    results = run_world(8, _world_scenarios, str(tmp), str(hf_dir), hf_batches, timeout=600)
+    print(f"8-process world: {time.perf_counter() - t0:.1f} s")
+    return tmp, results, hf_model, hf_batches
+
+
+@pytest.mark.parametrize("layout", ["111", "222", "222d"])
+def test_exact_resume(world_results, layout):
+    tmp, results, *_ = world_results
+    ref, ref_losses, ref_params = _merged(results, f"{layout}_straight")
+    res, res_losses, res_params = _merged(results, f"{layout}_resumed")
+    if layout == "111":  # saving perturbs nothing
+        nosave, nosave_losses, nosave_params = _merged(results, "111_nosave")
+        assert nosave_losses == ref_losses and all(torch.equal(nosave_params[k], ref_params[k]) for k in ref_params)
+    assert res["start_step"] == N
+    assert res_losses == ref_losses[N:], "losses after resuming differ (bitwise) from the uninterrupted run"
+    _assert_loaded_exactly(results, f"{layout}_straight", f"{layout}_resumed")
+    assert set(res_params) == set(ref_params)
+    # bitwise, DDP and dropout included (see checkpoint._RestoredShardedRNG, _quiet_ddp_during_metadata_inference)
+    assert all(torch.equal(res_params[k], ref_params[k]) for k in ref_params), "final parameters differ"
+    assert res["loader"] == ref["loader"]
+    if layout == "111":  # the loss scale was restored (the resumed run was built with a different one)
+        assert res["loss_scale"] == ref["loss_scale"] and ref["loss_scale"]["good_steps"] == 2 * N
+
+
+@pytest.mark.parametrize("i", range(len(RESHARD)), ids=["1x2x4-interleaved", "8x1x1", "1x1x1"])
+def test_reshard_resume(world_results, i):
+    tmp, results, *_ = world_results
+    _, ref_losses, ref_params = _merged(results, "222_straight")
+    res, losses, params = _merged(results, f"reshard{i}")
+    assert res["start_step"] == N
+    _assert_loaded_exactly(results, "222_straight", f"reshard{i}")
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[N:]))
+    assert rel <= 1e-5, f"{RESHARD[i]}: loss rel diff {rel:.2e} from the uninterrupted (2,2,2) run"
+    dparam = max((params[k] - ref_params[k]).abs().max().item() for k in ref_params)
+    assert dparam <= 1e-4
+    assert res["loader"] == _merged(results, "222_straight")[0]["loader"]
+
+
+def test_checkpoint_layout_on_disk(world_results):
+    """Layout-free files: full tensors under canonical names, one model/optim file per pipeline rank, `latest`."""
+    tmp, *_ = world_results
+    ckpt = Checkpoint(resolve_checkpoint(tmp / "b"))
+    assert ckpt.path.name == "step_000004"
+    assert (tmp / "b" / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    assert sorted(ckpt.meta["files"])[:4] == ["model-pp0.safetensors", "model-pp1.safetensors",
+                                              "optim-pp0.safetensors", "optim-pp1.safetensors"]
+    assert len([f for f in ckpt.meta["files"] if f.startswith("rng-")]) == 8
+    assert ckpt.meta["layout"] == {"dp": 2, "tp": 2, "pp": 2, "world_size": 8, "schedule": "1f1b",
+                                   "virtual_stages": 1, "device": "cpu"}
+    assert ckpt.meta["loader"]["position"] == 32 and ckpt.meta["loader"]["epoch"] == 1  # 2 steps an epoch
+    wte = ckpt.model_tensor("wte.weight")
+    assert wte.shape == (VOCAB, 64)  # unpadded (the tp=2 shards were padded to 256 rows each)
+    assert ckpt.model_tensor("h.0.attn.c_attn.weight").shape == (192, 64)  # unsharded over tp
+    assert "lm_head.weight" not in ckpt.model_index
+    assert ckpt.tensor(ckpt.optim_index["wte.weight.exp_avg"], "wte.weight.exp_avg").shape == (VOCAB, 64)
+    ckpt.verify_files()
+    assert not list((tmp / "b" / "checkpoints").glob("*.tmp-*"))
+
+
+# ---- the command line: kill mid-save, SIGTERM under torchrun, bad input --------------------------------------------
+WORDS = ("the king and queen of a small castle were walking in gardens under bright summer skies while hungry "
+         "crows watched from old towers near rivers that ran to distant seas beyond green hills").split()
+TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "32",
+        "--global-batch", "4", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1000", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    text = "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(200)) + "." for _ in range(80))
+    (d / "small.txt").write_text(text)
+    return d / "small.txt", d / "cache"
+
+
+def _env(cache, **extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", TRAINER3D_CACHE=str(cache), PYTHONPATH=str(REPO), TQDM_DISABLE="1", **extra)
+    return env
+
+
+def _main_in_process(monkeypatch, cache, args) -> int:
+    from trainer3d.train import main
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TRAINER3D_CACHE", str(cache))
+    torch.set_num_threads(1)
+    return main(args)
+
+
+def _metrics_steps(out_dir) -> list[int]:
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(cond, timeout, proc, what):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job exited (rc {proc.returncode}) before {what}:\n{proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_kill_mid_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
+    data, cache = corpus
+    out = tmp_path / "run"
+    args = TINY + ["--data", str(data), "--out-dir", str(out), "--save-every", "2", "--max-steps", "100"]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "launch" / "train_gpt2.py"), *args],
+        env=_env(cache, TRAINER3D_TEST_PAUSE_SAVE_AT_STEP="4"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        root = out / "checkpoints"
+        _wait_for(lambda: list(root.glob("step_000004.tmp-*/PAUSED")), 180, proc, "the save of step 4 to start")
+        os.killpg(proc.pid, signal.SIGKILL)  # in the middle of writing step 4: model file written, optim not
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (root / "latest").read_text().strip() == "step_000002"
+    assert not (root / "step_000004").exists() and list(root.glob("step_000004.tmp-*"))
+    assert latest_checkpoint(out).name == "step_000002"
+    Checkpoint(latest_checkpoint(out)).verify_files()
+    # resume (in-process) from `latest`: one step to 3, saved; the interrupted save's leftovers are cleaned and
+    # --keep-last 1 prunes step 2 once step 3 is complete
+    resume = ["--max-steps", "3", "--save-every", "1", "--keep-last", "1", "--resume"]
+    assert _main_in_process(monkeypatch, cache, args[:-2] + resume) == 0
+    assert (root / "latest").read_text().strip() == "step_000003"
+    assert sorted(d.name for d in root.iterdir()) == ["latest", "step_000003"]
+    assert _metrics_steps(out) == [1, 2, 3]  # the killed run's steps 3-4 were dropped, step 3 appended
+    assert Checkpoint(root / "step_000003").meta["loader"]["position"] == 12
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_sigterm_under_torchrun_saves_and_exits_cleanly(corpus, tmp_path, monkeypatch):
+    data, cache = corpus
+    out = tmp_path / "run"
+    args = TINY + ["--data", str(data), "--out-dir", str(out), "--pp", "2", "--max-steps", "1000", "--keep-last", "1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           str(REPO / "launch" / "train_gpt2.py"), *args]
+    proc = subprocess.Popen(cmd, env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for(lambda: len(_metrics_steps(out)) >= 3, 240, proc, "three steps")
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        for w in workers:  # what SLURM does before preemption / the time limit (scancel --signal, --signal=TERM@...)
+            os.kill(w, signal.SIGTERM)
+        rc = proc.wait(120)
+        log = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 0, log
+    assert "SIGTERM received" in log, log
+    steps = _metrics_steps(out)
+    ckpt = Checkpoint(latest_checkpoint(out))
+    assert ckpt.step == steps[-1] >= 3, (ckpt.step, steps)
+    assert ckpt.meta["layout"]["pp"] == 2
+    ckpt.verify_files()
+    # resumable, here at another layout (one process, pp=1)
+    i = args.index("--pp")
+    del args[i : i + 2]
+    args[args.index("--max-steps") + 1] = str(ckpt.step + 1)
+    assert _main_in_process(monkeypatch, cache, args + ["--resume"]) == 0
+    assert _metrics_steps(out) == list(range(1, ckpt.step + 2))
+
+
+def test_bad_inputs(corpus, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    data, cache = corpus
+    out = tmp_path / "good"
+    base = TINY + ["--data", str(data), "--max-steps", "1", "--save-every", "1"]
+    assert _main_in_process(monkeypatch, cache, base + ["--out-dir", str(out)]) == 0
+    good = out / "checkpoints" / "step_000001"
+    Checkpoint(good).verify_files()
+
+    def broken(name, damage) -> Path:
+        d = tmp_path / name / "step_000001"
+        shutil.copytree(good, d)
+        damage(d)
+        return d
+
+    def truncate(f):
+        f.write_bytes(f.read_bytes()[:-100])
+
+    def flip(f):
+        b = bytearray(f.read_bytes())
+        b[-10] ^= 0xFF
+        f.write_bytes(bytes(b))
+
+    def drop_tensor(d):
+        meta = json.loads((d / "meta.json").read_text())
+        meta["files"]["model-pp0.safetensors"]["tensors"].append("h.9.mlp.c_fc.weight")
+        (d / "meta.json").write_text(json.dumps(meta))
+
+    cases = {
+        "missing path": (tmp_path / "nope", "does not exist"),
+        "no meta.json": (broken("nometa", lambda d: (d / "meta.json").unlink()), "meta.json does not exist"),
+        "bad meta.json": (broken("badmeta", lambda d: (d / "meta.json").write_text("{not json")), "is not valid JSON"),
+        "missing file": (broken("nofile", lambda d: (d / "optim-pp0.safetensors").unlink()),
+                         "optim-pp0.safetensors is missing"),
+        "truncated": (broken("trunc", lambda d: truncate(d / "model-pp0.safetensors")), "truncated"),
+        "garbage": (broken("garbage", lambda d: (d / "model-pp0.safetensors").write_bytes(
+            b"x" * (d / "model-pp0.safetensors").stat().st_size)), "cannot be read as safetensors"),
+        "flipped byte": (broken("flip", lambda d: flip(d / "model-pp0.safetensors")), "does not match the sha256"),
+        "missing tensor": (broken("notensor", drop_tensor), "lacks tensor 'h.9.mlp.c_fc.weight'"),
+    }
+    for what, (path, message) in cases.items():
+        with pytest.raises(CheckpointError, match=message):
+            Checkpoint(resolve_checkpoint(path)).verify_files()
+
+    # through the command line: one sentence on stderr, exit 2, before training, nothing overwritten
+    run_dir = tmp_path / "resumed"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 7}\n')
+    capsys.readouterr()
+    for path, message in [(cases["truncated"][0], "truncated"), (cases["missing path"][0], "does not exist"),
+                          (cases["flipped byte"][0], "sha256")]:
+        rc = _main_in_process(monkeypatch, cache, base + ["--out-dir", str(run_dir), "--resume", str(path)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "trainer3d: error:" in err and message in err, err
+    args = base + ["--out-dir", str(run_dir), "--n-layer", "3", "--resume", str(good)]
+    rc = _main_in_process(monkeypatch, cache, args)
+    err = capsys.readouterr().err
+    assert rc == 2 and "different model shape: n_layer=2 (this run: 3)" in err, err
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 7}\n'
+    assert not (run_dir / "checkpoints").exists()
+
+    # a save that fails (here: `checkpoints` is a file) is reported on every rank alike and training goes on
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "checkpoints").write_text("not a directory")
+    capsys.readouterr()
+    assert _main_in_process(monkeypatch, cache, base + ["--out-dir", str(blocked)]) == 0
+    assert "warning: Saving checkpoint" in capsys.readouterr().out
+    assert _metrics_steps(blocked) == [1]
+
+
+# ---- Hugging Face: import at (1,2,2), train, export, load with transformers -----------------------------------------
+HF_VOCAB = 512
+
+
+def _hf_model_dir(path: Path):
+    """A random GPT2LMHeadModel (no hub), perturbed so biases and LayerNorms are not trivial, saved to `path`."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=HF_VOCAB,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(path)
+    batches = torch.randint(0, HF_VOCAB, (5, 4, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    return path, model, batches
+
+
+def _hf_run(hf_dir, out_dir, batches):
+    """--init-from-hf at (1,2,2) on ranks 0-3: 5 steps, save, and the trained model's loss on the first batch."""
+    from trainer3d.train import Trainer
+
+    cfg = TrainConfig(init_from_hf=hf_dir, tp=2, pp=2, seq_len=SEQ, global_batch=4, micro_batches=2,
+                      precision="fp32", max_steps=5, warmup_steps=1, lr=1e-3, out_dir=out_dir)
+    L, plan = validate(cfg, 4, 50257)  # the vocabulary (and every size) comes from the HF config.json
+    topo = Topology(L, ranks=[0, 1, 2, 3], last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
+    out = None
+    if topo.active:
+        mcfg = cfg.gpt_config(50257)
+        start = prepare(cfg, mcfg, topo)
+        trainer = Trainer(cfg, topo, torch.device("cpu"), mcfg, plan, full_value=start.full_value)
+        apply(start, trainer)
+        losses = [trainer.train_step(b)["loss"] for b in batches]
+        path = save_checkpoint(trainer, out_dir)
+        out = {"mcfg": mcfg, "losses": losses, "val": trainer.evaluate([batches[0]]), "path": str(path)}
+    topo.destroy()
+    return out
+
+
+def test_hf_import_train_export(world_results, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from trainer3d.export import main as export_main
+    from trainer3d.model import GPT
+
+    _, results, model, batches = world_results
+
+    def hf_loss(m, b):
+        with torch.no_grad():
+            logits = m(b[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, HF_VOCAB), b[:, 1:].reshape(-1)).item()
+
+    runs = [x["hf"] for x in results if x["hf"] is not None]
+    r = runs[0]
+    assert len(runs) == 4 and all(x["losses"] == r["losses"] for x in runs)
+    assert r["mcfg"].vocab_size == HF_VOCAB and r["mcfg"].n_positions == 64
+    assert abs(r["losses"][0] - hf_loss(model, batches[0])) <= 1e-5 * r["losses"][0]  # imported weights
+
+    assert export_main([r["path"], str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "tokenizer.json").exists() or (tmp_path / "exported" / "vocab.json").exists()
+    exported = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "exported").eval()
+    # ours: the trained model of the checkpoint, in one process
+    ours = GPT(r["mcfg"])
+    ours.load_state_dict(Checkpoint(r["path"]).model_state(), strict=False)
+    ours.eval()
+    ids = batches[1][:, :-1]
+    with torch.no_grad():
+        diff = (ours(ids) - exported(ids).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+    # and the (1,2,2) trained model's own loss agrees with transformers' on the exported weights
+    assert abs(r["val"] - hf_loss(exported, batches[0])) <= 1e-5 * r["val"]
+    assert hf_loss(exported, batches[0]) < hf_loss(model, batches[0])  # it trained
+    gen = exported.generate(ids[:1, :8], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert gen.shape == (1, 13)

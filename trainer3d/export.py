@@ -1,0 +1,95 @@
+"""Export a trainer3d checkpoint as a Hugging Face `save_pretrained` directory, without any process group:
+
+    python -m trainer3d.export CKPT OUT [--dtype float32|bfloat16|float16] [--tokenizer DIR|none] [--overwrite]
+
+CKPT is a checkpoint directory (`<out-dir>/checkpoints/step_000123`), a `checkpoints` directory or a run's
+--out-dir (both follow `latest`). The layout-free model files are read directly (any layout saved them), every
+file's sha256 is checked, and OUT is written atomically by hf.save_hf_checkpoint with the tokenizer the run used
+(the bundled GPT-2 BPE unless the run passed --tokenizer), so `GPT2LMHeadModel.from_pretrained(OUT)` and
+`AutoTokenizer.from_pretrained(OUT)` load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint, CheckpointError, resolve_checkpoint
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def _tokenizer_dir(name: str | None, scratch: Path) -> tuple[Path | None, str | None]:
+    """(directory to copy, warning) for the tokenizer a run used: None -> the bundled GPT-2 BPE, a folder as is, a
+    Hugging Face name saved from its (offline) cache."""
+    from .data import BUNDLED_TOKENIZER_DIR, DataError, load_tokenizer
+
+    if name is None or (name in ("gpt2", "openai-community/gpt2") and not os.path.exists(name)):
+        return BUNDLED_TOKENIZER_DIR, None
+    if name.lower() == "none":
+        return None, None
+    if os.path.isdir(name):
+        return Path(name), None
+    try:
+        load_tokenizer(name).save_pretrained(str(scratch))
+    except (DataError, OSError) as e:
+        return None, f"tokenizer {name!r} not exported ({e}); copy its files into the output yourself"
+    return scratch, None
+
+
+def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+           tokenizer: str | None = "run", overwrite: bool = False) -> Path:
+    """Write `out_dir` from a checkpoint; `tokenizer`: "run" (what the run used), a folder, or "none"."""
+    from .hf import save_hf_checkpoint
+
+    ckpt = Checkpoint(resolve_checkpoint(ckpt_path))
+    ckpt.verify_files([f for f in ckpt.meta["files"] if f.startswith("model-")])
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} already exists; pass --overwrite to replace it or choose another directory.")
+    mcfg = ckpt.model_config
+    state = ckpt.model_state()
+    name = ckpt.meta["config"].get("tokenizer") if tokenizer == "run" else tokenizer
+    with tempfile.TemporaryDirectory() as scratch:
+        tok_dir, warning = _tokenizer_dir(name, Path(scratch))
+        if warning:
+            print(f"trainer3d.export: warning: {warning}", file=sys.stderr)
+        try:
+            save_hf_checkpoint(mcfg, state, out, tokenizer_dir=tok_dir, dtype=dtype, overwrite=overwrite)
+        except (OSError, ValueError, TypeError) as e:
+            raise CheckpointError(f"could not write {out} ({e}).") from None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer3d.export",
+        description="Write a Hugging Face GPT2LMHeadModel directory from a trainer3d checkpoint (any layout).",
+    )
+    p.add_argument("checkpoint", help="step_* directory, checkpoints directory, or a run's --out-dir")
+    p.add_argument("out", help="output directory (save_pretrained format)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--tokenizer", default="run",
+                   help="tokenizer folder to copy, 'none', or 'run' (default: the one the run used)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    args = p.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out, DTYPES[args.dtype], args.tokenizer, args.overwrite)
+    except CheckpointError as e:
+        print(f"trainer3d.export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"trainer3d.export: wrote {out} (GPT2LMHeadModel, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
