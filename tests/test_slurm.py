@@ -1,0 +1,172 @@
+"""launch/slurm/train_gpt2.sbatch on a real SLURM cluster: two fake nodes on this machine (tests/slurm_cluster.py).
+
+Each test submits the sbatch file with `sbatch` as a user would (2 nodes × 2 processes, tiny model, tp=2, so
+dp=2), waits for the job through `scontrol show job`, and reads the job's log and metrics.jsonl. Skipped where
+the machine cannot run SLURM (not root, no apt-get, install or start failure), except under CI=true, where
+those are failures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import slurm_cluster
+from slurm_cluster import ClusterError, SlurmCluster, in_ci
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = str(ROOT / "launch" / "slurm" / "train_gpt2.sbatch")
+TINY = ["--model", "tiny", "--n-layer", "2", "--seq-len", "32", "--global-batch", "8", "--tp", "2",
+        "--eval-every", "0", "--log-every", "1", "--dist-timeout", "120"]
+JOB_TIMEOUT = 300
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _unavailable(reason: str):
+    if in_ci():
+        pytest.fail(f"CI=true but the SLURM cluster cannot run: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = slurm_cluster.unavailable()
+    if reason:
+        _unavailable(reason)
+    try:
+        slurm_cluster.install()
+        slurm_cluster.ensure_hosts()
+    except (ClusterError, OSError, TimeoutError) as e:
+        _unavailable(f"cannot install SLURM: {e}")
+    c = SlurmCluster(cpus_per_node=2)
+    t0 = time.monotonic()
+    try:
+        c.start()
+    except (ClusterError, OSError, TimeoutError) as e:
+        c.stop()
+        _unavailable(f"cannot start a local SLURM cluster: {e}")
+    print(f"\n[slurm] cluster up in {time.monotonic() - t0:.1f} s ({c.dir})")
+    yield c
+    c.stop()
+    c.cleanup()
+
+
+@pytest.fixture
+def submit_dir(tmp_path):
+    (tmp_path / "logs").mkdir()
+    return tmp_path
+
+
+def _job_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "WANDB_", "TRAINER3D_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable, NPROC_PER_NODE="2", **extra)
+    return env
+
+
+def _submit(cluster, submit_dir, name, args, **env):
+    t0 = time.monotonic()
+    job = cluster.sbatch([f"--job-name={name}", SBATCH, *args], cwd=submit_dir, env=_job_env(**env))
+    return job, t0
+
+
+def _log(submit_dir: Path, name: str, job: int) -> str:
+    path = submit_dir / "logs" / f"{name}-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else f"(no log file {path})"
+
+
+def _metrics(submit_dir: Path, name: str, job: int) -> list[dict]:
+    path = submit_dir / "runs" / f"{name}-{job}" / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _check_trained(cluster, submit_dir, name, job, info, launcher, steps):
+    log = _log(submit_dir, name, job)
+    context = f"{info}\n--- job log\n{log[-6000:]}\n--- daemons\n{cluster.logs()}"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", context
+    assert info["NodeList"] == "n[1-2]" and info["NumNodes"] == "2", context
+    assert (f"on 2 node(s) n[1-2]: 2 process(es) per node, 4 in all, launcher {launcher}, master n1:"
+            in log), context
+    assert "[trainer3d] dp2×tp2×pp1" in log, context  # 4 processes: dp = 4 / (tp 2 × pp 1)
+    assert f"step {steps:>6} | loss" in log, context
+    records = _metrics(submit_dir, name, job)
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), context
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in records)
+    assert "training finished with exit code 0" in log, context
+
+
+def test_launch_env_reads_srun_steps_not_the_batch_script(monkeypatch):
+    """Under srun each task is a rank (SLURM_PROCID of SLURM_STEP_NUM_TASKS); a batch script or salloc shell also
+    has SLURM_PROCID=0 and the job's SLURM_NTASKS, but a plain `python` there is one process (no cluster needed)."""
+    from trainer3d.topology import LaunchEnv
+
+    for k in list(os.environ):
+        if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    assert LaunchEnv.from_environ().world_size == 1
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("MASTER_ADDR", "n1")
+    env = LaunchEnv.from_environ()
+    assert (env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port) == (3, 1, 4, "n1", 21234)
+    monkeypatch.setenv("RANK", "5")  # torchrun (or an sbatch exporting RANK) wins over SLURM_PROCID
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert LaunchEnv.from_environ().rank == 5
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_sbatch_trains_on_two_nodes(cluster, submit_dir, launcher):
+    name = f"t3d-{launcher}"
+    job, t0 = _submit(cluster, submit_dir, name, [*TINY, "--max-steps", "5"], LAUNCHER=launcher)
+    info = cluster.wait(job, JOB_TIMEOUT)
+    print(f"\n[slurm] {launcher}: job {job} {info['JobState']} in {time.monotonic() - t0:.1f} s (submit to end)")
+    _check_trained(cluster, submit_dir, name, job, info, launcher, steps=5)
+
+
+def test_time_limit_signal_checkpoints_and_requeues(cluster, submit_dir):
+    """What `--signal=B:USR1@120` does near the time limit, sent by hand: the script forwards USR1, the trainer
+    saves and stops, the script requeues the job, and the requeued job resumes and finishes."""
+    name = "t3d-requeue"
+    steps = 24
+    job, t0 = _submit(cluster, submit_dir, name, [*TINY, "--max-steps", str(steps), "--save-every", "8"])
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while len(_metrics(submit_dir, name, job)) < 3:  # training is under way
+        assert time.monotonic() < deadline, f"no progress\n{_log(submit_dir, name, job)[-4000:]}"
+        assert cluster.job(job)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), _log(submit_dir, name, job)
+        time.sleep(0.5)
+    cluster.cmd(["scancel", "--batch", "--signal=USR1", str(job)])
+    t_signal = time.monotonic()
+    while cluster.job(job).get("Restarts", "0") == "0":
+        assert time.monotonic() < deadline, f"not requeued\n{_log(submit_dir, name, job)[-4000:]}"
+        time.sleep(0.5)
+    t_requeued = time.monotonic()
+    # SLURM holds a requeued job for ~2 minutes (Reason=BeginTime). Once the nodes have cleaned up after the first
+    # run (idle again: a relaunch before that is refused, "Job credential revoked"), let it start now.
+    idle_polls = 0
+    while idle_polls < 3:
+        assert time.monotonic() < deadline, f"nodes not idle\n{cluster.logs()}"
+        idle = cluster.cmd(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], check=False).stdout.split()
+        idle_polls = idle_polls + 1 if {"n1", "n2"} <= set(idle) else 0
+        time.sleep(0.5)
+    cluster.cmd(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+    t_released = time.monotonic()
+    info = cluster.wait(job, JOB_TIMEOUT)
+    print(f"\n[slurm] requeue: USR1 {t_signal - t0:.1f} s after submit; requeued {t_requeued - t_signal:.1f} s "
+          f"later; nodes idle and job released after {t_released - t_requeued:.1f} s more; second run done "
+          f"{time.monotonic() - t_released:.1f} s later ({time.monotonic() - t0:.1f} s in all)")
+    log = _log(submit_dir, name, job)
+    assert info["Restarts"] == "1", info
+    assert "USR1: time limit near" in log and "SIGUSR1 received: stopped after step" in log, log[-6000:]
+    assert "requeueing job" in log and "(restart 1)" in log and "[trainer3d] resuming from" in log, log[-6000:]
+    _check_trained(cluster, submit_dir, name, job, info, "torchrun", steps=steps)
