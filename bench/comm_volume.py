@@ -1,0 +1,183 @@
+"""Communication volume per optimizer step, per rank and group, against the analytic minimum.
+
+Every collective and send of one training step (the second; the first also exchanges shapes) is counted by
+wrapping torch.distributed from this process (bench/measure.py: CommCounter; DDP's C++ all-reduce is routed
+through torch's default comm hook so that it is seen), attributed to a group by comparing the call's group with
+the Topology's (tp, pp, dp, embedding, mp, world), and compared with trainer3d/comm_model.analytic_comm for
+the same rank: the formulas the planner uses.
+
+Convention: bytes are payloads, what is passed to the call (all_reduce: the tensor; all_gather: the gathered
+output; reduce_scatter: the input; send: the tensor). gloo does not report what it puts on the wire; the
+"wire" column converts both sides with the ring factors (all-reduce 2(n-1)/n, all-gather / reduce-scatter
+(n-1)/n, send 1). A ratio of 1.000 means the trainer moves exactly what the formula says.
+
+    python bench/comm_volume.py            # DDP/TP/PP layouts, plus ZeRO 1/2/3 when trainer3d/zero.py exists
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.harness import Case, build_trainer, fmt_bytes, local_batch, stamp, table, zero_available  # noqa: E402
+
+GROUPS = ["tp", "pp", "dp", "embedding", "mp", "world"]
+MODEL = dict(n_layer=4, n_embd=64, n_head=4, vocab=512, seq_len=32)
+
+
+def count_layouts(rank: int, world: int, cases: list[Case]) -> list:
+    """On every rank of the world: one warm-up step, then count one step."""
+    from bench.measure import CommCounter, group_namer
+    from trainer3d.comm_model import ring_factor
+
+    counter = CommCounter().install()
+    out = []
+    for case in cases:
+        topo, tr = build_trainer(case)
+        res = None
+        if tr is not None:
+            CommCounter.count_ddp(tr.pm.modules)
+            tr.train_step(local_batch(case, topo, 0))
+            counter.reset()
+            counter.enabled = True
+            tr.train_step(local_batch(case, topo, 1))
+            counter.enabled = False
+            name_of = group_namer(topo)
+            per_group = defaultdict(lambda: {"payload": 0, "wire": 0.0, "calls": defaultdict(int)})
+            for c in counter.calls:
+                if c.op in ("recv", "irecv"):
+                    continue
+                g = per_group[name_of(c)]
+                n = len(c.group_ranks)
+                op = {"isend": "send", "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
+                      "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter"}.get(c.op, c.op)
+                g["payload"] += c.nbytes
+                g["wire"] += c.nbytes * (ring_factor(op, n) if op != "send" else 1.0)
+                g["calls"][f"{op}/{n}"] += 1
+            res = dict(coords=(topo.pp_rank, topo.dp_rank, topo.tp_rank),
+                       groups={k: {**v, "calls": dict(v["calls"])} for k, v in per_group.items()})
+        topo.destroy()
+        out.append(res)
+    counter.uninstall()
+    return out
+
+
+def layout_of(case: Case, zero_stage: int = 0):
+    from trainer3d.comm_model import Dims, Layout
+
+    return Layout(
+        dims=Dims.of(case.gpt_config()), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
+        virtual_stages=case.virtual_stages, micro_batches=case.micro_batches, micro_batch_size=case.micro_batch_size,
+        seq_len=case.seq_len, zero_stage=zero_stage,
+        # the trainer's bf16 without DeepSpeed is torch.autocast over fp32 parameters
+        precision="bf16-autocast" if case.extra.get("precision") == "bf16" else "fp32",
+    )
+
+
+def zero_stage_of(case: Case) -> int:
+    return int(case.deepspeed_config["zero_optimization"]["stage"]) if case.deepspeed_config else 0
+
+
+def default_cases(zero: bool = True, only_zero: bool = False) -> list[Case]:
+    c = [] if only_zero else [
+        Case(tp=2, global_batch=8, **MODEL),
+        Case(pp=2, micro_batches=4, global_batch=8, **MODEL),
+        Case(dp=2, global_batch=8, **MODEL),
+        Case(dp=2, micro_batches=2, global_batch=8, **MODEL),
+        Case(dp=2, tp=2, pp=2, micro_batches=4, global_batch=16, **MODEL),
+        Case(dp=2, tp=2, pp=2, schedule="gpipe", micro_batches=4, global_batch=16, **MODEL),
+        Case(tp=2, pp=4, schedule="interleaved-1f1b", virtual_stages=2, micro_batches=4, global_batch=8,
+             **{**MODEL, "n_layer": 8}),
+        Case(dp=2, pp=4, schedule="zbv", micro_batches=8, global_batch=16, **{**MODEL, "n_layer": 8}),
+        Case(dp=8, global_batch=16, **MODEL),
+        # bf16 autocast (what a GPU run uses): forward TP all-reduces in bf16, the rest fp32
+        Case(dp=2, tp=2, pp=2, micro_batches=4, global_batch=16, extra={"precision": "bf16"}, **MODEL),
+    ]
+    if zero and zero_available():
+        from bench.memory import ds_config
+
+        # ZeRO layouts must span the whole world (DeepSpeed's ZeRO-3 set-up has a barrier on the world group)
+        for stage in (1, 2, 3):
+            for base in (Case(dp=8, global_batch=16, **MODEL),
+                         Case(dp=2, tp=2, pp=2, micro_batches=2, global_batch=8, **MODEL)):
+                c.append(Case(**{**base.__dict__, "deepspeed_config": ds_config(stage, False, base)}))
+    return c
+
+
+def label(case: Case) -> str:
+    return case.label() + (" bf16" if case.extra.get("precision") == "bf16" else "")
+
+
+def compare(cases: list[Case], results: list[list]) -> tuple[list[list], list[str]]:
+    from trainer3d.comm_model import analytic_comm
+
+    rows, notes = [], []
+    for case, per_rank in zip(cases, results):
+        L = layout_of(case, zero_stage_of(case))
+        meas = defaultdict(lambda: [0.0, 0.0])  # group -> [payload, wire], summed over ranks
+        ana = defaultdict(lambda: [0.0, 0.0])
+        worst = defaultdict(float)  # group -> max |ratio - 1| over ranks
+        for r in per_rank:
+            if r is None:
+                continue
+            a_rank = defaultdict(lambda: [0.0, 0.0])
+            for t in analytic_comm(L, r["coords"][0]):
+                a_rank[t.group][0] += t.payload
+                a_rank[t.group][1] += t.wire
+            for g in set(a_rank) | set(r["groups"]):
+                mp = r["groups"].get(g, {}).get("payload", 0)
+                mw = r["groups"].get(g, {}).get("wire", 0.0)
+                meas[g][0] += mp
+                meas[g][1] += mw
+                ana[g][0] += a_rank[g][0]
+                ana[g][1] += a_rank[g][1]
+                if a_rank[g][0]:
+                    worst[g] = max(worst[g], abs(mp / a_rank[g][0] - 1))
+                elif mp:
+                    worst[g] = float("inf")
+        for g in GROUPS + sorted(set(meas) - set(GROUPS)):
+            if g not in meas and g not in ana:
+                continue
+            mp, mw = meas[g]
+            ap, aw = ana[g]
+            ratio = f"{mp / ap:.3f}" if ap else ("-" if not mp else "extra")
+            calls = defaultdict(int)
+            for r in per_rank:
+                if r is not None:
+                    for k, v in r["groups"].get(g, {}).get("calls", {}).items():
+                        calls[k] += v
+            rows.append([
+                label(case), g, fmt_bytes(mp), fmt_bytes(ap), ratio, fmt_bytes(mw), fmt_bytes(aw),
+                f"{worst[g]:.1e}" if worst[g] != float("inf") else "extra",
+                ", ".join(f"{k}×{v}" for k, v in sorted(calls.items())),
+            ])
+    return rows, notes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-zero", action="store_true", help="skip the ZeRO rows")
+    ap.add_argument("--only-zero", action="store_true", help="only the ZeRO rows")
+    args = ap.parse_args(argv)
+    from distributed import run_world
+
+    cases = default_cases(zero=not args.no_zero, only_zero=args.only_zero)
+    world = max(c.world for c in cases)
+    per_rank = run_world(world, count_layouts, cases, timeout=1200)
+    results = [[per_rank[r][i] for r in range(world)] for i in range(len(cases))]
+    rows, _ = compare(cases, results)
+    print(table(rows, ["layout", "group", "measured (all ranks)", "analytic", "ratio", "wire measured",
+                       "wire analytic", "max rank |r-1|", "calls (op/group size × count, all ranks)"]))
+    print()
+    print(stamp("python bench/comm_volume.py" + (" --no-zero" if args.no_zero else "")))
+    if not zero_available():
+        print("ZeRO rows skipped: trainer3d/zero.py does not exist yet.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

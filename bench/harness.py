@@ -1,0 +1,145 @@
+"""Shared by the benchmarks and tests/test_plan.py: build a Trainer for one layout inside a spawned gloo world
+(tests/distributed.run_world), feed it synthetic batches, and a few formatting helpers."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (ROOT, os.path.join(ROOT, "tests")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout of one model, as the trainer's flags spell it."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batches: int = 1
+    # model and batch
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 4
+    vocab: int = 512
+    seq_len: int = 32
+    global_batch: int = 8
+    deepspeed_config: dict | str | None = field(default=None, hash=False, compare=False)  # ZeRO (trainer3d/zero.py)
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batches)
+
+    def label(self) -> str:
+        s = f"({self.dp},{self.tp},{self.pp})"
+        if self.pp > 1:
+            s += f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        s += f" m{self.micro_batches}"
+        if self.deepspeed_config:
+            s += " " + zero_label(self.deepspeed_config)
+        return s
+
+    def train_config(self):
+        from trainer3d.config import TrainConfig
+
+        kw = dict(
+            model="tiny", n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, vocab_size=self.vocab,
+            seq_len=self.seq_len, global_batch=self.global_batch, tp=self.tp, pp=self.pp, schedule=self.schedule,
+            virtual_stages=self.virtual_stages, micro_batches=self.micro_batches, precision="fp32", seed=1234,
+            lr=1e-3, warmup_steps=1, max_steps=1000, grad_clip=1.0, dropout=0.0,
+        )
+        if self.deepspeed_config:
+            kw["deepspeed_config"] = self.deepspeed_config
+        kw.update(self.extra)
+        return TrainConfig(**kw)
+
+    def gpt_config(self):
+        return self.train_config().gpt_config(self.vocab)
+
+
+def zero_label(ds) -> str:
+    if isinstance(ds, str):
+        return os.path.splitext(os.path.basename(ds))[0]
+    z = ds.get("zero_optimization", {})
+    off = [k.split("_")[1] for k in ("offload_optimizer", "offload_param") if (z.get(k) or {}).get("device", "none") != "none"]
+    return f"zero{z.get('stage', 0)}" + ("+off(" + ",".join(off) + ")" if off else "")
+
+
+def zero_available() -> bool:
+    return os.path.exists(os.path.join(ROOT, "trainer3d", "zero.py"))
+
+
+def build_trainer(case: Case):
+    """Collective over the whole world (group creation); returns (topo, trainer or None on idle ranks)."""
+    from trainer3d import pipeline
+    from trainer3d.config import validate
+    from trainer3d.topology import Topology
+    from trainer3d.train import Trainer
+
+    cfg = case.train_config()
+    layout, plan = validate(cfg, case.world, case.vocab)
+    topo = Topology(
+        layout, ranks=list(range(case.world)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp)
+    )
+    trainer = None
+    if topo.active:
+        trainer = Trainer(cfg, topo, torch.device("cpu"), cfg.gpt_config(case.vocab), plan)
+    return topo, trainer
+
+
+def local_batch(case: Case, topo, step: int) -> torch.Tensor:
+    """This dp rank's rows of a deterministic synthetic global batch."""
+    g = torch.Generator().manual_seed(1000 + step)
+    full = torch.randint(0, case.vocab, (case.global_batch, case.seq_len + 1), generator=g)
+    per = case.global_batch // case.dp
+    return full[topo.dp_rank * per : (topo.dp_rank + 1) * per]
+
+
+def world_barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    cols = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cols[1:]:
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    return "\n".join(lines)
+
+
+def stamp(cmd: str) -> str:
+    import platform
+
+    return (
+        f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; machine: {platform.machine()} {os.cpu_count()} cores "
+        f"(shared), torch {torch.__version__}; command: `{cmd}`"
+    )

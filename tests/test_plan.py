@@ -1,0 +1,135 @@
+"""The planner (trainer3d/plan.py) and its cost model (trainer3d/comm_model.py):
+
+- infeasible layouts are refused, each for its reason;
+- its memory estimate agrees within 10% with memory measured in a spawned gloo world (fp32, tiny model): the
+  parameters/gradients/optimizer state the trainer reports, and the peak bytes per rank from a malloc counter
+  preloaded into the workers (bench/memhook.c), for DDP layouts over dp, tp and pp (1F1B, GPipe, interleaved)
+  and, when trainer3d/zero.py exists, ZeRO-1/2/3;
+- its communication formulas are the ones the comm benchmark verifies (one world, counted collectives).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from trainer3d.comm_model import Dims, Layout, analytic_comm, estimate_memory, rank_params
+from trainer3d.model import MODEL_PRESETS
+from trainer3d.plan import PLAN_MODELS, Cluster, enumerate_plans, evaluate, launch_command, main, parse_layout
+
+H100 = dict(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, intra_node_gbps=360, inter_node_gbps=50)
+
+
+def test_175b_does_not_fit_on_one_node_and_says_why():
+    search = enumerate_plans(PLAN_MODELS["gpt3-175b"], Cluster(nodes=1, **H100), 64, 2048, offload=False)
+    assert search.plans == []
+    assert search.refused["does not fit in GPU memory"] > 0
+
+
+def test_every_refusal_has_a_reason():
+    dims = Dims.of(MODEL_PRESETS["gpt2-xl"])  # 25 heads: tp 2, 4, 8 impossible
+    search = enumerate_plans(dims, Cluster(nodes=1, **H100), 12, 1024)
+    reasons = set(search.refused)
+    assert "tp does not divide the attention heads" in reasons
+    assert "global batch not divisible by dp" in reasons  # dp 8 does not divide 12
+    assert any(r.startswith("pipeline rule") for r in reasons)
+    for p in search.plans:  # what is kept is valid and fits
+        L = p.layout
+        assert dims.n_head % L.tp == 0 and 12 % L.dp == 0 and L.dp * L.tp * L.pp == 8
+        assert p.memory <= Cluster(nodes=1, **H100).usable_bytes
+
+
+def test_a_layout_that_does_not_fit_is_flagged():
+    C = Cluster(nodes=1, **{**H100, "gpu_memory_gib": 16})
+    L = parse_layout("tp=1,pp=1,mbs=8", Dims.of(MODEL_PRESETS["gpt2-medium"]), C, 64, 1024)
+    assert any("does NOT fit" in n for n in evaluate(L, C).notes)
+
+
+def test_zero_divides_model_states_as_the_paper_says():
+    dims = Dims.of(MODEL_PRESETS["gpt2"])
+    base = Layout(dims=dims, dp=8, precision="bf16-mixed")
+    n = rank_params(dims, 1, base.stages(0))
+    e = {z: estimate_memory(Layout(dims=dims, dp=8, precision="bf16-mixed", zero_stage=z), 0) for z in (1, 2, 3)}
+    assert e[1].optimizer == pytest.approx(12 * n / 8) and e[1].params == pytest.approx(2 * n)
+    assert e[2].grads == pytest.approx(4 * n / 8)  # DeepSpeed's fp32 gradient partition
+    assert e[3].params < 2 * n / 8 * 1.05 and e[3].zero_buffers > 0  # partition (+ persistent) and a working set
+    assert e[1].peak > e[2].peak > e[3].peak
+
+
+def test_tp_comm_formula_counts_what_the_trainer_sends():
+    dims = Dims(n_layer=4, n_embd=64, n_head=4, vocab=512, n_positions=64)
+    L = Layout(dims=dims, tp=2, micro_batches=2, micro_batch_size=4, seq_len=32)
+    T, h = 4 * 32, 64
+    tp = sum(t.payload for t in analytic_comm(L, 0) if t.group == "tp")
+    # 4 all-reduces per block + embedding forward + head backward (b·s·h each) + 3 cross-entropy (b·s), fp32
+    assert tp == 2 * ((4 * 4 + 2) * T * h * 4 + 3 * T * 4)
+
+
+def test_launch_command_and_ds_config(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    rc = main(["--model", "gpt2-medium", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gib", "16",
+               "--peak-tflops", "312", "--intra-node-gbps", "230", "--inter-node-gbps", "25", "--global-batch", "256",
+               "--seq-len", "1024", "--zero-stages", "1", "--no-recompute", "--write-ds-config", str(ds),
+               "--launcher", "sbatch", "--top", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "#1: fastest of" in out and "#SBATCH --nodes=2" in out
+    assert "--deepspeed_config" in out and ds.exists()
+    import json
+
+    cfg = json.loads(ds.read_text())
+    assert cfg["zero_optimization"]["stage"] == 1 and cfg["train_batch_size"] == 256
+
+
+def test_launch_flags_are_the_trainers(tmp_path):
+    from trainer3d.config import parse_args, validate
+
+    C = Cluster(nodes=1, **H100)
+    dims = Dims.of(MODEL_PRESETS["gpt2"])
+    p = evaluate(parse_layout("tp=2,pp=2,schedule=interleaved-1f1b,v=2,mbs=2", dims, C, 32, 1024), C)
+    cmd = launch_command(p, C, "torchrun", "gpt2", None)
+    argv = cmd.split("launch/train_gpt2.py ")[1].split()
+    layout, plan = validate(parse_args(argv), 8)
+    assert (layout.dp, layout.tp, layout.pp, plan.micro_batches, plan.micro_batch_size) == (2, 2, 2, 8, 2)
+
+
+# ---- memory: estimate against measurement ------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+@pytest.mark.timeout(300)
+def test_memory_estimate_within_10_percent_of_measured():
+    from bench.harness import Case, zero_available
+    from bench.memory import MODEL, compare, ds_config, run
+
+    m = dict(MODEL)
+    cases = [
+        (Case(**m), 0, False),
+        (Case(dp=2, **m), 0, False),
+        (Case(tp=2, **m), 0, False),
+        (Case(pp=2, micro_batches=4, **m), 0, False),
+        (Case(pp=2, micro_batches=4, schedule="gpipe", **m), 0, False),
+        (Case(tp=2, pp=2, micro_batches=4, **m), 0, False),
+        (Case(pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batches=4, **m), 0, False),
+    ]
+    if zero_available():
+        if os.path.isdir("/tmp/dsbuild/ext"):  # DeepSpeed's CPU comm op prebuilt by the set-up (else a JIT build)
+            os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/dsbuild/ext")
+        # ZeRO layouts span the whole world (ZeRO-3's set-up has a barrier on the world group)
+        for base, stages in ((Case(dp=4, **m), (1, 2, 3)), (Case(dp=2, tp=2, **m), (1, 3))):
+            for stage in stages:
+                cases.append((Case(**{**base.__dict__, "deepspeed_config": ds_config(stage, False, base)}), stage, False))
+    results = run(cases, world=4, timeout=280, steps=2)
+    bad, lines = [], []
+    for (case, z, off), measured in zip(cases, results):
+        for r in compare(case, z, off, measured):
+            meas, e = r["m"], r["e"]
+            states = meas["params"] + meas["grads"] + meas["optimizer"]
+            s_ratio = states / (e.model_states + e.offloaded)
+            p_ratio = meas["peak"] / (e.peak + e.offloaded + e.host_buffers)  # a CPU host: one memory
+            lines.append(f"{case.label():<34} ZeRO-{z} rank {r['coords']}: states {s_ratio:.3f} peak {p_ratio:.3f}")
+            if not (0.9 <= s_ratio <= 1.1 and 0.9 <= p_ratio <= 1.1):
+                bad.append(lines[-1])
+    print("\n".join(lines))
+    n_layouts = len({(c.label(), z) for c, z, _ in cases})
+    assert n_layouts >= 6
+    assert not bad, "estimate off by more than 10%:\n" + "\n".join(bad)
