@@ -61,11 +61,24 @@ class TrainConfig:
     eval_batches: int = 4
     # output
     out_dir: str = "runs/default"
+    # checkpoints (checkpoint.py)
+    save_every: int = 0  # steps between checkpoints under <out-dir>/checkpoints (also saved at the end); 0: never
+    keep_last: int = 0  # complete checkpoints to keep (older ones pruned after each save); 0: all
+    resume: str | None = None  # "latest" (the newest in --out-dir; fresh start if none) or a checkpoint path
     log_every: int = 25
     peak_tflops: float | None = None  # per device, for MFU; known GPUs are recognised
     verbose: bool = False
-    # DeepSpeed (owns batch sizes, ZeRO, offload and precision when given)
-    deepspeed_config: str | None = None
+    profile_steps: str | None = None  # "A:B": torch.profiler trace of steps A..B under <out-dir>/profile/
+    wandb_project: str | None = None  # W&B is off unless a project (or --wandb-mode) is given
+    wandb_run_name: str | None = None
+    wandb_mode: str | None = None  # online | offline | disabled; default: WANDB_MODE, else online
+    # distributed
+    dist_timeout: float = 300.0  # seconds a collective may wait for a peer before the job fails
+    # DeepSpeed (owns batch sizes, ZeRO, offload and precision when given): a JSON path, or a dict (tests)
+    deepspeed_config: str | dict | None = None
+    # flags typed on the command line (parse_args); None for programmatic configs, where a value that differs
+    # from its default counts as given. The DeepSpeed JSON may not contradict a given flag (zero.py).
+    explicit_flags: tuple[str, ...] | None = None
 
     def resolved_precision(self, device_type: str) -> str:
         if self.precision == "auto":
@@ -74,6 +87,11 @@ class TrainConfig:
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         base = MODEL_PRESETS[self.model]
+        if self.init_from_hf:  # checkpoint.py: the Hugging Face model's config.json gives the shape
+            from .checkpoint import hf_model_config
+
+            base = hf_model_config(self.init_from_hf)
+            vocab_size = base.vocab_size
         sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd)) if v}
         return dataclasses.replace(base, vocab_size=self.vocab_size or vocab_size, dropout=self.dropout, **sizes)
 
@@ -128,10 +146,26 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> tupl
     if mcfg.n_embd % mcfg.n_head:
         raise ConfigError(f"--n-embd {mcfg.n_embd} must be a multiple of --n-head {mcfg.n_head}.")
     check_tensor_parallel(mcfg, layout.tp)
-    plan = plan_batch(cfg, layout)
+    if cfg.deepspeed_config is not None:  # the JSON owns the batch (zero.py); also checks the JSON itself
+        from .zero import resolve_deepspeed
+
+        plan = resolve_deepspeed(cfg, layout).plan
+    else:
+        plan = plan_batch(cfg, layout)
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches)
     if cfg.max_steps < 1:
         raise ConfigError("--max-steps must be at least 1.")
+    if cfg.save_every < 0 or cfg.keep_last < 0:
+        raise ConfigError("--save-every and --keep-last must be 0 (off) or a positive number.")
+    if cfg.dist_timeout <= 0:
+        raise ConfigError(f"--dist-timeout must be a positive number of seconds (got {cfg.dist_timeout}).")
+    if cfg.profile_steps is not None:
+        from .profiling import ProfileError, parse_step_range
+
+        try:
+            parse_step_range(cfg.profile_steps, cfg.max_steps)
+        except ProfileError as e:
+            raise ConfigError(str(e)) from None
     return layout, plan
 
 
@@ -181,9 +215,24 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--eval-batches", type=int, default=d.eval_batches)
     out = p.add_argument_group("output")
     out.add_argument("--out-dir", default=d.out_dir)
+    out.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (and at the end); 0: off")
+    out.add_argument("--keep-last", type=int, default=d.keep_last, help="keep the newest K checkpoints; 0: all")
+    out.add_argument(
+        "--resume", nargs="?", const="latest", default=None, metavar="PATH",
+        help="resume: alone, from the newest checkpoint in --out-dir (fresh start if none); or from PATH",
+    )
     out.add_argument("--log-every", type=int, default=d.log_every)
     out.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
     out.add_argument("--verbose", action="store_true", help="let every rank print")
+    out.add_argument("--profile-steps", default=None, metavar="A:B", help="torch.profiler trace of steps A..B")
+    out.add_argument("--wandb-project", default=None, help="log to this W&B project (also WANDB_PROJECT)")
+    out.add_argument("--wandb-run-name", default=None)
+    out.add_argument(
+        "--wandb-mode", default=None, choices=["online", "offline", "disabled"], help="default: WANDB_MODE, else online"
+    )
+    out.add_argument(
+        "--dist-timeout", type=float, default=d.dist_timeout, help="seconds a collective waits for a peer before failing"
+    )
     ds = p.add_argument_group("deepspeed")
     ds.add_argument("--deepspeed_config", "--deepspeed-config", "--deepspeed", dest="deepspeed_config", default=None)
     ds.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -193,4 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ns = vars(build_parser().parse_args(argv))
     ns.pop("local_rank")  # the launcher also sets LOCAL_RANK, which is what we read
+    probe = build_parser()  # the same flags with no defaults: what remains was typed
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    ns["explicit_flags"] = tuple(sorted(set(vars(probe.parse_args(argv))) - {"local_rank", "help"}))
     return TrainConfig(**ns)

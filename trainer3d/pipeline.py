@@ -139,8 +139,14 @@ def build_schedule(
     loss_fn: Callable,
     pp_group,
     device: torch.device,
+    stage_cls: type = PipelineStage,
+    stage_kwargs: Callable[[int], dict] | None = None,
 ):
-    stages = [PipelineStage(m, i, n_stages, device, group=pp_group) for m, i in zip(stage_modules, ids)]
+    # stage_cls/stage_kwargs: zero.py's ZeroPipelineStage (DeepSpeed engines as submodules) and its static shapes.
+    stages = [
+        stage_cls(m, i, n_stages, device, group=pp_group, **(stage_kwargs(i) if stage_kwargs else {}))
+        for m, i in zip(stage_modules, ids)
+    ]
     info = SCHEDULES[schedule]
     # scale_grads=False: the loss is already divided by the number of micro-batches (see train.py), so the
     # gradient means the same thing at every layout.

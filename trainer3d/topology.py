@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import socket
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -64,40 +68,75 @@ class LaunchEnv:
     @classmethod
     def from_environ(cls) -> LaunchEnv:
         env = os.environ
+        default_addr, default_port = "127.0.0.1", 29500
         if "RANK" in env:  # torchrun, deepspeed, or an sbatch that exports them
             rank, world = int(env["RANK"]), int(env.get("WORLD_SIZE", "1"))
             local = int(env.get("LOCAL_RANK", "0"))
-        elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, one task per GPU
-            rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # srun, one task per GPU
+            # SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: a batch script or salloc shell also has SLURM_PROCID=0 and the
+            # job's SLURM_NTASKS, and a plain `python` there is one process, not rank 0 of a world that never comes.
+            rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
             local = int(env.get("SLURM_LOCALID", "0"))
+            if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:  # bare `srun python ...`: derive them
+                default_addr, default_port = _slurm_master(env)
         else:
             rank, world, local = 0, 1, 0
         return cls(
             rank=rank,
             local_rank=local,
             world_size=world,
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", "29500")),
+            master_addr=env.get("MASTER_ADDR", default_addr),
+            master_port=int(env.get("MASTER_PORT", default_port)),
         )
+
+
+def _slurm_master(env) -> tuple[str, int]:
+    """The first node of the step (what launch/slurm/train_gpt2.sbatch exports) and a port from the job id."""
+    import subprocess
+
+    addr = "127.0.0.1"
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if nodes:
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=30)
+            addr = out.stdout.split()[0] if out.returncode == 0 and out.stdout.split() else addr
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return addr, 20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000
 
 
 def default_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if count == 1:  # the launcher bound one GPU per process (srun --gpus-per-task=1, --gpu-bind=single:1)
+            local_rank = 0
+        elif local_rank >= count:
+            raise LayoutError(
+                f"Local rank {local_rank} but only {count} GPUs are visible on this node; start at most {count} "
+                "processes per node (--nproc-per-node / NPROC_PER_NODE / --ntasks-per-node)."
+            )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
+# The timeout of every sub-group Topology builds: new_group() does not inherit the world group's (it takes
+# torch's 30-minute default), so init_distributed records it here.
+_group_timeout: datetime.timedelta | None = None
+
+
 def init_distributed(env: LaunchEnv, device: torch.device, timeout_s: float = 600.0) -> None:
     """nccl on CUDA, gloo on CPU; a timeout on every collective so a dead peer fails the job, not hangs it."""
+    global _group_timeout
     if dist.is_initialized():
         return
+    _group_timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     # One process started by plain `python`: an in-memory store, so no port is needed (or can collide).
-    rendezvous = (
-        {"store": dist.HashStore()}
+    store = (
+        dist.HashStore()
         if env.world_size == 1 and "MASTER_PORT" not in os.environ
-        else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+        else _tcp_store(env, _group_timeout)
     )
     dist.init_process_group(
         backend=backend,
@@ -105,8 +144,20 @@ def init_distributed(env: LaunchEnv, device: torch.device, timeout_s: float = 60
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
-        **rendezvous,
+        store=store,
     )
+
+
+def _tcp_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT: torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE),
+    else rank 0. Keys get a per-attempt prefix: torchrun keeps one store across `--max-restarts` attempts, and a
+    restarted worker that reads a dead attempt's keys (gloo's peer addresses) fails with "connection refused"."""
+    host_is_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_master = env.rank == 0 and not host_is_agent
+    store = dist.TCPStore(  # world_size on every rank: the master waits until that many clients joined
+        env.master_addr, env.master_port, env.world_size, is_master, timeout=timeout, multi_tenant=True
+    )
+    return dist.PrefixStore(f"trainer3d/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 class Topology:
@@ -157,7 +208,7 @@ class Topology:
         mine = None
         for line in lines:
             global_ranks = [self.ranks[r] for r in line]
-            group = dist.new_group(global_ranks) if dist.is_initialized() else None
+            group = dist.new_group(global_ranks, timeout=_group_timeout) if dist.is_initialized() else None
             if self.active and self.rank in line:
                 mine = group
         return mine
@@ -172,3 +223,120 @@ class Topology:
 
     def __repr__(self) -> str:
         return f"Topology({self.layout}, rank={self.rank}, pp={self.pp_rank}, dp={self.dp_rank}, tp={self.tp_rank})"
+
+
+# ---- Failure reporting: which rank died or hangs -------------------------------------------------------------
+class Heartbeat:
+    """Which rank died or hangs, when a collective fails.
+
+    Every rank records the step it starts in the rendezvous store (one small `set` per step). A rank whose
+    collective fails (a peer died, or `--dist-timeout` expired because a peer hangs) records that it saw the
+    failure, waits a few seconds for the other survivors to record theirs, and names the ranks that did not: they
+    are the ones that died or hang. A rank that fails with an error of its own (out of memory, a bug) records it,
+    so the peers left waiting name it. The store lives on torchrun's agent (or on rank 0 under plain srun)."""
+
+    STEP = "trainer3d/heartbeat/{}"
+    FAILED = "trainer3d/failed/{}"
+
+    def __init__(self):
+        self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def beat(self, step: int) -> None:
+        if self.store is not None and self.world > 1:
+            self.store.set(self.STEP.format(self.rank), f"{step} {socket.gethostname()} {os.getpid()}")
+
+    def record_own_failure(self, msg: str) -> None:
+        if self.store is not None and self.world > 1:
+            try:
+                self.store.set_timeout(datetime.timedelta(seconds=5))
+                self.store.set(self.FAILED.format(self.rank), "own " + msg)
+            except Exception:  # noqa: BLE001 - best effort: the error itself is what matters
+                pass
+
+    def describe(self, wait_s: float = 5.0) -> str:
+        """Record this rank's failed collective, wait up to `wait_s` for the others' reports, and name the ranks
+        that failed on their own or never reported (died or hang). Never raises."""
+        if self.store is None or self.world == 1:
+            return ""
+        try:
+            store = self.store
+            store.set_timeout(datetime.timedelta(seconds=5))
+            store.set(self.FAILED.format(self.rank), "peer")
+            deadline = time.monotonic() + wait_s
+            while True:
+                failed = [r for r in range(self.world) if store.check([self.FAILED.format(r)])]
+                if len(failed) == self.world or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            own = {}
+            for r in failed:
+                value = store.get(self.FAILED.format(r)).decode()
+                if value.startswith("own "):
+                    own[r] = value[4:]
+            seen = {}
+            for r in range(self.world):
+                if store.check([self.STEP.format(r)]):
+                    step, host, pid = store.get(self.STEP.format(r)).decode().split()
+                    seen[r] = (int(step), host, pid)
+        except Exception as e:  # noqa: BLE001 - the store's host (rank 0 or the agent) may be gone too
+            return f"could not read the other ranks' state ({type(e).__name__}: {e})"
+        silent = [r for r in range(self.world) if r not in failed]
+        where = lambda r: f"{seen[r][1]} pid {seen[r][2]}, last started step {seen[r][0]}" if r in seen else "never started"  # noqa: E731
+        lines = [f"rank {r} ({where(r)}) failed with its own error: {msg}" for r, msg in sorted(own.items())]
+        lines += [f"rank {r} ({where(r)}) did not report the failure: it died or hangs" for r in silent]
+        if own or silent:
+            lines.append(f"look at rank(s) {_ranks(sorted(own) + silent)} first")
+        else:
+            lines.append("every rank reported a failed collective; the first error in the logs names the cause")
+        steps = ", ".join(f"{r}: {s}" for r, (s, *_) in sorted(seen.items()))
+        return "; ".join(lines) + f" (last step started per rank: {steps})"
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    """A failed collective or rendezvous (a peer's fault, as far as this rank can tell)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "c10d", "Connection closed"))
+
+
+def report_failure(rank: int, error: BaseException, wait_s: float = 5.0) -> None:
+    """On a failed collective, print (stderr) the root error at once, then which ranks died or hang. On an error of
+    this rank's own, record it for the peers it leaves waiting (the traceback that follows says the rest)."""
+    root = error
+    while root.__cause__ is not None:  # torch.distributed.pipelining wraps the backend's error
+        root = root.__cause__
+    msg = next((line for line in str(root).splitlines() if line.strip()), type(root).__name__)[:300]
+    if not _is_comm_error(root):
+        Heartbeat().record_own_failure(f"{type(root).__name__}: {msg}")
+        return
+    print(f"trainer3d: rank {rank}: a collective failed: {msg}", file=sys.stderr, flush=True)
+    print(f"trainer3d: rank {rank}: {Heartbeat().describe(wait_s)}", file=sys.stderr, flush=True)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def inject_fault(step: int, rank: int) -> None:
+    """TEST-ONLY fault injection after optimizer step `step`: TRAINER3D_FAULT=kill:rank=R:step=S makes rank R
+    SIGKILL itself, hang:rank=R:step=S makes it sleep forever, raise:rank=R:step=S raises a RuntimeError. Only on a job's first attempt
+    (TORCHELASTIC_RESTART_COUNT and SLURM_RESTART_COUNT 0), so that a restart or requeue runs clean."""
+    spec = os.environ.get("TRAINER3D_FAULT")
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("SLURM_RESTART_COUNT", "0") != "0"
+    if not spec or restarted:
+        return
+    kind, *fields = spec.split(":")
+    opts = dict(f.split("=", 1) for f in fields)
+    if int(opts.get("rank", -1)) != rank or int(opts.get("step", -1)) != step:
+        return
+    print(f"[trainer3d] TRAINER3D_FAULT={spec}: rank {rank} {kind}s after step {step}", file=sys.stderr, flush=True)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "hang":
+        while True:
+            time.sleep(3600)
+    elif kind == "raise":
+        raise RuntimeError(f"TRAINER3D_FAULT={spec}")
+    else:
+        raise ValueError(f"TRAINER3D_FAULT: unknown fault {kind!r} (kill, hang or raise)")

@@ -16,14 +16,18 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from . import pipeline
+from . import checkpoint, pipeline
 from .config import BatchPlan, ConfigError, TrainConfig, parse_args, validate
 from .data_parallel import all_reduce_grads, clip_grads_, global_grad_norm, sync_tied_embedding_grads
 from .metrics import MetricsFile, device_peak_tflops, flops_per_token, peak_memory_bytes
 from .model import GPTConfig
 from .parallelize import ParallelModel, build_parallel_model, seed_rngs
+from .profiling import StepProfiler
 from .tensor_parallel import all_reduce, vocab_parallel_cross_entropy
-from .topology import LaunchEnv, LayoutError, Topology, default_device, init_distributed
+from .tracking import Tracker
+from .topology import (
+    Heartbeat, LaunchEnv, LayoutError, Topology, default_device, init_distributed, inject_fault, report_failure
+)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -71,15 +75,27 @@ class Trainer:
         plan: BatchPlan,
         full_value=None,
     ):
+        spec = None  # a DeepSpeed JSON: ZeRO engines are the dp axis (zero.py); its batch, lr, clip, precision win
+        if cfg.deepspeed_config is not None:
+            from .zero import resolve_deepspeed
+
+            spec = resolve_deepspeed(cfg, topo.layout)
+            cfg, plan = spec.cfg, spec.plan
         self.cfg, self.topo, self.device, self.mcfg, self.plan = cfg, topo, device, mcfg, plan
         self.precision = cfg.resolved_precision(device.type)
         self.pm = build_parallel_model(
-            mcfg, topo, device, cfg.schedule, cfg.virtual_stages, cfg.seed, full_value=full_value
+            mcfg, topo, device, cfg.schedule, cfg.virtual_stages, cfg.seed, full_value=full_value,
+            wrap_data_parallel=spec is None,
         )
         seed_rngs(cfg.seed, topo)
+        self.zero = None
+        if spec is not None:
+            from .zero import ZeroDataParallel
+
+            self.zero = ZeroDataParallel(spec, self.pm, topo, device, verbose=cfg.verbose)
         self.loss_scale = DynamicLossScale() if self.precision == "fp16" else None
         self.schedule = pipeline.build_schedule(
-            self.pm.modules,
+            self.zero.engines if self.zero else self.pm.modules,
             self.pm.stage_ids,
             self.pm.n_stages,
             cfg.schedule,
@@ -87,11 +103,27 @@ class Trainer:
             self._loss_fn,
             topo.pp_group,
             device,
+            **(self.zero.schedule_options(mcfg) if self.zero else {}),
         )
-        self.optimizer = build_optimizer(self.pm, cfg)
+        self.optimizer = build_optimizer(self.pm, cfg) if self.zero is None else None  # ZeRO: one per engine
         self.step = 0
         self.logging_rank = topo.global_rank(self.pm.last_stage_pp_rank, 0, 0)
         self.is_logging_rank = dist.get_rank() == self.logging_rank
+
+    # ---- optimizer state, for checkpoint.py (a ZeRO engine overrides these two) --------------------------------
+    def optimizer_state_of(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """This rank's tp shard of `param`'s optimizer state, full over dp (AdamW: exp_avg, exp_avg_sq, step)."""
+        if self.optimizer is None:
+            raise NotImplementedError("checkpoints of the DeepSpeed ZeRO engine's optimizer state are not supported yet")
+        return {k: v for k, v in self.optimizer.state.get(param, {}).items() if torch.is_tensor(v)}
+
+    def load_optimizer_state_of(self, param: torch.nn.Parameter, state: dict[str, torch.Tensor]) -> None:
+        if self.optimizer is None:
+            raise NotImplementedError("checkpoints of the DeepSpeed ZeRO engine's optimizer state are not supported yet")
+        self.optimizer.state[param] = {
+            k: v.to(torch.float32) if k == "step" else v.to(device=param.device, dtype=param.dtype)
+            for k, v in state.items()
+        }
 
     # ---- one step --------------------------------------------------------------------------------------------
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,7 +134,7 @@ class Trainer:
         return per_token.mean() * (scale / self.plan.micro_batches)
 
     def _autocast(self):
-        if self.precision == "fp32":
+        if self.precision == "fp32" or self.zero is not None:  # DeepSpeed casts the parameters itself
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
@@ -128,6 +160,8 @@ class Trainer:
 
     def train_step(self, batch: torch.Tensor) -> dict:
         """One optimizer step on this dp rank's rows of the global batch ([local_batch, seq_len + 1])."""
+        if self.zero is not None:
+            return self.zero.train_step(self, batch)
         modules = self.pm.modules
         for m in modules:
             m.train()
@@ -155,7 +189,14 @@ class Trainer:
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm.item()}
         if self.loss_scale:
             record.update(loss_scale=self.loss_scale.scale, skipped=skipped)
+        record.update(self.memory_report())
         return record
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds of parameters, gradients and optimizer states, and how much of each is offloaded."""
+        from .zero import ddp_memory
+
+        return self.zero.memory() if self.zero else ddp_memory(self.pm.modules, self.optimizer, self.device)
 
     def evaluate(self, batches) -> float:
         for m in self.pm.modules:
@@ -177,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trainer3d: error: {e}", file=sys.stderr)
         return 2
     device = default_device(env.local_rank)
-    init_distributed(env, device)
+    init_distributed(env, device, timeout_s=cfg.dist_timeout)
+    Heartbeat().beat(0)
     try:
         topo = Topology(layout, last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, layout.pp))
         data_cfg = DataConfig(
@@ -189,13 +231,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         blocks = local_leader_first(env, lambda: build_token_blocks(data_cfg, cfg.seq_len))
         mcfg = cfg.gpt_config(blocks.vocab_size)
-        trainer = Trainer(cfg, topo, device, mcfg, plan)
+        start = checkpoint.prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
+        trainer = Trainer(cfg, topo, device, mcfg, plan, full_value=start.full_value)
         loader = BatchLoader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
+        checkpoint.apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
         run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches))
-    except DataError as e:
+    except (DataError, ConfigError) as e:  # ConfigError: also checkpoint.CheckpointError
         if env.rank == 0:
             print(f"trainer3d: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a collective failed (a peer died, or hung past --dist-timeout): name it
+        if env.world_size > 1:
+            report_failure(env.rank, e)
+        raise
     finally:
         dist.destroy_process_group()
     return 0
@@ -230,7 +278,11 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
     tokens_per_step = plan.global_batch * cfg.seq_len
     flops_tok = flops_per_token(trainer.mcfg, cfg.seq_len)
     peak = device_peak_tflops(trainer.device, trainer.precision, cfg.peak_tflops)
-    metrics = MetricsFile(cfg.out_dir, enabled=log)
+    saver = checkpoint.Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log)
+    metrics = MetricsFile(cfg.out_dir, enabled=log, append=trainer.step > 0)  # resumed: continue the file
+    tracker = Tracker(trainer)  # W&B, on the logging rank only
+    profiler = StepProfiler(cfg.profile_steps, cfg.max_steps, cfg.out_dir, dist.get_rank(), trainer.device)
+    heartbeat = Heartbeat()
     if verbose:
         n_params = trainer.mcfg.num_params()
         print(
@@ -240,17 +292,30 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
             f"model={cfg.model} ({n_params / 1e6:.1f}M params) precision={trainer.precision} device={trainer.device}",
             flush=True,
         )
+    mem = trainer.memory_report()  # at start; every step record carries it too (metrics.jsonl)
+    if verbose:
+        mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731
+        dp_axis = f"ZeRO-{trainer.zero.spec.stage}" if trainer.zero else "DDP"
+        print(f"[trainer3d] rank {dist.get_rank()} memory ({dp_axis}): params {mib('param')}, grads {mib('grad')}, "
+              f"optimizer states {mib('optim')}", flush=True)
     history = []
     if cfg.eval_every and trainer.step == 0:  # the starting point of the validation curve
         val = trainer.evaluate(make_val_batches())
-        metrics.write({"step": 0, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+        record0 = {"step": 0, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+        metrics.write(record0)
+        tracker.log(record0)
         if log:
             print(f"step      0 | val_loss {val:.4f}", flush=True)
-    bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=not log, dynamic_ncols=True, unit="step")
+    # In a log file (SLURM, nohup) a bar redrawn every step is a wall of \r-joined updates: redraw every 30 s there.
+    bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=not log, dynamic_ncols=True, unit="step",
+               mininterval=0.1 if sys.stderr.isatty() else 30.0)
     while trainer.step < cfg.max_steps:
+        heartbeat.beat(trainer.step + 1)
+        profiler.start(trainer.step + 1)
         t0 = time.perf_counter()
         record = trainer.train_step(loader.next_batch())
         dt = time.perf_counter() - t0
+        profiler.stop(trainer.step)
         tps = tokens_per_step / dt
         record.update(
             tokens=trainer.step * tokens_per_step,
@@ -266,8 +331,10 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
             record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
         history.append(record)
         metrics.write(record)
+        tracker.log(record)
+        inject_fault(trainer.step, dist.get_rank())  # test-only (TRAINER3D_FAULT); a no-op otherwise
         bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tps:,.0f}")
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
         if log and (trainer.step % cfg.log_every == 0 or last or trainer.step == 1):
             line = (
                 f"step {trainer.step:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
@@ -275,11 +342,21 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
             )
             if record.get("mfu") is not None:
                 line += f" | mfu {100 * record['mfu']:.1f}%"
+            line += f" | mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
+            fd = bar.format_dict  # the ETA in the step lines too, for log files: mean step time of this run so far
+            if not last and fd["n"] > fd["initial"]:
+                eta = fd["elapsed"] / (fd["n"] - fd["initial"]) * (cfg.max_steps - trainer.step)
+                line += f" | eta {tqdm.format_interval(eta)}"
             if "val_loss" in record:
                 line += f" | val_loss {record['val_loss']:.4f}"
             bar.write(line)
+        if saver.after_step():  # checkpoint when due; True after SIGTERM/SIGUSR1: saved, every rank stops here
+            break
+    saver.close()
     bar.close()
     metrics.close()
+    profiler.close()
+    tracker.finish()
     return history
 
 
