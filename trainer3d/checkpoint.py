@@ -579,8 +579,7 @@ class Checkpoint:
 
     def check_model_matches(self, mcfg: GPTConfig) -> None:
         saved, now = self.model_config, mcfg
-        diffs = [f"{k}={getattr(saved, k)} (this run: {getattr(now, k)})" for k in MODEL_SHAPE_FIELDS
-                 if getattr(saved, k) != getattr(now, k)]
+        diffs = _shape_diffs(saved, now)
         if diffs:
             raise CheckpointError(
                 f"{self.path} holds a different model shape: {', '.join(diffs)}; pass the model flags it was saved "
@@ -761,8 +760,7 @@ def hf_full_value(path: str | os.PathLike, mcfg: GPTConfig) -> Callable[[str, tu
         hcfg, state = load_hf_checkpoint(path, dropout=mcfg.dropout)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"--init-from-hf {path}: {_describe(e)}.") from None
-    diffs = [f"{k}={getattr(hcfg, k)} (this run: {getattr(mcfg, k)})" for k in MODEL_SHAPE_FIELDS
-             if getattr(hcfg, k) != getattr(mcfg, k)]
+    diffs = _shape_diffs(hcfg, mcfg)
     if diffs:
         raise CheckpointError(
             f"--init-from-hf {path} holds a different model shape: {', '.join(diffs)}; drop the conflicting "
@@ -889,3 +887,12 @@ def apply(start: Start, trainer, loader=None) -> None:
     if trainer.is_logging_rank:
         for note in notes:
             print(f"[trainer3d] {note}", flush=True)
+
+
+def _shape_diffs(stored: GPTConfig, now: GPTConfig) -> list[str]:
+    """The model-shape fields where weights on disk and this run disagree, as 'field=stored (this run: now)'."""
+    return [
+        f"{k}={getattr(stored, k)} (this run: {getattr(now, k)})"
+        for k in MODEL_SHAPE_FIELDS
+        if getattr(stored, k) != getattr(now, k)
+    ]
