@@ -58,16 +58,18 @@ def _cfg(out_dir, dp=1, tp=1, pp=1, schedule="1f1b", virtual_stages=1, micro_bat
     return TrainConfig(**base)
 
 
-def _full_state(trainer, topo) -> dict[str, torch.Tensor]:
-    """Full (gathered over tp) parameters and optimizer moments of this rank's stages, by canonical name."""
+def _full_state(trainer, topo, optimizer: bool = True) -> dict[str, torch.Tensor]:
+    """Full (gathered over tp, and over dp under ZeRO) fp32 parameters and optimizer state of this rank's stages,
+    by canonical name. Collective: every rank of the layout calls it."""
     from trainer3d.parallelize import named_full_params
     from trainer3d.tensor_parallel import gather_full
 
     out = {}
     for name, (p, spec) in named_full_params(trainer.pm).items():
-        out[name] = gather_full(p.data, spec, topo.tp_group)
-        for k, v in trainer.optimizer_state_of(p).items():
-            out[f"{name}.{k}"] = gather_full(v, spec, topo.tp_group) if v.shape == p.shape else v.clone()
+        value = trainer.param_value(p)
+        out[name] = gather_full(value, spec, topo.tp_group)
+        for k, v in (trainer.optimizer_state_of(p) if optimizer else {}).items():
+            out[f"{name}.{k}"] = gather_full(v, spec, topo.tp_group) if v.shape == value.shape else v.clone()
     return out
 
 
@@ -76,7 +78,6 @@ def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: 
     and going on (the uninterrupted run). Every rank calls this (Topology is collective); ranks outside the layout
     return None. Returns the losses, the loader state, and on (dp 0, tp 0) ranks the full parameters at the end
     plus the full parameters and optimizer state where the run started and where it saved."""
-    from trainer3d.parallelize import gather_stage_params
     from trainer3d.train import DynamicLossScale, Trainer
     from trainer3d.data import BatchLoader
 
@@ -103,7 +104,7 @@ def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: 
             if trainer.step == save_at:
                 state_saved = _full_state(trainer, topo)
                 save_checkpoint(trainer, out_dir, loader)
-        params = gather_stage_params(trainer.pm, topo)
+        params = _full_state(trainer, topo, optimizer=False)
         out = {
             "losses": losses, "start_step": start_step, "loader": loader.state_dict(),
             "loss_scale": None if trainer.loss_scale is None else vars(trainer.loss_scale).copy(),
@@ -223,6 +224,91 @@ def test_checkpoint_layout_on_disk(world_results):
     assert ckpt.tensor(ckpt.optim_index["wte.weight.exp_avg"], "wte.weight.exp_avg").shape == (VOCAB, 64)
     ckpt.verify_files()
     assert not list((tmp / "b" / "checkpoints").glob("*.tmp-*"))
+
+
+# ---- DeepSpeed ZeRO: the same format, so any ZeRO stage (or DDP) resumes any checkpoint --------------------------
+def _zero_cases():
+    from test_zero import ds_config
+
+    z3 = dict(L222, deepspeed_config=ds_config(3, "all"))  # ZeRO-3, parameters and optimizer offloaded to CPU
+    z2 = dict(dp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2, deepspeed_config=ds_config(2))
+    z1_bf16 = dict(dp=2, precision="auto", deepspeed_config=ds_config(1, bf16=True))  # resume: the fp32 masters
+    reshard = [  # the ZeRO-3 (2,2,2) checkpoint resumed by DDP in one process and by other stages and layouts
+        dict(),
+        dict(dp=4, tp=2, deepspeed_config=ds_config(1)),
+        dict(dp=2, pp=4, schedule="interleaved-1f1b", virtual_stages=2, deepspeed_config=ds_config(2, "opt")),
+    ]
+    return z3, z2, z1_bf16, reshard
+
+
+ZERO_RESHARD_IDS = ["ddp-1x1x1", "zero1-4x2x1", "zero2-offload-2x1x4-interleaved"]
+
+
+def _zero_scenarios(rank, world_size, tmp):
+    tmp = Path(tmp)
+    z3, z2, z1_bf16, reshard = _zero_cases()
+    r = {}
+    for key, lay in (("z3", z3), ("z2", z2), ("z1bf16", z1_bf16)):
+        r[f"{key}_straight"] = _run(lay, tmp / key, 2 * N, save_at=N)
+        r[f"{key}_resumed"] = _run(lay, tmp / key, N, resume="latest")
+    for i, lay in enumerate(reshard):
+        r[f"zreshard{i}"] = _run(lay, tmp / "z3", N, resume=str(tmp / "z3" / "checkpoints" / "step_000004"))
+    # a DDP checkpoint resumed under ZeRO-3 at another layout (ZeRO-3 engines are built on every rank of the
+    # world: their construction has world-group barriers)
+    r["ddp_straight"] = _run(dict(dp=2, pp=4), tmp / "ddp", 2 * N, save_at=N)
+    r["ddp_to_z3"] = _run(dict(z3, dp=4, pp=1), tmp / "ddp", N, resume="latest")
+    return r
+
+
+@pytest.fixture(scope="module")
+def zero_results(tmp_path_factory):
+    from test_zero import _require_ops
+
+    _require_ops()
+    tmp = tmp_path_factory.mktemp("zero_ckpt_world")
+    t0 = time.perf_counter()
+    results = run_world(8, _zero_scenarios, str(tmp), timeout=600)
+    print(f"8-process ZeRO checkpoint world: {time.perf_counter() - t0:.1f} s")
+    return tmp, results
+
+
+@pytest.mark.parametrize("key", ["z3", "z2", "z1bf16"])
+def test_zero_exact_resume(zero_results, key):
+    """Under ZeRO the saved state is assembled from dp partitions and scattered back into fresh ones: the resumed
+    run continues bitwise (ZeRO-3 with CPU offload at (2,2,2), ZeRO-2 interleaved, ZeRO-1 in bf16)."""
+    tmp, results = zero_results
+    ref, ref_losses, ref_params = _merged(results, f"{key}_straight")
+    res, res_losses, res_params = _merged(results, f"{key}_resumed")
+    assert res["start_step"] == N
+    _assert_loaded_exactly(results, f"{key}_straight", f"{key}_resumed")
+    assert res_losses == ref_losses[N:], f"{key}: losses after resuming differ (bitwise) from the uninterrupted run"
+    assert all(torch.equal(res_params[k], ref_params[k]) for k in ref_params), "final parameters differ"
+    meta = Checkpoint(resolve_checkpoint(tmp / key)).meta
+    assert meta["data_parallel"]["engine"] == "deepspeed" and meta["has_optimizer_state"]
+
+
+@pytest.mark.parametrize("i", range(3), ids=ZERO_RESHARD_IDS)
+def test_zero_reshard_resume(zero_results, i):
+    """The ZeRO-3 (2,2,2) checkpoint, resumed by DDP and by other ZeRO stages at other layouts: the continued
+    losses match the uninterrupted ZeRO-3 run."""
+    _, results = zero_results
+    _, ref_losses, ref_params = _merged(results, "z3_straight")
+    res, losses, params = _merged(results, f"zreshard{i}")
+    assert res["start_step"] == N
+    _assert_loaded_exactly(results, "z3_straight", f"zreshard{i}")
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[N:]))
+    assert rel <= 1e-5, f"{ZERO_RESHARD_IDS[i]}: loss rel diff {rel:.2e} from the uninterrupted ZeRO-3 run"
+    assert max((params[k] - ref_params[k]).abs().max().item() for k in ref_params) <= 1e-4
+
+
+def test_ddp_checkpoint_resumes_under_zero3(zero_results):
+    """DDP (2,1,4) -> ZeRO-3 with offload at (4,2,1)."""
+    _, results = zero_results
+    _, ref_losses, _ = _merged(results, "ddp_straight")
+    res, losses, _ = _merged(results, "ddp_to_z3")
+    _assert_loaded_exactly(results, "ddp_straight", "ddp_to_z3")
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[N:]))
+    assert rel <= 1e-5, f"DDP -> ZeRO-3: loss rel diff {rel:.2e}"
 
 
 # ---- the command line: kill mid-save, SIGTERM under torchrun, bad input --------------------------------------------

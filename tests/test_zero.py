@@ -434,7 +434,6 @@ def test_json_batch_wins_without_flags(tmp_path):
         ([], 2, {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}, "needs ZeRO stage 3"),
         (["--pp", "2", "--schedule", "zbv"], 4, {"zero_optimization": {"stage": 1}}, "splits backward"),
         ([], 2, {"zero_optimization": {"stage": 1, "sub_group_size": "auto"}}, "cannot be \"auto\""),
-        (["--save-every", "5"], 2, {"zero_optimization": {"stage": 1}}, "--save-every/--resume"),
     ],
 )
 def test_config_errors(tmp_path, flags, world, ds, message):

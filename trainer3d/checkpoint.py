@@ -12,6 +12,10 @@ On-disk format (one directory per checkpoint, `<out-dir>/checkpoints/step_000123
     rng-rank{r}.safetensors    every rank's RNG states (uint8 tensors): restored when the layout is unchanged,
                                re-derived from (seed, step) otherwise
 
+Under DeepSpeed ZeRO the trainer's hooks (`param_value`, `optimizer_state_of`, `load_param_state`, see zero.py)
+assemble the fp32 master value and Adam moments from their dp partitions and scatter them back on load, so the
+files are the same whatever engine owned the dp axis.
+
 Because every tensor is stored whole under a layout-free name, any (dp, tp, pp, schedule) loads any checkpoint:
 each rank opens the files lazily (`safe_open`) and reads and shards only the tensors of its own stages. Writes are
 parallel over pipeline ranks ((dp 0, tp 0) of each writes its stages' files) and no rank holds the whole model.
@@ -244,6 +248,15 @@ def _layout_record(trainer) -> dict:
     }
 
 
+def _data_parallel_record(trainer) -> dict:
+    """What owned the dp axis (informational: any engine loads any checkpoint)."""
+    if trainer.zero is None:
+        return {"engine": "ddp"}
+    spec = trainer.zero.spec
+    return {"engine": "deepspeed", "zero_stage": spec.stage, "offload_optimizer": spec.offload_optimizer,
+            "offload_param": spec.offload_param}
+
+
 # ---- saving ----------------------------------------------------------------------------------------------------
 def _write_rank_files(trainer, tmp: Path, step: int) -> dict:
     """This rank's part of a save; returns {file name: {bytes, sha256, tensors}} for the files it wrote.
@@ -255,15 +268,16 @@ def _write_rank_files(trainer, tmp: Path, step: int) -> dict:
     model_t: dict[str, torch.Tensor] = {}
     optim_t: dict[str, torch.Tensor] = {}
     for name, (p, spec) in _named_full_params(trainer.pm).items():
+        local = trainer.param_value(p)  # (collective over dp under ZeRO, as is the optimizer state)
         state = trainer.optimizer_state_of(p)
         if not gather:
             continue
-        full = gather_full(p.data, spec, topo.tp_group)
+        full = gather_full(local, spec, topo.tp_group)
         if writer:
             model_t[name] = full.cpu()
         for key in sorted(state):
             value = state[key]
-            sharded_like_param = spec is not None and tuple(value.shape) == tuple(p.shape)
+            sharded_like_param = spec is not None and tuple(value.shape) == tuple(local.shape)
             full = gather_full(value, spec, topo.tp_group) if sharded_like_param else value.detach().clone()
             if writer:
                 optim_t[f"{name}.{key}"] = full.cpu()
@@ -353,6 +367,7 @@ def _commit(trainer, tmp: Path, final: Path, files: dict, loader, keep_last: int
         "model": dataclasses.asdict(trainer.mcfg),
         "config": dataclasses.asdict(trainer.cfg),
         "layout": _layout_record(trainer),
+        "data_parallel": _data_parallel_record(trainer),
         "precision": trainer.precision,
         "loader": loader.state_dict() if loader is not None else None,
         "loss_scale": None if ls is None else {k: v for k, v in vars(ls).items()},
@@ -650,26 +665,16 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     topo, meta = trainer.topo, ckpt.meta
     trainer.step = ckpt.step
     _quiet_ddp_during_metadata_inference(trainer.pm)
-    if meta.get("has_optimizer_state"):
-        by_param: dict[str, dict[str, tuple[str, str]]] = {}  # name -> {state key: (file, tensor)}
-        for t, f in ckpt.optim_index.items():
-            base, _, key = t.rpartition(".")
-            by_param.setdefault(base, {})[key] = (f, t)
-        for name, p, spec in _stage_params(trainer.pm):
-            state = {}
-            for key, (f, t) in by_param.get(name, {}).items():
-                full = ckpt.tensor(f, t)
-                if spec is not None and tuple(full.shape) == tuple(spec.full_shape):
-                    full = shard_tensor(full, spec, topo.tp_rank, topo.layout.tp)
-                state[key] = full
-            if not state:
-                raise CheckpointError(
-                    f"{ckpt.path} holds no optimizer state for {name!r}; the checkpoint is incomplete."
-                )
-            try:
-                trainer.load_optimizer_state_of(p, state)
-            except NotImplementedError as e:
-                raise CheckpointError(f"Cannot resume from {ckpt.path}: {e}.") from None
+    by_param: dict[str, dict[str, tuple[str, str]]] = {}  # name -> {state key: (file, tensor)}
+    for t, f in ckpt.optim_index.items():
+        base, _, key = t.rpartition(".")
+        by_param.setdefault(base, {})[key] = (f, t)
+    for name, p, spec in _stage_params(trainer.pm):
+        state = {key: _local_shard(ckpt.tensor(f, t), spec, topo) for key, (f, t) in by_param.get(name, {}).items()}
+        if meta.get("has_optimizer_state") and not state:
+            raise CheckpointError(f"{ckpt.path} holds no optimizer state for {name!r}; the checkpoint is incomplete.")
+        # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)
+        trainer.load_param_state(p, state, lambda: _local_shard(ckpt.model_tensor(name), spec, topo))
     ls = meta.get("loss_scale")
     if trainer.loss_scale is not None and ls:
         for k, v in ls.items():
@@ -688,6 +693,13 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
             f"RNG states re-derived from seed {trainer.cfg.seed} and step {ckpt.step}"
         )
     return notes
+
+
+def _local_shard(full: torch.Tensor, spec, topo) -> torch.Tensor:
+    """This tp rank's shard of a full tensor stored in a checkpoint (unchanged if it is not sharded like `spec`)."""
+    if spec is not None and tuple(full.shape) == tuple(spec.full_shape):
+        return shard_tensor(full, spec, topo.tp_rank, topo.layout.tp)
+    return full
 
 
 def _restore_rngs(trainer, ckpt: Checkpoint) -> None:
@@ -787,11 +799,6 @@ class Checkpointer:
         self.received: int | None = None
         self.stopped_by: str | None = None
         self._previous = {}
-        try:  # fail at the start, not at the first save, where the trainer cannot checkpoint its optimizer
-            trainer.optimizer_state_of(next(iter(trainer.pm.parameters())))
-        except NotImplementedError as e:
-            if save_every:
-                raise CheckpointError(f"--save-every {save_every}: {e}.") from None
         try:
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._on_signal)

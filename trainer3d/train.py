@@ -110,20 +110,27 @@ class Trainer:
         self.logging_rank = topo.global_rank(self.pm.last_stage_pp_rank, 0, 0)
         self.is_logging_rank = dist.get_rank() == self.logging_rank
 
-    # ---- optimizer state, for checkpoint.py (a ZeRO engine overrides these two) --------------------------------
+    # ---- values and optimizer state, for checkpoint.py (collective over dp under ZeRO: same params, same order) ---
+    def param_value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's tp shard of `param`, full over dp, in fp32 (under ZeRO: its fp32 master copy)."""
+        return self.zero.full_param(param) if self.zero else param.data
+
     def optimizer_state_of(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         """This rank's tp shard of `param`'s optimizer state, full over dp (AdamW: exp_avg, exp_avg_sq, step)."""
-        if self.optimizer is None:
-            raise NotImplementedError("checkpoints of the DeepSpeed ZeRO engine's optimizer state are not supported yet")
+        if self.zero:
+            return self.zero.optimizer_state_of(param)
         return {k: v for k, v in self.optimizer.state.get(param, {}).items() if torch.is_tensor(v)}
 
-    def load_optimizer_state_of(self, param: torch.nn.Parameter, state: dict[str, torch.Tensor]) -> None:
-        if self.optimizer is None:
-            raise NotImplementedError("checkpoints of the DeepSpeed ZeRO engine's optimizer state are not supported yet")
-        self.optimizer.state[param] = {
-            k: v.to(torch.float32) if k == "step" else v.to(device=param.device, dtype=param.dtype)
-            for k, v in state.items()
-        }
+    def load_param_state(self, param: torch.nn.Parameter, state: dict[str, torch.Tensor], value) -> None:
+        """Load a checkpoint's optimizer state of `param` (and, where the optimizer keeps its own fp32 master copy,
+        its value: `value()` reads it, lazily, since the DDP path built `param` from it already)."""
+        if self.zero:
+            return self.zero.load_param_state(param, state, value())
+        if state:
+            self.optimizer.state[param] = {
+                k: v.to(torch.float32) if k == "step" else v.to(device=param.device, dtype=param.dtype)
+                for k, v in state.items()
+            }
 
     # ---- one step --------------------------------------------------------------------------------------------
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

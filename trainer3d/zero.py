@@ -223,11 +223,6 @@ def resolve_deepspeed(cfg, layout) -> DeepSpeedSpec:
         )
     if (ds.get("torch_autocast") or {}).get("enabled"):
         raise ConfigError(f"{src} enables torch_autocast; remove it and use the \"bf16\" section.")
-    if getattr(cfg, "save_every", 0) or getattr(cfg, "resume", None):
-        raise ConfigError(
-            "--save-every/--resume cannot be combined with --deepspeed_config yet (checkpoint.py saves whole "
-            "parameters and optimizer states, ZeRO holds partitions of them); drop them or train with DDP."
-        )
     info = SCHEDULES.get(cfg.schedule)
     if info is not None and info.split_backward:
         raise ConfigError(
@@ -637,6 +632,69 @@ def _z3_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
         opt._writeback_swap_state(group, write_opt_state=False, write_gradients=True)
 
 
+# ---- optimizer state for checkpoints ------------------------------------------------------------------------------
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _partitioned(p: nn.Parameter) -> bool:
+    """Does ZeRO hold this parameter's fp32 master and optimizer state in partitions (stages 1-3, or stage 0's
+    bf16 optimizer), rather than the client optimizer holding them whole?"""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def _full_shape(p: nn.Parameter) -> torch.Size:
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+
+
+def _base_optimizer_and_masters(engine):
+    """The Adam inside the engine and the fp32 tensors it keys its state by: ZeRO's flat master partitions (one per
+    parameter group, or sub-group at ZeRO-3), or the parameters themselves for ZeRO-0's plain client optimizer."""
+    opt = engine.optimizer
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        masters = getattr(opt, attr, None)
+        if masters is not None:
+            return opt.optimizer, list(masters)
+    return opt, [p for group in opt.param_groups for p in group["params"]]
+
+
+def _optimizer_step_count(engine) -> int | None:
+    """Adam's step count (every master tensor steps together; ZeRO never skips a step in fp32/bf16), or None before
+    the first step, when Adam has created no state yet."""
+    base, masters = _base_optimizer_and_masters(engine)
+    for m in masters:
+        state = base.state.get(m)
+        if state and "step" in state:
+            return int(state["step"])
+    return None
+
+
+def _create_optimizer_state(engine, step: int) -> None:
+    """Give a freshly built engine the optimizer state Adam would have after `step` steps, zero moments included, in
+    the optimizer's own format (torch Adam: a float tensor step; DeepSpeedCPUAdam: an int), and link ZeRO-1/2's
+    per-parameter views to it, as DeepSpeed's universal-checkpoint loader does. Adam creates state lazily at its
+    first step, so until then DeepSpeed's safe_set_full_optimizer_state has nothing to write into."""
+    base, masters = _base_optimizer_and_masters(engine)
+    cpu_adam = hasattr(base, "ds_opt_adam")
+    for m in masters:
+        state = base.state.setdefault(m, {})
+        if not state:
+            dtype = m.dtype if cpu_adam and not base.fp32_optimizer_states else torch.float32
+            state["exp_avg"] = torch.zeros_like(m, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(m, dtype=dtype)
+        state["step"] = step if cpu_adam else torch.tensor(float(step))
+    _link_optimizer_state(engine)
+
+
+def _link_optimizer_state(engine) -> None:
+    """(Re)point ZeRO-1/2's (and the bf16 optimizer's) per-parameter views at Adam's flat state. DeepSpeed 0.19.8
+    links them after stepping the first parameter group, before Adam has created the other groups' state, and never
+    again: the no-decay group's views stay empty and safe_get_full_optimizer_state fails on its parameters."""
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
 # ---- the runtime: engines, the step, memory -----------------------------------------------------------------------
 class ZeroDataParallel:
     """One DeepSpeed engine per pipeline stage module on this rank, over the dp group."""
@@ -670,6 +728,7 @@ class ZeroDataParallel:
                 dist_init_required=False,
             )
             self.engines.append(engine)
+        self._engine_of = {id(p): e for e in self.engines for p in e.module.parameters()}
         self.dtype = torch.bfloat16 if spec.cfg.precision == "bf16" else torch.float32
 
     def _client_optimizer(self, module: nn.Module):
@@ -756,14 +815,54 @@ class ZeroDataParallel:
     def _plain(self, engine) -> nn.Module:
         return engine.module
 
+    # -- checkpoints: whole values out and in (checkpoint.py's layout-free format) --------------------------------
+    # A parameter's fp32 master value and Adam moments are partitioned over dp (ZeRO-1/2: fragments of a flat
+    # partition per parameter group; ZeRO-3: each parameter on its own). DeepSpeed's safe_get/set_full_* assemble
+    # them (an all-reduce over dp) and write this rank's part back, wherever the partition lives (device, CPU).
+    # Every method here is collective over dp: every dp rank calls it for the same parameters in the same order.
     @staticmethod
     def full_param(p: nn.Parameter) -> torch.Tensor:
-        """The full fp32 value of a parameter (this rank's tp shard), from ZeRO's master copy. Collective over dp
-        at ZeRO-1/2/3: every dp rank must ask for the same parameters in the same order."""
+        """The full fp32 value of a parameter (this rank's tp shard), from ZeRO's master copy."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        value = safe_get_full_fp32_param(p) if (hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")) else None
-        return (p.data if value is None else value).detach().float().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+        value = safe_get_full_fp32_param(p) if _partitioned(p) else None
+        return (p.data if value is None else value).detach().float().reshape(_full_shape(p))
+
+    def optimizer_state_of(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        """AdamW's state of `p` as the DDP path holds it (exp_avg, exp_avg_sq: full over dp, this tp shard; step:
+        a float tensor); {} before the first step."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base, _ = _base_optimizer_and_masters(self._engine_of[id(p)])
+        step = _optimizer_step_count(self._engine_of[id(p)])
+        if step is None:
+            return {}
+        if not _partitioned(p):  # ZeRO-0 in fp32: the client optimizer, keyed by the parameter itself
+            return {k: v for k, v in base.state.get(p, {}).items() if torch.is_tensor(v)}
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is not None and not mapping.optim_fragment:
+            _link_optimizer_state(self._engine_of[id(p)])
+        state = {k: safe_get_full_optimizer_state(p, k).float().reshape(_full_shape(p)) for k in ADAM_MOMENTS}
+        state["step"] = torch.tensor(float(step))
+        return state
+
+    def load_param_state(self, p: nn.Parameter, state: dict[str, torch.Tensor], value: torch.Tensor) -> None:
+        """Write a checkpoint's fp32 value (into ZeRO's master copy: the module built from the same value holds it
+        only in bf16 under bf16) and its AdamW state (`step`, `exp_avg`, `exp_avg_sq`) into this rank's partitions."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        engine = self._engine_of[id(p)]
+        if _partitioned(p):
+            safe_set_full_fp32_param(p, value.to(torch.float32))
+        if not state:
+            return
+        _create_optimizer_state(engine, int(state["step"].item()))
+        if _partitioned(p):
+            for key in ADAM_MOMENTS:
+                safe_set_full_optimizer_state(p, state[key].to(torch.float32), key)
+        else:
+            base, _ = _base_optimizer_and_masters(engine)
+            base.state[p] = {k: v.to(device=p.device, dtype=torch.float32) for k, v in state.items()}
 
     def sync_tied_embedding_grads(self) -> None:
         """Sum the tied embedding's gradient over its copies (first stage's wte, last stage's lm_head copy) and
