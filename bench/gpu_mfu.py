@@ -11,13 +11,21 @@ the device's dense bf16 peak (trainer3d.metrics.PEAK_TFLOPS, or --peak-tflops). 
 data pipeline is not what is measured. Prints one table row per (model, micro-batch size); with several
 --micro-batch-size values it tries each and skips sizes that run out of memory.
 
+--profile adds, per row, where the GPU time of 3 more steps goes (torch.profiler kernels grouped: matmuls,
+attention, optimizer, elementwise, ...) and how busy the GPU was. --reference eager compile adds rows for the same
+model (trainer3d.model.GPT, vocab padded to 50304) in a bare nanoGPT-style loop (autocast bf16 over fp32 params,
+F.cross_entropy, clip, fused AdamW), eager and under torch.compile: what the trainer's own code costs, and what
+compilation would buy, on the same GPU.
+
 Runs on CPU too (--device cpu, for a smoke test; MFU then needs --peak-tflops).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import subprocess
 import sys
 import time
 
@@ -29,7 +37,7 @@ from bench.harness import stamp, table  # noqa: E402
 
 
 def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, warmup: int, device: torch.device,
-            peak_override: float | None, precision: str) -> dict:
+            peak_override: float | None, precision: str, profile: bool = False) -> dict:
     import torch.distributed as dist
 
     from trainer3d.config import TrainConfig, validate
@@ -44,9 +52,7 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
                       precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4)
     mcfg = cfg.gpt_config(50257)
     layout, plan = validate(cfg, 1, mcfg.vocab_size)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    free_memory(device)  # the previous row's Trainer (reference cycles) would count in this row's peak memory
     trainer = Trainer(cfg, Topology(layout), device, mcfg, plan)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, mcfg.vocab_size, (plan.global_batch, seq_len + 1), generator=g).to(device)
@@ -64,6 +70,13 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
         rec = trainer.train_step(batches[i % 4])
     sync()
     dt = time.perf_counter() - t0
+    mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    breakdown = None
+    if profile:
+        try:
+            breakdown = gpu_time_breakdown(trainer.train_step, batches, device)
+        except Exception as e:  # noqa: BLE001 - a profiler problem must not cost the row
+            print(f"profile failed: {type(e).__name__}: {e}", flush=True)
     tokens = steps * plan.global_batch * seq_len
     tps = tokens / dt
     fpt = flops_per_token(mcfg, seq_len)
@@ -71,9 +84,139 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
     out = dict(model=model, params=mcfg.num_params(), mbs=mbs, accum=grad_accum, seq=seq_len, steps=steps,
                step_ms=1000 * dt / steps, tps=tps, tflops=tps * fpt / 1e12, peak=peak,
                mfu=tps * fpt / (peak * 1e12) if peak else None, loss=rec["loss"], precision=trainer.precision,
+               mem=mem, breakdown=breakdown)
+    return out  # the caller frees this Trainer (free_memory) before the next row
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+_KINDS = [  # (kind, substrings of the lower-cased kernel name), first match wins
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "sm90_", "sm80_")),
+    ("attention", ("flash", "fmha", "attention", "efficient")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("nccl", ("nccl",)),
+    ("layernorm", ("layer_norm", "layernorm")),
+    ("copy/cast", ("copy", "cast", "memcpy", "memset", "fill")),
+    ("softmax/reduce", ("reduce", "softmax", "max", "sum", "log")),
+]
+
+
+def gpu_time_breakdown(step, batches: list, device: torch.device, n: int = 3) -> dict | None:
+    """GPU time per step by kernel kind over n profiled steps, plus the step's wall time (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            step(batches[i % len(batches)])
+        torch.cuda.synchronize(device)
+    wall_ms = 1000 * (time.perf_counter() - t0) / n
+    kinds: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or 0
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or t <= 0:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, subs in _KINDS if any(x in name for x in subs)), "other elementwise")
+        kinds[kind] = kinds.get(kind, 0.0) + t / 1000 / n  # us -> ms per step
+    return {"wall_ms": wall_ms, "gpu_ms": sum(kinds.values()), "kinds": kinds}
+
+
+def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, device: torch.device,
+                  peak_override: float | None, mode: str) -> dict:
+    """The same model in a bare loop (no pipeline schedule, no tp layers, no vocab-parallel loss), eager or
+    compiled: a ceiling for this GPU and this torch, to read the trainer's MFU against."""
+    import torch.nn.functional as F
+
+    from trainer3d.config import TrainConfig
+    from trainer3d.metrics import device_peak_tflops, flops_per_token
+    from trainer3d.model import GPT, init_value
+
+    free_memory(device)
+    mcfg = TrainConfig(model=model, seq_len=seq_len).gpt_config(50304)  # the trainer pads 50257 to 50304 too
+    net = GPT(mcfg)
+    with torch.no_grad():
+        for name, p in net.named_parameters():  # the tied lm_head is listed once, as wte.weight
+            p.copy_(init_value(name, p.shape, mcfg, TrainConfig.seed))
+        net.wte.weight[50257:].zero_()  # the trainer's padding rows are zeros too
+    net = net.to(device)
+    params = list(net.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},  # as trainer3d.train
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    fwd = torch.compile(net) if mode == "compile" else net
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 50257, (mbs, seq_len + 1), generator=g).to(device) for _ in range(4)]
+    cuda = device.type == "cuda"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)  # fp32
+
+    done = [0]
+
+    def step(i):  # batches in the order run_one feeds them, lr as the trainer's warm-up (warmup_steps=10)
+        x = batches[i % 4]
+        for group in opt.param_groups:
+            group["lr"] = 6e-4 * min(1.0, (done[0] + 1) / 10)
+        done[0] += 1
+        opt.zero_grad(set_to_none=True)
+        with amp:
+            logits = fwd(x[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    t0 = time.perf_counter()
+    for i in range(warmup):  # compile happens here
+        step(i)
+    sync()
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = step(i)
+    sync()
+    dt = time.perf_counter() - t0
+    tps = steps * mbs * seq_len / dt
+    fpt = flops_per_token(TrainConfig(model=model, seq_len=seq_len).gpt_config(50257), seq_len)
+    peak = device_peak_tflops(device, "bf16" if device.type == "cuda" else "fp32", peak_override)
+    out = dict(model=model, params=mcfg.num_params(), mbs=mbs, accum=1, seq=seq_len, steps=steps,
+               step_ms=1000 * dt / steps, tps=tps, tflops=tps * fpt / 1e12, peak=peak,
+               mfu=tps * fpt / (peak * 1e12) if peak else None, loss=loss.item(), warm_s=warm_s,
                mem=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
-    del trainer, batches
-    return out
+    return out  # the caller frees the model (free_memory) before the next row
+
+
+def device_description(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(device)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
+                                 str(device.index or 0)], capture_output=True, text=True, timeout=30,
+                                check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "?"
+    try:
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:  # noqa: BLE001
+        nccl = "?"
+    return (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs, "
+            f"driver {driver or '?'}, CUDA {torch.version.cuda}, NCCL {nccl}, "
+            f"TF32 matmul {torch.backends.cuda.matmul.allow_tf32}")
 
 
 def main(argv=None) -> int:
@@ -87,30 +230,61 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precision", default="auto", help="auto: bf16 on CUDA (the trainer's default), fp32 on CPU")
     ap.add_argument("--peak-tflops", type=float, default=None, help="override the device's dense peak")
+    ap.add_argument("--profile", action="store_true", help="per row: GPU time by kernel kind over 3 more steps")
+    ap.add_argument("--reference", nargs="*", default=[], choices=["eager", "compile"],
+                    help="also time the same model in a bare loop, eager and/or torch.compile'd")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # TF32 and the rest left as the trainer leaves them
-    rows = []
+    rows, profiles = [], []
+
+    def row(label, r):
+        return [
+            label, f"{r['params'] / 1e6:.0f}M", r["mbs"], r["accum"], r["seq"], f"{r['step_ms']:.0f}",
+            f"{r['tps']:,.0f}", f"{r['tflops']:.1f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-",
+            f"{r['mem'] / 2**30:.1f} GiB" if r["mem"] else "-", f"{r['loss']:.3f}",
+        ]
+
+    def attempt(label, mbs, fn):
+        failed = None
+        try:
+            r = fn()
+        except torch.OutOfMemoryError:
+            failed = "OOM"
+        except Exception as e:  # noqa: BLE001 - e.g. torch.compile without a compiler: report it, keep the table
+            print(f"{label} mbs {mbs} failed: {type(e).__name__}: {e}", flush=True)
+            failed = "failed"
+        free_memory(device)  # outside the handler: a failure's traceback (and the trainer in it) is gone by now
+        if failed:
+            rows.append([label, "-", mbs, args.grad_accum, args.seq_len, failed, "-", "-", "-", "-", "-"])
+            return None
+        rows.append(row(label, r))
+        print(rows[-1], flush=True)
+        return r
+
     for model in args.models:
         for mbs in args.micro_batch_size:
-            try:
-                r = run_one(model, mbs, args.grad_accum, args.seq_len, args.steps, args.warmup, device,
-                            args.peak_tflops, args.precision)
-            except torch.OutOfMemoryError:
-                rows.append([model, "-", mbs, args.grad_accum, args.seq_len, "OOM", "-", "-", "-", "-", "-"])
-                torch.cuda.empty_cache()
-                continue
-            rows.append([
-                r["model"], f"{r['params'] / 1e6:.0f}M", r["mbs"], r["accum"], r["seq"], f"{r['step_ms']:.0f}",
-                f"{r['tps']:,.0f}", f"{r['tflops']:.1f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-",
-                f"{r['mem'] / 2**30:.1f} GiB" if r["mem"] else "-", f"{r['loss']:.3f}",
-            ])
-            print(rows[-1], flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            r = attempt(model, mbs, lambda model=model, mbs=mbs: run_one(
+                model, mbs, args.grad_accum, args.seq_len, args.steps, args.warmup, device, args.peak_tflops,
+                args.precision, args.profile))
+            if r and r["breakdown"]:
+                b = r["breakdown"]
+                kinds = ", ".join(f"{k} {v:.1f} ({100 * v / b['wall_ms']:.0f}%)"
+                                  for k, v in sorted(b["kinds"].items(), key=lambda kv: -kv[1]))
+                profiles.append(f"{model} mbs {mbs}: step {b['wall_ms']:.1f} ms wall, GPU busy {b['gpu_ms']:.1f} ms "
+                                f"({100 * b['gpu_ms'] / b['wall_ms']:.0f}%); ms per step by kernel kind: {kinds}")
+                print(profiles[-1], flush=True)
+            for mode in args.reference:
+                r = attempt(f"{model} bare {mode}", mbs, lambda model=model, mbs=mbs, mode=mode: run_reference(
+                    model, mbs, args.seq_len, args.steps, args.warmup, device, args.peak_tflops, mode))
+                if r:
+                    print(f"  ({mode} warm-up incl. compile: {r['warm_s']:.0f} s)", flush=True)
     print(table(rows, ["model", "params", "micro-batch", "accum", "seq", "step ms", "tokens/s", "TFLOP/s",
                        "MFU", "peak mem", "loss"]))
-    print(f"device: {name}; precision {args.precision}")
+    for line in profiles:
+        print(line)
+    print(f"device: {device_description(device)}; precision {args.precision}")
     print(stamp("python bench/gpu_mfu.py " + " ".join(argv if argv is not None else sys.argv[1:])))
     return 0
 

@@ -10,14 +10,22 @@ import torch
 
 from .model import GPTConfig
 
-# Dense peak TFLOP/s per device (vendor datasheets; no sparsity).
+# Dense peak TFLOP/s per device (vendor datasheets; no sparsity). Matched against torch.cuda.get_device_name() in
+# this order, first substring wins, so the PCIe/NVL variants come before their SXM names ("NVIDIA H100 80GB HBM3"
+# is the SXM part; "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" are slower). "tf32" is the tensor-core fp32 peak,
+# "fp32" the plain (IEEE) one: torch multiplies fp32 matrices in full fp32 unless TF32 is switched on
+# (torch.backends.cuda.matmul.allow_tf32 or torch.set_float32_matmul_precision("high")), and the trainer leaves
+# it off, so an fp32 run is measured against the peak that matches what it ran.
 PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},  # SXM; fp32 column is TF32
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0},
-    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 35.0},
-    "V100": {"bf16": 125.0, "fp16": 125.0, "fp32": 15.7},
+    "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},  # SXM; GH200 too
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},  # SXM ("NVIDIA H100 80GB HBM3")
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
+    "V100": {"fp16": 125.0, "fp32": 15.7},  # no bf16 or TF32 tensor cores
 }
 
 
@@ -29,6 +37,8 @@ def device_peak_tflops(device: torch.device, precision: str, override: float | N
     name = torch.cuda.get_device_name(device)
     for key, table in PEAK_TFLOPS.items():
         if key in name:
+            if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32 and "tf32" in table:
+                return table["tf32"]
             return table.get(precision)
     return None
 
