@@ -28,7 +28,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from distributed import run_world  # noqa: E402
 from parity import VOCAB, global_batches, parity_config, train_layout  # noqa: E402
-from trainer3d import pipeline, zero  # noqa: E402
+from trainer3d import deepspeed_config, pipeline, zero  # noqa: E402
 from trainer3d.config import ConfigError, parse_args, validate  # noqa: E402
 from trainer3d.topology import Layout, Topology  # noqa: E402
 
@@ -37,10 +37,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _require_ops(nvme: bool = False):
-    missing = zero.missing_ops(zero.ops_needed("cpu", nvme=nvme))
+    missing = deepspeed_config.missing_ops(deepspeed_config.ops_needed("cpu", nvme=nvme))
     if missing:
         msg = (
-            f"DeepSpeed ops {missing} are not built in {zero.default_extensions_dir()}; run "
+            f"DeepSpeed ops {missing} are not built in {deepspeed_config.default_extensions_dir()}; run "
             "`python -m trainer3d.zero --build-ops` first (tests never build them)"
         )
         if os.environ.get("TRAINER3D_REQUIRE_DS_OPS"):
@@ -261,7 +261,7 @@ NVME_MODEL = dict(n_embd=128, vocab_size=8192, n_layer=2)
 def nvme_cases(nvme_path: str):
     """fp32: optimizer (and its fp32 gradients) on NVMe, parameters on CPU -- parity with DDP. bf16: parameters
     and optimizer on NVMe -- equal to the same bf16 run with CPU offload (DeepSpeed 0.19.8 cannot swap fp32
-    parameters on a CPU host, see zero.resolve_deepspeed)."""
+    parameters on a CPU host, see deepspeed_config.resolve_deepspeed)."""
     lay, lay16 = dict(layout(2), **NVME_MODEL), dict(layout(2), precision="auto", **NVME_MODEL)
     paths = [os.path.join(nvme_path, kind) for kind in ("fp32", "bf16")]  # one per run: swap files are counted
     for path in paths:
@@ -295,7 +295,7 @@ def _run(world, cases, timeout):
 
 
 def _nvme_available() -> bool:
-    return not zero.missing_ops(["AsyncIOBuilder"])
+    return not deepspeed_config.missing_ops(["AsyncIOBuilder"])
 
 
 @pytest.fixture(scope="module")
@@ -388,18 +388,18 @@ def test_shipped_configs_resolve(tmp_path):
                 data["zero_optimization"][k]["nvme_path"] = str(tmp_path)
             path = _write(tmp_path, data, name)
         cfg = parse_args(["--tp", "2", "--pp", "2", "--global-batch", "32", "--lr", "3e-4", "--deepspeed_config", path])
-        if name == "zero3_nvme.json" and not zero.aio_available():  # no libaio here: refused, clearly
+        if name == "zero3_nvme.json" and not deepspeed_config.aio_available():  # no libaio here: refused, clearly
             with pytest.raises(ConfigError, match="libaio"):
                 validate(cfg, 8)
             continue
         L, plan = validate(cfg, 8)
-        spec = zero.resolve_deepspeed(cfg, L)
+        spec = deepspeed_config.resolve_deepspeed(cfg, L)
         ds = spec.ds_config
         assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (32, plan.micro_batches), name
         assert ds["train_micro_batch_size_per_gpu"] * plan.micro_batches * 2 == 32, name
         assert spec.cfg.lr == 3e-4 and spec.cfg.grad_clip == 1.0 and ds["gradient_clipping"] == 0.0, name
         assert spec.cfg.precision == "bf16" and "optimizer" not in ds, name
-        assert not [k for k, v in zero._walk(ds) if v == "auto"], name
+        assert not [k for k, v in deepspeed_config._walk(ds) if v == "auto"], name
 
 
 def test_json_batch_wins_without_flags(tmp_path):
@@ -471,13 +471,13 @@ def test_main_reports_config_error(tmp_path, capsys):
 def test_glue_contract():
     """The DeepSpeed internals zero.py patches or calls exist in the installed version, and the version is in the
     pinned range; a version outside it is refused with a message naming the fix."""
-    zero.check_deepspeed_version()
+    deepspeed_config.check_deepspeed_version()
     zero.check_glue()
     with pytest.raises(ConfigError, match="not supported"):
-        zero.check_deepspeed_version("0.20.0")
+        deepspeed_config.check_deepspeed_version("0.20.0")
     with pytest.raises(ConfigError, match="not supported"):
-        zero.check_deepspeed_version("0.19.7")
-    zero.check_deepspeed_version("0.19.9+abc")
+        deepspeed_config.check_deepspeed_version("0.19.7")
+    deepspeed_config.check_deepspeed_version("0.19.9+abc")
     pyproject = open(os.path.join(REPO, "pyproject.toml")).read()
     assert '"deepspeed>=0.19.8,<0.20"' in pyproject
 

@@ -33,15 +33,12 @@ message is one sentence naming the file and why, on every rank alike, before any
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import secrets
 import shutil
-import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -51,7 +48,7 @@ import torch.distributed as dist
 
 from .config import ConfigError
 from .model import GPTConfig, canonical_name
-from .tensor_parallel import ShardedDropoutRNG, gather_full, group_size, shard_tensor
+from .tensor_parallel import ShardedDropoutRNG, gather_full, group_size
 
 FORMAT = "trainer3d-checkpoint"
 FORMAT_VERSION = 1
@@ -110,7 +107,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -128,51 +125,39 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     return {"bytes": path.stat().st_size, "sha256": _sha256(path), "tensors": sorted(tensors)}
 
 
-def _world_size(group) -> int:
+def group_world_size(group) -> int:
     return group_size(group) if dist.is_initialized() else 1
 
 
-def _all_gather_object(obj, group) -> list:
-    if _world_size(group) == 1:
+def all_gather_object(obj, group) -> list:
+    if group_world_size(group) == 1:
         return [obj]
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def _broadcast_object(obj, src_global_rank: int, group):
-    if _world_size(group) == 1:
+def broadcast_object(obj, src_global_rank: int, group):
+    if group_world_size(group) == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src_global_rank, group=group)
     return box[0]
 
 
-def _raise_first(errors: list) -> None:
+def raise_first(errors: list) -> None:
     """Raise the first rank's error on every rank (all ranks call this with the same gathered list)."""
     for e in errors:
         if e:
             raise CheckpointError(e)
 
 
-def _describe(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
 
 
-def _stage_params(pm) -> list[tuple[str, torch.nn.Parameter, Any]]:
-    """(canonical name, parameter, tp spec) of every parameter object this rank holds, the last stage's tied head
-    copy included (as `wte.weight`): what has to be loaded, values and optimizer state alike."""
-    out, seen = [], set()
-    for m in pm.plain_modules():
-        for name, p in m.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((canonical_name(name), p, getattr(p, "tp_spec", None)))
-    return out
-
-
-def _sharded_rngs(pm) -> list[ShardedDropoutRNG]:
+def sharded_rngs(pm) -> list[ShardedDropoutRNG]:
     out = []
     for m in pm.plain_modules():
         for block in m.h.values():
@@ -183,64 +168,7 @@ def _sharded_rngs(pm) -> list[ShardedDropoutRNG]:
     return out
 
 
-class _RestoredShardedRNG:
-    """A restored ShardedDropoutRNG whose stream the rebuilt pipeline's one-off metadata inference does not advance.
-
-    The first step of a freshly built torch.distributed.pipelining schedule runs every stage forward once to infer
-    shapes (`_initialize_pp_stages`, inside fork_rng, which protects the default generator but not this stream's
-    Python-held state). The uninterrupted run paid that once, at its step 1, before the state that was saved; a
-    resumed run would pay it again on top of the restored state. Until the first real forward, draws made inside that
-    inference are undone, so the resumed run draws exactly the masks the uninterrupted one did."""
-
-    def __init__(self, inner: ShardedDropoutRNG):
-        self.inner, self.armed = inner, True
-
-    @contextlib.contextmanager
-    def __call__(self):
-        if self.armed and _in_pipeline_metadata_inference():
-            saved = self.inner.state
-            with self.inner():
-                yield
-            self.inner.state = saved
-            return
-        self.armed = False
-        with self.inner():
-            yield
-
-
-def _quiet_ddp_during_metadata_inference(pm) -> None:
-    """Make a rebuilt DDP stage's first step reduce gradients once, like every later step of the uninterrupted run.
-
-    The pipeline's metadata inference calls the DDP-wrapped stage outside `no_sync` with grad enabled, which arms
-    DDP's reducer; the first micro-batch's backward then all-reduces too (the step's gradient is the same sum,
-    rounded differently). The uninterrupted run paid that at its step 1; a resumed run would pay it at its first
-    step and drift from the uninterrupted one in the last bits. Running inference under no_sync avoids it."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    for module in pm.modules:
-        if isinstance(module, DistributedDataParallel) and not getattr(module, "_trainer3d_quiet", False):
-            forward = module.forward
-
-            def quiet_forward(*args, _ddp=module, _forward=forward, **kwargs):
-                if _in_pipeline_metadata_inference():
-                    with _ddp.no_sync():
-                        return _forward(*args, **kwargs)
-                return _forward(*args, **kwargs)
-
-            module.forward = quiet_forward
-            module._trainer3d_quiet = True
-
-
-def _in_pipeline_metadata_inference() -> bool:
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code.co_name == "_initialize_pp_stages":
-            return True
-        f = f.f_back
-    return False
-
-
-def _layout_record(trainer) -> dict:
+def layout_record(trainer) -> dict:
     L = trainer.topo.layout
     return {
         "dp": L.dp, "tp": L.tp, "pp": L.pp, "world_size": L.world_size, "schedule": trainer.cfg.schedule,
@@ -294,7 +222,7 @@ def _write_rank_files(trainer, tmp: Path, step: int) -> dict:
     rng = {"cpu": torch.get_rng_state()}
     if trainer.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
-    for i, r in enumerate(_sharded_rngs(trainer.pm)):
+    for i, r in enumerate(sharded_rngs(trainer.pm)):
         rng[f"sharded{i}"] = r.state.clone().cpu()
     report[rng_file(topo.rank)] = _save_safetensors(rng, tmp / rng_file(topo.rank), meta)
     return report
@@ -316,7 +244,7 @@ def save_checkpoint(trainer, out_dir: str | os.PathLike, loader=None, keep_last:
     step = trainer.step
     root = checkpoints_root(out_dir)
     final = root / step_dir_name(step)
-    tmp_name = _broadcast_object(f"{final.name}.tmp-{secrets.token_hex(4)}" if topo.rank == 0 else None, root0, group)
+    tmp_name = broadcast_object(f"{final.name}.tmp-{secrets.token_hex(4)}" if topo.rank == 0 else None, root0, group)
     tmp = root / tmp_name
 
     report, error = {}, None
@@ -324,8 +252,8 @@ def save_checkpoint(trainer, out_dir: str | os.PathLike, loader=None, keep_last:
         tmp.mkdir(parents=True, exist_ok=True)
         report = _write_rank_files(trainer, tmp, step)
     except Exception as e:  # noqa: BLE001 - gathered so every rank raises, none hangs
-        error = f"rank {topo.rank} could not write its files into {tmp} ({type(e).__name__}: {_describe(e)})"
-    gathered = _all_gather_object((report, error), group)
+        error = f"rank {topo.rank} could not write its files into {tmp} ({type(e).__name__}: {describe_error(e)})"
+    gathered = all_gather_object((report, error), group)
     errors = [e for _, e in gathered if e]
     status = None
     if topo.rank == 0:
@@ -338,10 +266,10 @@ def save_checkpoint(trainer, out_dir: str | os.PathLike, loader=None, keep_last:
                     files.update(r)
                 _commit(trainer, tmp, final, files, loader, keep_last)
         except Exception as e:  # noqa: BLE001
-            status = f"could not complete checkpoint {final} ({type(e).__name__}: {_describe(e)})"
+            status = f"could not complete checkpoint {final} ({type(e).__name__}: {describe_error(e)})"
     if errors:
         raise CheckpointError(f"Saving checkpoint {final} failed: {errors[0]}; the previous checkpoint is untouched.")
-    status = _broadcast_object(status, root0, group)
+    status = broadcast_object(status, root0, group)
     if status:
         raise CheckpointError(f"Saving failed: {status}; the previous checkpoint is untouched.")
     return final
@@ -366,7 +294,7 @@ def _commit(trainer, tmp: Path, final: Path, files: dict, loader, keep_last: int
         "lr": lr_at(trainer.step, trainer.cfg),
         "model": dataclasses.asdict(trainer.mcfg),
         "config": dataclasses.asdict(trainer.cfg),
-        "layout": _layout_record(trainer),
+        "layout": layout_record(trainer),
         "data_parallel": _data_parallel_record(trainer),
         "precision": trainer.precision,
         "loader": loader.state_dict() if loader is not None else None,
@@ -389,7 +317,7 @@ def _commit(trainer, tmp: Path, final: Path, files: dict, loader, keep_last: int
         os.replace(final, aside)
     os.replace(tmp, final)
     _fsync_path(root)
-    _write_text_atomic(root / LATEST, final.name + "\n")
+    write_text_atomic(root / LATEST, final.name + "\n")
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     _prune(root, final, keep_last)
@@ -480,7 +408,7 @@ class Checkpoint:
                 raise ValueError("not a JSON object")
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(
-                f"{meta_path} is not valid JSON ({_describe(e)}); the checkpoint is corrupted."
+                f"{meta_path} is not valid JSON ({describe_error(e)}); the checkpoint is corrupted."
             ) from None
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"{meta_path} is not a trainer3d checkpoint (format {meta.get('format')!r}).")
@@ -503,7 +431,7 @@ class Checkpoint:
         try:
             self.model_config = GPTConfig(**meta["model"])
         except TypeError as e:
-            raise CheckpointError(f"{meta_path} has an unreadable model config ({_describe(e)}).") from None
+            raise CheckpointError(f"{meta_path} has an unreadable model config ({describe_error(e)}).") from None
         self._handles: dict[str, Any] = {}
         self.model_index = {t: f for f, info in files.items() if f.startswith("model-") for t in info["tensors"]}
         self.optim_index = {t: f for f, info in files.items() if f.startswith("optim-") for t in info["tensors"]}
@@ -529,7 +457,7 @@ class Checkpoint:
             handle.keys()
         except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
             raise CheckpointError(
-                f"{path} cannot be read as safetensors ({_describe(e)}); the file is corrupted."
+                f"{path} cannot be read as safetensors ({describe_error(e)}); the file is corrupted."
             ) from None
         self._handles[name] = handle
         return handle
@@ -583,7 +511,7 @@ class Checkpoint:
         try:
             return handle.get_tensor(name)
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{self.path / file}: cannot read tensor {name!r} ({_describe(e)}).") from None
+            raise CheckpointError(f"{self.path / file}: cannot read tensor {name!r} ({describe_error(e)}).") from None
 
     def model_tensor(self, name: str) -> torch.Tensor:
         return self.tensor(self.model_index[name], name)
@@ -594,7 +522,7 @@ class Checkpoint:
 
     def check_model_matches(self, mcfg: GPTConfig) -> None:
         saved, now = self.model_config, mcfg
-        diffs = _shape_diffs(saved, now)
+        diffs = shape_diffs(saved, now)
         if diffs:
             raise CheckpointError(
                 f"{self.path} holds a different model shape: {', '.join(diffs)}; pass the model flags it was saved "
@@ -622,281 +550,7 @@ class Checkpoint:
         self._handles.clear()
 
 
-# ---- loading into a trainer -------------------------------------------------------------------------------------
-def open_for_resume(resume: str, out_dir: str, mcfg: GPTConfig, topo) -> Checkpoint | None:
-    """Resolve `--resume` ("latest" = the newest checkpoint of --out-dir, or a path), check it on every rank and
-    verify the sha256 of every file (each rank checks a share), agree on the outcome. Returns None for "latest"
-    with no checkpoint yet (the run starts fresh; requeued jobs can always pass --resume)."""
-    group = topo.world_group
-    root0 = topo.global_rank(0, 0, 0)
-    target, error = None, None
-    if topo.rank == 0:
-        try:
-            if resume == "latest":
-                found = latest_checkpoint(out_dir)
-                target = None if found is None else str(found)
-            else:
-                target = str(resolve_checkpoint(resume))
-        except CheckpointError as e:
-            error = str(e)
-    target, error = _broadcast_object((target, error), root0, group)
-    if error:
-        raise CheckpointError(error)
-    if target is None:
-        return None
-    ckpt, error = None, None
-    try:  # rank 0 checks every header; all ranks share the sha256 checks (reading the files) and the shape check
-        ckpt = Checkpoint(target, check=topo.rank == 0)
-        ckpt.check_model_matches(mcfg)
-        names = sorted(ckpt.meta["files"])
-        ckpt.verify_files(names[topo.rank :: topo.layout.world_size])
-    except CheckpointError as e:
-        error = str(e)
-    except OSError as e:
-        error = f"{target} cannot be read ({_describe(e)})."
-    _raise_first(_all_gather_object(error, group))
-    return ckpt
-
-
-def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
-    """Load optimizer state, step, loss scale, data position and RNG states into a trainer built with
-    `full_value=ckpt.full_value(mcfg)`. Returns notes for the log."""
-    notes = []
-    topo, meta = trainer.topo, ckpt.meta
-    trainer.step = ckpt.step
-    _quiet_ddp_during_metadata_inference(trainer.pm)
-    by_param: dict[str, dict[str, tuple[str, str]]] = {}  # name -> {state key: (file, tensor)}
-    for t, f in ckpt.optim_index.items():
-        base, _, key = t.rpartition(".")
-        by_param.setdefault(base, {})[key] = (f, t)
-    for name, p, spec in _stage_params(trainer.pm):
-        state = {key: _local_shard(ckpt.tensor(f, t), spec, topo) for key, (f, t) in by_param.get(name, {}).items()}
-        if meta.get("has_optimizer_state") and not state:
-            raise CheckpointError(f"{ckpt.path} holds no optimizer state for {name!r}; the checkpoint is incomplete.")
-        # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)
-        trainer.load_param_state(p, state, lambda: _local_shard(ckpt.model_tensor(name), spec, topo))
-    ls = meta.get("loss_scale")
-    if trainer.loss_scale is not None and ls:
-        for k, v in ls.items():
-            setattr(trainer.loss_scale, k, v)
-    elif trainer.loss_scale is not None:
-        notes.append("the checkpoint has no fp16 loss-scale state (saved in another precision); starting a new one")
-    if loader is not None and meta.get("loader"):
-        loader.load_state_dict(meta["loader"])
-    if _layout_record(trainer) == meta["layout"] and trainer.cfg.seed == meta["config"].get("seed"):
-        _restore_rngs(trainer, ckpt)
-    else:
-        rederive_rngs(trainer, ckpt.step)
-        saved = meta["layout"]
-        notes.append(
-            f"layout changed (saved under dp{saved['dp']}×tp{saved['tp']}×pp{saved['pp']} {saved['schedule']}): "
-            f"RNG states re-derived from seed {trainer.cfg.seed} and step {ckpt.step}"
-        )
-    return notes
-
-
-def _local_shard(full: torch.Tensor, spec, topo) -> torch.Tensor:
-    """This tp rank's shard of a full tensor stored in a checkpoint (unchanged if it is not sharded like `spec`)."""
-    if spec is not None and tuple(full.shape) == tuple(spec.full_shape):
-        return shard_tensor(full, spec, topo.tp_rank, topo.layout.tp)
-    return full
-
-
-def _restore_rngs(trainer, ckpt: Checkpoint) -> None:
-    f = rng_file(trainer.topo.rank)
-    torch.set_rng_state(ckpt.tensor(f, "cpu"))
-    if trainer.device.type == "cuda":
-        torch.cuda.set_rng_state(ckpt.tensor(f, "cuda"), trainer.device)
-    rngs = _sharded_rngs(trainer.pm)
-    for i, r in enumerate(rngs):
-        r.state = ckpt.tensor(f, f"sharded{i}")
-    wrapped = {id(r): _RestoredShardedRNG(r) for r in rngs}
-    for m in trainer.pm.plain_modules():
-        for block in m.h.values():
-            if id(block.attn.sharded_rng) in wrapped:
-                block.attn.sharded_rng = wrapped[id(block.attn.sharded_rng)]
-
-
-def _mix(*xs: int) -> int:
-    h = hashlib.sha256(repr(xs).encode()).digest()
-    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
-
-
-def rederive_rngs(trainer, step: int) -> None:
-    """Fresh RNG states that follow the dropout contract (default generator identical on tp peers, different over
-    dp and pp; the sharded stream different on every rank), as a pure function of (seed, step, coordinates)."""
-    topo, seed = trainer.topo, trainer.cfg.seed
-    torch.manual_seed(_mix(seed, step, topo.pp_rank, topo.dp_rank))
-    for i, r in enumerate(_sharded_rngs(trainer.pm)):
-        stream_seed = _mix(seed + 2718, step, topo.pp_rank, topo.dp_rank, topo.tp_rank, i)
-        r.state = ShardedDropoutRNG(stream_seed, trainer.device).state
-
-
-def trim_metrics(out_dir: str | os.PathLike, step: int) -> None:
-    """Drop metrics.jsonl records of steps after `step` (logged by the run that was interrupted), atomically."""
-    path = Path(out_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if int(json.loads(line).get("step", 0)) > step:
-                continue
-        except (ValueError, AttributeError, TypeError):
-            pass
-        kept.append(line)
-    _write_text_atomic(path, "".join(k + "\n" for k in kept))
-
-
-# ---- Hugging Face initialisation --------------------------------------------------------------------------------
-def hf_model_config(path: str | os.PathLike) -> GPTConfig:
-    """Our GPTConfig from a Hugging Face directory's config.json (shapes only; nothing else is read)."""
-    from .hf import CONFIG_NAME, gpt_config_from_hf
-
-    p = Path(path)
-    if not (p / CONFIG_NAME).is_file():
-        raise CheckpointError(
-            f"--init-from-hf {p}: {p / CONFIG_NAME} does not exist; pass a GPT2LMHeadModel save_pretrained directory."
-        )
-    try:
-        return gpt_config_from_hf(json.loads((p / CONFIG_NAME).read_text()), dropout=0.0)
-    except ValueError as e:
-        raise CheckpointError(f"--init-from-hf {p}: {p / CONFIG_NAME} cannot be used ({_describe(e)}).") from None
-
-
-def hf_full_value(path: str | os.PathLike, mcfg: GPTConfig) -> Callable[[str, tuple], torch.Tensor]:
-    """The `full_value` hook from a Hugging Face GPT2LMHeadModel directory, after checking its shape is `mcfg`'s."""
-    from .hf import load_hf_checkpoint
-
-    try:
-        hcfg, state = load_hf_checkpoint(path, dropout=mcfg.dropout)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"--init-from-hf {path}: {_describe(e)}.") from None
-    diffs = _shape_diffs(hcfg, mcfg)
-    if diffs:
-        raise CheckpointError(
-            f"--init-from-hf {path} holds a different model shape: {', '.join(diffs)}; drop the conflicting "
-            "--n-layer/--n-head/--n-embd/--vocab-size flags (the model's shape comes from its config.json)."
-        )
-
-    def value(name: str, shape: tuple) -> torch.Tensor:
-        return state[canonical_name(name)]
-
-    return value
-
-
-# ---- the training loop's hooks: periodic saves and SLURM's signals ------------------------------------------------
-class Checkpointer:
-    """Owned by train.run: saves every --save-every steps (and at the end), and turns SIGTERM / SIGUSR1 (what SLURM
-    sends before preemption or the time limit) into: finish the current step, agree on stopping (all-reduce MAX of
-    the flag over the world, so every rank stops at the same step), save, exit cleanly."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self, trainer, loader, out_dir: str, save_every: int = 0, keep_last: int = 0, log: bool = True):
-        self.trainer, self.loader, self.out_dir = trainer, loader, out_dir
-        self.save_every, self.keep_last, self.log = save_every, keep_last, log
-        self.received: int | None = None
-        self.stopped_by: str | None = None
-        self._previous = {}
-        try:
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._on_signal)
-        except ValueError:  # not the main thread: no signal handling
-            pass
-
-    def _on_signal(self, signum, frame) -> None:
-        self.received = signum
-
-    def _stop_agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=self.trainer.device)
-        group = self.trainer.topo.world_group
-        if _world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
-
-    def after_step(self) -> bool:
-        """Call after every optimizer step on every rank; True means stop now (a checkpoint has been saved)."""
-        t = self.trainer
-        stop = self._stop_agreed()
-        due = self.save_every > 0 and (t.step % self.save_every == 0 or t.step >= t.cfg.max_steps)
-        if due or stop:
-            t0 = time.perf_counter()
-            try:
-                path = save_checkpoint(t, self.out_dir, self.loader, self.keep_last)
-            except CheckpointError as e:  # raised on every rank alike; the previous checkpoint is intact
-                if stop:
-                    raise
-                if self.log:
-                    _write(f"[trainer3d] warning: {e} Training goes on; the next save will try again.")
-                return False
-            if self.log:
-                _write(f"[trainer3d] saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
-        if stop:
-            name = signal.Signals(self.received).name if self.received else "a peer's signal"
-            self.stopped_by = name
-            if self.log:
-                _write(
-                    f"[trainer3d] {name} received: stopped after step {t.step} and saved {path}; exiting cleanly "
-                    "(continue with --resume)"
-                )
-        return stop
-
-    def close(self) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-        self._previous = {}
-
-
-def _write(line: str) -> None:
-    from tqdm import tqdm
-
-    tqdm.write(line)
-
-
-@dataclasses.dataclass
-class Start:
-    """How a run starts: from a checkpoint, from Hugging Face weights, or from the seed (both None)."""
-
-    checkpoint: Checkpoint | None = None
-    full_value: Callable[[str, tuple], torch.Tensor] | None = None  # for Trainer(..., full_value=)
-    notes: list[str] = dataclasses.field(default_factory=list)
-
-
-def prepare(cfg, mcfg: GPTConfig, topo) -> Start:
-    """Before the trainer is built. --resume wins over --init-from-hf. Raises CheckpointError (on every rank alike)
-    for any bad input, before anything is trained or written."""
-    start = Start()
-    ckpt = open_for_resume(cfg.resume, cfg.out_dir, mcfg, topo) if cfg.resume else None
-    if ckpt is not None:
-        start.checkpoint, start.full_value = ckpt, ckpt.full_value(mcfg)
-        start.notes.append(f"resuming from {ckpt.path} (step {ckpt.step})")
-        if cfg.init_from_hf:
-            start.notes.append(f"--init-from-hf {cfg.init_from_hf} ignored: the checkpoint's weights are used")
-        return start
-    if cfg.resume:
-        start.notes.append(f"--resume: no checkpoint in {checkpoints_root(cfg.out_dir)} yet; starting from scratch")
-    if cfg.init_from_hf:
-        start.full_value = hf_full_value(cfg.init_from_hf, mcfg)
-        start.notes.append(f"initialised from the Hugging Face weights in {cfg.init_from_hf}")
-    return start
-
-
-def apply(start: Start, trainer, loader=None) -> None:
-    """After the trainer and loader are built: restore the rest of the checkpoint, log the notes, and drop the
-    interrupted run's metrics.jsonl records past the resumed step."""
-    notes = list(start.notes)
-    if start.checkpoint is not None:
-        notes += restore(trainer, start.checkpoint, loader)
-        start.checkpoint.close()
-        if trainer.is_logging_rank:
-            trim_metrics(trainer.cfg.out_dir, trainer.step)
-    if trainer.is_logging_rank:
-        for note in notes:
-            print(f"[trainer3d] {note}", flush=True)
-
-
-def _shape_diffs(stored: GPTConfig, now: GPTConfig) -> list[str]:
+def shape_diffs(stored: GPTConfig, now: GPTConfig) -> list[str]:
     """The model-shape fields where weights on disk and this run disagree, as 'field=stored (this run: now)'."""
     return [
         f"{k}={getattr(stored, k)} (this run: {getattr(now, k)})"

@@ -77,7 +77,7 @@ class TrainConfig:
     # DeepSpeed (owns batch sizes, ZeRO, offload and precision when given): a JSON path, or a dict (tests)
     deepspeed_config: str | dict | None = None
     # flags typed on the command line (parse_args); None for programmatic configs, where a value that differs
-    # from its default counts as given. The DeepSpeed JSON may not contradict a given flag (zero.py).
+    # from its default counts as given. The DeepSpeed JSON may not contradict a given flag (deepspeed_config.py).
     explicit_flags: tuple[str, ...] | None = None
 
     def resolved_precision(self, device_type: str) -> str:
@@ -87,8 +87,8 @@ class TrainConfig:
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         base = MODEL_PRESETS[self.model]
-        if self.init_from_hf:  # checkpoint.py: the Hugging Face model's config.json gives the shape
-            from .checkpoint import hf_model_config
+        if self.init_from_hf:  # resume.py: the Hugging Face model's config.json gives the shape
+            from .resume import hf_model_config
 
             base = hf_model_config(self.init_from_hf)
             vocab_size = base.vocab_size
@@ -146,8 +146,8 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> tupl
     if mcfg.n_embd % mcfg.n_head:
         raise ConfigError(f"--n-embd {mcfg.n_embd} must be a multiple of --n-head {mcfg.n_head}.")
     check_tensor_parallel(mcfg, layout.tp)
-    if cfg.deepspeed_config is not None:  # the JSON owns the batch (zero.py); also checks the JSON itself
-        from .zero import resolve_deepspeed
+    if cfg.deepspeed_config is not None:  # the JSON owns the batch (deepspeed_config.py); also checks the JSON itself
+        from .deepspeed_config import resolve_deepspeed
 
         plan = resolve_deepspeed(cfg, layout).plan
     else:

@@ -11,12 +11,11 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, pipeline
+from . import pipeline, resume
 from .config import BatchPlan, ConfigError, TrainConfig, parse_args, validate
 from .data_parallel import all_reduce_grads, clip_grads_, global_grad_norm, sync_tied_embedding_grads
 from .metrics import MetricsFile, device_peak_tflops, flops_per_token, peak_memory_bytes
@@ -77,7 +76,7 @@ class Trainer:
     ):
         spec = None  # a DeepSpeed JSON: ZeRO engines are the dp axis (zero.py); its batch, lr, clip, precision win
         if cfg.deepspeed_config is not None:
-            from .zero import resolve_deepspeed
+            from .deepspeed_config import resolve_deepspeed
 
             spec = resolve_deepspeed(cfg, topo.layout)
             cfg, plan = spec.cfg, spec.plan
@@ -238,10 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         blocks = local_leader_first(env, lambda: build_token_blocks(data_cfg, cfg.seq_len))
         mcfg = cfg.gpt_config(blocks.vocab_size)
-        start = checkpoint.prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
+        start = resume.prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
         trainer = Trainer(cfg, topo, device, mcfg, plan, full_value=start.full_value)
         loader = BatchLoader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
-        checkpoint.apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
+        resume.apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
         run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches))
     except (DataError, ConfigError) as e:  # ConfigError: also checkpoint.CheckpointError
         if env.rank == 0:
@@ -285,7 +284,7 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
     tokens_per_step = plan.global_batch * cfg.seq_len
     flops_tok = flops_per_token(trainer.mcfg, cfg.seq_len)
     peak = device_peak_tflops(trainer.device, trainer.precision, cfg.peak_tflops)
-    saver = checkpoint.Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log)
+    saver = resume.Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log)
     metrics = MetricsFile(cfg.out_dir, enabled=log, append=trainer.step > 0)  # resumed: continue the file
     tracker = Tracker(trainer)  # W&B, on the logging rank only
     profiler = StepProfiler(cfg.profile_steps, cfg.max_steps, cfg.out_dir, dist.get_rank(), trainer.device)

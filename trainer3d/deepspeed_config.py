@@ -1,0 +1,401 @@
+"""DeepSpeed, before any process group: its JSON resolved against the flags and the layout, and its JIT-built ops.
+
+The JSON owns what it owns (batch sizes, accumulation, ZeRO stage, offload, precision, Adam's settings); its
+"auto" values are filled from the flags and the layout, and a value that contradicts an explicitly given flag,
+or cannot work, is refused with one sentence naming the fix (`resolve_deepspeed`). zero.py runs the engines.
+
+    python -m trainer3d.zero --check-config ds_configs/zero3.json --world-size 8 --tp 2 --pp 2   # resolved JSON
+    python -m trainer3d.zero --build-ops     # once: DeepSpeed's JIT ops into $TORCH_EXTENSIONS_DIR
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import BatchPlan, ConfigError, plan_batch
+
+# The glue above reaches into these DeepSpeed versions' internals; pyproject pins the same range.
+DEEPSPEED_MIN, DEEPSPEED_BELOW = (0, 19, 8), (0, 20, 0)
+SUPPORTED_OPTIMIZERS = ("adam", "adamw")
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    parts = []
+    for piece in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_deepspeed_version(version: str | None = None) -> str:
+    """Refuse a DeepSpeed outside the range the glue was written and tested against."""
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            version = dist_version("deepspeed")
+        except PackageNotFoundError:
+            raise ConfigError(
+                "--deepspeed_config needs DeepSpeed; install it with `pip install 'deepspeed>=0.19.8,<0.20'`."
+            ) from None
+    if not DEEPSPEED_MIN <= _version_tuple(version) < DEEPSPEED_BELOW:
+        raise ConfigError(
+            f"DeepSpeed {version} is not supported by trainer3d/zero.py (tested with >=0.19.8,<0.20, it patches "
+            "DeepSpeed internals); install `deepspeed>=0.19.8,<0.20` or re-validate zero.py against this version."
+        )
+    return version
+
+
+# ---- the JSON: load, fill "auto", check against the flags and the layout ---------------------------------------
+@dataclass
+class DeepSpeedSpec:
+    """A DeepSpeed JSON resolved against the flags and the layout."""
+
+    ds_config: dict  # what deepspeed.initialize gets: concrete values, no optimizer/scheduler, no clipping
+    cfg: Any  # the TrainConfig with the JSON's batch, lr, clip, precision and Adam settings applied
+    plan: Any  # BatchPlan
+    stage: int
+    offload_optimizer: str  # "none", "cpu" or "nvme"
+    offload_param: str
+    adamw: bool  # decoupled weight decay (AdamW) rather than L2 (Adam with adam_w_mode false)
+    eps: float
+    source: str  # the file name, for messages
+
+
+def load_ds_json(path_or_dict) -> tuple[dict, str]:
+    if isinstance(path_or_dict, dict):
+        return copy.deepcopy(path_or_dict), "<dict>"
+    path = str(path_or_dict)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed_config {path} does not exist; pass the path of a DeepSpeed JSON (see ds_configs/).")
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config {path} is not valid JSON ({e.msg} at line {e.lineno}); fix the file.") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"--deepspeed_config {path} must hold a JSON object at the top level; fix the file.")
+    return ds, path
+
+
+def _given(cfg, name: str) -> bool:
+    """Did the user set this flag? From the command line: it was typed. Programmatic configs: it differs from
+    the dataclass default (None-defaulted fields: it is not None)."""
+    if cfg.explicit_flags is not None:
+        return name in cfg.explicit_flags
+    default = {f.name: f.default for f in dataclasses.fields(cfg)}[name]
+    return getattr(cfg, name) != default
+
+
+def _is_auto(v) -> bool:
+    return isinstance(v, str) and v.lower() == "auto"
+
+
+def _as_int(v, key, src):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{src}: {key} must be a positive integer or \"auto\" (got {v!r}); fix the JSON.")
+    return v
+
+
+def resolve_deepspeed(cfg, layout) -> DeepSpeedSpec:
+    """Read cfg.deepspeed_config and fill it from the flags and the layout; raise ConfigError (one sentence
+    naming the fix) on anything that contradicts them or cannot work. Needs no process group."""
+    from .pipeline import SCHEDULES
+
+    check_deepspeed_version()
+    ds, src = load_ds_json(cfg.deepspeed_config)
+    for key in [k for k in ds if k.startswith("_")]:  # "_comment" and the like: notes for people
+        del ds[key]
+    dp = layout.dp
+    updates: dict[str, Any] = {}
+
+    def take(section: dict, key: str, flag: str | None, flag_value, convert=lambda v: v):
+        """'auto'/absent -> the flag's value; concrete -> must agree with an explicitly given flag."""
+        v = section.get(key, "auto")
+        if _is_auto(v):
+            section[key] = flag_value
+            return flag_value
+        v = convert(v)
+        if flag is not None and _given(cfg, flag) and v != flag_value:
+            raise ConfigError(
+                f"{src} sets {key}={v!r} but --{flag.replace('_', '-')} is {flag_value!r}; drop one of them or make them agree."
+            )
+        section[key] = v
+        return v
+
+    # -- unsupported sections ------------------------------------------------------------------------------------
+    if ds.get("scheduler"):
+        raise ConfigError(
+            f"{src} has a \"scheduler\" section, but trainer3d runs its own warmup + cosine schedule; remove it and "
+            "use --lr/--warmup-steps/--min-lr."
+        )
+    fp16 = ds.get("fp16") or {}
+    if fp16.get("enabled") is True or (_is_auto(fp16.get("enabled")) and cfg.precision == "fp16"):
+        raise ConfigError(
+            f"{src} enables fp16, whose dynamic loss scale DeepSpeed keeps per engine (per pipeline stage, out of "
+            "step with the others); use a \"bf16\" section instead."
+        )
+    if (ds.get("torch_autocast") or {}).get("enabled"):
+        raise ConfigError(f"{src} enables torch_autocast; remove it and use the \"bf16\" section.")
+    info = SCHEDULES.get(cfg.schedule)
+    if info is not None and info.split_backward:
+        raise ConfigError(
+            f"--schedule {cfg.schedule} splits backward into input and weight passes, which ZeRO's gradient hooks "
+            "cannot follow; use 1f1b, gpipe, interleaved-1f1b or looped-bfs with --deepspeed_config."
+        )
+
+    # -- precision -----------------------------------------------------------------------------------------------
+    bf16 = ds.setdefault("bf16", {})
+    enabled = bf16.get("enabled", False)
+    if _is_auto(enabled):
+        enabled = cfg.resolved_precision("cuda" if torch.cuda.is_available() else "cpu") == "bf16"
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"{src}: bf16.enabled must be true, false or \"auto\"; fix the JSON.")
+    bf16["enabled"] = enabled
+    precision = "bf16" if enabled else "fp32"
+    if _given(cfg, "precision") and cfg.precision not in ("auto", precision):
+        raise ConfigError(
+            f"{src} trains in {precision} but --precision is {cfg.precision}; set bf16.enabled in the JSON instead."
+        )
+    updates["precision"] = precision
+
+    # -- batch: train_batch_size = micro × accumulation × dp ------------------------------------------------------
+    tbs, mbs, gas = (ds.get(k, "auto") for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
+    tbs = None if _is_auto(tbs) else _as_int(tbs, "train_batch_size", src)
+    mbs = None if _is_auto(mbs) else _as_int(mbs, "train_micro_batch_size_per_gpu", src)
+    gas = None if _is_auto(gas) else _as_int(gas, "gradient_accumulation_steps", src)
+    flag_gb = cfg.global_batch if cfg.global_batch_tokens is None else cfg.global_batch_tokens // max(1, cfg.seq_len)
+    gb_given = _given(cfg, "global_batch") or cfg.global_batch_tokens is not None
+    if tbs is not None and gb_given and tbs != flag_gb:
+        raise ConfigError(
+            f"{src} sets train_batch_size={tbs} but the flags ask for a global batch of {flag_gb} sequences; "
+            "drop --global-batch/--global-batch-tokens or set train_batch_size to \"auto\"."
+        )
+    if gas is not None and cfg.micro_batches is not None and gas != cfg.micro_batches:
+        raise ConfigError(
+            f"{src} sets gradient_accumulation_steps={gas} but --micro-batches is {cfg.micro_batches} (they are the "
+            "same thing here: micro-batches per step); drop one of them or make them agree."
+        )
+    if tbs is None and mbs is not None and gas is not None:
+        tbs = mbs * gas * dp
+    if gas is None and tbs is not None and mbs is not None and tbs % (mbs * dp) == 0:
+        gas = tbs // (mbs * dp)
+    global_batch = tbs if tbs is not None else flag_gb
+    if gas is None:
+        if cfg.micro_batches is not None:
+            gas = cfg.micro_batches
+        elif mbs is not None and global_batch % (mbs * dp) == 0:  # what the JSON's micro size implies
+            gas = global_batch // (mbs * dp)
+        else:  # the DDP path's default (plan_batch): 1 at pp=1, else pp or 2·pp
+            probe = dataclasses.replace(cfg, global_batch=global_batch, global_batch_tokens=None, deepspeed_config=None)
+            try:
+                gas = plan_batch(probe, layout).micro_batches
+            except ConfigError:
+                gas = 1 if layout.pp == 1 else layout.pp
+    if mbs is None:
+        if global_batch % (dp * gas):
+            raise ConfigError(
+                f"The global batch of {global_batch} sequences does not split into dp={dp} × {gas} micro-batches; "
+                f"make train_batch_size (or --global-batch) a multiple of {dp * gas}."
+            )
+        mbs = global_batch // (dp * gas)
+    if global_batch != mbs * gas * dp:
+        raise ConfigError(
+            f"{src}: train_batch_size {global_batch} != train_micro_batch_size_per_gpu {mbs} × "
+            f"gradient_accumulation_steps {gas} × dp {dp}; fix one of them (or set it to \"auto\")."
+        )
+    ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = global_batch, mbs, gas
+    plan = BatchPlan(global_batch=global_batch, micro_batches=gas, micro_batch_size=mbs)
+    updates.update(global_batch=global_batch, global_batch_tokens=None, micro_batches=gas)
+
+    # -- clipping: ours, global over dp × tp × pp (see the module docstring); DeepSpeed's is turned off ----------
+    clip = take(ds, "gradient_clipping", "grad_clip", cfg.grad_clip, float)
+    if clip < 0:
+        raise ConfigError(f"{src}: gradient_clipping must be >= 0 (got {clip}); fix the JSON.")
+    updates["grad_clip"] = float(clip)
+    ds["gradient_clipping"] = 0.0
+
+    # -- optimizer: built here (same parameter groups as the DDP path), so the section is read, then removed ----
+    opt = ds.pop("optimizer", None) or {"type": "AdamW"}
+    otype = str(opt.get("type", "AdamW")).lower()
+    if otype not in SUPPORTED_OPTIMIZERS:
+        raise ConfigError(f"{src}: optimizer type {opt.get('type')!r} is not supported; use \"Adam\" or \"AdamW\".")
+    params = dict(opt.get("params") or {})
+    lr = take(params, "lr", "lr", cfg.lr, float)
+    betas = take(params, "betas", None, [cfg.beta1, cfg.beta2], lambda v: [float(x) for x in v])
+    if len(betas) != 2:
+        raise ConfigError(f"{src}: optimizer betas must be two numbers; fix the JSON.")
+    if not _is_auto(opt.get("params", {}).get("betas", "auto")):
+        for flag, val in (("beta1", betas[0]), ("beta2", betas[1])):
+            if _given(cfg, flag) and getattr(cfg, flag) != val:
+                raise ConfigError(f"{src} sets betas={betas} but --{flag} is {getattr(cfg, flag)}; drop one of them.")
+    wd = take(params, "weight_decay", "weight_decay", cfg.weight_decay, float)
+    eps = params.get("eps", "auto")
+    eps = 1e-8 if _is_auto(eps) else float(eps)
+    adamw = otype == "adamw" or bool(params.get("adam_w_mode", True))
+    updates.update(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), weight_decay=float(wd))
+
+    # -- ZeRO ------------------------------------------------------------------------------------------------------
+    zero = ds.setdefault("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{src}: zero_optimization.stage must be 0, 1, 2 or 3 (got {stage!r}); fix the JSON.")
+    d = cfg.gpt_config(cfg.vocab_size or 50257).n_embd
+    autos = {
+        "reduce_bucket_size": d * d,
+        "stage3_prefetch_bucket_size": int(0.9 * d * d),
+        "stage3_param_persistence_threshold": 10 * d,
+        "allgather_bucket_size": d * d,
+    }
+    for key, value in list(zero.items()):
+        if _is_auto(value):
+            if key not in autos:
+                raise ConfigError(f"{src}: zero_optimization.{key} cannot be \"auto\"; give a value.")
+            zero[key] = autos[key]
+    off_opt = (zero.get("offload_optimizer") or {}).get("device", "none") or "none"
+    off_par = (zero.get("offload_param") or {}).get("device", "none") or "none"
+    for what, dev in (("offload_optimizer", off_opt), ("offload_param", off_par)):
+        if dev not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"{src}: zero_optimization.{what}.device must be none, cpu or nvme (got {dev!r}).")
+    if off_opt != "none" and stage == 0:
+        raise ConfigError(f"{src} offloads the optimizer at ZeRO stage 0; set zero_optimization.stage to 1, 2 or 3.")
+    if off_par != "none" and stage != 3:
+        raise ConfigError(f"{src} offloads parameters, which only ZeRO stage 3 can do; set zero_optimization.stage to 3.")
+    if "nvme" in (off_opt, off_par):
+        if stage != 3:
+            raise ConfigError(f"{src} offloads to NVMe, which needs ZeRO stage 3 (ZeRO-Infinity); set stage to 3.")
+        for what, dev in (("offload_optimizer", off_opt), ("offload_param", off_par)):
+            if dev != "nvme":
+                continue
+            path = zero[what].get("nvme_path")
+            if not path:
+                raise ConfigError(f"{src}: zero_optimization.{what} offloads to nvme but has no nvme_path; add one.")
+            if not os.path.isdir(path):
+                raise ConfigError(f"{src}: nvme_path {path} ({what}) does not exist; create it or point it at a local NVMe mount.")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise ConfigError(f"{src}: nvme_path {path} ({what}) is not writable; fix its permissions or pick another path.")
+        if off_par == "nvme" and not enabled and not torch.cuda.is_available():
+            raise ConfigError(
+                f"{src} swaps fp32 parameters to NVMe on a host without CUDA, where DeepSpeed 0.19.8 swaps them as "
+                "bf16 (partition_parameters.Init._set_dtype) and training crashes; enable bf16 or set "
+                "offload_param.device to cpu."
+            )
+        if not aio_available():
+            raise ConfigError(
+                f"{src} offloads to NVMe, which needs DeepSpeed's async_io op, and it can neither be loaded nor built "
+                "here (libaio missing); `apt-get install libaio-dev`, then `python -m trainer3d.zero --build-ops`."
+            )
+    for what, dev in (("offload_optimizer", off_opt), ("offload_param", off_par)):
+        if dev != "none" and not torch.cuda.is_available():
+            zero[what]["pin_memory"] = False  # page-locking helps host<->GPU copies only; a CPU host has none
+
+    # -- quiet, deterministic housekeeping ---------------------------------------------------------------------
+    ds.setdefault("steps_per_print", 2**31 - 1)
+    ds.setdefault("wall_clock_breakdown", False)
+    leftover = [k for k, v in _walk(ds) if _is_auto(v)]
+    if leftover:
+        raise ConfigError(f"{src}: {', '.join(leftover)} cannot be \"auto\"; give concrete values.")
+    new_cfg = dataclasses.replace(cfg, **updates)
+    return DeepSpeedSpec(
+        ds_config=ds, cfg=new_cfg, plan=plan, stage=int(stage), offload_optimizer=off_opt, offload_param=off_par,
+        adamw=adamw, eps=eps, source=src,
+    )
+
+
+def _walk(obj, prefix=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{prefix}{k}.")
+    else:
+        yield prefix.rstrip("."), obj
+
+
+# ---- DeepSpeed's JIT-built ops: build once, before any test or run ------------------------------------------------
+# On a CPU host deepspeed.init_distributed builds deepspeed_shm_comm and DeepSpeedCPUAdam builds cpu_adam (1-4
+# minutes each on 2 cores); ZeRO-Infinity's NVMe offload builds async_io. A run killed while building leaves a
+# `lock` file that makes every later run wait forever, and two different `ninja` binaries on PATH make torch
+# rebuild from scratch. So: build them here, once, into one directory, with the PATH the tests will have.
+OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
+OP_DIRS = {"ShareMemCommBuilder": "deepspeed_shm_comm", "CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
+
+
+def default_extensions_dir() -> str:
+    """The per-checkout build directory (gitignored .cache/), unless TORCH_EXTENSIONS_DIR names another."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(root, ".cache", "torch_extensions")
+
+
+def use_prebuilt_ops() -> str:
+    """Point torch's JIT loader at the prebuilt directory (if TORCH_EXTENSIONS_DIR is unset); return it."""
+    path = default_extensions_dir()
+    os.environ["TORCH_EXTENSIONS_DIR"] = path
+    return path
+
+
+def ops_needed(accelerator: str = "cpu", nvme: bool = False) -> list[str]:
+    names = ["CPUAdamBuilder"] + (["ShareMemCommBuilder"] if accelerator == "cpu" else [])
+    return names + (["AsyncIOBuilder"] if nvme else [])
+
+
+def missing_ops(names=None, path: str | None = None) -> list[str]:
+    """Ops (builder names) whose shared library is not in the build directory yet, or that a stale lock blocks."""
+    path = path or default_extensions_dir()
+    out = []
+    for name in names or ops_needed():
+        d = os.path.join(path, OP_DIRS[name])
+        if not os.path.isfile(os.path.join(d, OP_DIRS[name] + ".so")) or os.path.exists(os.path.join(d, "lock")):
+            out.append(name)
+    return out
+
+
+def aio_available() -> bool:
+    """DeepSpeed's async_io op (ZeRO-Infinity) is prebuilt here, or libaio is present so it can be built."""
+    if not missing_ops(["AsyncIOBuilder"]):
+        return True
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and bool(builder.is_compatible(verbose=False))
+
+
+def build_ops(names=OPS, stale_lock_s: float = 1800.0) -> dict[str, str]:
+    """Build (or find already built) DeepSpeed's JIT ops into $TORCH_EXTENSIONS_DIR. Returns name -> status."""
+    import shutil
+    import time
+
+    path = use_prebuilt_ops()
+    os.makedirs(path, exist_ok=True)
+    from deepspeed.accelerator import get_accelerator
+
+    status = {}
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None:
+            status[name] = "not used by this accelerator"
+            continue
+        if not builder.is_compatible(verbose=False):
+            status[name] = "cannot be built here (" + (
+                "libaio headers missing: apt-get install libaio-dev" if name == "AsyncIOBuilder" else "incompatible"
+            ) + ")"
+            continue
+        lock = os.path.join(path, OP_DIRS.get(name, builder.name), "lock")
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > stale_lock_s:
+            os.remove(lock)  # left by a killed build; torch would wait on it forever
+            print(f"[trainer3d] removed a stale build lock {lock}", file=sys.stderr)
+        t0 = time.time()
+        builder.load(verbose=False)
+        status[name] = f"ok ({time.time() - t0:.0f} s)"
+    status["_dir"] = path
+    status["_ninja"] = shutil.which("ninja") or "none"
+    return status
