@@ -314,43 +314,58 @@ def _swap_bytes(path, rank: int) -> int:
 
 
 def _nvme_scenarios(rank, world_size, tmp):
+    """fp32 with the optimizer on NVMe, and bf16 with parameters and optimizer on NVMe: train 2N saving at N; resume
+    under NVMe (into fresh swap files); resume the same checkpoint with CPU offload instead."""
     from test_zero import NVME_MODEL, ds_config
 
-    tmp = Path(tmp)
-    swap = [tmp / "swap_saved", tmp / "swap_refused"]
-    for path in swap:
-        path.mkdir(exist_ok=True)
-    nvme = [dict(dp=2, **NVME_MODEL, deepspeed_config=ds_config(3, "nvme-opt", str(path))) for path in swap]
-    r = {"straight": _run(nvme[0], tmp / "n", 2 * N, save_at=N), "swapped": _swap_bytes(swap[0], rank)}
-    try:
-        _run(nvme[1], tmp / "n", N, resume="latest")
-    except CheckpointError as e:
-        r["refused"] = str(e)
-    r["cpu_offload"] = _run(dict(dp=2, **NVME_MODEL, deepspeed_config=ds_config(3, "opt")), tmp / "n", N,
-                            resume="latest")
+    tmp, r = Path(tmp), {}
+    for kind, offload, extra in (("fp32", "nvme-opt", {}), ("bf16", "nvme", {"precision": "auto"})):
+        bf16 = kind == "bf16"
+
+        def nvme(run, offload=offload, extra=extra, bf16=bf16, kind=kind):
+            path = tmp / f"swap_{kind}_{run}"
+            path.mkdir(exist_ok=True)
+            return dict(dp=2, **NVME_MODEL, **extra, deepspeed_config=ds_config(3, offload, str(path), bf16=bf16)), path
+
+        lay, path = nvme("straight")
+        r[f"{kind}_straight"] = _run(lay, tmp / kind, 2 * N, save_at=N)
+        r[f"{kind}_swapped"] = _swap_bytes(path, rank)
+        lay, path = nvme("resumed")
+        r[f"{kind}_resumed"] = _run(lay, tmp / kind, N, resume="latest")
+        r[f"{kind}_resumed_swapped"] = _swap_bytes(path, rank)
+        cpu = dict(dp=2, **NVME_MODEL, **extra, deepspeed_config=ds_config(3, "all", bf16=bf16))
+        r[f"{kind}_cpu"] = _run(cpu, tmp / kind, N, resume="latest")
     return r
 
 
-def test_zero_infinity_checkpoint(tmp_path):
-    """ZeRO-3 with the optimizer swapped to NVMe saves like any other run; resuming into an NVMe-swapped optimizer
-    is refused with one sentence on every rank (its fresh partitions are placeholders until swapped in), and the
-    same checkpoint resumed with CPU offload continues the run."""
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_zero_infinity_checkpoint(nvme_results, kind):
+    """ZeRO-Infinity (ZeRO-3 swapping the optimizer, and in bf16 the parameters too, to an nvme_path): a resumed
+    run continues bitwise, its fresh swap files written from the checkpoint sub-group by sub-group; and the same
+    checkpoint resumed with CPU offload instead continues the run too."""
+    results = nvme_results
+    assert all(r[f"{kind}_swapped"] > 2**20 and r[f"{kind}_resumed_swapped"] > 2**20 for r in results), \
+        "nothing was swapped to the nvme_path"
+    _, ref_losses, ref_params = _merged(results, f"{kind}_straight")
+    res, losses, params = _merged(results, f"{kind}_resumed")
+    _assert_loaded_exactly(results, f"{kind}_straight", f"{kind}_resumed")
+    assert losses == ref_losses[N:], f"{kind}: losses after resuming under NVMe differ (bitwise)"
+    assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
+    _, cpu_losses, _ = _merged(results, f"{kind}_cpu")
+    _assert_loaded_exactly(results, f"{kind}_straight", f"{kind}_cpu")
+    rel = max(abs(a - b) / abs(b) for a, b in zip(cpu_losses, ref_losses[N:]))
+    print(f"\n{kind}: NVMe checkpoint resumed with CPU offload: loss rel diff {rel:.1e}")
+    assert rel <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def nvme_results(tmp_path_factory):
     from test_zero import _nvme_available, _require_ops
 
     _require_ops()
     if not _nvme_available():
         pytest.skip("DeepSpeed's async_io op is not built (needs libaio-dev, then `python -m trainer3d.zero --build-ops`)")
-    results = run_world(2, _nvme_scenarios, str(tmp_path), timeout=600)
-    assert all(r["swapped"] > 2**20 for r in results), "nothing was swapped to the nvme_path"
-    assert [r.get("refused") for r in results] == [results[0]["refused"]] * 2
-    assert "optimizer offloaded to NVMe is not supported" in results[0]["refused"]
-    assert (tmp_path / "n" / "checkpoints" / "step_000004" / "meta.json").is_file()  # nothing lost
-    _, ref_losses, ref_params = _merged(results, "straight")
-    res, losses, params = _merged(results, "cpu_offload")
-    _assert_loaded_exactly(results, "straight", "cpu_offload")
-    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[N:]))
-    print(f"\nNVMe-saved checkpoint resumed with CPU offload: loss rel diff {rel:.1e}")
-    assert rel <= 1e-6
+    return run_world(2, _nvme_scenarios, str(tmp_path_factory.mktemp("nvme_ckpt")), timeout=600)
 
 
 # ---- the command line: kill mid-save, SIGTERM under torchrun, bad input --------------------------------------------

@@ -151,15 +151,20 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     for t, f in ckpt.optim_index.items():
         base, _, key = t.rpartition(".")
         by_param.setdefault(base, {})[key] = (f, t)
+    items = []
     for name, p, spec in _stage_params(trainer.pm):
-        state = {key: _local_shard(ckpt.tensor(f, t), spec, topo) for key, (f, t) in by_param.get(name, {}).items()}
-        if meta.get("has_optimizer_state") and not state:
+        if meta.get("has_optimizer_state") and name not in by_param:
             raise CheckpointError(f"{ckpt.path} holds no optimizer state for {name!r}; the checkpoint is incomplete.")
-        # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)
-        try:
-            trainer.load_param_state(p, state, lambda: _local_shard(ckpt.model_tensor(name), spec, topo))
-        except NotImplementedError as e:  # the same on every rank; the checkpoint is left as it is
-            raise CheckpointError(f"Cannot resume from {ckpt.path}: {e}.") from None
+
+        def read_state(name=name, spec=spec):
+            return {key: _local_shard(ckpt.tensor(f, t), spec, topo) for key, (f, t) in by_param.get(name, {}).items()}
+
+        def read_value(name=name, spec=spec):
+            return _local_shard(ckpt.model_tensor(name), spec, topo)
+
+        items.append((p, read_state, read_value))
+    # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)
+    trainer.load_param_states(items)
     ls = meta.get("loss_scale")
     if trainer.loss_scale is not None and ls:
         for k, v in ls.items():

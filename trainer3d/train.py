@@ -120,16 +120,19 @@ class Trainer:
             return self.zero.optimizer_state_of(param)
         return {k: v for k, v in self.optimizer.state.get(param, {}).items() if torch.is_tensor(v)}
 
-    def load_param_state(self, param: torch.nn.Parameter, state: dict[str, torch.Tensor], value) -> None:
-        """Load a checkpoint's optimizer state of `param` (and, where the optimizer keeps its own fp32 master copy,
-        its value: `value()` reads it, lazily, since the DDP path built `param` from it already)."""
+    def load_param_states(self, items) -> None:
+        """Load a checkpoint's optimizer state (and, where the optimizer keeps its own fp32 master copy, the value)
+        of each (parameter, read_state, read_value): the readers read lazily, so the engine picks the order and
+        the DDP path, whose parameters were built from these values already, never reads them twice."""
         if self.zero:
-            return self.zero.load_param_state(param, state, value())
-        if state:
-            self.optimizer.state[param] = {
-                k: v.to(torch.float32) if k == "step" else v.to(device=param.device, dtype=param.dtype)
-                for k, v in state.items()
-            }
+            return self.zero.load_param_states(items)
+        for param, read_state, _ in items:
+            state = read_state()
+            if state:
+                self.optimizer.state[param] = {
+                    k: v.to(torch.float32) if k == "step" else v.to(device=param.device, dtype=param.dtype)
+                    for k, v in state.items()
+                }
 
     # ---- one step --------------------------------------------------------------------------------------------
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

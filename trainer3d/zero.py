@@ -117,6 +117,9 @@ def check_glue() -> None:
         (Stage3, "_swappable_optimizer_subgroup", "ZeRO-3 tied embedding with NVMe-swapped parameters"),
         (Stage3, "_writeback_swap_state", "ZeRO-3 tied embedding with NVMe-swapped parameters"),
         (Stage3, "_constant_buffered_norm2", "ZeRO-3 offload gradient norms"),
+        (Stage3, "_optimizer_states_and_gradient_swap_in", "checkpoint loading under NVMe optimizer offload"),
+        (Stage3, "_optimizer_states_and_gradient_swap_out", "checkpoint loading under NVMe optimizer offload"),
+        (Stage3, "_get_param_partition_rank", "checkpoint loading under NVMe optimizer offload"),
         (Stage12, "loss_scale", "clipping through the loss scale (ZeRO-1/2)"),
         (Stage3, "loss_scale", "clipping through the loss scale (ZeRO-3)"),
     ]
@@ -364,20 +367,61 @@ def _optimizer_step_count(engine) -> int | None:
     return None
 
 
+def _swaps_optimizer(engine) -> bool:
+    """ZeRO-Infinity: ZeRO-3 with the optimizer (fp32 masters, Adam moments) swapped out to NVMe between steps."""
+    return bool(getattr(engine.optimizer, "swap_optimizer", False))
+
+
+def _load_swapped_states(engine_of: dict, items) -> None:
+    """load_param_states for ZeRO-3 engines whose optimizer lives on NVMe. A fresh engine's swapped-out fp32
+    partitions are empty placeholders and Adam has no state yet, so DeepSpeed's per-parameter setters have nothing
+    to write into. Sub-group by sub-group, as a step does: swap the fp32 partition in, give it Adam state, write the
+    partition of every parameter in it (read from the checkpoint one at a time), swap it all out; the swapper then
+    holds the state as after a first step. Every sub-group is visited once, so it moves to and from disk once."""
+    by_group: dict[tuple[int, int], list] = {}
+    for p, read_state, read_value in items:
+        engine = engine_of[id(p)]
+        group, offset, numel = engine.optimizer.grad_position[engine.optimizer.get_param_id(p)]
+        by_group.setdefault((id(engine), group), []).append((engine, p, read_state, read_value, offset, numel))
+    for (_, group), members in sorted(by_group.items(), key=lambda kv: kv[0][1]):
+        opt = members[0][0].optimizer
+        swap = opt._swappable_optimizer_subgroup(group)
+        if swap:
+            opt._optimizer_states_and_gradient_swap_in(group)
+        master = opt.fp32_partitioned_groups_flat[group]
+        for engine, p, read_state, read_value, offset, numel in members:
+            start = numel * opt._get_param_partition_rank(p)
+            master.data.narrow(0, offset, numel).copy_(read_value().reshape(-1).narrow(0, start, numel))
+            state = read_state()
+            if state:
+                adam = _new_adam_state(opt.optimizer, master, int(state["step"].item()))
+                for key in ADAM_MOMENTS:
+                    adam[key].narrow(0, offset, numel).copy_(state[key].reshape(-1).narrow(0, start, numel))
+        if swap:
+            opt._optimizer_states_and_gradient_swap_out(group)
+
+
+def _new_adam_state(base, master: torch.Tensor, step: int) -> dict:
+    """Adam's state for one fp32 master tensor, created (zero moments) if it has none yet, with its step set, in the
+    optimizer's own format (torch Adam: a float tensor step; DeepSpeedCPUAdam: an int)."""
+    cpu_adam = hasattr(base, "ds_opt_adam")
+    state = base.state.setdefault(master, {})
+    if not state:
+        dtype = master.dtype if cpu_adam and not base.fp32_optimizer_states else torch.float32
+        state["exp_avg"] = torch.zeros_like(master, dtype=dtype)
+        state["exp_avg_sq"] = torch.zeros_like(master, dtype=dtype)
+    state["step"] = step if cpu_adam else torch.tensor(float(step))
+    return state
+
+
 def _create_optimizer_state(engine, step: int) -> None:
     """Give a freshly built engine the optimizer state Adam would have after `step` steps, zero moments included, in
     the optimizer's own format (torch Adam: a float tensor step; DeepSpeedCPUAdam: an int), and link ZeRO-1/2's
     per-parameter views to it, as DeepSpeed's universal-checkpoint loader does. Adam creates state lazily at its
     first step, so until then DeepSpeed's safe_set_full_optimizer_state has nothing to write into."""
     base, masters = _base_optimizer_and_masters(engine)
-    cpu_adam = hasattr(base, "ds_opt_adam")
     for m in masters:
-        state = base.state.setdefault(m, {})
-        if not state:
-            dtype = m.dtype if cpu_adam and not base.fp32_optimizer_states else torch.float32
-            state["exp_avg"] = torch.zeros_like(m, dtype=dtype)
-            state["exp_avg_sq"] = torch.zeros_like(m, dtype=dtype)
-        state["step"] = step if cpu_adam else torch.tensor(float(step))
+        _new_adam_state(base, m, step)
     _link_optimizer_state(engine)
 
 
@@ -542,20 +586,22 @@ class ZeroDataParallel:
         state["step"] = torch.tensor(float(step))
         return state
 
-    def load_param_state(self, p: nn.Parameter, state: dict[str, torch.Tensor], value: torch.Tensor) -> None:
-        """Write a checkpoint's fp32 value (into ZeRO's master copy: the module built from the same value holds it
-        only in bf16 under bf16) and its AdamW state (`step`, `exp_avg`, `exp_avg_sq`) into this rank's partitions."""
+    def load_param_states(self, items) -> None:
+        """Write a checkpoint's fp32 values and AdamW states into this rank's partitions. `items`: (parameter,
+        read_state, read_value), the readers returning the tp shard (full over dp) of the Adam state (`step`,
+        `exp_avg`, `exp_avg_sq`; {} if saved before the first step) and of the fp32 value. The value goes into
+        ZeRO's master copy: the module, built from the same value, holds it only in bf16 under bf16."""
+        swapped = [item for item in items if _swaps_optimizer(self._engine_of[id(item[0])])]
+        for p, read_state, read_value in items:
+            if not _swaps_optimizer(self._engine_of[id(p)]):
+                self._load_param_state(p, read_state(), read_value())
+        if swapped:
+            _load_swapped_states(self._engine_of, swapped)
+
+    def _load_param_state(self, p: nn.Parameter, state: dict[str, torch.Tensor], value: torch.Tensor) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         engine = self._engine_of[id(p)]
-        if self.spec.offload_optimizer == "nvme":
-            # A fresh engine's swapped-out fp32 partitions are empty placeholders until a step swaps them in, so
-            # there is nothing to write into here (DeepSpeed's own loader purges and re-swaps the whole optimizer).
-            raise NotImplementedError(
-                f"resuming into an optimizer offloaded to NVMe is not supported; resume this checkpoint with "
-                f"\"offload_optimizer\": {{\"device\": \"cpu\"}} in {self.spec.source} (or without DeepSpeed), "
-                "then save again: saves under NVMe offload work"
-            )
         if _partitioned(p):
             safe_set_full_fp32_param(p, value.to(torch.float32))
         if not state:
