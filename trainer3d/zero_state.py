@@ -1,0 +1,180 @@
+"""ZeRO's partitioned parameters and optimizer state as whole tensors: read for checkpoints, written back on resume.
+
+checkpoint.py stores every parameter and its Adam state whole, under layout-free names, whatever engine owned the
+dp axis. Under ZeRO a parameter's fp32 master value and Adam moments are partitioned over dp (ZeRO-1/2: fragments
+of a flat partition per parameter group; ZeRO-3: each parameter on its own); DeepSpeed's safe_get/set_full_*
+assemble them (an all-reduce over dp) and write this rank's part back, wherever the partition lives (device, CPU).
+
+Saving asks, per parameter, for the fp32 master value and the Adam moments (safe_get_full_*). Loading has two
+gaps to fill. Adam creates its state lazily at its first step, so a fresh engine gets it created in the
+optimizer's own format and ZeRO-1/2's per-parameter views re-linked (`_create_optimizer_state`; DeepSpeed 0.19.8
+also links them too early after a real first step, so saving re-links where a view is empty) before
+safe_set_full_* write into it. Under NVMe optimizer offload the fp32 partitions are placeholders while swapped
+out, so those engines are loaded sub-group by sub-group between a swap-in and a swap-out (`_load_swapped_states`).
+
+Every function here is collective over dp: every dp rank calls it for the same parameters in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _partitioned(p: nn.Parameter) -> bool:
+    """Does ZeRO hold this parameter's fp32 master and optimizer state in partitions (stages 1-3, or stage 0's
+    bf16 optimizer), rather than the client optimizer holding them whole?"""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def _full_shape(p: nn.Parameter) -> torch.Size:
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+
+
+def _base_optimizer_and_masters(engine):
+    """The Adam inside the engine and the fp32 tensors it keys its state by: ZeRO's flat master partitions (one per
+    parameter group, or sub-group at ZeRO-3), or the parameters themselves for ZeRO-0's plain client optimizer."""
+    opt = engine.optimizer
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        masters = getattr(opt, attr, None)
+        if masters is not None:
+            return opt.optimizer, list(masters)
+    return opt, [p for group in opt.param_groups for p in group["params"]]
+
+
+def _optimizer_step_count(engine) -> int | None:
+    """Adam's step count (every master tensor steps together; ZeRO never skips a step in fp32/bf16), or None before
+    the first step, when Adam has created no state yet."""
+    base, masters = _base_optimizer_and_masters(engine)
+    for m in masters:
+        state = base.state.get(m)
+        if state and "step" in state:
+            return int(state["step"])
+    return None
+
+
+def _swaps_optimizer(engine) -> bool:
+    """ZeRO-Infinity: ZeRO-3 with the optimizer (fp32 masters, Adam moments) swapped out to NVMe between steps."""
+    return bool(getattr(engine.optimizer, "swap_optimizer", False))
+
+
+def _load_swapped_states(engine_of: dict, items) -> None:
+    """load_param_states for ZeRO-3 engines whose optimizer lives on NVMe. A fresh engine's swapped-out fp32
+    partitions are empty placeholders and Adam has no state yet, so DeepSpeed's per-parameter setters have nothing
+    to write into. Sub-group by sub-group, as a step does: swap the fp32 partition in, give it Adam state, write the
+    partition of every parameter in it (read from the checkpoint one at a time), swap it all out; the swapper then
+    holds the state as after a first step. Every sub-group is visited once, so it moves to and from disk once."""
+    by_group: dict[tuple[int, int], list] = {}
+    for p, read_state, read_value in items:
+        engine = engine_of[id(p)]
+        group, offset, numel = engine.optimizer.grad_position[engine.optimizer.get_param_id(p)]
+        by_group.setdefault((id(engine), group), []).append((engine, p, read_state, read_value, offset, numel))
+    for (_, group), members in sorted(by_group.items(), key=lambda kv: kv[0][1]):
+        opt = members[0][0].optimizer
+        swap = opt._swappable_optimizer_subgroup(group)
+        if swap:
+            opt._optimizer_states_and_gradient_swap_in(group)
+        master = opt.fp32_partitioned_groups_flat[group]
+        for engine, p, read_state, read_value, offset, numel in members:
+            start = numel * opt._get_param_partition_rank(p)
+            master.data.narrow(0, offset, numel).copy_(read_value().reshape(-1).narrow(0, start, numel))
+            state = read_state()
+            if state:
+                adam = _new_adam_state(opt.optimizer, master, int(state["step"].item()))
+                for key in ADAM_MOMENTS:
+                    adam[key].narrow(0, offset, numel).copy_(state[key].reshape(-1).narrow(0, start, numel))
+        if swap:
+            opt._optimizer_states_and_gradient_swap_out(group)
+
+
+def _new_adam_state(base, master: torch.Tensor, step: int) -> dict:
+    """Adam's state for one fp32 master tensor, created (zero moments) if it has none yet, with its step set, in the
+    optimizer's own format (torch Adam: a float tensor step; DeepSpeedCPUAdam: an int)."""
+    cpu_adam = hasattr(base, "ds_opt_adam")
+    state = base.state.setdefault(master, {})
+    if not state:
+        dtype = master.dtype if cpu_adam and not base.fp32_optimizer_states else torch.float32
+        state["exp_avg"] = torch.zeros_like(master, dtype=dtype)
+        state["exp_avg_sq"] = torch.zeros_like(master, dtype=dtype)
+    state["step"] = step if cpu_adam else torch.tensor(float(step))
+    return state
+
+
+def _create_optimizer_state(engine, step: int) -> None:
+    """Give a freshly built engine the optimizer state Adam would have after `step` steps, zero moments included, in
+    the optimizer's own format (torch Adam: a float tensor step; DeepSpeedCPUAdam: an int), and link ZeRO-1/2's
+    per-parameter views to it, as DeepSpeed's universal-checkpoint loader does. Adam creates state lazily at its
+    first step, so until then DeepSpeed's safe_set_full_optimizer_state has nothing to write into."""
+    base, masters = _base_optimizer_and_masters(engine)
+    for m in masters:
+        _new_adam_state(base, m, step)
+    _link_optimizer_state(engine)
+
+
+def _link_optimizer_state(engine) -> None:
+    """(Re)point ZeRO-1/2's (and the bf16 optimizer's) per-parameter views at Adam's flat state. DeepSpeed 0.19.8
+    links them after stepping the first parameter group, before Adam has created the other groups' state, and never
+    again: the no-decay group's views stay empty and safe_get_full_optimizer_state fails on its parameters."""
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
+def full_param(p: nn.Parameter) -> torch.Tensor:
+    """The full fp32 value of a parameter (this rank's tp shard), from ZeRO's master copy."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    value = safe_get_full_fp32_param(p) if _partitioned(p) else None
+    return (p.data if value is None else value).detach().float().reshape(_full_shape(p))
+
+
+def optimizer_state_of(engine, p: nn.Parameter) -> dict[str, torch.Tensor]:
+    """AdamW's state of `p` as the DDP path holds it (exp_avg, exp_avg_sq: full over dp, this tp shard; step: a
+    float tensor); {} before the first step."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    base, _ = _base_optimizer_and_masters(engine)
+    step = _optimizer_step_count(engine)
+    if step is None:
+        return {}
+    if not _partitioned(p):  # ZeRO-0 in fp32: the client optimizer, keyed by the parameter itself
+        return {k: v for k, v in base.state.get(p, {}).items() if torch.is_tensor(v)}
+    mapping = getattr(p, "_hp_mapping", None)
+    if mapping is not None and not mapping.optim_fragment:
+        _link_optimizer_state(engine)
+    state = {k: safe_get_full_optimizer_state(p, k).float().reshape(_full_shape(p)) for k in ADAM_MOMENTS}
+    state["step"] = torch.tensor(float(step))
+    return state
+
+
+def load_param_states(engine_of: dict, items) -> None:
+    """Write a checkpoint's fp32 values and AdamW states into this rank's partitions. `items`: (parameter,
+    read_state, read_value), the readers returning the tp shard (full over dp) of the Adam state (`step`,
+    `exp_avg`, `exp_avg_sq`; {} if saved before the first step) and of the fp32 value. The value goes into ZeRO's
+    master copy: the module, built from the same value, holds it only in bf16 under bf16. `engine_of`: id of a
+    parameter -> the engine that owns it."""
+    swapped = [item for item in items if _swaps_optimizer(engine_of[id(item[0])])]
+    for p, read_state, read_value in items:
+        if not _swaps_optimizer(engine_of[id(p)]):
+            _load_param_state(engine_of[id(p)], p, read_state(), read_value())
+    if swapped:
+        _load_swapped_states(engine_of, swapped)
+
+
+def _load_param_state(engine, p: nn.Parameter, state: dict[str, torch.Tensor], value: torch.Tensor) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    if _partitioned(p):
+        safe_set_full_fp32_param(p, value.to(torch.float32))
+    if not state:
+        return
+    _create_optimizer_state(engine, int(state["step"].item()))
+    if _partitioned(p):
+        for key in ADAM_MOMENTS:
+            safe_set_full_optimizer_state(p, state[key].to(torch.float32), key)
+    else:
+        base, _ = _base_optimizer_and_masters(engine)
+        base.state[p] = {k: v.to(device=p.device, dtype=torch.float32) for k, v in state.items()}
