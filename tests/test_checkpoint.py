@@ -197,7 +197,7 @@ def test_exact_resume(world_results, layout):
     assert res_losses == ref_losses[N:], "losses after resuming differ (bitwise) from the uninterrupted run"
     _assert_loaded_exactly(results, f"{layout}_straight", f"{layout}_resumed")
     assert set(res_params) == set(ref_params)
-    # bitwise, DDP and dropout included (see resume._RestoredShardedRNG, _quiet_ddp_during_metadata_inference)
+    # bitwise, DDP and dropout included (static stage shapes: torch runs no shape-inference forward to perturb them)
     assert all(torch.equal(res_params[k], ref_params[k]) for k in ref_params), "final parameters differ"
     assert res["loader"] == ref["loader"]
     if layout == "111":  # the loss scale was restored (the resumed run was built with a different one)

@@ -130,6 +130,28 @@ def split_stage(model: GPT, layers: range, first: bool, last: bool) -> GPT:
     return stage
 
 
+def stage_shapes(
+    stage_index: int, n_stages: int, micro_batch_size: int, seq_len: int, d: int, vocab_shard: int,
+    activation_dtype: torch.dtype, logits_dtype: torch.dtype,
+) -> dict:
+    """Static input/output examples (on the meta device) for one stage. With them torch never runs its shape
+    inference, a forward (and backward) of every stage outside the schedule at the first step and at every
+    train/eval switch, which would draw dropout masks, fire DDP's and DeepSpeed's gradient hooks and cost a step's
+    worth of compute. Activations cross stages in `activation_dtype` (fp32 under autocast, whose residual stream
+    stays fp32; the module's dtype under DeepSpeed), the last stage emits its logits shard in `logits_dtype`.
+    Activations are marked requires_grad: torch derives the gradient buffers from these flags, and without them a
+    later stage never sends its input gradient back (earlier stages silently get zero gradients)."""
+    meta = torch.device("meta")
+    if stage_index == 0:
+        inp = torch.empty(micro_batch_size, seq_len, dtype=torch.long, device=meta)
+    else:
+        inp = torch.empty(micro_batch_size, seq_len, d, dtype=activation_dtype, device=meta, requires_grad=True)
+    last = stage_index == n_stages - 1
+    out = torch.empty(micro_batch_size, seq_len, vocab_shard if last else d,
+                      dtype=logits_dtype if last else activation_dtype, device=meta, requires_grad=True)
+    return {"input_args": (inp,), "output_args": (out,)}
+
+
 def build_schedule(
     stage_modules: list[nn.Module],
     ids: list[int],
@@ -139,14 +161,12 @@ def build_schedule(
     loss_fn: Callable,
     pp_group,
     device: torch.device,
+    shapes: Callable[[int], dict],
     stage_cls: type = PipelineStage,
-    stage_kwargs: Callable[[int], dict] | None = None,
 ):
-    # stage_cls/stage_kwargs: zero.py's ZeroPipelineStage (DeepSpeed engines as submodules) and its static shapes.
-    stages = [
-        stage_cls(m, i, n_stages, device, group=pp_group, **(stage_kwargs(i) if stage_kwargs else {}))
-        for m, i in zip(stage_modules, ids)
-    ]
+    """`shapes(stage_index)`: stage_shapes of each stage; `stage_cls`: zero.py's ZeroPipelineStage (DeepSpeed
+    engines as submodules) or torch's PipelineStage."""
+    stages = [stage_cls(m, i, n_stages, device, group=pp_group, **shapes(i)) for m, i in zip(stage_modules, ids)]
     info = SCHEDULES[schedule]
     # scale_grads=False: the loss is already divided by the number of micro-batches (see train.py), so the
     # gradient means the same thing at every layout.

@@ -12,13 +12,11 @@ RNG states come back exactly when the layout and seed are unchanged, and are re-
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -45,63 +43,6 @@ def _stage_params(pm) -> list[tuple[str, torch.nn.Parameter, Any]]:
                 seen.add(id(p))
                 out.append((canonical_name(name), p, getattr(p, "tp_spec", None)))
     return out
-
-
-class _RestoredShardedRNG:
-    """A restored ShardedDropoutRNG whose stream the rebuilt pipeline's one-off metadata inference does not advance.
-
-    The first step of a freshly built torch.distributed.pipelining schedule runs every stage forward once to infer
-    shapes (`_initialize_pp_stages`, inside fork_rng, which protects the default generator but not this stream's
-    Python-held state). The uninterrupted run paid that once, at its step 1, before the state that was saved; a
-    resumed run would pay it again on top of the restored state. Until the first real forward, draws made inside that
-    inference are undone, so the resumed run draws exactly the masks the uninterrupted one did."""
-
-    def __init__(self, inner: ShardedDropoutRNG):
-        self.inner, self.armed = inner, True
-
-    @contextlib.contextmanager
-    def __call__(self):
-        if self.armed and _in_pipeline_metadata_inference():
-            saved = self.inner.state
-            with self.inner():
-                yield
-            self.inner.state = saved
-            return
-        self.armed = False
-        with self.inner():
-            yield
-
-
-def _quiet_ddp_during_metadata_inference(pm) -> None:
-    """Make a rebuilt DDP stage's first step reduce gradients once, like every later step of the uninterrupted run.
-
-    The pipeline's metadata inference calls the DDP-wrapped stage outside `no_sync` with grad enabled, which arms
-    DDP's reducer; the first micro-batch's backward then all-reduces too (the step's gradient is the same sum,
-    rounded differently). The uninterrupted run paid that at its step 1; a resumed run would pay it at its first
-    step and drift from the uninterrupted one in the last bits. Running inference under no_sync avoids it."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    for module in pm.modules:
-        if isinstance(module, DistributedDataParallel) and not getattr(module, "_trainer3d_quiet", False):
-            forward = module.forward
-
-            def quiet_forward(*args, _ddp=module, _forward=forward, **kwargs):
-                if _in_pipeline_metadata_inference():
-                    with _ddp.no_sync():
-                        return _forward(*args, **kwargs)
-                return _forward(*args, **kwargs)
-
-            module.forward = quiet_forward
-            module._trainer3d_quiet = True
-
-
-def _in_pipeline_metadata_inference() -> bool:
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code.co_name == "_initialize_pp_stages":
-            return True
-        f = f.f_back
-    return False
 
 
 # ---- loading into a trainer -------------------------------------------------------------------------------------
@@ -146,7 +87,6 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     notes = []
     topo, meta = trainer.topo, ckpt.meta
     trainer.step = ckpt.step
-    _quiet_ddp_during_metadata_inference(trainer.pm)
     by_param: dict[str, dict[str, tuple[str, str]]] = {}  # name -> {state key: (file, tensor)}
     for t, f in ckpt.optim_index.items():
         base, _, key = t.rpartition(".")
@@ -197,14 +137,8 @@ def _restore_rngs(trainer, ckpt: Checkpoint) -> None:
     torch.set_rng_state(ckpt.tensor(f, "cpu"))
     if trainer.device.type == "cuda":
         torch.cuda.set_rng_state(ckpt.tensor(f, "cuda"), trainer.device)
-    rngs = sharded_rngs(trainer.pm)
-    for i, r in enumerate(rngs):
+    for i, r in enumerate(sharded_rngs(trainer.pm)):
         r.state = ckpt.tensor(f, f"sharded{i}")
-    wrapped = {id(r): _RestoredShardedRNG(r) for r in rngs}
-    for m in trainer.pm.plain_modules():
-        for block in m.h.values():
-            if id(block.attn.sharded_rng) in wrapped:
-                block.attn.sharded_rng = wrapped[id(block.attn.sharded_rng)]
 
 
 def _mix(*xs: int) -> int:

@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
 
 from . import pipeline, resume
 from .config import BatchPlan, ConfigError, TrainConfig, parse_args, validate
@@ -93,6 +94,9 @@ class Trainer:
 
             self.zero = ZeroDataParallel(spec, self.pm, topo, device, verbose=cfg.verbose)
         self.loss_scale = DynamicLossScale() if self.precision == "fp16" else None
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+        activations = compute if self.zero else torch.float32  # DeepSpeed casts the module; autocast does not
+        vocab_shard = self.pm.padded_vocab // topo.layout.tp
         self.schedule = pipeline.build_schedule(
             self.zero.engines if self.zero else self.pm.modules,
             self.pm.stage_ids,
@@ -102,7 +106,10 @@ class Trainer:
             self._loss_fn,
             topo.pp_group,
             device,
-            **(self.zero.schedule_options(mcfg) if self.zero else {}),
+            shapes=lambda i: pipeline.stage_shapes(
+                i, self.pm.n_stages, plan.micro_batch_size, cfg.seq_len, mcfg.n_embd, vocab_shard, activations, compute
+            ),
+            stage_cls=self.zero.stage_cls if self.zero else PipelineStage,
         )
         self.optimizer = build_optimizer(self.pm, cfg) if self.zero is None else None  # ZeRO: one per engine
         self.step = 0

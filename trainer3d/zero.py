@@ -33,7 +33,7 @@ tests/test_zero.py::test_glue_contract so that an upgrade that moves them fails 
     across pipeline stages only that way.
  4. The loss is scaled, not the gradients: the trainer divides each micro-batch loss by the number of
     micro-batches and schedules with scale_grads=False; then one `engine.step()` per schedule step.
-    ZeRO-1/2 also need static stage shapes (`stage_shapes`): the schedule's dynamic shape inference runs a
+    ZeRO-1/2 also need static stage shapes (pipeline.stage_shapes): the schedule's dynamic shape inference runs a
     forward/backward that fires DeepSpeed's hooks outside any bracket.
 
 Use (see ds_configs/ for starting points; "auto" values come from the flags and the layout):
@@ -270,20 +270,6 @@ def _is_zero_optimizer(opt) -> bool:
     return isinstance(opt, ZeROOptimizer)
 
 
-def stage_shapes(stage_index: int, n_stages: int, micro_batch_size: int, seq_len: int, d: int, vocab_shard: int, dtype):
-    """Static input/output examples (on the meta device) for one stage. Activations are marked requires_grad:
-    torch derives the gradient buffers from these flags, and without them a later stage never sends its input
-    gradient back (earlier stages silently get zero gradients) or an earlier stage never receives it."""
-    meta = torch.device("meta")
-    if stage_index == 0:
-        inp = torch.empty(micro_batch_size, seq_len, dtype=torch.long, device=meta)
-    else:
-        inp = torch.empty(micro_batch_size, seq_len, d, dtype=dtype, device=meta, requires_grad=True)
-    width = vocab_shard if stage_index == n_stages - 1 else d
-    out = torch.empty(micro_batch_size, seq_len, width, dtype=dtype, device=meta, requires_grad=True)
-    return {"input_args": (inp,), "output_args": (out,)}
-
-
 # ---- gradients as ZeRO holds them after the dp reduction ------------------------------------------------------------
 @dataclass
 class GradShare:
@@ -369,7 +355,7 @@ class ZeroDataParallel:
             )
             self.engines.append(engine)
         self._engine_of = {id(p): e for e in self.engines for p in e.module.parameters()}
-        self.dtype = torch.bfloat16 if spec.cfg.precision == "bf16" else torch.float32
+        self.stage_cls = ZeroPipelineStage
 
     def _client_optimizer(self, module: nn.Module):
         """AdamW with the DDP path's parameter groups (decay on matrices only); DeepSpeedCPUAdam under offload."""
@@ -386,17 +372,6 @@ class ZeroDataParallel:
 
             return DeepSpeedCPUAdam(groups, adamw_mode=self.spec.adamw, **kw)
         return (torch.optim.AdamW if self.spec.adamw else torch.optim.Adam)(groups, **kw)
-
-    # -- what the trainer hands the schedule --------------------------------------------------------------------
-    def schedule_options(self, mcfg) -> dict:
-        plan, cfg, pm = self.spec.plan, self.spec.cfg, self.pm
-        shard = pm.padded_vocab // self.topo.layout.tp
-        return {
-            "stage_cls": ZeroPipelineStage,
-            "stage_kwargs": lambda i: stage_shapes(
-                i, pm.n_stages, plan.micro_batch_size, cfg.seq_len, mcfg.n_embd, shard, self.dtype
-            ),
-        }
 
     # -- one optimizer step -------------------------------------------------------------------------------------
     def train_step(self, trainer, batch: torch.Tensor) -> dict:
