@@ -165,6 +165,13 @@ def simulate(order: dict[int, list], n_stages: int, per_rank: int, forward: floa
     return sum(1 - busy[r] / makespan for r in order) / len(order)
 
 
+def _sleep_stage_shapes(stage_index: int) -> dict:
+    """One row of WIDTH per micro-batch, in and out of every stage (static: no shape-inference pass)."""
+    meta = torch.device("meta")
+    inp = torch.empty(1, WIDTH, device=meta, requires_grad=stage_index > 0)
+    return {"input_args": (inp,), "output_args": (torch.empty(1, WIDTH, device=meta, requires_grad=True),)}
+
+
 def run_schedules(rank: int, world: int, cases: list[tuple[str, int, int]], forward_s: float, steps: int) -> list:
     import torch.distributed as dist
 
@@ -179,7 +186,7 @@ def run_schedules(rank: int, world: int, cases: list[tuple[str, int, int]], forw
         modules = [SleepStage(forward_s / per_rank) for _ in ids]
         sched = pipeline.build_schedule(
             modules, ids, n_stages, schedule, m, lambda y, target: (y - target).pow(2).mean(), group,
-            torch.device("cpu"),
+            torch.device("cpu"), shapes=_sleep_stage_shapes,
         )
         has_first, has_last = 0 in ids, n_stages - 1 in ids
         sim = None
@@ -191,7 +198,7 @@ def run_schedules(rank: int, world: int, cases: list[tuple[str, int, int]], forw
         x = torch.zeros(m, WIDTH)
         target = torch.zeros(m, WIDTH)
         idle = []
-        for step in range(steps + 1):  # the first step also exchanges shapes: not measured
+        for step in range(steps + 1):  # the first step warms up the p2p connections: not measured
             for mod in modules:
                 mod.zero_grad(set_to_none=True)
             dist.barrier(group)
