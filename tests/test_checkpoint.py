@@ -453,10 +453,20 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_sigterm_under_torchrun_saves_and_exits_cleanly(corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["ddp-pp2", "zero3-offload-dp2"])
+def test_sigterm_under_torchrun_saves_and_exits_cleanly(corpus, tmp_path, monkeypatch, engine):
+    """SIGTERM to both workers: every rank finishes its step, the job saves and exits 0, and the checkpoint resumes
+    in one process (under DDP, whichever engine saved it)."""
     data, cache = corpus
     out = tmp_path / "run"
-    args = TINY + ["--data", str(data), "--out-dir", str(out), "--pp", "2", "--max-steps", "1000", "--keep-last", "1"]
+    layout = ["--pp", "2"]
+    if engine.startswith("zero"):
+        from test_zero import _require_ops, ds_config
+
+        _require_ops()
+        (tmp_path / "ds.json").write_text(json.dumps(ds_config(3, "all")))
+        layout = ["--deepspeed_config", str(tmp_path / "ds.json")]
+    args = TINY + ["--data", str(data), "--out-dir", str(out), *layout, "--max-steps", "1000", "--keep-last", "1"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            str(REPO / "launch" / "train_gpt2.py"), *args]
@@ -478,10 +488,11 @@ def test_sigterm_under_torchrun_saves_and_exits_cleanly(corpus, tmp_path, monkey
     steps = _metrics_steps(out)
     ckpt = Checkpoint(latest_checkpoint(out))
     assert ckpt.step == steps[-1] >= 3, (ckpt.step, steps)
-    assert ckpt.meta["layout"]["pp"] == 2
+    assert ckpt.meta["layout"]["pp"] == (2 if engine == "ddp-pp2" else 1)
+    assert ckpt.meta["data_parallel"]["engine"] == ("ddp" if engine == "ddp-pp2" else "deepspeed")
     ckpt.verify_files()
-    # resumable, here at another layout (one process, pp=1)
-    i = args.index("--pp")
+    # resumable, here at another layout (one process, DDP)
+    i = args.index(layout[0])
     del args[i : i + 2]
     args[args.index("--max-steps") + 1] = str(ckpt.step + 1)
     assert _main_in_process(monkeypatch, cache, args + ["--resume"]) == 0
