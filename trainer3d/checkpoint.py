@@ -12,7 +12,7 @@ On-disk format (one directory per checkpoint, `<out-dir>/checkpoints/step_000123
     rng-rank{r}.safetensors    every rank's RNG states (uint8 tensors): restored when the layout is unchanged,
                                re-derived from (seed, step) otherwise
 
-Under DeepSpeed ZeRO the trainer's hooks (`param_value`, `optimizer_state_of`, `load_param_state`, see zero.py)
+Under DeepSpeed ZeRO the trainer's hooks (`param_value`, `optimizer_state_of`, `load_param_states`; zero_state.py)
 assemble the fp32 master value and Adam moments from their dp partitions and scatter them back on load, so the
 files are the same whatever engine owned the dp axis.
 

@@ -325,6 +325,8 @@ def _z3_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
 class ZeroDataParallel:
     """One DeepSpeed engine per pipeline stage module on this rank, over the dp group."""
 
+    stage_cls = ZeroPipelineStage  # what the trainer builds its pipeline stages with
+
     def __init__(self, spec: DeepSpeedSpec, pm, topo, device: torch.device, verbose: bool = False):
         global _TRACE_CHECK_GROUP
         check_deepspeed_version()
@@ -355,7 +357,6 @@ class ZeroDataParallel:
             )
             self.engines.append(engine)
         self._engine_of = {id(p): e for e in self.engines for p in e.module.parameters()}
-        self.stage_cls = ZeroPipelineStage
 
     def _client_optimizer(self, module: nn.Module):
         """AdamW with the DDP path's parameter groups (decay on matrices only); DeepSpeedCPUAdam under offload."""

@@ -157,21 +157,28 @@ def load_param_states(engine_of: dict, items) -> None:
     master copy: the module, built from the same value, holds it only in bf16 under bf16. `engine_of`: id of a
     parameter -> the engine that owns it."""
     swapped = [item for item in items if _swaps_optimizer(engine_of[id(item[0])])]
+    with_state: set[int] = set()  # engines whose Adam state exists (created once per engine, not per parameter)
     for p, read_state, read_value in items:
-        if not _swaps_optimizer(engine_of[id(p)]):
-            _load_param_state(engine_of[id(p)], p, read_state(), read_value())
+        engine = engine_of[id(p)]
+        if _swaps_optimizer(engine):
+            continue
+        state = read_state()
+        if state and id(engine) not in with_state:
+            _create_optimizer_state(engine, int(state["step"].item()))
+            with_state.add(id(engine))
+        _load_param_state(engine, p, state, read_value())
     if swapped:
         _load_swapped_states(engine_of, swapped)
 
 
 def _load_param_state(engine, p: nn.Parameter, state: dict[str, torch.Tensor], value: torch.Tensor) -> None:
+    """One parameter of an engine whose Adam state exists (if `state` is not empty)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     if _partitioned(p):
         safe_set_full_fp32_param(p, value.to(torch.float32))
     if not state:
         return
-    _create_optimizer_state(engine, int(state["step"].item()))
     if _partitioned(p):
         for key in ADAM_MOMENTS:
             safe_set_full_optimizer_state(p, state[key].to(torch.float32), key)
