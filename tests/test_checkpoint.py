@@ -158,6 +158,20 @@ def _assert_loaded_exactly(results, saved_key, resumed_key):
     assert not bad, f"{resumed_key}: restored state differs from the saved one in {bad[:5]}"
 
 
+def _assert_resumes_exactly(results, straight_key: str, resumed_key: str) -> tuple[dict, dict]:
+    """The run resumed from the straight run's checkpoint at step N starts from exactly the saved state and then
+    matches the straight run bitwise: losses, final parameters, data position. Returns both rank-0 records."""
+    ref, ref_losses, ref_params = _merged(results, straight_key)
+    res, res_losses, res_params = _merged(results, resumed_key)
+    assert res["start_step"] == N
+    _assert_loaded_exactly(results, straight_key, resumed_key)
+    assert res_losses == ref_losses[N:], f"{resumed_key}: losses after resuming differ (bitwise) from the straight run"
+    assert set(res_params) == set(ref_params)
+    assert all(torch.equal(res_params[k], ref_params[k]) for k in ref_params), f"{resumed_key}: final parameters differ"
+    assert res["loader"] == ref["loader"]
+    return ref, res
+
+
 def _assert_continues(results, straight_key, resumed_key, rel_loss: float, abs_param: float | None = None) -> dict:
     """A run resumed (possibly at another layout or engine) from the straight run's checkpoint at step N starts from
     exactly the saved state and continues its losses within `rel_loss` (and its final parameters within
@@ -188,18 +202,12 @@ def world_results(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["111", "222", "222d"])
 def test_exact_resume(world_results, layout):
     tmp, results, *_ = world_results
-    ref, ref_losses, ref_params = _merged(results, f"{layout}_straight")
-    res, res_losses, res_params = _merged(results, f"{layout}_resumed")
     if layout == "111":  # saving perturbs nothing
-        nosave, nosave_losses, nosave_params = _merged(results, "111_nosave")
+        _, ref_losses, ref_params = _merged(results, "111_straight")
+        _, nosave_losses, nosave_params = _merged(results, "111_nosave")
         assert nosave_losses == ref_losses and all(torch.equal(nosave_params[k], ref_params[k]) for k in ref_params)
-    assert res["start_step"] == N
-    assert res_losses == ref_losses[N:], "losses after resuming differ (bitwise) from the uninterrupted run"
-    _assert_loaded_exactly(results, f"{layout}_straight", f"{layout}_resumed")
-    assert set(res_params) == set(ref_params)
     # bitwise, DDP and dropout included (static stage shapes: torch runs no shape-inference forward to perturb them)
-    assert all(torch.equal(res_params[k], ref_params[k]) for k in ref_params), "final parameters differ"
-    assert res["loader"] == ref["loader"]
+    ref, res = _assert_resumes_exactly(results, f"{layout}_straight", f"{layout}_resumed")
     if layout == "111":  # the loss scale was restored (the resumed run was built with a different one)
         assert res["loss_scale"] == ref["loss_scale"] and ref["loss_scale"]["good_steps"] == 2 * N
 
@@ -282,12 +290,7 @@ def test_zero_exact_resume(zero_results, key):
     """Under ZeRO the saved state is assembled from dp partitions and scattered back into fresh ones: the resumed
     run continues bitwise (ZeRO-3 with CPU offload at (2,2,2), ZeRO-2 interleaved, ZeRO-1 in bf16)."""
     tmp, results = zero_results
-    ref, ref_losses, ref_params = _merged(results, f"{key}_straight")
-    res, res_losses, res_params = _merged(results, f"{key}_resumed")
-    assert res["start_step"] == N
-    _assert_loaded_exactly(results, f"{key}_straight", f"{key}_resumed")
-    assert res_losses == ref_losses[N:], f"{key}: losses after resuming differ (bitwise) from the uninterrupted run"
-    assert all(torch.equal(res_params[k], ref_params[k]) for k in ref_params), "final parameters differ"
+    _assert_resumes_exactly(results, f"{key}_straight", f"{key}_resumed")
     meta = Checkpoint(resolve_checkpoint(tmp / key)).meta
     assert meta["data_parallel"]["engine"] == "deepspeed" and meta["has_optimizer_state"]
 
@@ -345,11 +348,7 @@ def test_zero_infinity_checkpoint(nvme_results, kind):
     results = nvme_results
     assert all(r[f"{kind}_swapped"] > 2**20 and r[f"{kind}_resumed_swapped"] > 2**20 for r in results), \
         "nothing was swapped to the nvme_path"
-    _, ref_losses, ref_params = _merged(results, f"{kind}_straight")
-    res, losses, params = _merged(results, f"{kind}_resumed")
-    _assert_loaded_exactly(results, f"{kind}_straight", f"{kind}_resumed")
-    assert losses == ref_losses[N:], f"{kind}: losses after resuming under NVMe differ (bitwise)"
-    assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
+    _assert_resumes_exactly(results, f"{kind}_straight", f"{kind}_resumed")
     _assert_continues(results, f"{kind}_straight", f"{kind}_cpu", rel_loss=1e-6)  # the same checkpoint, CPU offload
 
 

@@ -103,10 +103,10 @@ def _new_adam_state(base, master: torch.Tensor, step: int) -> dict:
 
 
 def _create_optimizer_state(engine, step: int) -> None:
-    """Give a freshly built engine the optimizer state Adam would have after `step` steps, zero moments included, in
-    the optimizer's own format (torch Adam: a float tensor step; DeepSpeedCPUAdam: an int), and link ZeRO-1/2's
-    per-parameter views to it, as DeepSpeed's universal-checkpoint loader does. Adam creates state lazily at its
-    first step, so until then DeepSpeed's safe_set_full_optimizer_state has nothing to write into."""
+    """Give a freshly built engine the optimizer state Adam would have after `step` steps (`_new_adam_state` for
+    each master tensor), and link ZeRO-1/2's per-parameter views to it, as DeepSpeed's universal-checkpoint loader
+    does. Adam creates state lazily at its first step, so until then DeepSpeed's safe_set_full_optimizer_state has
+    nothing to write into."""
     base, masters = _base_optimizer_and_masters(engine)
     for m in masters:
         _new_adam_state(base, m, step)
