@@ -32,7 +32,7 @@ MODEL = dict(n_layer=4, n_embd=64, n_head=4, vocab=512, seq_len=32)
 def count_layouts(rank: int, world: int, cases: list[Case]) -> list:
     """On every rank of the world: one warm-up step, then count one step."""
     from bench.measure import CommCounter, group_namer
-    from trainer3d.comm_model import ring_factor
+    from trainer3d.plan.cost_model import ring_factor
 
     counter = CommCounter().install()
     out = []
@@ -67,7 +67,7 @@ def count_layouts(rank: int, world: int, cases: list[Case]) -> list:
 
 
 def layout_of(case: Case, zero_stage: int = 0):
-    from trainer3d.comm_model import Dims, Layout
+    from trainer3d.plan.cost_model import Dims, Layout
 
     return Layout(
         dims=Dims.of(case.gpt_config()), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
@@ -113,7 +113,7 @@ def label(case: Case) -> str:
 
 
 def compare(cases: list[Case], results: list[list]) -> tuple[list[list], list[str]]:
-    from trainer3d.comm_model import analytic_comm
+    from trainer3d.plan.cost_model import analytic_comm
 
     rows, notes = [], []
     for case, per_rank in zip(cases, results):

@@ -41,9 +41,9 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
     import torch.distributed as dist
 
     from trainer3d.config import TrainConfig, validate
-    from trainer3d.metrics import device_peak_tflops, flops_per_token
-    from trainer3d.topology import Topology
-    from trainer3d.train import Trainer
+    from trainer3d.train.metrics import device_peak_tflops, flops_per_token
+    from trainer3d.dist.topology import Topology
+    from trainer3d.train.trainer import Trainer
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
@@ -138,7 +138,7 @@ def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, d
     import torch.nn.functional as F
 
     from trainer3d.config import TrainConfig
-    from trainer3d.metrics import device_peak_tflops, flops_per_token
+    from trainer3d.train.metrics import device_peak_tflops, flops_per_token
     from trainer3d.model import GPT, init_value
 
     free_memory(device)

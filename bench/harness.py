@@ -87,10 +87,10 @@ def zero_available() -> bool:
 
 def build_trainer(case: Case):
     """Collective over the whole world (group creation); returns (topo, trainer or None on idle ranks)."""
-    from trainer3d import pipeline
+    from trainer3d.parallel import pipeline
     from trainer3d.config import validate
-    from trainer3d.topology import Topology
-    from trainer3d.train import Trainer
+    from trainer3d.dist.topology import Topology
+    from trainer3d.train.trainer import Trainer
 
     cfg = case.train_config()
     layout, plan = validate(cfg, case.world, case.vocab)

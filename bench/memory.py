@@ -29,7 +29,7 @@ MODEL = dict(n_layer=4, n_embd=128, n_head=4, vocab=2048, seq_len=64, global_bat
 
 def ds_config(stage: int, offload: bool, case: Case) -> dict:
     """The DeepSpeed JSON of a ZeRO row, from the planner's own writer (TrainConfig takes it as a dict)."""
-    from trainer3d.plan import deepspeed_config
+    from trainer3d.plan.search import deepspeed_config
 
     return deepspeed_config(
         zero_stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
@@ -39,7 +39,7 @@ def ds_config(stage: int, offload: bool, case: Case) -> dict:
 
 
 def layout_of(case: Case, zero_stage: int = 0, offload: bool = False):
-    from trainer3d.comm_model import Dims, Layout
+    from trainer3d.plan.cost_model import Dims, Layout
 
     cfg = case.gpt_config()
     return Layout(
@@ -118,7 +118,7 @@ def run(cases: list[tuple[Case, int, bool]], world: int, timeout: float = 900, s
 
 
 def compare(case: Case, zero_stage: int, offload: bool, measured: list) -> list[dict]:
-    from trainer3d.comm_model import estimate_memory
+    from trainer3d.plan.cost_model import estimate_memory
 
     L = layout_of(case, zero_stage, offload)
     rows = []

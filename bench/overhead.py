@@ -45,8 +45,8 @@ def make_trainer(cfg, mcfg):
     import torch.distributed as dist
 
     from trainer3d.config import validate
-    from trainer3d.topology import Topology
-    from trainer3d.train import Trainer
+    from trainer3d.dist.topology import Topology
+    from trainer3d.train.trainer import Trainer
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -62,8 +62,8 @@ class BareLoop:
         import dataclasses
 
         from trainer3d.model import GPT, init_value
-        from trainer3d.tensor_parallel import padded_vocab_size
-        from trainer3d.train import lr_at
+        from trainer3d.parallel.tensor_parallel import padded_vocab_size
+        from trainer3d.train.trainer import lr_at
 
         self.cfg, self.lr_at = cfg, lr_at
         self.vocab = mcfg.vocab_size
@@ -93,7 +93,7 @@ class BareLoop:
         if not self.same_math:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
         else:  # the trainer's loss function (no group: its all-reduces are no-ops), padding masked
-            from trainer3d.tensor_parallel import vocab_parallel_cross_entropy
+            from trainer3d.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
             loss = vocab_parallel_cross_entropy(logits, y, None, 0, self.vocab).mean()
         loss.backward()

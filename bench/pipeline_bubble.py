@@ -175,7 +175,7 @@ def _sleep_stage_shapes(stage_index: int) -> dict:
 def run_schedules(rank: int, world: int, cases: list[tuple[str, int, int]], forward_s: float, steps: int) -> list:
     import torch.distributed as dist
 
-    from trainer3d import pipeline
+    from trainer3d.parallel import pipeline
 
     group = dist.new_group(list(range(world)))
     out = []
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from distributed import run_world
 
-    from trainer3d.pipeline import SCHEDULES
+    from trainer3d.parallel.pipeline import SCHEDULES
 
     p = args.pp
     cases = []

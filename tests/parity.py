@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from trainer3d import pipeline
+from trainer3d.parallel import pipeline
 from trainer3d.config import TrainConfig, validate
-from trainer3d.parallelize import gather_stage_params
-from trainer3d.topology import Topology
-from trainer3d.train import Trainer
+from trainer3d.parallel.parallelize import gather_stage_params
+from trainer3d.dist.topology import Topology
+from trainer3d.train.trainer import Trainer
 
 VOCAB = 500
 SEQ = 32
@@ -53,7 +53,7 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
         head_copy = {}
         for m in trainer.pm.plain_modules():
             if m.lm_head is not None and m.wte is None:
-                from trainer3d.tensor_parallel import gather_full
+                from trainer3d.parallel.tensor_parallel import gather_full
 
                 head_copy["wte.weight"] = gather_full(m.lm_head.weight.data, m.lm_head.weight.tp_spec, topo.tp_group)
         result = {"losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank)}

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from distributed import free_port, run_world
-from trainer3d import pipeline
-from trainer3d.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, resolve_checkpoint, save_checkpoint
-from trainer3d.resume import apply, prepare
+from trainer3d.parallel import pipeline
+from trainer3d.checkpoint.format import Checkpoint, CheckpointError, latest_checkpoint, resolve_checkpoint, save_checkpoint
+from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.config import TrainConfig, validate
-from trainer3d.topology import Topology
+from trainer3d.dist.topology import Topology
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB, SEQ, GB, N = 500, 32, 16, 4  # N steps, save, N more
@@ -54,8 +54,8 @@ def _cfg(out_dir, dp=1, tp=1, pp=1, schedule="1f1b", virtual_stages=1, micro_bat
 def _full_state(trainer, topo, optimizer: bool = True) -> dict[str, torch.Tensor]:
     """Full (gathered over tp, and over dp under ZeRO) fp32 parameters and optimizer state of this rank's stages,
     by canonical name. Collective: every rank of the layout calls it."""
-    from trainer3d.parallelize import named_full_params
-    from trainer3d.tensor_parallel import gather_full
+    from trainer3d.parallel.parallelize import named_full_params
+    from trainer3d.parallel.tensor_parallel import gather_full
 
     out = {}
     for name, (p, spec) in named_full_params(trainer.pm).items():
@@ -71,7 +71,7 @@ def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: 
     and going on (the uninterrupted run). Every rank calls this (Topology is collective); ranks outside the layout
     return None. Returns the losses, the loader state, and on (dp 0, tp 0) ranks the full parameters at the end
     plus the full parameters and optimizer state where the run started and where it saved."""
-    from trainer3d.train import DynamicLossScale, Trainer
+    from trainer3d.train.trainer import DynamicLossScale, Trainer
     from trainer3d.data import BatchLoader
 
     layout = dict(layout)
@@ -385,7 +385,7 @@ def _env(cache, **extra):
 
 
 def _main_in_process(monkeypatch, cache, args) -> int:
-    from trainer3d.train import main
+    from trainer3d.train.trainer import main
 
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
@@ -591,7 +591,7 @@ def _hf_model_dir(path: Path):
 
 def _hf_run(hf_dir, out_dir, batches):
     """--init-from-hf at (1,2,2) on ranks 0-3: 5 steps, save, and the trained model's loss on the first batch."""
-    from trainer3d.train import Trainer
+    from trainer3d.train.trainer import Trainer
 
     cfg = TrainConfig(init_from_hf=hf_dir, tp=2, pp=2, seq_len=SEQ, global_batch=4, micro_batches=2,
                       precision="fp32", max_steps=5, warmup_steps=1, lr=1e-3, out_dir=out_dir)

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from distributed import free_port  # noqa: E402
-from trainer3d import deepspeed_config  # noqa: E402
+from trainer3d.zero import config as deepspeed_config# noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = (

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from trainer3d.hf import (  # noqa: E402
+from trainer3d.checkpoint.hf import (  # noqa: E402
     gpt_config_from_hf,
     hf_config_from_gpt,
     load_hf_checkpoint,

@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_world
-from trainer3d import pipeline
+from trainer3d.parallel import pipeline
 from trainer3d.config import TrainConfig, validate
-from trainer3d.hf import load_hf_checkpoint
+from trainer3d.checkpoint.hf import load_hf_checkpoint
 from trainer3d.model import canonical_name
-from trainer3d.topology import Topology
-from trainer3d.train import Trainer
+from trainer3d.dist.topology import Topology
+from trainer3d.train.trainer import Trainer
 
 
 def _logits_at_layouts(rank, world_size, hf_dir, ids):

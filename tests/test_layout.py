@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from trainer3d.config import ConfigError, TrainConfig, validate
 from trainer3d.model import MODEL_PRESETS
-from trainer3d.pipeline import balance_layers, stage_ids
-from trainer3d.tensor_parallel import TPSpec, padded_vocab_size, shard_tensor, unshard_tensor, vocab_parallel_cross_entropy
-from trainer3d.topology import Layout, LayoutError, infer_layout
+from trainer3d.parallel.pipeline import balance_layers, stage_ids
+from trainer3d.parallel.tensor_parallel import TPSpec, padded_vocab_size, shard_tensor, unshard_tensor, vocab_parallel_cross_entropy
+from trainer3d.dist.topology import Layout, LayoutError, infer_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ import torch
 
 from distributed import run_world
 from parity import run_layouts
-from trainer3d.pipeline import SCHEDULES
+from trainer3d.parallel.pipeline import SCHEDULES
 
 STEPS = 10
 ALL_SCHEDULES = list(SCHEDULES)

@@ -15,9 +15,9 @@ import shutil
 
 import pytest
 
-from trainer3d.comm_model import Dims, Layout, analytic_comm, estimate_memory, rank_params
+from trainer3d.plan.cost_model import Dims, Layout, analytic_comm, estimate_memory, rank_params
 from trainer3d.model import MODEL_PRESETS
-from trainer3d.plan import PLAN_MODELS, Cluster, enumerate_plans, evaluate, launch_command, main, parse_layout
+from trainer3d.plan.search import PLAN_MODELS, Cluster, enumerate_plans, evaluate, launch_command, main, parse_layout
 
 H100 = dict(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, intra_node_gbps=360, inter_node_gbps=50)
 

@@ -10,8 +10,8 @@ import torch
 from distributed import run_world
 from parity import global_batches, parity_config, run_layouts, VOCAB
 from trainer3d.config import validate
-from trainer3d.topology import Topology
-from trainer3d.train import Trainer
+from trainer3d.dist.topology import Topology
+from trainer3d.train.trainer import Trainer
 
 LAYOUTS = [
     dict(precision="bf16"),

@@ -8,8 +8,8 @@ import torch
 
 from distributed import run_world
 from trainer3d.config import TrainConfig, validate
-from trainer3d.topology import Topology
-from trainer3d.train import Trainer
+from trainer3d.dist.topology import Topology
+from trainer3d.train.trainer import Trainer
 
 
 def _dropout_streams(rank, world_size):

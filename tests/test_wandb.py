@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer3d.metrics import flops_per_token
+from trainer3d.train.metrics import flops_per_token
 from trainer3d.model import MODEL_PRESETS
-from trainer3d.tracking import read_config, read_history, resolve_mode
+from trainer3d.train.tracking import read_config, read_history, resolve_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = str(ROOT / "launch" / "train_gpt2.py")
@@ -156,8 +156,8 @@ def test_config_carries_deepspeed_json(tmp_path):
     from types import SimpleNamespace
 
     from trainer3d.config import TrainConfig
-    from trainer3d.topology import Layout
-    from trainer3d.tracking import run_config
+    from trainer3d.dist.topology import Layout
+    from trainer3d.train.tracking import run_config
 
     ds = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))

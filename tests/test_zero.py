@@ -28,9 +28,11 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from distributed import run_world  # noqa: E402
 from parity import VOCAB, global_batches, parity_config, train_layout  # noqa: E402
-from trainer3d import deepspeed_config, pipeline, zero  # noqa: E402
+from trainer3d.zero import config as deepspeed_config# noqa: E402
+from trainer3d.parallel import pipeline# noqa: E402
+from trainer3d.zero import engine as zero# noqa: E402
 from trainer3d.config import ConfigError, parse_args, validate  # noqa: E402
-from trainer3d.topology import Layout, Topology  # noqa: E402
+from trainer3d.dist.topology import Layout, Topology  # noqa: E402
 
 STEPS = 10
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,9 +95,9 @@ def label(lay: dict, ds: dict | None) -> str:
 
 # ---- what runs inside the spawned world -------------------------------------------------------------------------
 def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
-    from trainer3d.parallelize import named_full_params
-    from trainer3d.tensor_parallel import gather_full
-    from trainer3d.train import Trainer
+    from trainer3d.parallel.parallelize import named_full_params
+    from trainer3d.parallel.tensor_parallel import gather_full
+    from trainer3d.train.trainer import Trainer
 
     lay = dict(lay)
     n = lay.get("tp", 1) * lay.get("pp", 1) * lay.pop("dp", 1)
@@ -460,7 +462,7 @@ def test_missing_and_unwritable_config(tmp_path):
 
 def test_main_reports_config_error(tmp_path, capsys):
     """A bad JSON fails in train.main before any process group, with a one-line error."""
-    from trainer3d.train import main
+    from trainer3d.train.trainer import main
 
     path = _write(tmp_path, {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2})
     assert main(["--deepspeed_config", path]) == 2

@@ -10,14 +10,11 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from .model import MODEL_PRESETS, GPTConfig
-from .pipeline import SCHEDULES, check_pipeline
-from .tensor_parallel import check_tensor_parallel
-from .topology import Layout, LayoutError, infer_layout
-
-
-class ConfigError(ValueError):
-    """A flag or file that cannot work; the message names the fix."""
+from trainer3d.errors import ConfigError, LayoutError
+from trainer3d.model import MODEL_PRESETS, GPTConfig
+from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
+from trainer3d.parallel.tensor_parallel import check_tensor_parallel
+from trainer3d.dist.topology import Layout, infer_layout
 
 
 @dataclass
@@ -88,7 +85,7 @@ class TrainConfig:
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         base = MODEL_PRESETS[self.model]
         if self.init_from_hf:  # resume.py: the Hugging Face model's config.json gives the shape
-            from .resume import hf_model_config
+            from trainer3d.checkpoint.load import hf_model_config
 
             base = hf_model_config(self.init_from_hf)
             vocab_size = base.vocab_size
@@ -147,7 +144,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> tupl
         raise ConfigError(f"--n-embd {mcfg.n_embd} must be a multiple of --n-head {mcfg.n_head}.")
     check_tensor_parallel(mcfg, layout.tp)
     if cfg.deepspeed_config is not None:  # the JSON owns the batch (deepspeed_config.py); also checks the JSON itself
-        from .deepspeed_config import resolve_deepspeed
+        from trainer3d.zero.config import resolve_deepspeed
 
         plan = resolve_deepspeed(cfg, layout).plan
     else:
@@ -160,7 +157,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> tupl
     if cfg.dist_timeout <= 0:
         raise ConfigError(f"--dist-timeout must be a positive number of seconds (got {cfg.dist_timeout}).")
     if cfg.profile_steps is not None:
-        from .profiling import ProfileError, parse_step_range
+        from trainer3d.train.profiling import ProfileError, parse_step_range
 
         try:
             parse_step_range(cfg.profile_steps, cfg.max_steps)

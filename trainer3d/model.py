@@ -40,6 +40,12 @@ class GPTConfig:
             n += V * d + P * d
         return n
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per parameter touched by a token (all matmuls, the LM head included, the
+        embedding lookups excluded) plus attention's QK^T and AV, 12·L·d·T (PaLM appendix B / Megatron)."""
+        matmul_params = self.num_params(include_embedding=False) + self.vocab_size * self.n_embd
+        return 6.0 * matmul_params + 12.0 * self.n_layer * self.n_embd * seq_len
+
 
 # The published GPT-2 family (Radford et al. 2019) plus a tiny one for CPU runs and tests.
 MODEL_PRESETS: dict[str, GPTConfig] = {

@@ -26,8 +26,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .comm_model import Dims, Layout, analytic_comm, estimate_memory, gib, rank_params
-from .model import MODEL_PRESETS
+from trainer3d.plan.cost_model import Dims, Layout, analytic_comm, estimate_memory, gib, rank_params
+from trainer3d.model import MODEL_PRESETS
 
 # ---- models and clusters -------------------------------------------------------------------------------------
 # Beyond trainer3d's GPT-2 presets: published GPT-3-family shapes (Brown et al. 2020; Narayanan et al. 2021).
@@ -140,7 +140,7 @@ def divisors(n: int) -> list[int]:
 @lru_cache(maxsize=None)
 def _stage_costs(dims: Dims, n_stages: int) -> tuple[float, float]:
     """(slowest stage's forward cost, mean stage cost) with trainer3d's balancing: the pace of a pipeline."""
-    from .comm_model import _balance
+    from trainer3d.plan.cost_model import _balance
 
     block = 24 * dims.n_embd**2 + 4 * dims.n_positions * dims.n_embd
     head = 2 * dims.n_embd * dims.vocab
@@ -169,8 +169,8 @@ BUBBLE_COEF = {  # idle time per (p-1) micro-batch slots, relative to 1F1B's
 
 def step_times(L: Layout, C: Cluster) -> dict[str, float]:
     """Seconds per optimizer step, by component."""
-    from .metrics import flops_per_token
-    from .pipeline import SCHEDULES
+    from trainer3d.train.metrics import flops_per_token
+    from trainer3d.parallel.pipeline import SCHEDULES
 
     d, N = L.dims, L.world
     cfg = d.gpt_config()
@@ -248,8 +248,8 @@ def enumerate_plans(dims: Dims, C: Cluster, global_batch: int, seq_len: int, *, 
                     zero_stages=(0, 1, 2, 3), offload: bool = True, recompute: bool = True,
                     max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False,
                     trainer3d_only: bool = False) -> Search:
-    from .pipeline import SCHEDULES, check_pipeline
-    from .topology import LayoutError
+    from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
+    from trainer3d.errors import LayoutError
 
     N = C.world
     schedules = list(schedules or ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
@@ -545,7 +545,7 @@ def format_plans(shown: list[Plan], search: Search, C: Cluster) -> str:
         L = p.layout
         total = p.step_time
         br = " ".join(f"{k} {v / total:.0%}" for k, v in p.times.items() if v / total >= 0.005)
-        from .metrics import flops_per_token
+        from trainer3d.train.metrics import flops_per_token
 
         tok = L.global_batch * L.seq_len
         mfu = flops_per_token(L.dims.gpt_config(), L.seq_len) * tok / (total * C.world * C.peak_tflops * 1e12)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .config import BatchPlan, ConfigError, plan_batch
+from trainer3d.config import BatchPlan, ConfigError, plan_batch
 
 # The glue above reaches into these DeepSpeed versions' internals; pyproject pins the same range.
 DEEPSPEED_MIN, DEEPSPEED_BELOW = (0, 19, 8), (0, 20, 0)
@@ -111,7 +111,7 @@ def _as_int(v, key, src):
 def resolve_deepspeed(cfg, layout) -> DeepSpeedSpec:
     """Read cfg.deepspeed_config and fill it from the flags and the layout; raise ConfigError (one sentence
     naming the fix) on anything that contradicts them or cannot work. Needs no process group."""
-    from .pipeline import SCHEDULES
+    from trainer3d.parallel.pipeline import SCHEDULES
 
     check_deepspeed_version()
     ds, src = load_ds_json(cfg.deepspeed_config)
@@ -332,7 +332,7 @@ OP_DIRS = {"ShareMemCommBuilder": "deepspeed_shm_comm", "CPUAdamBuilder": "cpu_a
 
 def default_extensions_dir() -> str:
     """The per-checkout build directory (gitignored .cache/), unless TORCH_EXTENSIONS_DIR names another."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(root, ".cache", "torch_extensions")
 
 

@@ -39,7 +39,7 @@ def resolve_mode(project: str | None, mode: str | None, environ=os.environ) -> s
 def run_config(trainer) -> dict:
     """Everything about the run worth comparing across runs (and nothing from the environment)."""
     cfg, topo, plan, mcfg = trainer.cfg, trainer.topo, trainer.plan, trainer.mcfg
-    from .metrics import flops_per_token
+    from trainer3d.train.metrics import flops_per_token
 
     config: dict[str, Any] = {
         "train": asdict(cfg),

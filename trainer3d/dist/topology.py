@@ -18,9 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-class LayoutError(ValueError):
-    """A (dp, tp, pp) layout that cannot work; the message names the fix."""
+from trainer3d.errors import LayoutError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import resource
 
 import torch
 
-from .model import GPTConfig
+from trainer3d.model import GPTConfig
 
 # Dense peak TFLOP/s per device (vendor datasheets; no sparsity). Matched against torch.cuda.get_device_name() in
 # this order, first substring wins, so the PCIe/NVL variants come before their SXM names ("NVIDIA H100 80GB HBM3"
@@ -44,10 +44,7 @@ def device_peak_tflops(device: torch.device, precision: str, override: float | N
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per parameter touched by a token (all matmuls, the LM head included, the
-    embedding lookups excluded) plus attention's QK^T and AV, 12·L·d·T (PaLM appendix B / Megatron)."""
-    matmul_params = cfg.num_params(include_embedding=False) + cfg.vocab_size * cfg.n_embd
-    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+    return cfg.flops_per_token(seq_len)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from . import pipeline
-from .data_parallel import unwrap, wrap_ddp
-from .model import GPT, GPTConfig, canonical_name, init_value
-from .tensor_parallel import ShardedDropoutRNG, apply_tensor_parallel, materialize, padded_vocab_size
-from .topology import Topology
+from trainer3d.parallel import pipeline
+from trainer3d.parallel.ddp import unwrap, wrap_ddp
+from trainer3d.model import GPT, GPTConfig, canonical_name, init_value
+from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG, apply_tensor_parallel, materialize, padded_vocab_size
+from trainer3d.dist.topology import Topology
 
 
 @dataclass
@@ -124,6 +124,6 @@ def named_full_params(pm: ParallelModel) -> dict[str, tuple[nn.Parameter, object
 def gather_stage_params(pm: ParallelModel, topo: Topology) -> dict[str, torch.Tensor]:
     """Full (unsharded, unpadded) values of this rank's stage parameters, by canonical name. Collective over
     the tp group; every tp rank gets the result."""
-    from .tensor_parallel import gather_full
+    from trainer3d.parallel.tensor_parallel import gather_full
 
     return {name: gather_full(p.data, spec, topo.tp_group) for name, (p, spec) in named_full_params(pm).items()}

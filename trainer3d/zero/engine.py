@@ -90,8 +90,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from . import zero_state
-from .deepspeed_config import (
+from trainer3d.zero import state as zero_state
+from trainer3d.zero.config import (
     DeepSpeedSpec, build_ops, check_deepspeed_version, default_extensions_dir, resolve_deepspeed, use_prebuilt_ops,
 )
 
@@ -376,7 +376,7 @@ class ZeroDataParallel:
 
     # -- one optimizer step -------------------------------------------------------------------------------------
     def train_step(self, trainer, batch: torch.Tensor) -> dict:
-        from .train import lr_at
+        from trainer3d.train.trainer import lr_at
 
         cfg = self.spec.cfg
         for e in self.engines:
@@ -445,8 +445,8 @@ class ZeroDataParallel:
         give every copy the sum (see the module docstring)."""
         from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
-        from .data_parallel import tied_copies
-        from .tensor_parallel import all_reduce, group_size
+        from trainer3d.parallel.ddp import tied_copies
+        from trainer3d.parallel.tensor_parallel import all_reduce, group_size
 
         copies = tied_copies([self._plain(e) for e in self.engines])
         group = self.topo.embedding_group
@@ -467,7 +467,7 @@ class ZeroDataParallel:
                 safe_set_full_grad(p, total.to(p.grad.dtype if p.grad is not None else torch.float32))
 
     def _counted(self, module: nn.Module, p: nn.Parameter, dp_replicated: bool) -> bool:
-        from .data_parallel import is_tied_duplicate
+        from trainer3d.parallel.ddp import is_tied_duplicate
 
         if is_tied_duplicate(module, p):
             return False
@@ -480,7 +480,7 @@ class ZeroDataParallel:
         pipeline stages (world all-reduce of the squares this rank owns). ZeRO-3 with an offloaded optimizer
         keeps each partition's norm from the accumulation boundary (what its own clipping reads), so nothing is
         copied back from CPU or swapped in from NVMe for it."""
-        from .tensor_parallel import all_reduce
+        from trainer3d.parallel.tensor_parallel import all_reduce
 
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for e in self.engines:
@@ -615,8 +615,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {state}")
         return 0
     if args.check_config:
-        from .config import ConfigError, parse_args, validate
-        from .topology import LayoutError
+        from trainer3d.config import ConfigError, parse_args, validate
+        from trainer3d.dist.topology import LayoutError
 
         cfg = parse_args(rest + ["--deepspeed_config", args.check_config])
         try:

@@ -24,13 +24,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (
+from trainer3d.checkpoint.format import (
     Checkpoint, CheckpointError, all_gather_object, broadcast_object, describe_error, layout_record, raise_first,
     shape_diffs, sharded_rngs, group_world_size, write_text_atomic, checkpoints_root, latest_checkpoint,
     resolve_checkpoint, rng_file, save_checkpoint,
 )
-from .model import GPTConfig, canonical_name
-from .tensor_parallel import ShardedDropoutRNG, shard_tensor
+from trainer3d.model import GPTConfig, canonical_name
+from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG, shard_tensor
 
 
 def _stage_params(pm) -> list[tuple[str, torch.nn.Parameter, Any]]:
@@ -175,7 +175,7 @@ def trim_metrics(out_dir: str | os.PathLike, step: int) -> None:
 # ---- Hugging Face initialisation --------------------------------------------------------------------------------
 def hf_model_config(path: str | os.PathLike) -> GPTConfig:
     """Our GPTConfig from a Hugging Face directory's config.json (shapes only; nothing else is read)."""
-    from .hf import CONFIG_NAME, gpt_config_from_hf
+    from trainer3d.checkpoint.hf import CONFIG_NAME, gpt_config_from_hf
 
     p = Path(path)
     if not (p / CONFIG_NAME).is_file():
@@ -190,7 +190,7 @@ def hf_model_config(path: str | os.PathLike) -> GPTConfig:
 
 def hf_full_value(path: str | os.PathLike, mcfg: GPTConfig) -> Callable[[str, tuple], torch.Tensor]:
     """The `full_value` hook from a Hugging Face GPT2LMHeadModel directory, after checking its shape is `mcfg`'s."""
-    from .hf import load_hf_checkpoint
+    from trainer3d.checkpoint.hf import load_hf_checkpoint
 
     try:
         hcfg, state = load_hf_checkpoint(path, dropout=mcfg.dropout)

@@ -16,16 +16,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from . import pipeline, resume
-from .config import BatchPlan, ConfigError, TrainConfig, parse_args, validate
-from .data_parallel import all_reduce_grads, clip_grads_, global_grad_norm, sync_tied_embedding_grads
-from .metrics import MetricsFile, device_peak_tflops, flops_per_token, peak_memory_bytes
-from .model import GPTConfig
-from .parallelize import ParallelModel, build_parallel_model, seed_rngs
-from .profiling import StepProfiler
-from .tensor_parallel import all_reduce, vocab_parallel_cross_entropy
-from .tracking import Tracker
-from .topology import (
+from trainer3d.parallel import pipeline
+
+from trainer3d.checkpoint import load as resume
+from trainer3d.config import BatchPlan, ConfigError, TrainConfig, parse_args, validate
+from trainer3d.parallel.ddp import all_reduce_grads, clip_grads_, global_grad_norm, sync_tied_embedding_grads
+from trainer3d.train.metrics import MetricsFile, device_peak_tflops, flops_per_token, peak_memory_bytes
+from trainer3d.model import GPTConfig
+from trainer3d.parallel.parallelize import ParallelModel, build_parallel_model, seed_rngs
+from trainer3d.train.profiling import StepProfiler
+from trainer3d.parallel.tensor_parallel import all_reduce, vocab_parallel_cross_entropy
+from trainer3d.train.tracking import Tracker
+from trainer3d.dist.topology import (
     Heartbeat, LaunchEnv, LayoutError, Topology, default_device, init_distributed, inject_fault, report_failure
 )
 
@@ -77,7 +79,7 @@ class Trainer:
     ):
         spec = None  # a DeepSpeed JSON: ZeRO engines are the dp axis (zero.py); its batch, lr, clip, precision win
         if cfg.deepspeed_config is not None:
-            from .deepspeed_config import resolve_deepspeed
+            from trainer3d.zero.config import resolve_deepspeed
 
             spec = resolve_deepspeed(cfg, topo.layout)
             cfg, plan = spec.cfg, spec.plan
@@ -90,7 +92,7 @@ class Trainer:
         seed_rngs(cfg.seed, topo)
         self.zero = None
         if spec is not None:
-            from .zero import ZeroDataParallel
+            from trainer3d.zero.engine import ZeroDataParallel
 
             self.zero = ZeroDataParallel(spec, self.pm, topo, device, verbose=cfg.verbose)
         self.loss_scale = DynamicLossScale() if self.precision == "fp16" else None
@@ -210,7 +212,7 @@ class Trainer:
 
     def memory_report(self) -> dict:
         """Bytes this rank holds of parameters, gradients and optimizer states, and how much of each is offloaded."""
-        from .zero import ddp_memory
+        from trainer3d.zero.engine import ddp_memory
 
         return self.zero.memory() if self.zero else ddp_memory(self.pm.modules, self.optimizer, self.device)
 
@@ -223,7 +225,7 @@ class Trainer:
 
 # ---- the entry point -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    from .data import DataConfig, DataError, BatchLoader, build_token_blocks, val_batches
+    from trainer3d.data import DataConfig, DataError, BatchLoader, build_token_blocks, val_batches
 
     cfg = parse_args(argv)
     env = LaunchEnv.from_environ()
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 def local_leader_first(env: LaunchEnv, build):
     """Run `build` on each node's local rank 0 (it tokenizes and fills the cache), then on the other ranks
     (they read the cache). An error on a leader reaches every rank, so nobody waits at the barrier."""
-    from .data import DataError
+    from trainer3d.data import DataError
 
     result, error = None, None
     if env.local_rank == 0:

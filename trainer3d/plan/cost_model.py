@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .model import GPTConfig
-from .tensor_parallel import padded_vocab_size
+from trainer3d.model import GPTConfig
+from trainer3d.parallel.tensor_parallel import padded_vocab_size
 
 
 # ---- precision ---------------------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ class Stage:
 
 
 def n_stages(pp: int, schedule: str, virtual_stages: int) -> int:
-    from .pipeline import stages_per_rank
+    from trainer3d.parallel.pipeline import stages_per_rank
 
     return pp * stages_per_rank(schedule, virtual_stages)
 
@@ -100,7 +100,7 @@ def rank_stages(dims: Dims, pp: int, schedule: str, virtual_stages: int, pp_rank
 
 @lru_cache(maxsize=65536)
 def _rank_stages(dims: Dims, pp: int, schedule: str, virtual_stages: int, pp_rank: int) -> tuple[Stage, ...]:
-    from .pipeline import stage_ids
+    from trainer3d.parallel.pipeline import stage_ids
 
     n = n_stages(pp, schedule, virtual_stages)
     ranges = _balance(dims, n)
@@ -109,7 +109,7 @@ def _rank_stages(dims: Dims, pp: int, schedule: str, virtual_stages: int, pp_ran
 
 @lru_cache(maxsize=4096)
 def _balance(dims: Dims, n: int) -> tuple[range, ...]:
-    from .pipeline import balance_layers
+    from trainer3d.parallel.pipeline import balance_layers
 
     return tuple(balance_layers(dims.gpt_config(), n))
 
@@ -219,7 +219,7 @@ class Layout:
 
 
 def tied_copy_ranks(L: Layout) -> tuple[int, int]:
-    from .pipeline import last_stage_pp_rank
+    from trainer3d.parallel.pipeline import last_stage_pp_rank
 
     return 0, last_stage_pp_rank(L.schedule, L.pp)
 

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+from trainer3d.errors import DataError
 import torch
 
 if TYPE_CHECKING:  # heavy imports stay lazy: ranks that hit the cache never import `datasets`
@@ -62,15 +64,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1  # bump when the on-disk layout or packing rule changes
-BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "gpt2_tokenizer"
+BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "gpt2_tokenizer"
 _GPT2_ALIASES = {"gpt2", "openai-community/gpt2"}  # same BPE as the bundled files: served offline
 _FILE_BUILDERS = {
     ".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"
 }
-
-
-class DataError(ValueError):
-    """Bad data input; the message is one sentence that names the fix."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model import GPT
+from trainer3d.model import GPT
 
 
 def group_size(group) -> int:
@@ -263,7 +263,7 @@ def apply_tensor_parallel(model: GPT, group, rank: int, size: int, dropout_rng: 
 
 
 def check_tensor_parallel(cfg, tp: int) -> None:
-    from .topology import LayoutError
+    from trainer3d.errors import LayoutError
 
     if cfg.n_head % tp:
         raise LayoutError(f"--tp {tp} must divide the model's {cfg.n_head} attention heads; pick a divisor of {cfg.n_head}.")

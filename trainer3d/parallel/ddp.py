@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .tensor_parallel import all_reduce, group_size
+from trainer3d.parallel.tensor_parallel import all_reduce, group_size
 
 
 def wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from .model import GPT, GPTConfig
-from .topology import LayoutError
+from trainer3d.model import GPT, GPTConfig
+from trainer3d.errors import LayoutError
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
-from .model import GPTConfig, canonical_name
-from .tensor_parallel import ShardedDropoutRNG, gather_full, group_size
+from trainer3d.errors import CheckpointError
+from trainer3d.model import GPTConfig, canonical_name
+from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG, gather_full, group_size
 
 FORMAT = "trainer3d-checkpoint"
 FORMAT_VERSION = 1
@@ -59,10 +59,6 @@ MODEL_SHAPE_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"
 # Test hook (tests/test_checkpoint.py): when saving this step, writer ranks stop after their model file, create
 # `PAUSED` in the temporary directory and sleep, so a test can SIGKILL the job in the middle of a save.
 PAUSE_ENV = "TRAINER3D_TEST_PAUSE_SAVE_AT_STEP"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint (or Hugging Face directory) that cannot be saved or loaded; one sentence naming the file."""
 
 
 def step_dir_name(step: int) -> str:
@@ -229,7 +225,7 @@ def _write_rank_files(trainer, tmp: Path, step: int) -> dict:
 
 
 def _named_full_params(pm):
-    from .parallelize import named_full_params
+    from trainer3d.parallel.parallelize import named_full_params
 
     return named_full_params(pm)
 
@@ -285,7 +281,7 @@ def _commit(trainer, tmp: Path, final: Path, files: dict, loader, keep_last: int
         if name not in files or not path.is_file() or path.stat().st_size != files[name]["bytes"]:
             raise CheckpointError(f"{path} is missing or incomplete after every rank reported success")
     ls = trainer.loss_scale
-    from .train import lr_at  # the LR is a pure function of the step; recorded for people reading meta.json
+    from trainer3d.train.trainer import lr_at  # the LR is a pure function of the step; recorded for people reading meta.json
 
     meta = {
         "format": FORMAT,
@@ -473,7 +469,7 @@ class Checkpoint:
             raise CheckpointError(f"{path} lacks tensor {missing[0]!r} that meta.json lists; the file is corrupted.")
 
     def _check_model(self) -> None:
-        from .hf import expected_shapes
+        from trainer3d.checkpoint.hf import expected_shapes
 
         expected = expected_shapes(self.model_config)
         missing = sorted(set(expected) - set(self.model_index))

@@ -1,0 +1,5 @@
+import sys
+
+from trainer3d.plan.search import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from trainer3d.zero.engine import main
+
+sys.exit(main())
