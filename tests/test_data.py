@@ -15,6 +15,7 @@ import torch
 
 from trainer3d import data as D
 from trainer3d.data import BatchLoader, DataConfig, DataError, TokenBlocks, build_token_blocks, val_batches
+from trainer3d.data.cache import _Encode, _n_val
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -207,7 +208,7 @@ def test_cache_reuse_and_rebuild(tmp_path, monkeypatch):
         raise AssertionError("the tokenizer ran on a cache hit")
 
     with monkeypatch.context() as m:
-        m.setattr(D._Encode, "__call__", no_tokenizer)
+        m.setattr(_Encode, "__call__", no_tokenizer)
         again = build(tmp_path, corpus)
         assert again.stats["cached"] and not again.stats["tokenized"] and again.fingerprint == first.fingerprint
         assert np.array_equal(again.train, first.train)
@@ -329,8 +330,8 @@ def test_val_batches():
 
 def test_val_split_sizes(tmp_path):
     cfg = DataConfig()
-    assert D._n_val(cfg, 11741) == 128 and D._n_val(cfg, 1_000_000) == 10_000  # min 128 blocks, else 1%
-    assert D._n_val(cfg, 50) == 5 and D._n_val(cfg, 2) == 1 and D._n_val(DataConfig(val_fraction=0), 50) == 0
+    assert _n_val(cfg, 11741) == 128 and _n_val(cfg, 1_000_000) == 10_000  # min 128 blocks, else 1%
+    assert _n_val(cfg, 50) == 5 and _n_val(cfg, 2) == 1 and _n_val(DataConfig(val_fraction=0), 50) == 0
     corpus = tmp_path / "c.txt"
     corpus.write_text(" ".join(docs(20)))
     b = build(tmp_path, corpus, val_fraction=0.25)

