@@ -1,10 +1,10 @@
-"""The planner (trainer3d/plan.py) and its cost model (trainer3d/comm_model.py):
+"""The planner (trainer3d/plan/) and its cost model (candidate.py, memory.py, comm.py):
 
 - infeasible layouts are refused, each for its reason;
 - its memory estimate agrees within 10% with memory measured in a spawned gloo world (fp32, tiny model): the
   parameters/gradients/optimizer state the trainer reports, and the peak bytes per rank from a malloc counter
   preloaded into the workers (bench/memhook.c), for DDP layouts over dp, tp and pp (1F1B, GPipe, interleaved)
-  and, when trainer3d/zero.py exists, ZeRO-1/2/3;
+  and, when trainer3d/zero/ exists, ZeRO-1/2/3;
 - its communication formulas are the ones the comm benchmark verifies (one world, counted collectives).
 """
 
@@ -15,9 +15,14 @@ import shutil
 
 import pytest
 
-from trainer3d.plan.cost_model import Dims, Layout, analytic_comm, estimate_memory, rank_params
-from trainer3d.model import MODEL_PRESETS
-from trainer3d.plan.search import PLAN_MODELS, Cluster, enumerate_plans, evaluate, launch_command, main, parse_layout
+from trainer3d.model import MODEL_PRESETS, GPTConfig
+from trainer3d.plan.candidate import Candidate, rank_params
+from trainer3d.plan.cli import PLAN_MODELS, main
+from trainer3d.plan.cluster import Cluster
+from trainer3d.plan.comm import analytic_comm
+from trainer3d.plan.memory import estimate_memory
+from trainer3d.plan.report import launch_command
+from trainer3d.plan.search import enumerate_plans, evaluate, parse_layout
 
 H100 = dict(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, intra_node_gbps=360, inter_node_gbps=50)
 
@@ -29,29 +34,29 @@ def test_175b_does_not_fit_on_one_node_and_says_why():
 
 
 def test_every_refusal_has_a_reason():
-    dims = Dims.of(MODEL_PRESETS["gpt2-xl"])  # 25 heads: tp 2, 4, 8 impossible
-    search = enumerate_plans(dims, Cluster(nodes=1, **H100), 12, 1024)
+    cfg = MODEL_PRESETS["gpt2-xl"]  # 25 heads: tp 2, 4, 8 impossible
+    search = enumerate_plans(cfg, Cluster(nodes=1, **H100), 12, 1024)
     reasons = set(search.refused)
     assert "tp does not divide the attention heads" in reasons
     assert "global batch not divisible by dp" in reasons  # dp 8 does not divide 12
     assert any(r.startswith("pipeline rule") for r in reasons)
     for p in search.plans:  # what is kept is valid and fits
-        L = p.layout
-        assert dims.n_head % L.tp == 0 and 12 % L.dp == 0 and L.dp * L.tp * L.pp == 8
+        c = p.candidate
+        assert cfg.n_head % c.tp == 0 and 12 % c.dp == 0 and c.dp * c.tp * c.pp == 8
         assert p.memory <= Cluster(nodes=1, **H100).usable_bytes
 
 
 def test_a_layout_that_does_not_fit_is_flagged():
     C = Cluster(nodes=1, **{**H100, "gpu_memory_gib": 16})
-    L = parse_layout("tp=1,pp=1,mbs=8", Dims.of(MODEL_PRESETS["gpt2-medium"]), C, 64, 1024)
-    assert any("does NOT fit" in n for n in evaluate(L, C).notes)
+    cand = parse_layout("tp=1,pp=1,mbs=8", MODEL_PRESETS["gpt2-medium"], C, 64, 1024)
+    assert any("does NOT fit" in n for n in evaluate(cand, C).notes)
 
 
 def test_zero_divides_model_states_as_the_paper_says():
-    dims = Dims.of(MODEL_PRESETS["gpt2"])
-    base = Layout(dims=dims, dp=8, precision="bf16-mixed")
-    n = rank_params(dims, 1, base.stages(0))
-    e = {z: estimate_memory(Layout(dims=dims, dp=8, precision="bf16-mixed", zero_stage=z), 0) for z in (1, 2, 3)}
+    cfg = MODEL_PRESETS["gpt2"]
+    base = Candidate(cfg=cfg, dp=8, precision="bf16-mixed")
+    n = rank_params(cfg, 1, base.stages(0))
+    e = {z: estimate_memory(Candidate(cfg=cfg, dp=8, precision="bf16-mixed", zero_stage=z), 0) for z in (1, 2, 3)}
     assert e[1].optimizer == pytest.approx(12 * n / 8) and e[1].params == pytest.approx(2 * n)
     assert e[2].grads == pytest.approx(4 * n / 8)  # DeepSpeed's fp32 gradient partition
     assert e[3].params < 2 * n / 8 * 1.05 and e[3].zero_buffers > 0  # partition (+ persistent) and a working set
@@ -59,10 +64,10 @@ def test_zero_divides_model_states_as_the_paper_says():
 
 
 def test_tp_comm_formula_counts_what_the_trainer_sends():
-    dims = Dims(n_layer=4, n_embd=64, n_head=4, vocab=512, n_positions=64)
-    L = Layout(dims=dims, tp=2, micro_batches=2, micro_batch_size=4, seq_len=32)
+    cfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+    cand = Candidate(cfg=cfg, tp=2, micro_batches=2, micro_batch_size=4, seq_len=32)
     T, h = 4 * 32, 64
-    tp = sum(t.payload for t in analytic_comm(L, 0) if t.group == "tp")
+    tp = sum(t.payload for t in analytic_comm(cand, 0) if t.group == "tp")
     # 4 all-reduces per block + embedding forward + head backward (b·s·h each) + 3 cross-entropy (b·s), fp32
     assert tp == 2 * ((4 * 4 + 2) * T * h * 4 + 3 * T * 4)
 
@@ -83,14 +88,15 @@ def test_launch_command_and_ds_config(tmp_path, capsys):
 
 
 def test_launch_flags_are_the_trainers(tmp_path):
-    from trainer3d.config import parse_args, validate
+    from trainer3d.config import parse_args
+    from trainer3d.train.setup import validate
 
     C = Cluster(nodes=1, **H100)
-    dims = Dims.of(MODEL_PRESETS["gpt2"])
-    p = evaluate(parse_layout("tp=2,pp=2,schedule=interleaved-1f1b,v=2,mbs=2", dims, C, 32, 1024), C)
+    p = evaluate(parse_layout("tp=2,pp=2,schedule=interleaved-1f1b,v=2,mbs=2", MODEL_PRESETS["gpt2"], C, 32, 1024), C)
     cmd = launch_command(p, C, "torchrun", "gpt2", None)
     argv = cmd.split("launch/train_gpt2.py ")[1].split()
-    layout, plan = validate(parse_args(argv), 8)
+    setup = validate(parse_args(argv), 8)
+    layout, plan = setup.layout, setup.plan
     assert (layout.dp, layout.tp, layout.pp, plan.micro_batches, plan.micro_batch_size) == (2, 2, 2, 8, 2)
 
 

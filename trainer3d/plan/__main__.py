@@ -1,5 +1,5 @@
 import sys
 
-from trainer3d.plan.search import main
+from trainer3d.plan.cli import main
 
 sys.exit(main())

@@ -1,0 +1,186 @@
+"""A layout candidate of the planner and what it puts on one pipeline rank: stages and parameter counts.
+
+Pure functions of the model's GPTConfig and the candidate; nothing needs a process group. The stages come from
+trainer3d.parallel.pipeline itself (placement and balancing), so the planner counts what the trainer builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from trainer3d.model import GPTConfig
+from trainer3d.parallel.pipeline import balance_layers, stage_ids, stages_per_rank
+from trainer3d.parallel.tensor_parallel import padded_vocab_size
+
+
+# ---- precision ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor, and of model state per parameter."""
+
+    name: str
+    resid: int  # residual stream: LayerNorm inputs, pipeline sends, the embedding output
+    matmul: int  # matmul inputs/outputs: saved activations, TP forward all-reduces, logits
+    tp_bwd: int  # TP backward all-reduces (gradients w.r.t. LayerNorm outputs)
+    param: int  # model state per parameter (ZeRO paper: 2 + 2 + K with K = 12 in mixed precision)
+    grad: int
+    optim: int  # Adam's two moments, plus the fp32 master copy when params are 16-bit
+
+    @property
+    def state(self) -> int:
+        return self.param + self.grad + self.optim
+
+
+PRECISIONS = {
+    # CPU runs and the tests: everything fp32; Adam keeps exp_avg and exp_avg_sq (4 + 4 + 8 bytes per param).
+    "fp32": Precision("fp32", resid=4, matmul=4, tp_bwd=4, param=4, grad=4, optim=8),
+    # trainer3d without DeepSpeed on a GPU: fp32 parameters under torch.autocast(bf16). Matmuls run in bf16 and
+    # save bf16 inputs, but the residual stream (and so LayerNorm inputs, pipeline sends, and the gradients that
+    # the column-parallel layers all-reduce) stays fp32. Same 16 bytes of state per parameter as the ZeRO paper's
+    # mixed precision, split 4 + 4 + 8.
+    "bf16-autocast": Precision("bf16-autocast", resid=4, matmul=2, tp_bwd=4, param=4, grad=4, optim=8),
+    # The ZeRO paper's mixed-precision Adam (DeepSpeed "bf16": {"enabled": true}): 16-bit params and grads,
+    # K = 12 bytes of optimizer state (fp32 master + two moments), 16-bit activations throughout.
+    "bf16-mixed": Precision("bf16-mixed", resid=2, matmul=2, tp_bwd=2, param=2, grad=2, optim=12),
+}
+
+
+# ---- stages ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stage:
+    stage_id: int
+    layers: int
+    first: bool  # holds the embedding
+    last: bool  # holds final LayerNorm, LM head (a copy of the tied embedding unless `first`) and the loss
+
+
+def n_stages(pp: int, schedule: str, virtual_stages: int) -> int:
+    return pp * stages_per_rank(schedule, virtual_stages)
+
+
+@lru_cache(maxsize=4096)
+def balanced_ranges(cfg: GPTConfig, n: int) -> tuple[range, ...]:
+    """trainer3d.parallel.pipeline.balance_layers, cached: the search asks for the same split many times."""
+    return tuple(balance_layers(cfg, n))
+
+
+def rank_stages(cfg: GPTConfig, pp: int, schedule: str, virtual_stages: int, pp_rank: int) -> list[Stage]:
+    """The stages one pipeline rank owns, exactly as trainer3d.parallel.pipeline places and balances them."""
+    return list(_rank_stages(cfg, pp, schedule, virtual_stages, pp_rank))
+
+
+@lru_cache(maxsize=65536)
+def _rank_stages(cfg: GPTConfig, pp: int, schedule: str, virtual_stages: int, pp_rank: int) -> tuple[Stage, ...]:
+    n = n_stages(pp, schedule, virtual_stages)
+    ranges = balanced_ranges(cfg, n)
+    return tuple(Stage(i, len(ranges[i]), i == 0, i == n - 1) for i in stage_ids(pp_rank, pp, schedule, virtual_stages))
+
+
+# ---- the candidate -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """One run the planner considers: model, (dp, tp, pp) grid, schedule, batch split, precision and ZeRO options;
+    everything the cost model needs (one pipeline rank at a time). Not trainer3d.dist.topology.Layout, which is
+    only the (dp, tp, pp) grid of a running job."""
+
+    cfg: GPTConfig
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batches: int = 1
+    micro_batch_size: int = 1
+    seq_len: int = 128
+    precision: str = "fp32"
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    recompute: bool = False  # full activation checkpointing of every block
+    # ZeRO-3 keeps parameters smaller than this unpartitioned (DeepSpeed's stage3_param_persistence_threshold)
+    zero3_persistence: int | None = None  # None: 10 × hidden (report.zero_buckets)
+    zero_bucket_elems: int | None = None  # DeepSpeed reduce_bucket_size; None: hidden² (report.zero_buckets)
+
+    @property
+    def tokens(self) -> int:  # T: tokens per micro-batch
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def prec(self) -> Precision:
+        return PRECISIONS[self.precision]
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batches * self.micro_batch_size
+
+    def stages(self, pp_rank: int) -> list[Stage]:
+        return rank_stages(self.cfg, self.pp, self.schedule, self.virtual_stages, pp_rank)
+
+
+def describe(cand: Candidate) -> str:
+    """The one-line name of a candidate in the planner's tables, e.g. `dp8 tp1 pp2 1f1b m64x1 ZeRO-1`."""
+    s = f"dp{cand.dp} tp{cand.tp} pp{cand.pp}"
+    if cand.pp > 1:
+        s += f" {cand.schedule}" + (f" v{cand.virtual_stages}" if cand.virtual_stages > 1 else "")
+    s += f" m{cand.micro_batches}x{cand.micro_batch_size} ZeRO-{cand.zero_stage}"
+    if cand.offload_optimizer:
+        s += "+offload" + ("(opt,param)" if cand.offload_params else "(opt)")
+    if cand.recompute:
+        s += " +recompute"
+    return s
+
+
+# ---- parameters per rank -----------------------------------------------------------------------------------
+def block_params(cfg: GPTConfig, tp: int) -> int:
+    """One block's parameters on one TP rank: column-parallel qkv and fc (weights and biases split), row-parallel
+    projections (weights split, biases replicated), two replicated LayerNorms."""
+    h = cfg.n_embd
+    return (12 * h * h + 7 * h) // tp + 6 * h
+
+
+def stage_params(cfg: GPTConfig, tp: int, st: Stage) -> int:
+    h, Vp = cfg.n_embd, padded_vocab_size(cfg.vocab_size, tp)
+    n = st.layers * block_params(cfg, tp)
+    if st.first:
+        n += Vp // tp * h + cfg.n_positions * h  # vocab-parallel wte, replicated wpe
+    if st.last:
+        n += 2 * h + (0 if st.first else Vp // tp * h)  # ln_f, and the head's copy of wte when not on this module
+    return n
+
+
+def rank_params(cfg: GPTConfig, tp: int, stages: list[Stage]) -> int:
+    return sum(stage_params(cfg, tp, s) for s in stages)
+
+
+def max_param_tensor(cfg: GPTConfig, tp: int, stages: list[Stage]) -> int:
+    """Elements of the largest parameter on the rank (the vocab shard of wte, else an MLP weight)."""
+    h = cfg.n_embd
+    biggest = 4 * h * h // tp if any(s.layers for s in stages) else 0
+    if any(s.first or s.last for s in stages):
+        biggest = max(biggest, padded_vocab_size(cfg.vocab_size, tp) // tp * h)
+    return biggest
+
+
+def persistent_params(cand: Candidate, stages: list[Stage]) -> int:
+    """Parameters ZeRO-3 leaves unpartitioned (each tensor below the persistence threshold)."""
+    threshold = 10 * cand.cfg.n_embd if cand.zero3_persistence is None else cand.zero3_persistence
+    if threshold <= 0 or cand.zero_stage < 3:
+        return 0
+    h, t = cand.cfg.n_embd, cand.tp
+    small = 0
+    per_block = [3 * h // t, h, 4 * h // t, h, h, h, h, h]  # biases and LayerNorm weights/biases
+    per_block += [3 * h * h // t, h * h // t, 4 * h * h // t, 4 * h * h // t]
+    for s in stages:
+        small += s.layers * sum(n for n in per_block if n < threshold)
+        if s.last and 2 * h:
+            small += sum(n for n in (h, h) if n < threshold)
+    return small
+
+
+def gib(x: float) -> float:
+    return x / 2**30

@@ -1,0 +1,167 @@
+"""The layout planner: `python -m trainer3d.plan`.
+
+Given a model, a cluster and a global batch, enumerate every layout trainer3d can run (dp, tp, pp, schedule,
+virtual stages, micro-batches, ZeRO stage, offload, activation checkpointing), estimate memory per GPU and step
+time with the cost model in trainer3d/plan/ (memory.py, comm.py, step_time.py: the one bench/comm_volume.py and
+bench/memory.py check against measurements), refuse what does not fit or cannot run, and print the best few with
+the reason each wins. Optionally write the DeepSpeed JSON and print the launch command for a chosen plan.
+
+    python -m trainer3d.plan --model gpt2-xl --nodes 2 --gpus-per-node 8 --gpu-memory-gib 80 \\
+        --peak-tflops 989 --global-batch-tokens 524288 --seq-len 1024
+    python -m trainer3d.plan --preset-cluster a100-80g --nodes 128 --model gpt3-175b --seq-len 2048 \\
+        --global-batch 1536 --launcher sbatch --write-ds-config plan.json
+
+Step time = compute (model FLOPs / GPUs / (peak × --mfu), × 4/3 with recomputation, × the slowest stage's
+share) + pipeline bubble (schedule formulas; see bench/pipeline_bubble.py) + exposed communication (payloads
+from comm.analytic_comm, ring factors, tp over the intra-node bandwidth, dp and pp over the inter-node one
+when their groups span nodes; DDP's and ZeRO's gradient reduction overlaps the backward it can overlap) + CPU
+offload (PCIe transfers and CPU Adam). It is a model for ranking layouts, not a promise of seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from trainer3d.model import MODEL_PRESETS, GPTConfig
+from trainer3d.plan.candidate import describe, gib
+from trainer3d.plan.cluster import CLUSTERS, Cluster
+from trainer3d.plan.report import format_plans, launch_command, plan_deepspeed_config, why
+from trainer3d.plan.search import best_distinct, enumerate_plans, evaluate, parse_layout
+
+# Beyond trainer3d's GPT-2 presets: published GPT-3-family shapes (Brown et al. 2020; Narayanan et al. 2021).
+PLAN_MODELS = {
+    "gpt3-1.3b": GPTConfig(n_layer=24, n_embd=2048, n_head=16, vocab_size=50257, n_positions=2048),
+    "gpt3-6.7b": GPTConfig(n_layer=32, n_embd=4096, n_head=32, vocab_size=50257, n_positions=2048),
+    "gpt3-13b": GPTConfig(n_layer=40, n_embd=5120, n_head=40, vocab_size=50257, n_positions=2048),
+    "gpt3-175b": GPTConfig(n_layer=96, n_embd=12288, n_head=96, vocab_size=50257, n_positions=2048),
+    "megatron-1t": GPTConfig(n_layer=128, n_embd=25600, n_head=160, vocab_size=50257, n_positions=2048),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer3d.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (a preset, or sizes)")
+    m.add_argument("--model", default=None, help=f"one of {', '.join(list(MODEL_PRESETS) + list(PLAN_MODELS))}")
+    m.add_argument("--n-layer", type=int)
+    m.add_argument("--n-embd", type=int)
+    m.add_argument("--n-head", type=int)
+    m.add_argument("--vocab", type=int, default=None)
+    m.add_argument("--seq-len", type=int, default=1024)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--preset-cluster", choices=list(CLUSTERS), default=None, help="defaults for the flags below")
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--gpus-per-node", type=int, default=None)
+    c.add_argument("--gpu-memory-gib", type=float, default=None)
+    c.add_argument("--intra-node-gbps", type=float, default=None, help="GB/s per GPU inside a node (ring bus bandwidth)")
+    c.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per GPU across nodes")
+    c.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU")
+    c.add_argument("--mfu", type=float, default=0.5, help="fraction of peak the kernels reach (compute only)")
+    c.add_argument("--overlap", type=float, default=0.5,
+                   help="fraction of a compute window that dp communication can hide behind (0: none, 1: perfect)")
+    c.add_argument("--pcie-gbps", type=float, default=25.0, help="host <-> GPU GB/s, for offload")
+    c.add_argument("--host-memory-gib", type=float, default=1024.0, help="per node, for offload")
+    b = p.add_argument_group("batch")
+    b.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    b.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per step (e.g. 524288)")
+    s = p.add_argument_group("search")
+    s.add_argument("--schedules", nargs="+", default=None, help="pipeline schedules to consider")
+    s.add_argument("--zero-stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    s.add_argument("--no-offload", action="store_true")
+    s.add_argument("--no-recompute", action="store_true", help="leave out activation checkpointing")
+    s.add_argument("--trainer3d-only", action="store_true", help="only what trainer3d can run today (no recompute)")
+    s.add_argument("--max-micro-batch-size", type=int, default=64)
+    s.add_argument("--top", type=int, default=5)
+    o = p.add_argument_group("output")
+    o.add_argument("--pick", type=int, default=1, help="which plan (1 = best) to write/launch")
+    o.add_argument("--write-ds-config", default=None, metavar="PATH", help="write the DeepSpeed JSON of the pick")
+    o.add_argument("--launcher", choices=["torchrun", "deepspeed", "sbatch"], default="torchrun")
+    o.add_argument("--json", action="store_true", help="print the plans as JSON")
+    o.add_argument("--evaluate", default=None, metavar="LAYOUT",
+                   help="also estimate one layout, e.g. tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1 "
+                        "(dp follows from the cluster; keys: tp pp schedule v mbs zero offload recompute)")
+    return p
+
+
+def resolve(args) -> tuple[str | None, GPTConfig, Cluster, int]:
+    """(model name, model, cluster, global batch in sequences) from the flags."""
+    if args.model in PLAN_MODELS:
+        base = PLAN_MODELS[args.model]
+    elif args.model in MODEL_PRESETS or args.model is None:
+        base = MODEL_PRESETS[args.model or "gpt2"]
+    else:
+        raise SystemExit(f"plan: unknown --model {args.model!r}; choose one of {', '.join(list(MODEL_PRESETS) + list(PLAN_MODELS))} or give sizes.")
+    cfg = replace(base, n_layer=args.n_layer or base.n_layer, n_embd=args.n_embd or base.n_embd,
+                  n_head=args.n_head or base.n_head, vocab_size=args.vocab or base.vocab_size,
+                  n_positions=max(base.n_positions, args.seq_len))
+    if cfg.n_embd % cfg.n_head:
+        raise SystemExit(f"plan: --n-embd {cfg.n_embd} is not a multiple of --n-head {cfg.n_head}.")
+    preset = CLUSTERS.get(args.preset_cluster, CLUSTERS["h100"])
+    val = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
+    C = Cluster(nodes=args.nodes, gpus_per_node=val("gpus_per_node"), gpu_memory_gib=val("gpu_memory_gib"),
+                peak_tflops=val("peak_tflops"), intra_node_gbps=val("intra_node_gbps"),
+                inter_node_gbps=val("inter_node_gbps"), pcie_gbps=args.pcie_gbps, mfu=args.mfu, overlap=args.overlap,
+                host_memory_gib=args.host_memory_gib)
+    if args.global_batch_tokens is not None:
+        if args.global_batch_tokens % args.seq_len:
+            raise SystemExit(f"plan: --global-batch-tokens {args.global_batch_tokens} is not a multiple of --seq-len {args.seq_len}.")
+        gb = args.global_batch_tokens // args.seq_len
+    else:
+        gb = args.global_batch or 8 * C.world
+    return args.model, cfg, C, gb
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    name, cfg, C, gb = resolve(args)
+    search = enumerate_plans(
+        cfg, C, gb, args.seq_len, schedules=args.schedules, zero_stages=tuple(args.zero_stages),
+        offload=not args.no_offload, recompute=not (args.no_recompute or args.trainer3d_only),
+        max_micro_batch_size=args.max_micro_batch_size, trainer3d_only=args.trainer3d_only,
+    )
+    print(f"model: {name or 'custom'} L{cfg.n_layer} d{cfg.n_embd} h{cfg.n_head} vocab {cfg.vocab_size} "
+          f"({cfg.num_params() / 1e9:.2f}B params), seq {args.seq_len}, global batch {gb} sequences ({gb * args.seq_len:,} tokens)")
+    print(f"cluster: {C.nodes} x {C.gpus_per_node} GPUs, {C.gpu_memory_gib:g} GiB ({C.reserve_gib:g} reserved), "
+          f"{C.peak_tflops:g} TFLOP/s peak at {C.mfu:.0%} kernel efficiency, {C.intra_node_gbps:g} GB/s in a node, "
+          f"{C.inter_node_gbps:g} GB/s across")
+    if not search.plans:
+        print("no feasible plan. Refused:")
+        for reason, n in sorted(search.refused.items(), key=lambda kv: -kv[1]):
+            print(f"  {n:>7} {reason} (e.g. {search.examples[reason]})")
+        return 1
+    shown = best_distinct(search.plans, args.top)
+    if args.json:
+        print(json.dumps([dict(layout=describe(p.candidate), memory_gib=gib(p.memory), host_gib=gib(p.host),
+                               step_s=p.step_time, times=p.times, notes=p.notes) for p in shown], indent=1))
+    else:
+        print(format_plans(shown, C))
+        runner_up = shown[1] if len(shown) > 1 else None
+        print()
+        for i, p in enumerate(shown):
+            note = f" [{'; '.join(p.notes)}]" if p.notes else ""
+            print(f"#{i + 1}: {why(p, shown[0], i, len(search.plans), runner_up)}{note}")
+        print(f"\nrefused {sum(search.refused.values())} candidates:")
+        for reason, n in sorted(search.refused.items(), key=lambda kv: -kv[1]):
+            print(f"  {n:>7} {reason} (e.g. {search.examples[reason]})")
+    if args.evaluate:
+        ev = evaluate(parse_layout(args.evaluate, cfg, C, gb, args.seq_len), C)
+        faster = sum(1 for p in search.plans if p.step_time < ev.step_time)
+        print(f"\nevaluated: {args.evaluate}")
+        print(format_plans([ev], C))
+        print(f"  {why(ev, shown[0], 1, len(search.plans), None)}; {faster} feasible plans are estimated faster"
+              + (f" [{'; '.join(ev.notes)}]" if ev.notes else ""))
+    pick = shown[min(max(args.pick, 1), len(shown)) - 1]
+    if args.write_ds_config:
+        if pick.candidate.zero_stage == 0:
+            print(f"\nplan #{args.pick} uses DDP (ZeRO-0): no DeepSpeed JSON needed; not writing {args.write_ds_config}")
+        else:
+            with open(args.write_ds_config, "w") as f:
+                json.dump(plan_deepspeed_config(pick), f, indent=2)
+            print(f"\nwrote {args.write_ds_config} (ZeRO-{pick.candidate.zero_stage})")
+    print(f"\nlaunch ({args.launcher}) for #{args.pick}:")
+    print(launch_command(pick, C, args.launcher, name if name in MODEL_PRESETS else None, args.write_ds_config))
+    if pick.notes:
+        print("note: " + "; ".join(pick.notes))
+    return 0

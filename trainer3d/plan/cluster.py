@@ -1,0 +1,36 @@
+"""The hardware the planner plans for: per-GPU memory, peak, bandwidths, and the efficiencies it assumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Per GPU: memory (GiB), dense bf16 peak (TFLOP/s), ring bandwidth inside a node and across nodes (GB/s per GPU).
+CLUSTERS = {
+    "a100-80g": dict(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_gbps=230, inter_node_gbps=25),
+    "a100-40g": dict(gpus_per_node=8, gpu_memory_gib=40, peak_tflops=312, intra_node_gbps=230, inter_node_gbps=25),
+    "h100": dict(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, intra_node_gbps=360, inter_node_gbps=50),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    peak_tflops: float
+    intra_node_gbps: float  # GB/s per GPU
+    inter_node_gbps: float
+    pcie_gbps: float = 25.0  # host <-> GPU, per GPU
+    cpu_adam_params_per_s: float = 2e8  # DeepSpeedCPUAdam throughput per GPU's share of the host
+    mfu: float = 0.5  # fraction of peak the kernels reach (compute only; bubble and comm come on top)
+    overlap: float = 0.5  # fraction of a compute window that communication running beside it can hide behind
+    reserve_gib: float = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
+    host_memory_gib: float = 1024.0  # per node, for offloaded state
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.gpu_memory_gib - self.reserve_gib) * 2**30

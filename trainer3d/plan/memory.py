@@ -1,0 +1,186 @@
+"""Device memory per rank: model states (ZeRO paper), saved activations (Korthikanti et al.), the buffers and
+transients trainer3d and DeepSpeed add. bench/memory.py checks it against measured peaks (within 10%); the
+derivation of each term is in bench/README.md, section "Memory per rank".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer3d.parallel.tensor_parallel import padded_vocab_size
+from trainer3d.plan.candidate import (
+    Candidate, Stage, block_params, max_param_tensor, persistent_params, rank_params,
+)
+
+
+def layer_activation_bytes(cand: Candidate) -> float:
+    """Bytes one block saves for backward per micro-batch, per token: 4h replicated (two LayerNorm inputs and
+    outputs), 12h/t sharded, flash attention's log-sum-exp and the LayerNorm statistics. No s×s scores
+    (scaled_dot_product_attention never stores them) and no dropout masks (dropout 0)."""
+    h, a, t, P = cand.cfg.n_embd, cand.cfg.n_head, cand.tp, cand.prec
+    per_token = 2 * h * P.resid + 2 * h * P.matmul + 12 * h // t * P.matmul + a // t * 4 + 4 * 4
+    return cand.tokens * per_token
+
+
+def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
+    """Bytes one stage holds per micro-batch in flight: saved activations plus the stage output that torch's
+    PipelineStage keeps until that micro-batch's backward (the hidden state, or the logits on the last stage).
+    With recomputation each block keeps only its input."""
+    h, T, P, t = cand.cfg.n_embd, cand.tokens, cand.prec, cand.tp
+    Vp = padded_vocab_size(cand.cfg.vocab_size, t)
+    per_layer = T * h * P.resid if cand.recompute else layer_activation_bytes(cand)
+    total = st.layers * per_layer
+    if st.first:
+        total += T * (8 + (9 if t > 1 else 0))  # token ids (int64); under TP also the shard mask and local ids
+    if st.last:
+        total += T * (h * P.resid + h * P.matmul + 8)  # ln_f input, head input, the CE's local targets
+        total += T * Vp // t * 4  # the cross-entropy keeps the fp32 softmax for its backward
+        total += T * Vp // t * P.matmul  # the logits, held as the stage output until backward
+    else:
+        total += T * h * P.resid  # the stage output, held until backward
+    return total
+
+
+def inflight_microbatches(cand: Candidate, pp_rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of its whole share of the
+    model (a chunk of an interleaved schedule counts 1/v), following torch's schedules' warmup rules."""
+    p, r, m = cand.pp, pp_rank, cand.micro_batches
+    if p == 1:
+        return 1.0  # gradient accumulation runs micro-batches one at a time
+    s = cand.schedule
+    if s == "gpipe":
+        return float(m)
+    if s == "1f1b":
+        return float(min(p - r, m))
+    if s == "looped-bfs":
+        return float(m)
+    if s in ("interleaved-1f1b", "interleaved-zb"):
+        v = cand.virtual_stages
+        rounds = max(1, m // p)
+        per_round = m // rounds
+        factor = 2 if s == "interleaved-1f1b" else 1
+        warmup = min((v - 1) * per_round + factor * (p - 1 - r), m * v)
+        return min(warmup + 1, m * v) / v
+    if s in ("zbv", "dualpipev"):
+        # chunk 0: 2(p-r)-1 + r forwards before its first backward; chunk 1: r + 1 (torch's ZBV warmup)
+        return min(2 * p - r - 1 + r + 1, 2 * m) / 2
+    raise ValueError(f"unknown schedule {s!r}")
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank. `peak` is device memory; `offloaded` and `host_buffers` live in host memory."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    ddp_buckets: float = 0.0
+    zero_buffers: float = 0.0
+    pipeline_buffers: float = 0.0
+    activations: float = 0.0  # at the peak: in-flight micro-batches × per-micro-batch activations
+    transient: float = 0.0  # largest short-lived temporary on top (cross-entropy, optimizer step, recompute)
+    offloaded: float = 0.0  # model state moved to the host (optimizer, fp32 gradient partition, parameters)
+    host_buffers: float = 0.0  # DeepSpeed's host staging buffers for offload
+    inflight: float = 0.0
+    n_params: int = 0
+    peak: float = 0.0  # the most device memory held at any point of a step
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def static(self) -> float:
+        """Held between steps: model states, DDP's bucket copy of the gradients, pipeline receive buffers."""
+        return self.model_states + self.ddp_buckets + self.zero_buffers + self.pipeline_buffers
+
+
+def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
+    """Device memory of one rank at pipeline rank `pp_rank`."""
+    P, cfg, h, T, m = cand.prec, cand.cfg, cand.cfg.n_embd, cand.tokens, cand.micro_batches
+    stages = cand.stages(pp_rank)
+    n = rank_params(cfg, cand.tp, stages)
+    e = MemoryEstimate(n_params=n)
+    z, dp = cand.zero_stage, cand.dp
+
+    # Model states (ZeRO paper): stage 1 partitions the optimizer state over dp, stage 2 also the gradients,
+    # stage 3 also the parameters. DDP keeps Adam's two moments next to fp32 parameters; DeepSpeed keeps
+    # K = 12 bytes per parameter (fp32 master + moments) even in fp32, and an fp32 gradient partition.
+    zero_bucket = cand.zero_bucket_elems if cand.zero_bucket_elems is not None else h * h
+    if z == 0:
+        e.params, e.grads, e.optimizer = n * P.param, n * P.grad, n * P.optim
+        if dp > 1:
+            e.ddp_buckets = n * P.grad  # DDP's flat buckets are a second copy of the gradients
+    else:
+        e.params = n * P.param / (dp if z >= 3 else 1)
+        e.grads = n * 4 / dp
+        e.optimizer = n * 12 / dp
+        largest = max_param_tensor(cfg, cand.tp, stages)
+        if cand.offload_optimizer:  # ZeRO-Offload: master, moments and the fp32 gradient partition on the host
+            e.offloaded += e.optimizer + e.grads
+            e.optimizer = e.grads = 0.0
+            if z < 3:
+                # DeepSpeed's staging buffers (stage_1_and_2.py): a 16-bit copy of the parameter partition and a
+                # largest-parameter gradient buffer on the host, the same gradient buffer and the gradient
+                # partition on the device
+                e.host_buffers += n / dp * P.param + largest * P.grad
+                e.zero_buffers += largest * P.grad + n / dp * P.grad
+        if cand.offload_params and z >= 3:
+            e.offloaded += e.params
+            e.params = 0.0
+        if z >= 3:
+            e.params += persistent_params(cand, stages) * P.param  # small tensors ZeRO-3 never partitions
+            # working set: at most two blocks' parameters gathered (stage3_max_live_parameters, as the planner
+            # writes it), plus the largest tensor, which is gathered whole whatever the bound
+            e.zero_buffers += (min(n, 2 * block_params(cfg, cand.tp)) + largest) * P.param
+        if dp > 1:
+            e.zero_buffers += min(zero_bucket, n) * P.grad  # DeepSpeed's reduce (ipg) bucket
+
+    # pipeline receive buffers: torch's PipelineStage allocates one per micro-batch, for the activation on every
+    # non-first stage and for its gradient on every non-last stage
+    if cand.pp > 1:
+        ids = {s.stage_id for s in stages}
+        for s in stages:
+            if not s.first and s.stage_id - 1 not in ids:
+                e.pipeline_buffers += m * T * h * P.resid
+            if not s.last and s.stage_id + 1 not in ids:
+                e.pipeline_buffers += m * T * h * P.resid
+
+    # activations: in-flight micro-batches × what a micro-batch keeps on this rank
+    per_mb = sum(stage_activation_bytes(cand, s) for s in stages)
+    k = inflight_microbatches(cand, pp_rank)
+    e.inflight = k
+    # A micro-batch beyond the in-flight window (or a later accumulation micro-batch) runs after the first
+    # backward has allocated the gradients; the first ones run before (zero_grad(set_to_none) at step start).
+    later = m > k or (cand.pp == 1 and m > 1)
+    # gradients held while later micro-batches run: DDP and ZeRO-1 accumulate the full gradient in p.grad;
+    # ZeRO-2/3 reduce each bucket into the partition as soon as it is full
+    accum = n * P.grad if z <= 1 else 0.0
+    with_grads = accum + (k if later else max(k - 1, 0)) * per_mb
+    without_grads = k * per_mb
+    e.activations = k * per_mb
+    # Transients on top of the activations, during the schedule:
+    Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
+    has_last = any(s.last for s in stages)
+    # - the last stage's first backward: the head's weight gradient (the largest tensor) is allocated while
+    #   every activation is still held; under autocast the loss gradient is also cast back to the logits' dtype
+    t_head = Vp // cand.tp * h * P.grad if has_last else 0.0
+    t_head += T * Vp // cand.tp * P.matmul if has_last and P.matmul != 4 else 0.0
+    # - a block's backward: the gradients w.r.t. the GELU output and the fc output (4h/t each) live together
+    t_block = 8 * T * h // cand.tp * P.matmul + T * h * P.resid if any(s.layers for s in stages) else 0.0
+    t_recompute = layer_activation_bytes(cand) if cand.recompute else 0.0
+    t_sched = max(t_head, t_block + t_recompute)
+    # After the schedule: the global norm squares the largest gradient (a temporary), and torch's foreach AdamW
+    # builds one temporary per parameter of a group (sqrt of exp_avg_sq); DeepSpeed's optimizers do not.
+    t_opt = 0.0 if cand.offload_optimizer else (n if z == 0 else n / dp) * 4
+    t_norm = max_param_tensor(cfg, cand.tp, stages) * 4
+    sched_peak = max(without_grads, with_grads) + t_sched
+    opt_peak = (n * P.grad if z <= 1 else 0.0) + max(t_opt, t_norm)
+    e.transient = t_sched if sched_peak >= opt_peak else max(t_opt, t_norm)
+    # held through the step: params, optimizer state, buffers, and (ZeRO) the gradient partition
+    base = e.params + e.optimizer + e.ddp_buckets + e.zero_buffers + e.pipeline_buffers + (e.grads if z else 0.0)
+    e.peak = base + max(sched_peak, opt_peak)
+    if cand.recompute:
+        e.notes.append("activation checkpointing is modelled but not yet a trainer3d flag")
+    return e

@@ -1,0 +1,107 @@
+"""Seconds per optimizer step, by component: a model for ranking layouts, not a promise of seconds.
+
+compute (model FLOPs at the cluster's peak × mfu, × 4/3 with recomputation, × the slowest stage's share) +
+pipeline bubble + exposed communication (analytic_comm's payloads with ring factors over the intra- or
+inter-node bandwidth; dp traffic partly hidden behind the backward) + CPU offload (PCIe and CPU Adam).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from trainer3d.model import GPTConfig
+from trainer3d.parallel.pipeline import SCHEDULES, stage_cost
+from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, rank_params
+from trainer3d.plan.cluster import Cluster
+from trainer3d.plan.comm import analytic_comm
+
+BUBBLE_COEF = {  # idle time per (p-1) micro-batch slots, relative to 1F1B's
+    "gpipe": 1.0,
+    "1f1b": 1.0,
+    "interleaved-1f1b": None,  # 1/v
+    "looped-bfs": None,  # 1/v
+    # zero-bubble schedules with F = I = W: simulating torch's own ZBV / interleaved-ZB / DualPipeV action lists
+    # (bench/pipeline_bubble.py, p=4, m=8) leaves 0.5 of a micro-batch's time per (p-1): 1/6 of 1F1B's bubble
+    "zbv": 1 / 6,
+    "interleaved-zb": 1 / 6,
+    "dualpipev": 1 / 6,
+}
+
+
+@lru_cache(maxsize=None)
+def pipeline_pace(cfg: GPTConfig, n: int) -> tuple[float, float]:
+    """(slowest stage's cost, mean stage cost) of trainer3d's balanced split into `n` stages: the slowest stage
+    sets the pace of a pipeline."""
+    ranges = balanced_ranges(cfg, n)
+    costs = [stage_cost(cfg, len(r), i == n - 1) for i, r in enumerate(ranges)]
+    return max(costs), sum(costs) / len(costs)
+
+
+def nodes_spanned(stride: int, size: int, gpn: int) -> bool:
+    """Does a group of `size` ranks spaced `stride` apart span more than one node (ranks fill nodes in order)?"""
+    return size > 1 and stride * size > gpn if stride < gpn else size > 1
+
+
+def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
+    """Seconds per optimizer step, by component."""
+    tokens = cand.global_batch * cand.seq_len
+    model_flops = cand.cfg.flops_per_token(cand.seq_len) * tokens
+    hw_flops = model_flops * (4 / 3 if cand.recompute else 1.0)
+    peak = C.peak_tflops * 1e12 * C.mfu
+    slow, mean = (pipeline_pace(cand.cfg, n_stages(cand.pp, cand.schedule, cand.virtual_stages))
+                  if cand.pp > 1 else (1.0, 1.0))
+    compute = hw_flops / cand.world / peak * (slow / mean)
+    t_mb = compute / cand.micro_batches  # one micro-batch through this rank's stages, forward + backward
+    out = {"compute": compute}
+    if cand.pp > 1:
+        coef = BUBBLE_COEF[cand.schedule]
+        coef = 1.0 / cand.virtual_stages if coef is None else coef
+        out["bubble"] = (cand.pp - 1) * t_mb * coef
+    # communication, for the busiest pipeline rank (first or last: embedding / head)
+    gpn = C.gpus_per_node
+    bw = {
+        "tp": C.intra_node_gbps if cand.tp <= gpn else C.inter_node_gbps,
+        "dp": C.inter_node_gbps if nodes_spanned(cand.tp, cand.dp, gpn) else C.intra_node_gbps,
+        "pp": C.inter_node_gbps if nodes_spanned(cand.tp * cand.dp, cand.pp, gpn) else C.intra_node_gbps,
+    }
+    bw["embedding"] = bw["pp"]
+    worst: dict[str, float] = {}
+    for r in sorted({0, cand.pp - 1}):
+        per_group: dict[str, float] = {}
+        for t in analytic_comm(cand, r):
+            if t.group in ("world", "mp"):
+                continue  # scalars
+            per_group[t.group] = per_group.get(t.group, 0.0) + t.wire / (bw[t.group] * 1e9)
+        for g, v in per_group.items():
+            worst[g] = max(worst.get(g, 0.0), v)
+    out["tp comm"] = worst.get("tp", 0.0)  # on the critical path (Megatron-style TP)
+    out["pp comm"] = worst.get("pp", 0.0)  # torch's schedules wait for each receive
+    out["embedding"] = worst.get("embedding", 0.0)
+    out["dp comm"] = _exposed_dp(cand, worst.get("dp", 0.0), t_mb, C.overlap)
+    n_local = max(rank_params(cand.cfg, cand.tp, cand.stages(r)) for r in sorted({0, cand.pp - 1}))
+    if cand.offload_optimizer:
+        shard = n_local / cand.dp
+        out["offload"] = shard / C.cpu_adam_params_per_s + shard * (4 + 2) / (C.pcie_gbps * 1e9)
+    if cand.offload_params:
+        out["offload"] = out.get("offload", 0.0) + cand.micro_batches * 2 * n_local / cand.dp * 2 / (C.pcie_gbps * 1e9)
+    return out
+
+
+def _exposed_dp(cand: Candidate, t_dp: float, t_mb: float, ov: float) -> float:
+    """The part of the dp traffic (`t_dp` seconds on the wire) that the backward (2/3 of `t_mb` per micro-batch)
+    cannot hide, with `ov` the fraction of a compute window that overlaps."""
+    t_bwd_mb = t_mb * 2 / 3
+    if cand.zero_stage == 0:
+        # DDP overlaps its all-reduce with the last micro-batch's backward; the zero-bubble schedules reduce
+        # after the schedule (parallel/ddp.py all_reduce_grads), with nothing to hide behind
+        return t_dp if SCHEDULES[cand.schedule].split_backward else max(0.0, t_dp - ov * t_bwd_mb)
+    if cand.zero_stage in (1, 2):
+        rs, ag = t_dp / 2, t_dp / 2  # reduce-scatter and all-gather carry the same bytes
+        if cand.zero_stage == 2:  # a reduce-scatter every micro-batch (analytic_comm counts them all)
+            return cand.micro_batches * max(0.0, rs / cand.micro_batches - ov * t_bwd_mb) + ag
+        return max(0.0, rs - ov * t_bwd_mb) + ag  # reduce at the last micro-batch, all-gather after the step
+    # ZeRO-3, per micro-batch: the forward all-gather hides behind the forward (prefetch), the backward
+    # all-gather and the reduce-scatter behind the backward
+    per_mb = t_dp / cand.micro_batches
+    ag, rs = per_mb / 3, per_mb / 3
+    return cand.micro_batches * (max(0.0, ag - ov * t_mb / 3) + max(0.0, ag + rs - ov * t_bwd_mb))
