@@ -3,7 +3,7 @@
 Every collective and send of one training step (the second; the first also exchanges shapes) is counted by
 wrapping torch.distributed from this process (bench/measure.py: CommCounter; DDP's C++ all-reduce is routed
 through torch's default comm hook so that it is seen), attributed to a group by comparing the call's group with
-the Topology's (tp, pp, dp, embedding, mp, world), and compared with trainer3d/comm_model.analytic_comm for
+the Topology's (tp, pp, dp, embedding, mp, world), and compared with trainer3d/plan/comm.analytic_comm for
 the same rank: the formulas the planner uses.
 
 Convention: bytes are payloads, what is passed to the call (all_reduce: the tensor; all_gather: the gathered
@@ -32,7 +32,7 @@ MODEL = dict(n_layer=4, n_embd=64, n_head=4, vocab=512, seq_len=32)
 def count_layouts(rank: int, world: int, cases: list[Case]) -> list:
     """On every rank of the world: one warm-up step, then count one step."""
     from bench.measure import CommCounter, group_namer
-    from trainer3d.plan.cost_model import ring_factor
+    from trainer3d.plan.comm import ring_factor
 
     counter = CommCounter().install()
     out = []
@@ -40,7 +40,7 @@ def count_layouts(rank: int, world: int, cases: list[Case]) -> list:
         topo, tr = build_trainer(case)
         res = None
         if tr is not None:
-            CommCounter.count_ddp(tr.pm.modules)
+            CommCounter.count_ddp(tr.engine.stage_modules)
             tr.train_step(local_batch(case, topo, 0))
             counter.reset()
             counter.enabled = True
@@ -66,11 +66,11 @@ def count_layouts(rank: int, world: int, cases: list[Case]) -> list:
     return out
 
 
-def layout_of(case: Case, zero_stage: int = 0):
-    from trainer3d.plan.cost_model import Dims, Layout
+def candidate_of(case: Case, zero_stage: int = 0):
+    from trainer3d.plan.candidate import Candidate
 
-    return Layout(
-        dims=Dims.of(case.gpt_config()), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
+    return Candidate(
+        cfg=case.gpt_config(), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
         virtual_stages=case.virtual_stages, micro_batches=case.micro_batches, micro_batch_size=case.micro_batch_size,
         seq_len=case.seq_len, zero_stage=zero_stage,
         # the trainer's bf16 without DeepSpeed is torch.autocast over fp32 parameters
@@ -113,11 +113,11 @@ def label(case: Case) -> str:
 
 
 def compare(cases: list[Case], results: list[list]) -> tuple[list[list], list[str]]:
-    from trainer3d.plan.cost_model import analytic_comm
+    from trainer3d.plan.comm import analytic_comm
 
     rows, notes = [], []
     for case, per_rank in zip(cases, results):
-        L = layout_of(case, zero_stage_of(case))
+        cand = candidate_of(case, zero_stage_of(case))
         meas = defaultdict(lambda: [0.0, 0.0])  # group -> [payload, wire], summed over ranks
         ana = defaultdict(lambda: [0.0, 0.0])
         worst = defaultdict(float)  # group -> max |ratio - 1| over ranks
@@ -125,7 +125,7 @@ def compare(cases: list[Case], results: list[list]) -> tuple[list[list], list[st
             if r is None:
                 continue
             a_rank = defaultdict(lambda: [0.0, 0.0])
-            for t in analytic_comm(L, r["coords"][0]):
+            for t in analytic_comm(cand, r["coords"][0]):
                 a_rank[t.group][0] += t.payload
                 a_rank[t.group][1] += t.wire
             for g in set(a_rank) | set(r["groups"]):

@@ -40,7 +40,9 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
             peak_override: float | None, precision: str, profile: bool = False) -> dict:
     import torch.distributed as dist
 
-    from trainer3d.config import TrainConfig, validate
+    from trainer3d.config import TrainConfig
+
+    from trainer3d.train.setup import validate
     from trainer3d.train.metrics import device_peak_tflops, flops_per_token
     from trainer3d.dist.topology import Topology
     from trainer3d.train.trainer import Trainer
@@ -51,9 +53,10 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
     cfg = TrainConfig(model=model, seq_len=seq_len, global_batch=mbs * grad_accum, micro_batches=grad_accum,
                       precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4)
     mcfg = cfg.gpt_config(50257)
-    layout, plan = validate(cfg, 1, mcfg.vocab_size)
+    setup = validate(cfg, 1, mcfg.vocab_size)
+    layout, plan = setup.layout, setup.plan
     free_memory(device)  # the previous row's Trainer (reference cycles) would count in this row's peak memory
-    trainer = Trainer(cfg, Topology(layout), device, mcfg, plan)
+    trainer = Trainer(setup, Topology(layout), device, mcfg)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, mcfg.vocab_size, (plan.global_batch, seq_len + 1), generator=g).to(device)
                for _ in range(4)]

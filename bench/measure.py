@@ -251,8 +251,8 @@ def model_state_bytes(trainer) -> dict[str, int]:
         seen.add(key)
         return t.untyped_storage().nbytes()
 
-    params = list(trainer.pm.parameters())
+    params = trainer.engine.params  # DDP engine: this rank's parameters, each once
     out = {"params": sum(nb(p) for p in params), "grads": sum(nb(p.grad) for p in params)}
-    out["optimizer"] = sum(nb(v) for st in trainer.optimizer.state.values() for v in st.values())
+    out["optimizer"] = sum(nb(v) for st in trainer.engine.optimizer.state.values() for v in st.values())
     out["n_params"] = sum(p.numel() for p in params)
     return out

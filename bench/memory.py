@@ -1,9 +1,9 @@
-"""Memory per rank against the model of trainer3d/comm_model.py (the planner's), on CPU in fp32.
+"""Memory per rank against the model of trainer3d/plan/memory.py (the planner's), on CPU in fp32.
 
 For every layout, every rank reports: its parameters, gradients and Adam state (walking the trainer's objects),
 and, from a malloc counter preloaded into the process (bench/memhook.c), the bytes held after a step (static)
 and the peak during a step, both relative to what the process held before the trainer was built. The estimate
-is comm_model.estimate_memory for the same rank. ZeRO rows (DeepSpeed, `--deepspeed_config`) run when
+is plan.memory.estimate_memory for the same rank. ZeRO rows (DeepSpeed, `--deepspeed_config`) run when
 trainer3d/zero.py exists.
 
     python bench/memory.py                 # the README table
@@ -29,7 +29,7 @@ MODEL = dict(n_layer=4, n_embd=128, n_head=4, vocab=2048, seq_len=64, global_bat
 
 def ds_config(stage: int, offload: bool, case: Case) -> dict:
     """The DeepSpeed JSON of a ZeRO row, from the planner's own writer (TrainConfig takes it as a dict)."""
-    from trainer3d.plan.search import deepspeed_config
+    from trainer3d.plan.report import deepspeed_config
 
     return deepspeed_config(
         zero_stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
@@ -38,12 +38,11 @@ def ds_config(stage: int, offload: bool, case: Case) -> dict:
     )
 
 
-def layout_of(case: Case, zero_stage: int = 0, offload: bool = False):
-    from trainer3d.plan.cost_model import Dims, Layout
+def candidate_of(case: Case, zero_stage: int = 0, offload: bool = False):
+    from trainer3d.plan.candidate import Candidate
 
-    cfg = case.gpt_config()
-    return Layout(
-        dims=Dims.of(cfg), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
+    return Candidate(
+        cfg=case.gpt_config(), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
         virtual_stages=case.virtual_stages, micro_batches=case.micro_batches,
         micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, precision="fp32",
         zero_stage=zero_stage, offload_optimizer=offload, offload_params=offload and zero_stage == 3,
@@ -118,15 +117,15 @@ def run(cases: list[tuple[Case, int, bool]], world: int, timeout: float = 900, s
 
 
 def compare(case: Case, zero_stage: int, offload: bool, measured: list) -> list[dict]:
-    from trainer3d.plan.cost_model import estimate_memory
+    from trainer3d.plan.memory import estimate_memory
 
-    L = layout_of(case, zero_stage, offload)
+    cand = candidate_of(case, zero_stage, offload)
     rows = []
     for m in measured:
         if m is None:
             continue
         pp_rank = m["coords"][0]
-        e = estimate_memory(L, pp_rank)
+        e = estimate_memory(cand, pp_rank)
         rows.append(dict(case=case, zero=zero_stage, offload=offload, coords=m["coords"], m=m, e=e))
     return rows
 

@@ -44,14 +44,15 @@ from bench.harness import stamp, table  # noqa: E402
 def make_trainer(cfg, mcfg):
     import torch.distributed as dist
 
-    from trainer3d.config import validate
+    from trainer3d.train.setup import validate
     from trainer3d.dist.topology import Topology
     from trainer3d.train.trainer import Trainer
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    layout, plan = validate(cfg, 1, mcfg.vocab_size)
-    return Trainer(cfg, Topology(layout), torch.device("cpu"), mcfg, plan)
+    setup = validate(cfg, 1, mcfg.vocab_size)
+    layout = setup.layout
+    return Trainer(setup, Topology(layout), torch.device("cpu"), mcfg)
 
 
 class BareLoop:
@@ -63,7 +64,7 @@ class BareLoop:
 
         from trainer3d.model import GPT, init_value
         from trainer3d.parallel.tensor_parallel import padded_vocab_size
-        from trainer3d.train.trainer import lr_at
+        from trainer3d.optim import lr_at
 
         self.cfg, self.lr_at = cfg, lr_at
         self.vocab = mcfg.vocab_size

@@ -34,7 +34,7 @@ SIZES = dict(n_layer=4, n_embd=128, n_head=4, n_positions=256, vocab=50257)
 
 
 def ds_json(stage: int, micro: int, offload: bool = False) -> dict:
-    from trainer3d.plan.search import deepspeed_config
+    from trainer3d.plan.report import deepspeed_config
 
     return deepspeed_config(zero_stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
                             micro_batch_size=micro, micro_batches=1, dp=2, precision="fp32",

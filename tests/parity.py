@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from trainer3d.parallel import pipeline
-from trainer3d.config import TrainConfig, validate
+from trainer3d.config import TrainConfig
+from trainer3d.train.setup import validate
 from trainer3d.parallel.parallelize import gather_stage_params
 from trainer3d.dist.topology import Topology
 from trainer3d.train.trainer import Trainer
@@ -38,11 +39,12 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
     layout = dict(layout)
     n = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
     cfg = parity_config(**layout)
-    cfg_layout, plan = validate(cfg, n, VOCAB)
+    setup = validate(cfg, n, VOCAB)
+    cfg_layout, plan = setup.layout, setup.plan
     topo = Topology(cfg_layout, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
     result = None
     if topo.active:
-        trainer = Trainer(cfg, topo, torch.device("cpu"), cfg.gpt_config(VOCAB), plan)
+        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.gpt_config(VOCAB))
         per = plan.global_batch // cfg_layout.dp
         losses, norms = [], []
         for batch in global_batches(steps):
@@ -51,7 +53,7 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
             norms.append(rec["grad_norm"])
         params = gather_stage_params(trainer.pm, topo)
         head_copy = {}
-        for m in trainer.pm.plain_modules():
+        for m in trainer.pm.stages:
             if m.lm_head is not None and m.wte is None:
                 from trainer3d.parallel.tensor_parallel import gather_full
 

@@ -24,9 +24,12 @@ import torch
 
 from distributed import free_port, run_world
 from trainer3d.parallel import pipeline
-from trainer3d.checkpoint.format import Checkpoint, CheckpointError, latest_checkpoint, resolve_checkpoint, save_checkpoint
+from trainer3d.checkpoint.format import Checkpoint, latest_checkpoint, resolve_checkpoint
+from trainer3d.checkpoint.save import save_checkpoint
+from trainer3d.errors import CheckpointError
 from trainer3d.checkpoint.load import apply, prepare
-from trainer3d.config import TrainConfig, validate
+from trainer3d.config import TrainConfig
+from trainer3d.train.setup import validate
 from trainer3d.dist.topology import Topology
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,9 +62,9 @@ def _full_state(trainer, topo, optimizer: bool = True) -> dict[str, torch.Tensor
 
     out = {}
     for name, (p, spec) in named_full_params(trainer.pm).items():
-        value = trainer.param_value(p)
+        value = trainer.engine.param_value(p)
         out[name] = gather_full(value, spec, topo.tp_group)
-        for k, v in (trainer.optimizer_state_of(p) if optimizer else {}).items():
+        for k, v in (trainer.engine.optimizer_state_of(p) if optimizer else {}).items():
             out[f"{name}.{k}"] = gather_full(v, spec, topo.tp_group) if v.shape == value.shape else v.clone()
     return out
 
@@ -71,20 +74,22 @@ def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: 
     and going on (the uninterrupted run). Every rank calls this (Topology is collective); ranks outside the layout
     return None. Returns the losses, the loader state, and on (dp 0, tp 0) ranks the full parameters at the end
     plus the full parameters and optimizer state where the run started and where it saved."""
-    from trainer3d.train.trainer import DynamicLossScale, Trainer
+    from trainer3d.optim import DynamicLossScale
+    from trainer3d.train.trainer import Trainer
     from trainer3d.data import BatchLoader
 
     layout = dict(layout)
     dp = layout.get("dp", 1)
     cfg = _cfg(out_dir, resume=resume, **layout)
     n = dp * cfg.tp * cfg.pp
-    L, plan = validate(cfg, n, VOCAB)
+    setup = validate(cfg, n, VOCAB)
+    L = setup.layout
     topo = Topology(L, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
     out = None
     if topo.active:
         mcfg = cfg.gpt_config(VOCAB)
         start = prepare(cfg, mcfg, topo)
-        trainer = Trainer(cfg, topo, torch.device("cpu"), mcfg, plan, full_value=start.full_value)
+        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=start.full_value)
         if loss_scale is not None:  # fp16's dynamic loss scale, driven in fp32 (a power of two: exact)
             trainer.loss_scale = DynamicLossScale(init=loss_scale, growth_interval=3)
         loader = BatchLoader(_rows(), GB, topo.dp_rank, L.dp, cfg.seed)
@@ -385,7 +390,7 @@ def _env(cache, **extra):
 
 
 def _main_in_process(monkeypatch, cache, args) -> int:
-    from trainer3d.train.trainer import main
+    from trainer3d.train.loop import main
 
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
@@ -595,13 +600,14 @@ def _hf_run(hf_dir, out_dir, batches):
 
     cfg = TrainConfig(init_from_hf=hf_dir, tp=2, pp=2, seq_len=SEQ, global_batch=4, micro_batches=2,
                       precision="fp32", max_steps=5, warmup_steps=1, lr=1e-3, out_dir=out_dir)
-    L, plan = validate(cfg, 4, 50257)  # the vocabulary (and every size) comes from the HF config.json
+    setup = validate(cfg, 4, 50257)  # the vocabulary (and every size) comes from the HF config.json
+    L = setup.layout
     topo = Topology(L, ranks=[0, 1, 2, 3], last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
     out = None
     if topo.active:
-        mcfg = cfg.gpt_config(50257)
+        mcfg = setup.model_config(50257)
         start = prepare(cfg, mcfg, topo)
-        trainer = Trainer(cfg, topo, torch.device("cpu"), mcfg, plan, full_value=start.full_value)
+        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=start.full_value)
         apply(start, trainer)
         losses = [trainer.train_step(b)["loss"] for b in batches]
         path = save_checkpoint(trainer, out_dir)

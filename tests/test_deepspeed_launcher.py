@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from distributed import free_port  # noqa: E402
-from trainer3d.zero import config as deepspeed_config# noqa: E402
+from trainer3d.zero import ops as zero_ops  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = (
@@ -31,7 +31,7 @@ TEXT = (
 
 
 def test_deepspeed_launcher_zero3_offload(tmp_path):
-    missing = deepspeed_config.missing_ops(deepspeed_config.ops_needed("cpu"))
+    missing = zero_ops.missing_ops(zero_ops.ops_needed("cpu"))
     if missing:
         msg = f"DeepSpeed ops {missing} not prebuilt; run `python -m trainer3d.zero --build-ops` first"
         pytest.fail(msg) if os.environ.get("TRAINER3D_REQUIRE_DS_OPS") else pytest.skip(msg)
@@ -49,7 +49,7 @@ def test_deepspeed_launcher_zero3_offload(tmp_path):
     ]
     env = dict(
         os.environ, OMP_NUM_THREADS="1", TRAINER3D_CACHE=str(tmp_path / "cache"),
-        TORCH_EXTENSIONS_DIR=deepspeed_config.default_extensions_dir(), HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+        TORCH_EXTENSIONS_DIR=zero_ops.default_extensions_dir(), HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
     )
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     tail = (proc.stdout + proc.stderr)[-4000:]

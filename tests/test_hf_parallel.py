@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from distributed import run_world
 from trainer3d.parallel import pipeline
-from trainer3d.config import TrainConfig, validate
+from trainer3d.config import TrainConfig
+from trainer3d.train.setup import validate
 from trainer3d.checkpoint.hf import load_hf_checkpoint
 from trainer3d.model import canonical_name
 from trainer3d.dist.topology import Topology
@@ -22,12 +23,13 @@ def _logits_at_layouts(rank, world_size, hf_dir, ids):
             model="tiny", n_layer=gcfg.n_layer, n_head=gcfg.n_head, n_embd=gcfg.n_embd, vocab_size=gcfg.vocab_size,
             seq_len=ids.shape[1], global_batch=ids.shape[0], micro_batches=2, tp=tp, pp=pp, precision="fp32",
         )
-        layout, plan = validate(cfg, tp * pp, gcfg.vocab_size)
+        setup = validate(cfg, tp * pp, gcfg.vocab_size)
+        layout = setup.layout
         topo = Topology(layout, ranks=list(range(tp * pp)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, pp))
         if topo.active:
             mcfg = cfg.gpt_config(gcfg.vocab_size)
-            trainer = Trainer(cfg, topo, torch.device("cpu"), mcfg, plan, full_value=lambda n, s: state[canonical_name(n)])
-            for m in trainer.pm.modules:
+            trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=lambda n, s: state[canonical_name(n)])
+            for m in trainer.engine.stage_modules:
                 m.eval()
             args = (ids,) if trainer.pm.has_first else ()
             kwargs = {"target": ids} if trainer.pm.has_last else {}  # the schedule computes a loss too

@@ -12,7 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer3d.config import ConfigError, TrainConfig, validate
+from trainer3d.config import TrainConfig
+from trainer3d.errors import ConfigError
+
+from trainer3d.train.setup import validate
 from trainer3d.model import MODEL_PRESETS
 from trainer3d.parallel.pipeline import balance_layers, stage_ids
 from trainer3d.parallel.tensor_parallel import TPSpec, padded_vocab_size, shard_tensor, unshard_tensor, vocab_parallel_cross_entropy
@@ -59,7 +62,8 @@ def test_impossible_layouts_refused_with_one_sentence(kwargs, world, message):
 
 def test_gpt2_batch_in_tokens():
     cfg = TrainConfig(model="gpt2", seq_len=1024, global_batch_tokens=524288, micro_batches=8, tp=2, pp=2)
-    layout, plan = validate(cfg, 64)
+    setup = validate(cfg, 64)
+    layout, plan = setup.layout, setup.plan
     assert (layout.dp, plan.global_batch, plan.micro_batches, plan.micro_batch_size) == (16, 512, 8, 4)
 
 

@@ -7,17 +7,19 @@ from __future__ import annotations
 import torch
 
 from distributed import run_world
-from trainer3d.config import TrainConfig, validate
+from trainer3d.config import TrainConfig
+from trainer3d.train.setup import validate
 from trainer3d.dist.topology import Topology
 from trainer3d.train.trainer import Trainer
 
 
 def _dropout_streams(rank, world_size):
     cfg = TrainConfig(model="tiny", n_layer=2, vocab_size=300, tp=2, dropout=0.2, seq_len=16, global_batch=2)
-    layout, plan = validate(cfg, world_size, 300)
+    setup = validate(cfg, world_size, 300)
+    layout = setup.layout
     topo = Topology(layout)
-    trainer = Trainer(cfg, topo, torch.device("cpu"), cfg.gpt_config(300), plan)
-    model = trainer.pm.plain_modules()[0]
+    trainer = Trainer(setup, topo, torch.device("cpu"), cfg.gpt_config(300))
+    model = trainer.pm.stages[0]
     model.train()
     hidden = {}
     model.h["1"].register_forward_hook(lambda m, i, o: hidden.setdefault("h1", o.detach().clone()))

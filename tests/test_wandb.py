@@ -18,7 +18,8 @@ import pytest
 
 from trainer3d.train.metrics import flops_per_token
 from trainer3d.model import MODEL_PRESETS
-from trainer3d.train.tracking import read_config, read_history, resolve_mode
+from trainer3d.train.tracking import resolve_mode
+from wandb_reader import read_config, read_history
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = str(ROOT / "launch" / "train_gpt2.py")
@@ -166,9 +167,11 @@ def test_config_carries_deepspeed_json(tmp_path):
         cfg=cfg, topo=SimpleNamespace(layout=Layout(dp=2, tp=2, pp=2)), mcfg=cfg.gpt_config(50257), device="cpu",
         plan=SimpleNamespace(global_batch=8, micro_batches=4, micro_batch_size=1), precision="fp32",
         pm=SimpleNamespace(n_stages=2, layer_ranges=[range(0, 1), range(1, 2)]),
+        deepspeed=SimpleNamespace(ds_config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}),
     )
     config = run_config(trainer)
     assert config["deepspeed"] == ds and config["layout"]["world_size"] == 8
+    assert config["deepspeed_resolved"]["train_micro_batch_size_per_gpu"] == 1  # "auto" as the engines got it
     assert json.loads(json.dumps(config)) == config  # all JSON: nothing wandb would have to pickle or drop
     assert not any("API_KEY" in k.upper() for k in json.dumps(config).split('"'))
 

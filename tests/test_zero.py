@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO as the data-parallel axis (trainer3d/zero.py), composed with TP and PP.
+"""DeepSpeed ZeRO as the data-parallel axis (trainer3d/zero/), composed with TP and PP.
 
 - Parity: per-step losses of every ZeRO stage (0-3), with and without CPU offload, under 1F1B and interleaved
   1F1B, equal the DDP run of the same layout and the one-process reference to 1e-5 (fp32, 10 steps, clipping
@@ -6,7 +6,7 @@
 - Memory: under ZeRO-3 each rank holds 1/dp of its stage's parameters, gradients and optimizer states.
 - ZeRO-Infinity: NVMe offload (nvme_path on local disk) trains, with the same parity.
 - Config: the JSON's "auto" values, contradictions and bad input fail before any process group.
-- Glue: the DeepSpeed internals zero.py relies on still exist (an upgrade that moves them fails here).
+- Glue: the DeepSpeed internals trainer3d/zero/ relies on still exist (an upgrade that moves them fails here).
 
 Each world is spawned once and runs the reference, the DDP runs and all ZeRO cases (module-scoped fixtures).
 DeepSpeed's JIT ops must be prebuilt (`python -m trainer3d.zero --build-ops`, which .ci/run does); tests never
@@ -28,10 +28,13 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from distributed import run_world  # noqa: E402
 from parity import VOCAB, global_batches, parity_config, train_layout  # noqa: E402
-from trainer3d.zero import config as deepspeed_config# noqa: E402
-from trainer3d.parallel import pipeline# noqa: E402
-from trainer3d.zero import engine as zero# noqa: E402
-from trainer3d.config import ConfigError, parse_args, validate  # noqa: E402
+from trainer3d.zero import config as deepspeed_config  # noqa: E402
+from trainer3d.zero import ops as zero_ops  # noqa: E402
+from trainer3d.parallel import pipeline  # noqa: E402
+from trainer3d.zero import glue as zero_glue  # noqa: E402
+from trainer3d.config import parse_args  # noqa: E402
+from trainer3d.errors import ConfigError  # noqa: E402
+from trainer3d.train.setup import validate  # noqa: E402
 from trainer3d.dist.topology import Layout, Topology  # noqa: E402
 
 STEPS = 10
@@ -39,10 +42,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _require_ops(nvme: bool = False):
-    missing = deepspeed_config.missing_ops(deepspeed_config.ops_needed("cpu", nvme=nvme))
+    missing = zero_ops.missing_ops(zero_ops.ops_needed("cpu", nvme=nvme))
     if missing:
         msg = (
-            f"DeepSpeed ops {missing} are not built in {deepspeed_config.default_extensions_dir()}; run "
+            f"DeepSpeed ops {missing} are not built in {zero_ops.default_extensions_dir()}; run "
             "`python -m trainer3d.zero --build-ops` first (tests never build them)"
         )
         if os.environ.get("TRAINER3D_REQUIRE_DS_OPS"):
@@ -102,12 +105,13 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
     lay = dict(lay)
     n = lay.get("tp", 1) * lay.get("pp", 1) * lay.pop("dp", 1)
     cfg = parity_config(**lay, deepspeed_config=copy.deepcopy(ds))
-    L, plan = validate(cfg, n, VOCAB)
+    setup = validate(cfg, n, VOCAB)
+    L, plan = setup.layout, setup.plan
     topo = Topology(L, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
     result = None
     if topo.active:
         t0 = time.perf_counter()
-        trainer = Trainer(cfg, topo, torch.device("cpu"), cfg.gpt_config(VOCAB), plan)
+        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.gpt_config(VOCAB))
         t_init = time.perf_counter() - t0
         per = plan.global_batch // L.dp
         losses, norms, records = [], [], []
@@ -118,16 +122,16 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
             norms.append(rec["grad_norm"])
             records.append(rec)
         t_steps = time.perf_counter() - t0
-        zdp = trainer.zero
+        zdp = trainer.engine
         # final parameters from ZeRO's fp32 masters (collective over dp, then tp)
         params = {}
         for name, (p, spec) in named_full_params(trainer.pm).items():
-            params[name] = gather_full(zdp.full_param(p), spec, topo.tp_group)
+            params[name] = gather_full(zdp.param_value(p), spec, topo.tp_group)
         head_copy = {}
-        for m in trainer.pm.plain_modules():
+        for m in trainer.pm.stages:
             if m.lm_head is not None and m.wte is None:
                 w = m.lm_head.weight
-                head_copy["wte.weight"] = gather_full(zdp.full_param(w), w.tp_spec, topo.tp_group)
+                head_copy["wte.weight"] = gather_full(zdp.param_value(w), w.tp_spec, topo.tp_group)
         # the memory formula: this rank's stage parameters, each partitioned on its own over dp (ZeRO-3)
         seen, numel, part = set(), 0, 0
         for e in zdp.engines:
@@ -297,7 +301,7 @@ def _run(world, cases, timeout):
 
 
 def _nvme_available() -> bool:
-    return not deepspeed_config.missing_ops(["AsyncIOBuilder"])
+    return not zero_ops.missing_ops(["AsyncIOBuilder"])
 
 
 @pytest.fixture(scope="module")
@@ -390,12 +394,13 @@ def test_shipped_configs_resolve(tmp_path):
                 data["zero_optimization"][k]["nvme_path"] = str(tmp_path)
             path = _write(tmp_path, data, name)
         cfg = parse_args(["--tp", "2", "--pp", "2", "--global-batch", "32", "--lr", "3e-4", "--deepspeed_config", path])
-        if name == "zero3_nvme.json" and not deepspeed_config.aio_available():  # no libaio here: refused, clearly
+        if name == "zero3_nvme.json" and not zero_ops.aio_available():  # no libaio here: refused, clearly
             with pytest.raises(ConfigError, match="libaio"):
                 validate(cfg, 8)
             continue
-        L, plan = validate(cfg, 8)
-        spec = deepspeed_config.resolve_deepspeed(cfg, L)
+        setup = validate(cfg, 8)
+        plan = setup.plan
+        spec = setup.deepspeed
         ds = spec.ds_config
         assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (32, plan.micro_batches), name
         assert ds["train_micro_batch_size_per_gpu"] * plan.micro_batches * 2 == 32, name
@@ -406,10 +411,12 @@ def test_shipped_configs_resolve(tmp_path):
 
 def test_json_batch_wins_without_flags(tmp_path):
     path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}})
-    L, plan = validate(parse_args(["--pp", "2", "--deepspeed", path]), 4)
+    setup = validate(parse_args(["--pp", "2", "--deepspeed", path]), 4)
+    plan = setup.plan
     assert (plan.global_batch, plan.micro_batches, plan.micro_batch_size) == (16, 4, 2)
     path = _write(tmp_path, {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 2}})
-    L, plan = validate(parse_args(["--deepspeed-config", path]), 4)
+    setup = validate(parse_args(["--deepspeed-config", path]), 4)
+    plan = setup.plan
     assert (plan.global_batch, plan.micro_batches, plan.micro_batch_size) == (24, 2, 3)
 
 
@@ -462,7 +469,7 @@ def test_missing_and_unwritable_config(tmp_path):
 
 def test_main_reports_config_error(tmp_path, capsys):
     """A bad JSON fails in train.main before any process group, with a one-line error."""
-    from trainer3d.train.trainer import main
+    from trainer3d.train.loop import main
 
     path = _write(tmp_path, {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2})
     assert main(["--deepspeed_config", path]) == 2
@@ -471,15 +478,15 @@ def test_main_reports_config_error(tmp_path, capsys):
 
 # ---- the glue contract ------------------------------------------------------------------------------------------
 def test_glue_contract():
-    """The DeepSpeed internals zero.py patches or calls exist in the installed version, and the version is in the
+    """The DeepSpeed internals trainer3d/zero/ patches or calls exist in the installed version, and the version is in the
     pinned range; a version outside it is refused with a message naming the fix."""
-    deepspeed_config.check_deepspeed_version()
-    zero.check_glue()
+    zero_ops.check_deepspeed_version()
+    zero_glue.check_glue()
     with pytest.raises(ConfigError, match="not supported"):
-        deepspeed_config.check_deepspeed_version("0.20.0")
+        zero_ops.check_deepspeed_version("0.20.0")
     with pytest.raises(ConfigError, match="not supported"):
-        deepspeed_config.check_deepspeed_version("0.19.7")
-    deepspeed_config.check_deepspeed_version("0.19.9+abc")
+        zero_ops.check_deepspeed_version("0.19.7")
+    zero_ops.check_deepspeed_version("0.19.9+abc")
     pyproject = open(os.path.join(REPO, "pyproject.toml")).read()
     assert '"deepspeed>=0.19.8,<0.20"' in pyproject
 
@@ -489,7 +496,7 @@ def test_mpu_over_topology():
     topo = Topology.__new__(Topology)
     topo.layout, topo.pp_rank, topo.dp_rank, topo.tp_rank = Layout(dp=2, tp=4, pp=3), 2, 1, 3
     topo.dp_group = topo.tp_group = topo.pp_group = None
-    mpu = zero.TopologyMPU(topo)
+    mpu = zero_glue.TopologyMPU(topo)
     assert (mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()) == (2, 1)
     assert (mpu.get_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()) == (4, 3)
     assert (mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()) == (3, 2)

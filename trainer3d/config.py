@@ -1,7 +1,7 @@
-"""Typed run configuration and the command line that fills it.
+"""Typed run configuration and the command line that fills it: dataclasses and argparse, nothing else.
 
-Flag names are stable (scripts depend on them). Every check that can be made before a process group exists is
-made in `validate`, which raises a ConfigError / LayoutError whose message is one sentence naming the fix.
+Flag names are stable (scripts depend on them). Every check of the values is made before any process group, in
+train/setup.py's `validate`, which raises one sentence naming the fix.
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.model import MODEL_PRESETS, GPTConfig
-from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
-from trainer3d.parallel.tensor_parallel import check_tensor_parallel
-from trainer3d.dist.topology import Layout, infer_layout
+
+# torch.distributed.pipelining's schedules by flag name (parallel/pipeline.py maps each to its class)
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 
 
 @dataclass
@@ -58,7 +57,7 @@ class TrainConfig:
     eval_batches: int = 4
     # output
     out_dir: str = "runs/default"
-    # checkpoints (checkpoint.py)
+    # checkpoints (trainer3d/checkpoint/)
     save_every: int = 0  # steps between checkpoints under <out-dir>/checkpoints (also saved at the end); 0: never
     keep_last: int = 0  # complete checkpoints to keep (older ones pruned after each save); 0: all
     resume: str | None = None  # "latest" (the newest in --out-dir; fresh start if none) or a checkpoint path
@@ -74,7 +73,7 @@ class TrainConfig:
     # DeepSpeed (owns batch sizes, ZeRO, offload and precision when given): a JSON path, or a dict (tests)
     deepspeed_config: str | dict | None = None
     # flags typed on the command line (parse_args); None for programmatic configs, where a value that differs
-    # from its default counts as given. The DeepSpeed JSON may not contradict a given flag (deepspeed_config.py).
+    # from its default counts as given. The DeepSpeed JSON may not contradict a given flag (zero/config.py).
     explicit_flags: tuple[str, ...] | None = None
 
     def resolved_precision(self, device_type: str) -> str:
@@ -82,88 +81,15 @@ class TrainConfig:
             return "bf16" if device_type == "cuda" else "fp32"
         return self.precision
 
-    def gpt_config(self, vocab_size: int) -> GPTConfig:
-        base = MODEL_PRESETS[self.model]
-        if self.init_from_hf:  # resume.py: the Hugging Face model's config.json gives the shape
-            from trainer3d.checkpoint.load import hf_model_config
-
-            base = hf_model_config(self.init_from_hf)
+    def gpt_config(self, vocab_size: int, base: GPTConfig | None = None) -> GPTConfig:
+        """The model's shape: the preset (or `base`, a Hugging Face model's config with its own vocabulary) with
+        the size flags applied."""
+        if base is not None:
             vocab_size = base.vocab_size
+        else:
+            base = MODEL_PRESETS[self.model]
         sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd)) if v}
         return dataclasses.replace(base, vocab_size=self.vocab_size or vocab_size, dropout=self.dropout, **sizes)
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    global_batch: int  # sequences per optimizer step
-    micro_batches: int  # per dp rank and step (gradient accumulation / pipeline micro-batches)
-    micro_batch_size: int  # sequences per micro-batch
-
-    @property
-    def local_batch(self) -> int:
-        return self.micro_batches * self.micro_batch_size
-
-
-def plan_batch(cfg: TrainConfig, layout: Layout) -> BatchPlan:
-    gb = cfg.global_batch
-    if cfg.global_batch_tokens is not None:
-        if cfg.global_batch_tokens % cfg.seq_len:
-            raise ConfigError(
-                f"--global-batch-tokens {cfg.global_batch_tokens} is not a multiple of --seq-len {cfg.seq_len}; "
-                "make it one (e.g. 524288 tokens = 512 × 1024)."
-            )
-        gb = cfg.global_batch_tokens // cfg.seq_len
-    if cfg.micro_batches is not None:
-        mb = cfg.micro_batches
-    elif layout.pp == 1:
-        mb = 1
-    else:
-        mb = 2 * layout.pp if SCHEDULES[cfg.schedule].multi_stage else layout.pp
-    if mb < 1 or gb % (layout.dp * mb):
-        raise ConfigError(
-            f"The global batch of {gb} sequences does not split into dp={layout.dp} × {mb} micro-batches; "
-            f"make --global-batch a multiple of {layout.dp * mb} or change --micro-batches."
-        )
-    return BatchPlan(global_batch=gb, micro_batches=mb, micro_batch_size=gb // (layout.dp * mb))
-
-
-def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> tuple[Layout, BatchPlan]:
-    """Every check that needs no process group, so bad layouts fail before anything spawns or connects."""
-    if cfg.model not in MODEL_PRESETS:
-        raise ConfigError(f"Unknown --model {cfg.model!r}; choose one of {', '.join(MODEL_PRESETS)}.")
-    if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
-        raise ConfigError(f"--precision must be auto, fp32, bf16 or fp16 (got {cfg.precision!r}).")
-    layout = infer_layout(world_size, cfg.tp, cfg.pp)
-    mcfg = cfg.gpt_config(vocab_size)
-    if cfg.seq_len > mcfg.n_positions:
-        raise ConfigError(
-            f"--seq-len {cfg.seq_len} exceeds the model's context of {mcfg.n_positions} positions; "
-            f"use --seq-len {mcfg.n_positions} or less."
-        )
-    if mcfg.n_embd % mcfg.n_head:
-        raise ConfigError(f"--n-embd {mcfg.n_embd} must be a multiple of --n-head {mcfg.n_head}.")
-    check_tensor_parallel(mcfg, layout.tp)
-    if cfg.deepspeed_config is not None:  # the JSON owns the batch (deepspeed_config.py); also checks the JSON itself
-        from trainer3d.zero.config import resolve_deepspeed
-
-        plan = resolve_deepspeed(cfg, layout).plan
-    else:
-        plan = plan_batch(cfg, layout)
-    check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches)
-    if cfg.max_steps < 1:
-        raise ConfigError("--max-steps must be at least 1.")
-    if cfg.save_every < 0 or cfg.keep_last < 0:
-        raise ConfigError("--save-every and --keep-last must be 0 (off) or a positive number.")
-    if cfg.dist_timeout <= 0:
-        raise ConfigError(f"--dist-timeout must be a positive number of seconds (got {cfg.dist_timeout}).")
-    if cfg.profile_steps is not None:
-        from trainer3d.train.profiling import ProfileError, parse_step_range
-
-        try:
-            parse_step_range(cfg.profile_steps, cfg.max_steps)
-        except ProfileError as e:
-            raise ConfigError(str(e)) from None
-    return layout, plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     lay = p.add_argument_group("layout (dp is world size / (tp·pp))")
     lay.add_argument("--tp", type=int, default=d.tp)
     lay.add_argument("--pp", type=int, default=d.pp)
-    lay.add_argument("--schedule", default=d.schedule, choices=list(SCHEDULES))
+    lay.add_argument("--schedule", default=d.schedule, choices=SCHEDULE_NAMES)
     lay.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank (interleaved)")
     lay.add_argument("--micro-batches", type=int, default=None, help="per step and dp rank")
     b = p.add_argument_group("batch")

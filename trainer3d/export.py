@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 
-from trainer3d.checkpoint.format import Checkpoint, CheckpointError, resolve_checkpoint
+from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
+from trainer3d.checkpoint.hf import save_hf_checkpoint
+from trainer3d.data import BUNDLED_TOKENIZER_DIR, load_tokenizer
+from trainer3d.errors import CheckpointError, DataError
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -31,8 +34,6 @@ DTYPES = {
 def _tokenizer_dir(name: str | None, scratch: Path) -> tuple[Path | None, str | None]:
     """(directory to copy, warning) for the tokenizer a run used: None -> the bundled GPT-2 BPE, a folder as is, a
     Hugging Face name saved from its (offline) cache."""
-    from trainer3d.data import BUNDLED_TOKENIZER_DIR, DataError, load_tokenizer
-
     if name is None or (name in ("gpt2", "openai-community/gpt2") and not os.path.exists(name)):
         return BUNDLED_TOKENIZER_DIR, None
     if name.lower() == "none":
@@ -49,8 +50,6 @@ def _tokenizer_dir(name: str | None, scratch: Path) -> tuple[Path | None, str | 
 def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
            tokenizer: str | None = "run", overwrite: bool = False) -> Path:
     """Write `out_dir` from a checkpoint; `tokenizer`: "run" (what the run used), a folder, or "none"."""
-    from trainer3d.checkpoint.hf import save_hf_checkpoint
-
     ckpt = Checkpoint(resolve_checkpoint(ckpt_path))
     ckpt.verify_files([f for f in ckpt.meta["files"] if f.startswith("model-")])
     out = Path(out_dir)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from trainer3d.fsio import fsync_path
 from trainer3d.model import GPT, GPTConfig
 
 CONFIG_NAME = "config.json"
@@ -351,14 +352,6 @@ def load_hf_checkpoint(
 # ------------------------------------------------------------------------------------------------ saving
 
 
-def _fsync_file(file: Path) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_hf_checkpoint(
     cfg: GPTConfig,
     state: Mapping[str, torch.Tensor],
@@ -403,7 +396,7 @@ def save_hf_checkpoint(
         save_file(hf_state, str(tmp / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
         for file in tmp.rglob("*"):
             if file.is_file():
-                _fsync_file(file)
+                fsync_path(file)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

@@ -1,11 +1,10 @@
-"""A checkpoint (or Hugging Face weights) into a trainer, and the training loop's hooks: periodic saves and SLURM's
-signals. checkpoint.py owns the files; this module owns what a run does with them:
+"""A checkpoint (or Hugging Face weights) into a trainer. format.py owns the files; this module owns what a run
+does with them:
 
     prepare(cfg, mcfg, topo)        before the trainer is built: --resume / --init-from-hf checked on every rank,
                                     and the `full_value` hook that materializes each rank's shards from the weights
     apply(start, trainer, loader)   after: optimizer state (through the trainer's hooks, so DDP and every ZeRO stage
                                     alike), step, data position, loss scale and RNG states
-    Checkpointer                    --save-every / --keep-last, and SIGTERM/SIGUSR1 -> finish the step, save, exit
 
 RNG states come back exactly when the layout and seed are unchanged, and are re-derived from (seed, step) otherwise.
 """
@@ -16,19 +15,18 @@ import dataclasses
 import hashlib
 import json
 import os
-import signal
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from trainer3d.checkpoint.format import (
-    Checkpoint, CheckpointError, all_gather_object, broadcast_object, describe_error, layout_record, raise_first,
-    shape_diffs, sharded_rngs, group_world_size, write_text_atomic, checkpoints_root, latest_checkpoint,
-    resolve_checkpoint, rng_file, save_checkpoint,
+    Checkpoint, checkpoints_root, latest_checkpoint, layout_record, resolve_checkpoint, rng_file, sharded_rngs,
 )
+from trainer3d.checkpoint.hf_init import hf_full_value
+from trainer3d.dist.collectives import agree_on_error, broadcast_object
+from trainer3d.errors import CheckpointError, first_line
+from trainer3d.fsio import write_text_atomic
 from trainer3d.model import GPTConfig, canonical_name
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG, shard_tensor
 
@@ -37,7 +35,7 @@ def _stage_params(pm) -> list[tuple[str, torch.nn.Parameter, Any]]:
     """(canonical name, parameter, tp spec) of every parameter object this rank holds, the last stage's tied head
     copy included (as `wte.weight`): what has to be loaded, values and optimizer state alike."""
     out, seen = [], set()
-    for m in pm.plain_modules():
+    for m in pm.stages:
         for name, p in m.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
@@ -76,8 +74,8 @@ def open_for_resume(resume: str, out_dir: str, mcfg: GPTConfig, topo) -> Checkpo
     except CheckpointError as e:
         error = str(e)
     except OSError as e:
-        error = f"{target} cannot be read ({describe_error(e)})."
-    raise_first(all_gather_object(error, group))
+        error = f"{target} cannot be read ({first_line(e)})."
+    agree_on_error(error, group, CheckpointError)
     return ckpt
 
 
@@ -104,7 +102,7 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
 
         items.append((p, read_state, read_value))
     # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)
-    trainer.load_param_states(items)
+    trainer.engine.load_param_states(items)
     ls = meta.get("loss_scale")
     if trainer.loss_scale is not None and ls:
         for k, v in ls.items():
@@ -170,112 +168,6 @@ def trim_metrics(out_dir: str | os.PathLike, step: int) -> None:
             pass
         kept.append(line)
     write_text_atomic(path, "".join(k + "\n" for k in kept))
-
-
-# ---- Hugging Face initialisation --------------------------------------------------------------------------------
-def hf_model_config(path: str | os.PathLike) -> GPTConfig:
-    """Our GPTConfig from a Hugging Face directory's config.json (shapes only; nothing else is read)."""
-    from trainer3d.checkpoint.hf import CONFIG_NAME, gpt_config_from_hf
-
-    p = Path(path)
-    if not (p / CONFIG_NAME).is_file():
-        raise CheckpointError(
-            f"--init-from-hf {p}: {p / CONFIG_NAME} does not exist; pass a GPT2LMHeadModel save_pretrained directory."
-        )
-    try:
-        return gpt_config_from_hf(json.loads((p / CONFIG_NAME).read_text()), dropout=0.0)
-    except ValueError as e:
-        raise CheckpointError(f"--init-from-hf {p}: {p / CONFIG_NAME} cannot be used ({describe_error(e)}).") from None
-
-
-def hf_full_value(path: str | os.PathLike, mcfg: GPTConfig) -> Callable[[str, tuple], torch.Tensor]:
-    """The `full_value` hook from a Hugging Face GPT2LMHeadModel directory, after checking its shape is `mcfg`'s."""
-    from trainer3d.checkpoint.hf import load_hf_checkpoint
-
-    try:
-        hcfg, state = load_hf_checkpoint(path, dropout=mcfg.dropout)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"--init-from-hf {path}: {describe_error(e)}.") from None
-    diffs = shape_diffs(hcfg, mcfg)
-    if diffs:
-        raise CheckpointError(
-            f"--init-from-hf {path} holds a different model shape: {', '.join(diffs)}; drop the conflicting "
-            "--n-layer/--n-head/--n-embd/--vocab-size flags (the model's shape comes from its config.json)."
-        )
-
-    def value(name: str, shape: tuple) -> torch.Tensor:
-        return state[canonical_name(name)]
-
-    return value
-
-
-# ---- the training loop's hooks: periodic saves and SLURM's signals ------------------------------------------------
-class Checkpointer:
-    """Owned by train.run: saves every --save-every steps (and at the end), and turns SIGTERM / SIGUSR1 (what SLURM
-    sends before preemption or the time limit) into: finish the current step, agree on stopping (all-reduce MAX of
-    the flag over the world, so every rank stops at the same step), save, exit cleanly."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self, trainer, loader, out_dir: str, save_every: int = 0, keep_last: int = 0, log: bool = True):
-        self.trainer, self.loader, self.out_dir = trainer, loader, out_dir
-        self.save_every, self.keep_last, self.log = save_every, keep_last, log
-        self.received: int | None = None
-        self.stopped_by: str | None = None
-        self._previous = {}
-        try:
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._on_signal)
-        except ValueError:  # not the main thread: no signal handling
-            pass
-
-    def _on_signal(self, signum, frame) -> None:
-        self.received = signum
-
-    def _stop_agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=self.trainer.device)
-        group = self.trainer.topo.world_group
-        if group_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
-
-    def after_step(self) -> bool:
-        """Call after every optimizer step on every rank; True means stop now (a checkpoint has been saved)."""
-        t = self.trainer
-        stop = self._stop_agreed()
-        due = self.save_every > 0 and (t.step % self.save_every == 0 or t.step >= t.cfg.max_steps)
-        if due or stop:
-            t0 = time.perf_counter()
-            try:
-                path = save_checkpoint(t, self.out_dir, self.loader, self.keep_last)
-            except CheckpointError as e:  # raised on every rank alike; the previous checkpoint is intact
-                if stop:
-                    raise
-                if self.log:
-                    _write(f"[trainer3d] warning: {e} Training goes on; the next save will try again.")
-                return False
-            if self.log:
-                _write(f"[trainer3d] saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
-        if stop:
-            name = signal.Signals(self.received).name if self.received else "a peer's signal"
-            self.stopped_by = name
-            if self.log:
-                _write(
-                    f"[trainer3d] {name} received: stopped after step {t.step} and saved {path}; exiting cleanly "
-                    "(continue with --resume)"
-                )
-        return stop
-
-    def close(self) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-        self._previous = {}
-
-
-def _write(line: str) -> None:
-    from tqdm import tqdm
-
-    tqdm.write(line)
 
 
 @dataclasses.dataclass

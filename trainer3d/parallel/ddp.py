@@ -1,8 +1,9 @@
-"""Data parallelism over the dp group (torch DDP), and the two gradient steps that span the other axes:
-the tied-embedding all-reduce between first and last pipeline stage, and the global gradient norm.
+"""torch DDP as the data-parallel engine: every dp rank holds its whole stage, gradients are averaged by DDP's
+buckets during the last micro-batch's backward (torch's pipeline stages run the others under `no_sync`).
 
-torch's pipeline stages know DDP: they run every micro-batch but the last under `no_sync`, so the dp
-all-reduce happens once per step. (DeepSpeed ZeRO as the dp engine lives in zero.py.)
+Zero-bubble schedules (interleaved-zb, zbv, dualpipev) split backward into input- and weight-gradient passes, and
+the weight pass runs outside DDP's autograd hooks: for them the stages stay unwrapped and the dp average is a
+flat-bucket all-reduce after the schedule, with the same arithmetic as DDP (sum, then divide by the dp size).
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer3d.parallel.tensor_parallel import all_reduce, group_size
+from trainer3d.dist.collectives import all_reduce, group_size
+from trainer3d.optim import clip_coefficient, param_groups, set_lr
+from trainer3d.parallel.engine import (
+    DataParallelEngine, StepResult, counts_in_norm, sum_tied_grads, tied_copies, unique_parameters,
+)
+from trainer3d.parallel.pipeline import SCHEDULES
 
 
 def wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:
@@ -36,8 +42,7 @@ def wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:
 
 
 def all_reduce_grads(params: list[nn.Parameter], dp_group, bucket_elems: int = 25_000_000) -> None:
-    """Average gradients over dp in flat buckets: for the zero-bubble schedules, whose weight-gradient pass DDP
-    cannot see. Same arithmetic as DDP (sum, then divide by the dp size)."""
+    """Average gradients over dp in flat buckets (for the split-backward schedules, which DDP cannot follow)."""
     n = group_size(dp_group)
     if n == 1:
         return
@@ -54,70 +59,85 @@ def all_reduce_grads(params: list[nn.Parameter], dp_group, bucket_elems: int = 2
             bucket = []
 
 
-def unwrap(module: nn.Module) -> nn.Module:
-    return module.module if isinstance(module, DistributedDataParallel) else module
+def _set_grad(p: nn.Parameter, value: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = value.clone()
+    else:
+        p.grad.copy_(value)
 
 
-def tied_copies(stage_modules: list[nn.Module]) -> list[nn.Parameter]:
-    """This rank's copies of the tied embedding: the first stage's wte and the last stage's lm_head weight
-    (the same Parameter when one module holds both)."""
-    out: list[nn.Parameter] = []
-    for m in map(unwrap, stage_modules):
-        for part in (m.wte, m.lm_head):
-            if part is not None and not any(part.weight is p for p in out):
-                out.append(part.weight)
-    return out
+class DDPEngine(DataParallelEngine):
+    name = "DDP"
 
+    def __init__(self, stages: list[nn.Module], topo, device: torch.device, cfg):
+        self.stages, self.topo, self.device = stages, topo, device
+        self.hooks_reduce = not SCHEDULES[cfg.schedule].split_backward  # DDP's hooks see every gradient
+        self.wrapped = [wrap_ddp(s, topo.dp_group, device) for s in stages] if self.hooks_reduce else list(stages)
+        self.params = unique_parameters(stages)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.params, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8
+        )
 
-def is_tied_duplicate(module: nn.Module, param: nn.Parameter) -> bool:
-    """The last stage's lm_head copy when the embedding lives on another stage: same values as wte, so it
-    must be counted once in the gradient norm (and saved once in checkpoints)."""
-    m = unwrap(module)
-    return m.lm_head is not None and m.wte is None and param is m.lm_head.weight
+    @property
+    def stage_modules(self) -> list[nn.Module]:
+        return self.wrapped
 
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
-def sync_tied_embedding_grads(stage_modules: list[nn.Module], embedding_group) -> None:
-    """Sum the gradients of every copy of the tied embedding (on this rank and across the embedding group)
-    and give each copy the sum, so that the optimizer keeps the copies bitwise identical."""
-    copies = tied_copies(stage_modules)
-    in_group = group_size(embedding_group) > 1
-    if not copies or (len(copies) == 1 and not in_group):
-        return  # middle stage, or pp=1 where one shared Parameter already received both gradients
-    total = torch.zeros_like(copies[0])
-    for p in copies:
-        if p.grad is not None:
-            total += p.grad
-    if in_group:
-        all_reduce(total, embedding_group)
-    for p in copies:
-        if p.grad is None:
-            p.grad = total.clone()
-        else:
-            p.grad.copy_(total)
+    def step(self, lr: float, max_norm: float, grad_scale: float = 1.0) -> StepResult:
+        if not self.hooks_reduce:
+            all_reduce_grads(self.params, self.topo.dp_group)
+        sum_tied_grads(tied_copies(self.stages), self.topo.embedding_group, lambda p: p.grad, _set_grad)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grad_scale != 1.0:
+            torch._foreach_mul_(grads, grad_scale)
+        norm = self.global_grad_norm()
+        if not math.isfinite(norm):
+            return StepResult(norm, stepped=False)
+        coef = clip_coefficient(norm, max_norm)
+        if coef < 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        return StepResult(norm, stepped=True)
 
+    def global_grad_norm(self) -> float:
+        """Squares of tp shards and pp stages summed over the model-parallel group, each element counted once;
+        DDP has already averaged over dp, so dp needs no reduction."""
+        squares = [
+            p.grad.detach().float().pow(2).sum()
+            for m in self.stages for p in m.parameters()
+            if p.grad is not None and counts_in_norm(m, p, self.topo.tp_rank)
+        ]
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
+        return all_reduce(total, self.topo.mp_group).sqrt().item()
 
-def global_grad_norm(stage_modules: list[nn.Module], tp_rank: int, mp_group) -> torch.Tensor:
-    """L2 norm of the whole model's gradient: squares of tp shards and pp stages summed over the model-parallel
-    group, each parameter counted once (replicated ones on tp rank 0 only, the tied head copy not at all).
-    Gradients are already averaged over dp by DDP, so dp needs no reduction here."""
-    squares = []
-    for module in stage_modules:
-        for p in module.parameters():
-            if p.grad is None or is_tied_duplicate(module, p):
-                continue
-            if getattr(p, "tp_spec", None) is None and tp_rank != 0:
-                continue
-            squares.append(p.grad.detach().float().pow(2).sum())
-    device = next(stage_modules[0].parameters()).device
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
-    return all_reduce(total, mp_group).sqrt()
+    def param_value(self, param: nn.Parameter) -> torch.Tensor:
+        return param.data
 
+    def optimizer_state_of(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.optimizer.state.get(param, {}).items() if torch.is_tensor(v)}
 
-def clip_grads_(stage_modules: list[nn.Module], total_norm: torch.Tensor, max_norm: float) -> None:
-    """Same rule as torch.nn.utils.clip_grad_norm_, applied with the global norm."""
-    if max_norm <= 0 or not math.isfinite(total_norm.item()):
-        return
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    grads = [p.grad for m in stage_modules for p in m.parameters() if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    def load_param_states(self, items) -> None:
+        for param, read_state, _ in items:
+            state = read_state()
+            if state:
+                self.optimizer.state[param] = {
+                    k: v.to(torch.float32) if k == "step" else v.to(device=param.device, dtype=param.dtype)
+                    for k, v in state.items()
+                }
+
+    def memory(self) -> dict:
+        params = sum(p.numel() * p.element_size() for p in self.params)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        optim = sum(
+            v.numel() * v.element_size() for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        )
+        return {
+            "param_bytes": params, "grad_bytes": grads, "optim_bytes": optim,
+            "param_offloaded_bytes": 0, "grad_offloaded_bytes": 0, "optim_offloaded_bytes": 0,
+        }
+
+    def describe(self) -> dict:
+        return {"engine": "ddp"}

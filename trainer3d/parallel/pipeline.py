@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
+from trainer3d.config import SCHEDULE_NAMES
 from trainer3d.model import GPT, GPTConfig
 from trainer3d.errors import LayoutError
 
@@ -27,7 +28,7 @@ class ScheduleInfo:
     multi_stage: bool  # takes a list of stages (virtual stages per rank)
     v_shape: bool = False  # exactly two stages per rank, placed in a V
     # Zero-bubble schedules split backward into input- and weight-gradient passes; the weight pass runs outside
-    # DDP's autograd hooks, so their dp gradient reduction is done after the schedule (data_parallel.py).
+    # DDP's autograd hooks, so their dp gradient reduction is done after the schedule (parallel/ddp.py).
     split_backward: bool = False
 
 
@@ -40,6 +41,8 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     "zbv": ScheduleInfo(schedules.ScheduleZBVZeroBubble, multi_stage=True, v_shape=True, split_backward=True),
     "dualpipev": ScheduleInfo(schedules.ScheduleDualPipeV, multi_stage=True, v_shape=True, split_backward=True),
 }
+# The flag's choices (config.SCHEDULE_NAMES, a leaf module) name exactly these, in this order.
+assert tuple(SCHEDULES) == SCHEDULE_NAMES, "config.SCHEDULE_NAMES and pipeline.SCHEDULES disagree"
 
 
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:
@@ -79,15 +82,22 @@ def check_pipeline(cfg: GPTConfig, pp: int, schedule: str, virtual_stages: int, 
         )
 
 
-def balance_layers(cfg: GPTConfig, n_stages: int) -> list[range]:
-    """Contiguous block ranges per stage minimising the most expensive stage (forward FLOPs per token), at
-    least one block per stage. The head (and its loss) is charged to the last stage."""
+def stage_cost(cfg: GPTConfig, n_blocks: int, last: bool) -> int:
+    """Forward FLOPs per token of a stage of `n_blocks` blocks, plus the LM head (and its loss) on the last stage;
+    the embedding lookup costs no FLOPs. The one cost model of a stage: balance_layers minimises it and the
+    planner (trainer3d.plan.step_time) paces a pipeline by it."""
     block_cost = 24 * cfg.n_embd**2 + 4 * cfg.n_positions * cfg.n_embd
     head_cost = 2 * cfg.n_embd * cfg.vocab_size
+    return n_blocks * block_cost + (head_cost if last else 0)
+
+
+def balance_layers(cfg: GPTConfig, n_stages: int) -> list[range]:
+    """Contiguous block ranges per stage minimising the most expensive stage (`stage_cost`), at least one block
+    per stage."""
     L = cfg.n_layer
 
     def cost(start: int, end: int, stage: int) -> int:
-        return (end - start) * block_cost + (head_cost if stage == n_stages - 1 else 0)
+        return stage_cost(cfg, end - start, stage == n_stages - 1)
 
     # best[s][i]: the smallest max-cost of splitting blocks [0, i) into stages 0..s-1.
     inf = float("inf")
@@ -164,11 +174,11 @@ def build_schedule(
     shapes: Callable[[int], dict],
     stage_cls: type = PipelineStage,
 ):
-    """`shapes(stage_index)`: stage_shapes of each stage; `stage_cls`: zero.py's ZeroPipelineStage (DeepSpeed
+    """`shapes(stage_index)`: stage_shapes of each stage; `stage_cls`: zero/glue.py's ZeroPipelineStage (DeepSpeed
     engines as submodules) or torch's PipelineStage."""
     stages = [stage_cls(m, i, n_stages, device, group=pp_group, **shapes(i)) for m, i in zip(stage_modules, ids)]
     info = SCHEDULES[schedule]
-    # scale_grads=False: the loss is already divided by the number of micro-batches (see train.py), so the
+    # scale_grads=False: the loss is already divided by the number of micro-batches (see train/trainer.py), so the
     # gradient means the same thing at every layout.
     if info.multi_stage:
         return info.cls(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)

@@ -16,17 +16,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainer3d.dist.collectives import all_reduce, group_size
+from trainer3d.errors import LayoutError
 from trainer3d.model import GPT
-
-
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
 
 
 # ---- the two conjugate collectives (Megatron's f and g) ---------------------------------------------------
@@ -263,8 +255,6 @@ def apply_tensor_parallel(model: GPT, group, rank: int, size: int, dropout_rng: 
 
 
 def check_tensor_parallel(cfg, tp: int) -> None:
-    from trainer3d.errors import LayoutError
-
     if cfg.n_head % tp:
         raise LayoutError(f"--tp {tp} must divide the model's {cfg.n_head} attention heads; pick a divisor of {cfg.n_head}.")
 

@@ -11,9 +11,7 @@ import os
 
 import torch
 
-
-class ProfileError(ValueError):
-    pass
+from trainer3d.errors import ConfigError
 
 
 def parse_step_range(spec: str, max_steps: int) -> tuple[int, int]:
@@ -24,9 +22,9 @@ def parse_step_range(spec: str, max_steps: int) -> tuple[int, int]:
             parts *= 2
         first, last = parts
     except ValueError:
-        raise ProfileError(f"--profile-steps {spec!r} is not A:B (two step numbers, e.g. 3:5).") from None
+        raise ConfigError(f"--profile-steps {spec!r} is not A:B (two step numbers, e.g. 3:5).") from None
     if not 1 <= first <= last <= max_steps:
-        raise ProfileError(
+        raise ConfigError(
             f"--profile-steps {spec!r} must satisfy 1 <= A <= B <= --max-steps ({max_steps}), e.g. 3:5."
         )
     return first, last

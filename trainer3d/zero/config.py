@@ -1,8 +1,8 @@
-"""DeepSpeed, before any process group: its JSON resolved against the flags and the layout, and its JIT-built ops.
+"""A DeepSpeed JSON resolved against the flags and the layout, once per run and before any process group.
 
 The JSON owns what it owns (batch sizes, accumulation, ZeRO stage, offload, precision, Adam's settings); its
 "auto" values are filled from the flags and the layout, and a value that contradicts an explicitly given flag,
-or cannot work, is refused with one sentence naming the fix (`resolve_deepspeed`). zero.py runs the engines.
+or cannot work, is refused with one sentence naming the fix (`resolve_deepspeed`). zero/engine.py runs the engines.
 
     python -m trainer3d.zero --check-config ds_configs/zero3.json --world-size 8 --tp 2 --pp 2   # resolved JSON
     python -m trainer3d.zero --build-ops     # once: DeepSpeed's JIT ops into $TORCH_EXTENSIONS_DIR
@@ -14,47 +14,16 @@ import copy
 import dataclasses
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trainer3d.config import BatchPlan, ConfigError, plan_batch
-
-# The glue above reaches into these DeepSpeed versions' internals; pyproject pins the same range.
-DEEPSPEED_MIN, DEEPSPEED_BELOW = (0, 19, 8), (0, 20, 0)
+from trainer3d.errors import ConfigError
+from trainer3d.parallel.batch import BatchPlan, default_micro_batches
+from trainer3d.parallel.pipeline import SCHEDULES
+from trainer3d.zero.ops import aio_available, check_deepspeed_version
 SUPPORTED_OPTIMIZERS = ("adam", "adamw")
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    parts = []
-    for piece in v.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def check_deepspeed_version(version: str | None = None) -> str:
-    """Refuse a DeepSpeed outside the range the glue was written and tested against."""
-    if version is None:
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as dist_version
-
-        try:
-            version = dist_version("deepspeed")
-        except PackageNotFoundError:
-            raise ConfigError(
-                "--deepspeed_config needs DeepSpeed; install it with `pip install 'deepspeed>=0.19.8,<0.20'`."
-            ) from None
-    if not DEEPSPEED_MIN <= _version_tuple(version) < DEEPSPEED_BELOW:
-        raise ConfigError(
-            f"DeepSpeed {version} is not supported by trainer3d/zero.py (tested with >=0.19.8,<0.20, it patches "
-            "DeepSpeed internals); install `deepspeed>=0.19.8,<0.20` or re-validate zero.py against this version."
-        )
-    return version
 
 
 # ---- the JSON: load, fill "auto", check against the flags and the layout ---------------------------------------
@@ -64,8 +33,8 @@ class DeepSpeedSpec:
 
     ds_config: dict  # what deepspeed.initialize gets: concrete values, no optimizer/scheduler, no clipping
     cfg: Any  # the TrainConfig with the JSON's batch, lr, clip, precision and Adam settings applied
-    plan: Any  # BatchPlan
-    stage: int
+    plan: BatchPlan
+    zero_stage: int  # 0-3 (not a pipeline stage)
     offload_optimizer: str  # "none", "cpu" or "nvme"
     offload_param: str
     adamw: bool  # decoupled weight decay (AdamW) rather than L2 (Adam with adam_w_mode false)
@@ -108,11 +77,9 @@ def _as_int(v, key, src):
     return v
 
 
-def resolve_deepspeed(cfg, layout) -> DeepSpeedSpec:
+def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
     """Read cfg.deepspeed_config and fill it from the flags and the layout; raise ConfigError (one sentence
-    naming the fix) on anything that contradicts them or cannot work. Needs no process group."""
-    from trainer3d.parallel.pipeline import SCHEDULES
-
+    naming the fix) on anything that contradicts them or cannot work. `n_embd` sizes the "auto" buckets."""
     check_deepspeed_version()
     ds, src = load_ds_json(cfg.deepspeed_config)
     for key in [k for k in ds if k.startswith("_")]:  # "_comment" and the like: notes for people
@@ -197,11 +164,9 @@ def resolve_deepspeed(cfg, layout) -> DeepSpeedSpec:
             gas = cfg.micro_batches
         elif mbs is not None and global_batch % (mbs * dp) == 0:  # what the JSON's micro size implies
             gas = global_batch // (mbs * dp)
-        else:  # the DDP path's default (plan_batch): 1 at pp=1, else pp or 2·pp
-            probe = dataclasses.replace(cfg, global_batch=global_batch, global_batch_tokens=None, deepspeed_config=None)
-            try:
-                gas = plan_batch(probe, layout).micro_batches
-            except ConfigError:
+        else:  # the DDP path's default: 1 at pp=1, else pp or 2·pp (pp where 2·pp does not split the batch)
+            gas = default_micro_batches(cfg.schedule, layout.pp)
+            if global_batch % (dp * gas):
                 gas = 1 if layout.pp == 1 else layout.pp
     if mbs is None:
         if global_batch % (dp * gas):
@@ -251,7 +216,7 @@ def resolve_deepspeed(cfg, layout) -> DeepSpeedSpec:
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"{src}: zero_optimization.stage must be 0, 1, 2 or 3 (got {stage!r}); fix the JSON.")
-    d = cfg.gpt_config(cfg.vocab_size or 50257).n_embd
+    d = n_embd
     autos = {
         "reduce_bucket_size": d * d,
         "stage3_prefetch_bucket_size": int(0.9 * d * d),
@@ -308,7 +273,7 @@ def resolve_deepspeed(cfg, layout) -> DeepSpeedSpec:
         raise ConfigError(f"{src}: {', '.join(leftover)} cannot be \"auto\"; give concrete values.")
     new_cfg = dataclasses.replace(cfg, **updates)
     return DeepSpeedSpec(
-        ds_config=ds, cfg=new_cfg, plan=plan, stage=int(stage), offload_optimizer=off_opt, offload_param=off_par,
+        ds_config=ds, cfg=new_cfg, plan=plan, zero_stage=int(stage), offload_optimizer=off_opt, offload_param=off_par,
         adamw=adamw, eps=eps, source=src,
     )
 
@@ -321,81 +286,3 @@ def _walk(obj, prefix=""):
         yield prefix.rstrip("."), obj
 
 
-# ---- DeepSpeed's JIT-built ops: build once, before any test or run ------------------------------------------------
-# On a CPU host deepspeed.init_distributed builds deepspeed_shm_comm and DeepSpeedCPUAdam builds cpu_adam (1-4
-# minutes each on 2 cores); ZeRO-Infinity's NVMe offload builds async_io. A run killed while building leaves a
-# `lock` file that makes every later run wait forever, and two different `ninja` binaries on PATH make torch
-# rebuild from scratch. So: build them here, once, into one directory, with the PATH the tests will have.
-OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
-OP_DIRS = {"ShareMemCommBuilder": "deepspeed_shm_comm", "CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
-
-
-def default_extensions_dir() -> str:
-    """The per-checkout build directory (gitignored .cache/), unless TORCH_EXTENSIONS_DIR names another."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(root, ".cache", "torch_extensions")
-
-
-def use_prebuilt_ops() -> str:
-    """Point torch's JIT loader at the prebuilt directory (if TORCH_EXTENSIONS_DIR is unset); return it."""
-    path = default_extensions_dir()
-    os.environ["TORCH_EXTENSIONS_DIR"] = path
-    return path
-
-
-def ops_needed(accelerator: str = "cpu", nvme: bool = False) -> list[str]:
-    names = ["CPUAdamBuilder"] + (["ShareMemCommBuilder"] if accelerator == "cpu" else [])
-    return names + (["AsyncIOBuilder"] if nvme else [])
-
-
-def missing_ops(names=None, path: str | None = None) -> list[str]:
-    """Ops (builder names) whose shared library is not in the build directory yet, or that a stale lock blocks."""
-    path = path or default_extensions_dir()
-    out = []
-    for name in names or ops_needed():
-        d = os.path.join(path, OP_DIRS[name])
-        if not os.path.isfile(os.path.join(d, OP_DIRS[name] + ".so")) or os.path.exists(os.path.join(d, "lock")):
-            out.append(name)
-    return out
-
-
-def aio_available() -> bool:
-    """DeepSpeed's async_io op (ZeRO-Infinity) is prebuilt here, or libaio is present so it can be built."""
-    if not missing_ops(["AsyncIOBuilder"]):
-        return True
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    return builder is not None and bool(builder.is_compatible(verbose=False))
-
-
-def build_ops(names=OPS, stale_lock_s: float = 1800.0) -> dict[str, str]:
-    """Build (or find already built) DeepSpeed's JIT ops into $TORCH_EXTENSIONS_DIR. Returns name -> status."""
-    import shutil
-    import time
-
-    path = use_prebuilt_ops()
-    os.makedirs(path, exist_ok=True)
-    from deepspeed.accelerator import get_accelerator
-
-    status = {}
-    for name in names:
-        builder = get_accelerator().create_op_builder(name)
-        if builder is None:
-            status[name] = "not used by this accelerator"
-            continue
-        if not builder.is_compatible(verbose=False):
-            status[name] = "cannot be built here (" + (
-                "libaio headers missing: apt-get install libaio-dev" if name == "AsyncIOBuilder" else "incompatible"
-            ) + ")"
-            continue
-        lock = os.path.join(path, OP_DIRS.get(name, builder.name), "lock")
-        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > stale_lock_s:
-            os.remove(lock)  # left by a killed build; torch would wait on it forever
-            print(f"[trainer3d] removed a stale build lock {lock}", file=sys.stderr)
-        t0 = time.time()
-        builder.load(verbose=False)
-        status[name] = f"ok ({time.time() - t0:.0f} s)"
-    status["_dir"] = path
-    status["_ninja"] = shutil.which("ninja") or "none"
-    return status

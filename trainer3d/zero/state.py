@@ -1,6 +1,6 @@
 """ZeRO's partitioned parameters and optimizer state as whole tensors: read for checkpoints, written back on resume.
 
-checkpoint.py stores every parameter and its Adam state whole, under layout-free names, whatever engine owned the
+checkpoint/save.py stores every parameter and its Adam state whole, under layout-free names, whatever engine owned the
 dp axis. Under ZeRO a parameter's fp32 master value and Adam moments are partitioned over dp (ZeRO-1/2: fragments
 of a flat partition per parameter group; ZeRO-3: each parameter on its own); DeepSpeed's safe_get/set_full_*
 assemble them (an all-reduce over dp) and write this rank's part back, wherever the partition lives (device, CPU).

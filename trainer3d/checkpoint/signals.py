@@ -1,0 +1,82 @@
+"""Periodic saves and SLURM's signals in the training loop: SIGTERM / SIGUSR1 (what SLURM sends before preemption or
+the time limit) become "finish the current step, agree on stopping, save, exit cleanly"."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainer3d.checkpoint.save import save_checkpoint
+from trainer3d.dist.collectives import group_world_size
+from trainer3d.errors import CheckpointError
+
+
+class Checkpointer:
+    """Owned by train.run: saves every --save-every steps (and at the end), and turns SIGTERM / SIGUSR1 (what SLURM
+    sends before preemption or the time limit) into: finish the current step, agree on stopping (all-reduce MAX of
+    the flag over the world, so every rank stops at the same step), save, exit cleanly."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, trainer, loader, out_dir: str, save_every: int = 0, keep_last: int = 0, log: bool = True):
+        self.trainer, self.loader, self.out_dir = trainer, loader, out_dir
+        self.save_every, self.keep_last, self.log = save_every, keep_last, log
+        self.received: int | None = None
+        self.stopped_by: str | None = None
+        self._previous = {}
+        try:
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._on_signal)
+        except ValueError:  # not the main thread: no signal handling
+            pass
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signum
+
+    def _stop_agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=self.trainer.device)
+        group = self.trainer.topo.world_group
+        if group_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def after_step(self) -> bool:
+        """Call after every optimizer step on every rank; True means stop now (a checkpoint has been saved)."""
+        t = self.trainer
+        stop = self._stop_agreed()
+        due = self.save_every > 0 and (t.step % self.save_every == 0 or t.step >= t.cfg.max_steps)
+        if due or stop:
+            t0 = time.perf_counter()
+            try:
+                path = save_checkpoint(t, self.out_dir, self.loader, self.keep_last)
+            except CheckpointError as e:  # raised on every rank alike; the previous checkpoint is intact
+                if stop:
+                    raise
+                if self.log:
+                    _write(f"[trainer3d] warning: {e} Training goes on; the next save will try again.")
+                return False
+            if self.log:
+                _write(f"[trainer3d] saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
+        if stop:
+            name = signal.Signals(self.received).name if self.received else "a peer's signal"
+            self.stopped_by = name
+            if self.log:
+                _write(
+                    f"[trainer3d] {name} received: stopped after step {t.step} and saved {path}; exiting cleanly "
+                    "(continue with --resume)"
+                )
+        return stop
+
+    def close(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}
+
+
+def _write(line: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(line)

@@ -1,0 +1,47 @@
+"""The few collectives every layer shares: sizes of possibly-absent groups, a differentiation-free all-reduce, object
+gathers that work with one process, and "agree on an error" so that every rank raises the same sentence and none is
+left waiting in the next collective."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def group_world_size(group) -> int:
+    """Like group_size, but 1 before any process group exists (offline tools, one-process tests)."""
+    return group_size(group) if dist.is_initialized() else 1
+
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def all_gather_object(obj, group) -> list:
+    if group_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src_global_rank: int, group):
+    if group_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src_global_rank, group=group)
+    return box[0]
+
+
+def agree_on_error(error: str | None, group, error_type: type[Exception]) -> None:
+    """Collective: every rank passes its own error message (or None); if any rank has one, every rank raises the
+    first one as `error_type`."""
+    first = next((e for e in all_gather_object(error, group) if e), None)
+    if first:
+        raise error_type(first)

@@ -1,0 +1,132 @@
+"""The data-parallel axis as one interface, `DataParallelEngine`, implemented by DDP (parallel/ddp.py) and by
+DeepSpeed ZeRO 0-3 (zero/engine.py). The trainer calls only this interface; the gradient rules both engines share
+(which copies of the tied embedding exist, which gradient elements a rank counts in the global norm) live here.
+
+An engine owns everything between "the schedule has run every micro-batch's backward" and "the weights moved":
+the dp reduction, the tied-embedding sum across the first and last stage, the global norm, clipping and the
+optimizer step; and, for checkpoints, each parameter's fp32 value and optimizer state, whole over dp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+
+from trainer3d.dist.collectives import all_reduce, group_size
+
+
+@dataclass
+class StepResult:
+    grad_norm: float  # global L2 norm of the (dp-averaged, unscaled) gradient, each element counted once
+    stepped: bool  # False: a non-finite norm skipped the update (fp16 only; the loss scale backs off)
+
+
+class DataParallelEngine:
+    """One optimizer step's worth of data parallelism over this rank's pipeline stage modules."""
+
+    name: str  # for logs and meta.json, e.g. "DDP" or "ZeRO-3"
+    stage_cls: type = PipelineStage  # what the pipeline schedule wraps each of `stage_modules` in
+    casts_module = False  # True: the engine holds the stage in the compute dtype (no autocast; activations in it)
+
+    @property
+    def stage_modules(self) -> list[nn.Module]:
+        """What the schedule runs, one per stage on this rank (wrapped as the engine needs)."""
+        raise NotImplementedError
+
+    def train(self, mode: bool = True) -> None:
+        for m in self.stage_modules:
+            m.train(mode)
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def step(self, lr: float, max_norm: float, grad_scale: float = 1.0) -> StepResult:
+        """After the schedule's backward: reduce over dp, sum the tied embedding, multiply gradients by
+        `grad_scale` (fp16's 1/loss-scale), take the global norm, clip to `max_norm` (0: off), step at `lr`."""
+        raise NotImplementedError
+
+    # -- checkpoints: collective over dp (every dp rank asks for the same parameters in the same order) --------------
+    def param_value(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's tp shard of `param`, whole over dp, in fp32 (under ZeRO: the fp32 master copy)."""
+        raise NotImplementedError
+
+    def optimizer_state_of(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        """This rank's tp shard of `param`'s AdamW state (exp_avg, exp_avg_sq, step), whole over dp; {} before the
+        first step."""
+        raise NotImplementedError
+
+    def load_param_states(self, items: Iterable[tuple[nn.Parameter, Callable, Callable]]) -> None:
+        """(parameter, read_state, read_value) per parameter: the readers read lazily, so an engine reads only what
+        it must (DDP built its parameters from these values already and never reads them twice)."""
+        raise NotImplementedError
+
+    def memory(self) -> dict:
+        """Bytes this rank holds of parameters, gradients and optimizer states, and how much of each is offloaded
+        (keys param_bytes, grad_bytes, optim_bytes and their *_offloaded_bytes)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """What owned the dp axis, for meta.json (informational: any engine loads any checkpoint)."""
+        raise NotImplementedError
+
+
+# ---- gradient rules shared by every engine ---------------------------------------------------------------------------
+def unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Every parameter object once (the tied embedding is one Parameter when one stage holds both ends)."""
+    seen: set[int] = set()
+    out = []
+    for m in modules:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def tied_copies(stage_modules: list[nn.Module]) -> list[nn.Parameter]:
+    """This rank's copies of the tied embedding: the first stage's wte and the last stage's lm_head weight
+    (the same Parameter when one module holds both). `stage_modules`: plain (unwrapped) stage modules."""
+    out: list[nn.Parameter] = []
+    for m in stage_modules:
+        for part in (m.wte, m.lm_head):
+            if part is not None and not any(part.weight is p for p in out):
+                out.append(part.weight)
+    return out
+
+
+def is_tied_duplicate(module: nn.Module, param: nn.Parameter) -> bool:
+    """The last stage's lm_head copy when the embedding lives on another stage: same values as wte, so it is
+    counted once in the gradient norm and saved once in checkpoints."""
+    return module.lm_head is not None and module.wte is None and param is module.lm_head.weight
+
+
+def counts_in_norm(module: nn.Module, param: nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank counts `param`'s gradient in the global norm, so that every element is counted once over
+    tp and pp: tp-replicated parameters on tp rank 0 only, the tied head copy never (engines add their dp rule)."""
+    if is_tied_duplicate(module, param):
+        return False
+    return getattr(param, "tp_spec", None) is not None or tp_rank == 0
+
+
+def sum_tied_grads(copies: list[nn.Parameter], embedding_group, read: Callable, write: Callable) -> None:
+    """Give every copy of the tied embedding (here and across the first/last stage's embedding group) the sum of
+    all copies' gradients, so that the optimizer keeps them bitwise identical. `read(p)`/`write(p, total)` access
+    a gradient as the engine holds it."""
+    in_group = group_size(embedding_group) > 1
+    if not copies or (len(copies) == 1 and not in_group):
+        return  # a middle stage, or pp=1 where one shared Parameter already received both gradients
+    total = None
+    for p in copies:
+        g = read(p)
+        if g is not None:
+            total = g.clone() if total is None else total + g
+    if total is None:
+        total = torch.zeros_like(copies[0], dtype=torch.float32)
+    if in_group:
+        total = all_reduce(total.contiguous(), embedding_group)
+    for p in copies:
+        write(p, total)

@@ -1,0 +1,176 @@
+"""The entry point and the training loop: validate before any process group, build the data, the trainer and the
+checkpoint state, then train to --max-steps, logging on one rank (console, progress bar, metrics.jsonl, W&B)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch.distributed as dist
+
+from trainer3d import test_hooks
+from trainer3d.checkpoint.load import apply, prepare
+from trainer3d.checkpoint.signals import Checkpointer
+from trainer3d.config import parse_args
+from trainer3d.data import BatchLoader, DataConfig, build_token_blocks, val_batches
+from trainer3d.dist.collectives import agree_on_error
+from trainer3d.dist.failure import Heartbeat, report_failure
+from trainer3d.dist.topology import LaunchEnv, Topology, default_device, init_distributed
+from trainer3d.errors import DataError, UsageError
+from trainer3d.parallel import pipeline
+from trainer3d.train.metrics import MetricsFile, device_peak_tflops, flops_per_token, peak_memory_bytes
+from trainer3d.train.profiling import StepProfiler
+from trainer3d.train.setup import validate
+from trainer3d.train.tracking import Tracker
+from trainer3d.train.trainer import Trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    env = LaunchEnv.from_environ()
+    try:
+        setup = validate(cfg, env.world_size)  # before any process group: bad input fails here
+    except UsageError as e:
+        if env.rank == 0:
+            print(f"trainer3d: error: {e}", file=sys.stderr)
+        return 2
+    cfg, layout, plan = setup.cfg, setup.layout, setup.plan
+    device = default_device(env.local_rank)
+    init_distributed(env, device, timeout_s=cfg.dist_timeout)
+    Heartbeat().beat(0)
+    try:
+        topo = Topology(layout, last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, layout.pp))
+        data_cfg = DataConfig(
+            data=cfg.data,
+            data_config=cfg.data_config,
+            split=cfg.data_split,
+            text_field=cfg.text_field,
+            tokenizer=cfg.tokenizer,
+        )
+        blocks = local_leader_first(env, lambda: build_token_blocks(data_cfg, cfg.seq_len))
+        mcfg = setup.model_config(blocks.vocab_size)
+        start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
+        trainer = Trainer(setup, topo, device, mcfg, full_value=start.full_value)
+        loader = BatchLoader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
+        apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
+        run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches))
+    except UsageError as e:  # a corpus or checkpoint that cannot be used: found on every rank alike
+        if env.rank == 0:
+            print(f"trainer3d: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a collective failed (a peer died, or hung past --dist-timeout): name it
+        if env.world_size > 1:
+            report_failure(env.rank, e)
+        raise
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def local_leader_first(env: LaunchEnv, build):
+    """Run `build` on each node's local rank 0 (it tokenizes and fills the cache), then on the other ranks
+    (they read the cache). An error on a leader reaches every rank, so nobody waits at the barrier."""
+    result, error = None, None
+    if env.local_rank == 0:
+        try:
+            result = build()
+        except DataError as e:
+            error = str(e)
+    agree_on_error(error, dist.group.WORLD, DataError)
+    return result if env.local_rank == 0 else build()
+
+
+def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
+    """Train to max_steps, logging on one rank: console, progress bar and metrics.jsonl."""
+    from tqdm import tqdm
+
+    cfg, topo, plan = trainer.cfg, trainer.topo, trainer.plan
+    log = trainer.is_logging_rank
+    verbose = log or cfg.verbose
+    tokens_per_step = plan.global_batch * cfg.seq_len
+    flops_tok = flops_per_token(trainer.mcfg, cfg.seq_len)
+    peak = device_peak_tflops(trainer.device, trainer.precision, cfg.peak_tflops)
+    saver = Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log)
+    metrics = MetricsFile(cfg.out_dir, enabled=log, append=trainer.step > 0)  # resumed: continue the file
+    tracker = Tracker(trainer)  # W&B, on the logging rank only
+    profiler = StepProfiler(cfg.profile_steps, cfg.max_steps, cfg.out_dir, dist.get_rank(), trainer.device)
+    heartbeat = Heartbeat()
+    if verbose:
+        n_params = trainer.mcfg.num_params()
+        print(
+            f"[trainer3d] {topo.layout} schedule={cfg.schedule} stages={trainer.pm.n_stages} "
+            f"layers/stage={[len(r) for r in trainer.pm.layer_ranges]} micro-batches={plan.micro_batches}×"
+            f"{plan.micro_batch_size} global-batch={plan.global_batch} seqs ({tokens_per_step} tokens) "
+            f"model={cfg.model} ({n_params / 1e6:.1f}M params) precision={trainer.precision} device={trainer.device}",
+            flush=True,
+        )
+    mem = trainer.engine.memory()  # at start; every step record carries it too (metrics.jsonl)
+    if verbose:
+        mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731
+        print(f"[trainer3d] rank {dist.get_rank()} memory ({trainer.engine.name}): params {mib('param')}, grads {mib('grad')}, "
+              f"optimizer states {mib('optim')}", flush=True)
+    history = []
+    if cfg.eval_every and trainer.step == 0:  # the starting point of the validation curve
+        val = trainer.evaluate(make_val_batches())
+        record0 = {"step": 0, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+        metrics.write(record0)
+        tracker.log(record0)
+        if log:
+            print(f"step      0 | val_loss {val:.4f}", flush=True)
+    # In a log file (SLURM, nohup) a bar redrawn every step is a wall of \r-joined updates: redraw every 30 s there.
+    bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=not log, dynamic_ncols=True, unit="step",
+               mininterval=0.1 if sys.stderr.isatty() else 30.0)
+    while trainer.step < cfg.max_steps:
+        heartbeat.beat(trainer.step + 1)
+        profiler.start(trainer.step + 1)
+        t0 = time.perf_counter()
+        record = trainer.train_step(loader.next_batch())
+        dt = time.perf_counter() - t0
+        profiler.stop(trainer.step)
+        tps = tokens_per_step / dt
+        record.update(
+            tokens=trainer.step * tokens_per_step,
+            step_time_s=dt,
+            tokens_per_s=tps,
+            tflops_per_device=tps * flops_tok / topo.layout.world_size / 1e12,
+            mfu=(tps * flops_tok / topo.layout.world_size / (peak * 1e12)) if peak else None,
+            peak_mem_bytes=peak_memory_bytes(trainer.device),
+        )
+        last = trainer.step == cfg.max_steps
+        if (cfg.eval_every and trainer.step % cfg.eval_every == 0) or last:
+            val = trainer.evaluate(make_val_batches())
+            record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+        history.append(record)
+        metrics.write(record)
+        tracker.log(record)
+        test_hooks.inject_fault(trainer.step, dist.get_rank())  # test-only (TRAINER3D_FAULT); a no-op otherwise
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+        if log and (trainer.step % cfg.log_every == 0 or last or trainer.step == 1):
+            line = (
+                f"step {trainer.step:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                f"grad_norm {record['grad_norm']:.3f} | {dt * 1000:.0f} ms | {tps:,.0f} tok/s"
+            )
+            if record.get("mfu") is not None:
+                line += f" | mfu {100 * record['mfu']:.1f}%"
+            line += f" | mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
+            fd = bar.format_dict  # the ETA in the step lines too, for log files: mean step time of this run so far
+            if not last and fd["n"] > fd["initial"]:
+                eta = fd["elapsed"] / (fd["n"] - fd["initial"]) * (cfg.max_steps - trainer.step)
+                line += f" | eta {tqdm.format_interval(eta)}"
+            if "val_loss" in record:
+                line += f" | val_loss {record['val_loss']:.4f}"
+            bar.write(line)
+        if saver.after_step():  # checkpoint when due; True after SIGTERM/SIGUSR1: saved, every rank stops here
+            break
+    saver.close()
+    bar.close()
+    metrics.close()
+    profiler.close()
+    tracker.finish()
+    return history
+
+
+if __name__ == "__main__":
+    sys.exit(main())

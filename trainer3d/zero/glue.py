@@ -1,0 +1,197 @@
+"""The four pieces of glue that let DeepSpeed's ZeRO engines run under torch's pipeline schedules, one engine per
+stage over the dp group (docs/zero.md explains each and the measurements behind it):
+
+ 1. `TopologyMPU` hands DeepSpeed our dp and tp groups;
+ 2. ZeRO-3's module-trace check runs over dp, not the world (stages trace different modules: a deadlock);
+ 3. `ZeroPipelineStage` brackets every micro-batch backward as `DeepSpeedEngine.backward` would;
+ 4. the loss is scaled, not the gradients (the trainer's loss; `scale_grads=False` in the schedule).
+
+`check_glue` fails loudly, naming the piece, when a DeepSpeed upgrade moves an internal used here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+
+def check_glue() -> None:
+    """Fail loudly, naming the piece, if this DeepSpeed moved an internal the glue uses."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Stage12
+
+    tensor_fragment = importlib.import_module("deepspeed.utils.tensor_fragment")
+
+    needs = [
+        (ppc, "assert_ints_same_as_other_ranks", "glue 2 (ZeRO-3 trace check over dp)"),
+        (DeepSpeedEngine, "_backward_prologue", "glue 3 (backward bracketing)"),
+        (DeepSpeedEngine, "_backward_epilogue", "glue 3 (backward bracketing)"),
+        (DeepSpeedEngine, "set_gradient_accumulation_boundary", "glue 3 (backward bracketing)"),
+        (ZeROOptimizer, "clear_backward_seen_flag", "glue 3 (backward bracketing)"),
+        (tensor_fragment.tensor_fragment, "get_lp_grad_fragment", "ZeRO-1/2 gradient fragments (norm, clip)"),
+        (tensor_fragment, "safe_get_local_grad", "ZeRO-3 local gradients (tied embedding, norm, clip)"),
+        (tensor_fragment, "safe_set_local_grad", "ZeRO-3 local gradients (tied embedding, norm, clip)"),
+        (tensor_fragment, "safe_get_full_grad", "ZeRO-0/1/2 tied embedding"),
+        (tensor_fragment, "safe_set_full_grad", "ZeRO-0/1/2 tied embedding"),
+        (Stage3, "_get_fp32_grad_state_partition", "ZeRO-3 tied embedding with NVMe-swapped parameters"),
+        (Stage3, "_swappable_optimizer_subgroup", "ZeRO-3 tied embedding with NVMe-swapped parameters"),
+        (Stage3, "_writeback_swap_state", "ZeRO-3 tied embedding with NVMe-swapped parameters"),
+        (Stage3, "_constant_buffered_norm2", "ZeRO-3 offload gradient norms"),
+        (Stage3, "_optimizer_states_and_gradient_swap_in", "checkpoint loading under NVMe optimizer offload"),
+        (Stage3, "_optimizer_states_and_gradient_swap_out", "checkpoint loading under NVMe optimizer offload"),
+        (Stage3, "_get_param_partition_rank", "checkpoint loading under NVMe optimizer offload"),
+        (Stage12, "loss_scale", "clipping through the loss scale (ZeRO-1/2)"),
+        (Stage3, "loss_scale", "clipping through the loss scale (ZeRO-3)"),
+    ]
+    missing = [f"{getattr(obj, '__name__', obj)}.{name} ({what})" for obj, name, what in needs if not hasattr(obj, name)]
+    src = inspect.getsource(DeepSpeedEngine)  # DeepSpeedEngine.backward itself is an nvtx wrapper
+    src = src[src.find("    def backward(") :]
+    src = src[: src.find("\n    def ", 1)]
+    for marker in ("_running_engine_backward_lock", "_running_engine_backward_count", "_backward_epilogue()"):
+        if marker not in src:
+            missing.append(f"DeepSpeedEngine.backward no longer uses {marker} (glue 3)")
+    if missing:
+        raise RuntimeError("trainer3d/zero/glue.py does not fit this DeepSpeed: missing " + "; ".join(missing))
+
+
+# ---- 1. mpu ----------------------------------------------------------------------------------------------------
+class TopologyMPU:
+    """DeepSpeed's `mpu` interface over our Topology. Data parallel = dp; DeepSpeed's "model parallel" = tp
+    (used for its own grad-norm/overflow reductions, and for which tensor-parallel rank broadcasts)."""
+
+    def __init__(self, topo):
+        self.topo = topo
+
+    def _ranks(self, group):
+        return dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+
+    def get_data_parallel_group(self):
+        return self.topo.dp_group
+
+    def get_data_parallel_rank(self):
+        return self.topo.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.topo.layout.dp
+
+    def get_data_parallel_group_ranks(self):
+        return self._ranks(self.topo.dp_group)
+
+    def get_model_parallel_group(self):
+        return self.topo.tp_group
+
+    def get_model_parallel_rank(self):
+        return self.topo.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.topo.layout.tp
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self._ranks(self.topo.tp_group)[0]
+
+    def get_pipeline_model_parallel_group(self):
+        return self.topo.pp_group
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.topo.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.topo.layout.pp
+
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+
+
+# ---- 2. ZeRO-3's trace check over dp instead of the world --------------------------------------------------------
+_TRACE_CHECK_GROUP = None  # the dp group of the engines being trained (one Topology at a time per process)
+
+
+def _assert_ints_same_over_dp(ints: list[int]) -> None:
+    """deepspeed.runtime.zero.utils.assert_ints_same_as_other_ranks, limited to the dp group: only dp peers run
+    the same stage module, so only they can (and must) agree on its module/parameter trace."""
+    group = _TRACE_CHECK_GROUP
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    # Parameter ds_ids come from a process-wide counter (partition_parameters.Init.param_id): a process that
+    # built other ZeRO-3 models before (tests run many layouts per process) has them shifted. Compare the
+    # trace relative to its smallest id.
+    base = min(ints) if ints else 0
+    # NCCL groups move device tensors only (gloo, CPU ones); DeepSpeed's own check uses the accelerator too
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    mine = torch.tensor([len(ints)] + [i - base for i in ints], dtype=torch.long, device=device)
+    n = torch.tensor([mine.numel()], dtype=torch.long, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, n, group=group)
+    if any(int(s) != int(n) for s in sizes):
+        raise RuntimeError(f"ZeRO-3 trace length differs across dp ranks: {[int(s) for s in sizes]}")
+    gathered = [torch.zeros_like(mine) for _ in sizes]
+    dist.all_gather(gathered, mine, group=group)
+    if any(not torch.equal(g, mine) for g in gathered):
+        raise RuntimeError(
+            f"ZeRO-3 module/parameter trace differs across dp ranks (rank {dist.get_rank()}): "
+            f"{[g.tolist() for g in gathered]}"
+        )
+
+
+def patch_zero3_trace_check(dp_group) -> None:
+    """Make ZeRO-3's trace check compare the engines of `dp_group` only (glue 2)."""
+    global _TRACE_CHECK_GROUP
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+
+    _TRACE_CHECK_GROUP = dp_group
+
+    if not hasattr(ppc, "assert_ints_same_as_other_ranks"):
+        raise RuntimeError(
+            "deepspeed.runtime.zero.partitioned_param_coordinator no longer imports assert_ints_same_as_other_ranks: "
+            "re-check trainer3d/zero/glue.py glue 2 against this DeepSpeed version."
+        )
+    ppc.assert_ints_same_as_other_ranks = _assert_ints_same_over_dp
+
+
+# ---- 3. the pipeline stage that brackets every micro-batch backward ------------------------------------------------
+class ZeroPipelineStage(PipelineStage):
+    """A PipelineStage whose submodule is a DeepSpeedEngine (glue 3, docs/zero.md)."""
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        # engine.module, not engine(...): docs/zero.md (engine.forward's output hooks).
+        return self.submod.module(*args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        engine = self.submod
+        if backward_type != "full":
+            raise RuntimeError("ZeRO stages run full backwards only (split-backward schedules are refused in config)")
+        engine.set_gradient_accumulation_boundary(last_backward)
+        zero_opt = is_zero_optimizer(engine.optimizer)
+        if zero_opt:
+            engine.optimizer.clear_backward_seen_flag()
+        # What DeepSpeedEngine.backward does around loss.backward(), minus the loss scaling (ours is in the loss).
+        with engine._running_engine_backward_lock:
+            engine._running_engine_backward_count += 1
+            engine._running_engine_backward = True
+        try:
+            engine._backward_prologue()
+            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            engine._backward_epilogue()
+        finally:
+            with engine._running_engine_backward_lock:
+                engine._running_engine_backward_count -= 1
+                engine._running_engine_backward = engine._running_engine_backward_count > 0
+        return result
+
+
+def is_zero_optimizer(opt) -> bool:
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    return isinstance(opt, ZeROOptimizer)

@@ -1,0 +1,122 @@
+"""DeepSpeed itself: the version range the glue was written against, and its JIT-built ops, built once.
+
+On a CPU host deepspeed.init_distributed builds deepspeed_shm_comm and DeepSpeedCPUAdam builds cpu_adam (1-4
+minutes each on 2 cores); ZeRO-Infinity's NVMe offload builds async_io. A run killed while building leaves a
+`lock` file that makes every later run wait forever, and two different `ninja` binaries on PATH make torch
+rebuild from scratch. So they are built here, once, into one per-checkout directory, with the PATH the runs have.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from trainer3d.errors import ConfigError
+
+# glue.py reaches into these DeepSpeed versions' internals; pyproject pins the same range.
+DEEPSPEED_MIN, DEEPSPEED_BELOW = (0, 19, 8), (0, 20, 0)
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    parts = []
+    for piece in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_deepspeed_version(version: str | None = None) -> str:
+    """Refuse a DeepSpeed outside the range the glue was written and tested against."""
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            version = dist_version("deepspeed")
+        except PackageNotFoundError:
+            raise ConfigError(
+                "--deepspeed_config needs DeepSpeed; install it with `pip install 'deepspeed>=0.19.8,<0.20'`."
+            ) from None
+    if not DEEPSPEED_MIN <= _version_tuple(version) < DEEPSPEED_BELOW:
+        raise ConfigError(
+            f"DeepSpeed {version} is not supported by trainer3d/zero/ (tested with >=0.19.8,<0.20, it patches "
+            "DeepSpeed internals); install `deepspeed>=0.19.8,<0.20` or re-validate trainer3d/zero/glue.py against this version."
+        )
+    return version
+
+
+OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
+OP_DIRS = {"ShareMemCommBuilder": "deepspeed_shm_comm", "CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
+
+
+def default_extensions_dir() -> str:
+    """The per-checkout build directory (gitignored .cache/), unless TORCH_EXTENSIONS_DIR names another."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(root, ".cache", "torch_extensions")
+
+
+def use_prebuilt_ops() -> str:
+    """Point torch's JIT loader at the prebuilt directory (if TORCH_EXTENSIONS_DIR is unset); return it."""
+    path = default_extensions_dir()
+    os.environ["TORCH_EXTENSIONS_DIR"] = path
+    return path
+
+
+def ops_needed(accelerator: str = "cpu", nvme: bool = False) -> list[str]:
+    names = ["CPUAdamBuilder"] + (["ShareMemCommBuilder"] if accelerator == "cpu" else [])
+    return names + (["AsyncIOBuilder"] if nvme else [])
+
+
+def missing_ops(names=None, path: str | None = None) -> list[str]:
+    """Ops (builder names) whose shared library is not in the build directory yet, or that a stale lock blocks."""
+    path = path or default_extensions_dir()
+    out = []
+    for name in names or ops_needed():
+        d = os.path.join(path, OP_DIRS[name])
+        if not os.path.isfile(os.path.join(d, OP_DIRS[name] + ".so")) or os.path.exists(os.path.join(d, "lock")):
+            out.append(name)
+    return out
+
+
+def aio_available() -> bool:
+    """DeepSpeed's async_io op (ZeRO-Infinity) is prebuilt here, or libaio is present so it can be built."""
+    if not missing_ops(["AsyncIOBuilder"]):
+        return True
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and bool(builder.is_compatible(verbose=False))
+
+
+def build_ops(names=OPS, stale_lock_s: float = 1800.0) -> dict[str, str]:
+    """Build (or find already built) DeepSpeed's JIT ops into $TORCH_EXTENSIONS_DIR. Returns name -> status."""
+    import shutil
+    import time
+
+    path = use_prebuilt_ops()
+    os.makedirs(path, exist_ok=True)
+    from deepspeed.accelerator import get_accelerator
+
+    status = {}
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None:
+            status[name] = "not used by this accelerator"
+            continue
+        if not builder.is_compatible(verbose=False):
+            status[name] = "cannot be built here (" + (
+                "libaio headers missing: apt-get install libaio-dev" if name == "AsyncIOBuilder" else "incompatible"
+            ) + ")"
+            continue
+        lock = os.path.join(path, OP_DIRS.get(name, builder.name), "lock")
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > stale_lock_s:
+            os.remove(lock)  # left by a killed build; torch would wait on it forever
+            print(f"[trainer3d] removed a stale build lock {lock}", file=sys.stderr)
+        t0 = time.time()
+        builder.load(verbose=False)
+        status[name] = f"ok ({time.time() - t0:.0f} s)"
+    status["_dir"] = path
+    status["_ninja"] = shutil.which("ninja") or "none"
+    return status
