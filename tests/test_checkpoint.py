@@ -9,6 +9,7 @@ subprocesses and `train.main` in-process, on a small text corpus tokenized into 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -280,9 +281,9 @@ def _zero_scenarios(rank, world_size, tmp):
 
 @pytest.fixture(scope="module")
 def zero_results(tmp_path_factory):
-    from test_zero import _require_ops
+    from ds_ops import require_ops
 
-    _require_ops()
+    require_ops()
     tmp = tmp_path_factory.mktemp("zero_ckpt_world")
     t0 = time.perf_counter()
     results = run_world(8, _zero_scenarios, str(tmp), timeout=600)
@@ -359,11 +360,11 @@ def test_zero_infinity_checkpoint(nvme_results, kind):
 
 @pytest.fixture(scope="module")
 def nvme_results(tmp_path_factory):
-    from test_zero import _nvme_available, _require_ops
+    from ds_ops import nvme_op_available, require_ops
 
-    _require_ops()
-    if not _nvme_available():
-        pytest.skip("DeepSpeed's async_io op is not built (needs libaio-dev, then `python -m trainer3d.zero --build-ops`)")
+    require_ops()
+    if not nvme_op_available():
+        pytest.skip("DeepSpeed's async_io op cannot be built here (libaio-dev is not installed)")
     return run_world(2, _nvme_scenarios, str(tmp_path_factory.mktemp("nvme_ckpt")), timeout=600)
 
 
@@ -465,9 +466,10 @@ def test_sigterm_under_torchrun_saves_and_exits_cleanly(corpus, tmp_path, monkey
     out = tmp_path / "run"
     layout = ["--pp", "2"]
     if engine.startswith("zero"):
-        from test_zero import _require_ops, ds_config
+        from ds_ops import require_ops
+        from test_zero import ds_config
 
-        _require_ops()
+        require_ops()
         (tmp_path / "ds.json").write_text(json.dumps(ds_config(3, "all")))
         layout = ["--deepspeed_config", str(tmp_path / "ds.json")]
     args = TINY + ["--data", str(data), "--out-dir", str(out), *layout, "--max-steps", "1000", "--keep-last", "1"]
@@ -650,3 +652,51 @@ def test_hf_import_train_export(world_results, tmp_path):
     assert hf_loss(exported, batches[0]) < hf_loss(model, batches[0])  # it trained
     gen = exported.generate(ids[:1, :8], max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert gen.shape == (1, 13)
+
+
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_full_disk_mid_save(corpus, tmp_path, on_error):
+    """A real full disk: --out-dir on a tmpfs with room for one checkpoint, two ranks under torchrun. The second save
+    runs out of space half-way: every rank gets the same sentence, the previous checkpoint and `latest` stay intact
+    and loadable, nothing half-written is left, and the run stops (exit 2) or trains on, as --on-save-error says."""
+    import subprocess as sp
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    from trainer3d.model import MODEL_PRESETS
+
+    data, cache = corpus
+    mcfg = dataclasses.replace(MODEL_PRESETS["tiny"], n_layer=2, n_embd=64, n_head=2)
+    ckpt_bytes = 3 * 4 * mcfg.num_params()  # fp32 weights + Adam's two moments
+    out = tmp_path / "disk"
+    out.mkdir()
+    sp.run(["mount", "-t", "tmpfs", "-o", f"size={int(1.5 * ckpt_bytes)}", "tmpfs", str(out)], check=True)
+    try:
+        max_steps = 6 if on_error == "stop" else 5
+        args = TINY + ["--data", str(data), "--out-dir", str(out), "--pp", "2", "--max-steps", str(max_steps),
+                       "--save-every", "2", "--keep-last", "1", "--on-save-error", on_error]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               str(REPO / "launch" / "train_gpt2.py"), *args]
+        proc = sp.run(cmd, env=_env(cache), capture_output=True, text=True, timeout=300)
+        log = proc.stdout + proc.stderr
+        assert "No space left on device" in log and "the previous checkpoint is untouched" in log, log[-4000:]
+        if on_error == "stop":
+            assert proc.returncode != 0, log[-3000:]
+            assert log.count("trainer3d: error: Saving checkpoint") == 1, log[-3000:]  # rank 0 speaks for all
+            assert _metrics_steps(out) == [1, 2, 3, 4]
+        else:
+            assert proc.returncode == 0, log[-3000:]
+            assert log.count("Training goes on; the next save will try again.") == 2, log[-3000:]  # steps 4 and 5
+            assert _metrics_steps(out) == [1, 2, 3, 4, 5]
+        root = out / "checkpoints"
+        assert (root / "latest").read_text().strip() == "step_000002"
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]  # no .tmp-* left behind
+        ckpt = Checkpoint(latest_checkpoint(out))
+        ckpt.verify_files()
+        assert ckpt.step == 2
+        ckpt.close()  # its safetensors files are memory-mapped: the tmpfs would be busy
+        del ckpt
+    finally:
+        if sp.run(["umount", str(out)]).returncode != 0:
+            sp.run(["umount", "-l", str(out)], check=True)

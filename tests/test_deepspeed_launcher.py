@@ -2,7 +2,7 @@
 
 DeepSpeed's runner finds no GPU here, but `--num_gpus N` still launches N local processes (there is no
 `--num_procs`); each gets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* in its environment and `--local_rank=i` on its
-command line, which the entry script accepts. The run uses ds_configs/zero3_offload.json unchanged (bf16,
+command line, which the entry script accepts. The run uses ds_configs/zero3_offload.json unchanged (its "auto" precision follows --precision bf16,
 ZeRO-3, optimizer and parameters offloaded to CPU) at tp=2 (so dp=2), and the test reads metrics.jsonl.
 """
 
@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from distributed import free_port  # noqa: E402
+from ds_ops import require_ops  # noqa: E402
 from trainer3d.zero import ops as zero_ops  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,10 +32,7 @@ TEXT = (
 
 
 def test_deepspeed_launcher_zero3_offload(tmp_path):
-    missing = zero_ops.missing_ops(zero_ops.ops_needed("cpu"))
-    if missing:
-        msg = f"DeepSpeed ops {missing} not prebuilt; run `python -m trainer3d.zero --build-ops` first"
-        pytest.fail(msg) if os.environ.get("TRAINER3D_REQUIRE_DS_OPS") else pytest.skip(msg)
+    require_ops()
     data = tmp_path / "corpus.txt"
     data.write_text(TEXT * 60)
     out = tmp_path / "run"
@@ -42,7 +40,7 @@ def test_deepspeed_launcher_zero3_offload(tmp_path):
     cmd = [launcher] if launcher else [sys.executable, "-m", "deepspeed.launcher.runner"]
     cmd += [
         "--num_gpus", "4", "--master_port", str(free_port()),
-        "launch/train_gpt2.py", "--tp", "2", "--deepspeed_config", "ds_configs/zero3_offload.json",
+        "launch/train_gpt2.py", "--tp", "2", "--deepspeed_config", "ds_configs/zero3_offload.json", "--precision", "bf16",
         "--model", "tiny", "--n-layer", "2", "--seq-len", "32", "--global-batch", "8", "--max-steps", "3",
         "--warmup-steps", "1", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1",
         "--data", str(data), "--out-dir", str(out),

@@ -27,6 +27,7 @@ import torch
 deepspeed = pytest.importorskip("deepspeed")
 
 from distributed import run_world  # noqa: E402
+from ds_ops import nvme_op_available, require_ops  # noqa: E402
 from parity import VOCAB, global_batches, parity_config, train_layout  # noqa: E402
 from trainer3d.zero import config as deepspeed_config  # noqa: E402
 from trainer3d.zero import ops as zero_ops  # noqa: E402
@@ -41,16 +42,6 @@ STEPS = 10
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _require_ops(nvme: bool = False):
-    missing = zero_ops.missing_ops(zero_ops.ops_needed("cpu", nvme=nvme))
-    if missing:
-        msg = (
-            f"DeepSpeed ops {missing} are not built in {zero_ops.default_extensions_dir()}; run "
-            "`python -m trainer3d.zero --build-ops` first (tests never build them)"
-        )
-        if os.environ.get("TRAINER3D_REQUIRE_DS_OPS"):
-            pytest.fail(msg)
-        pytest.skip(msg)
 
 
 # ---- cases -----------------------------------------------------------------------------------------------------
@@ -300,16 +291,12 @@ def _run(world, cases, timeout):
     return results, time.perf_counter() - t0
 
 
-def _nvme_available() -> bool:
-    return not zero_ops.missing_ops(["AsyncIOBuilder"])
-
-
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     """One 2-process world: the dp2 matrix, then (if async_io is built) the ZeRO-Infinity cases."""
-    _require_ops()
+    require_ops()
     cases = world2_cases()
-    extra = nvme_cases(str(tmp_path_factory.mktemp("nvme"))) if _nvme_available() else []
+    extra = nvme_cases(str(tmp_path_factory.mktemp("nvme"))) if nvme_op_available() else []
     results, wall = _run(2, cases + extra, timeout=900)
     return cases, results, wall, extra
 
@@ -354,7 +341,7 @@ def test_nvme_offload(world2):
 
 
 def test_parity_world4():
-    _require_ops()
+    require_ops()
     cases = world4_cases()
     results, wall = _run(4, cases, timeout=900)
     table, failures = check_world(results, cases)
@@ -365,7 +352,7 @@ def test_parity_world4():
 
 
 def test_parity_world8():
-    _require_ops()
+    require_ops()
     cases = world8_cases()
     results, wall = _run(8, cases, timeout=900)
     table, failures = check_world(results, cases)
@@ -393,7 +380,8 @@ def test_shipped_configs_resolve(tmp_path):
             for k in ("offload_optimizer", "offload_param"):
                 data["zero_optimization"][k]["nvme_path"] = str(tmp_path)
             path = _write(tmp_path, data, name)
-        cfg = parse_args(["--tp", "2", "--pp", "2", "--global-batch", "32", "--lr", "3e-4", "--deepspeed_config", path])
+        flags = ["--tp", "2", "--pp", "2", "--global-batch", "32", "--lr", "3e-4", "--deepspeed_config", path]
+        cfg = parse_args(flags + ["--precision", "bf16"])  # "bf16": {"enabled": "auto"} follows --precision
         if name == "zero3_nvme.json" and not zero_ops.aio_available():  # no libaio here: refused, clearly
             with pytest.raises(ConfigError, match="libaio"):
                 validate(cfg, 8)
@@ -405,7 +393,20 @@ def test_shipped_configs_resolve(tmp_path):
         assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (32, plan.micro_batches), name
         assert ds["train_micro_batch_size_per_gpu"] * plan.micro_batches * 2 == 32, name
         assert spec.cfg.lr == 3e-4 and spec.cfg.grad_clip == 1.0 and ds["gradient_clipping"] == 0.0, name
-        assert spec.cfg.precision == "bf16" and "optimizer" not in ds, name
+        assert spec.cfg.precision == "bf16" and ds["bf16"]["enabled"] is True and "optimizer" not in ds, name
+        if not torch.cuda.is_available():  # --precision auto is fp32 on a CPU host, and so is "auto" in the JSON
+            if name == "zero3_nvme.json":  # fp32 parameters swapped to NVMe crash DeepSpeed on a CPU host: refused
+                with pytest.raises(ConfigError, match="pass --precision bf16"):
+                    validate(parse_args(flags), 8)
+            else:
+                fp32 = validate(parse_args(flags), 8).deepspeed
+                assert fp32.cfg.precision == "fp32" and fp32.ds_config["bf16"]["enabled"] is False, name
+        explicit = json.load(open(path))  # a user's explicit value still wins, and still contradicts a typed flag
+        explicit["bf16"]["enabled"] = True
+        explicit_flags = flags[:-1] + [_write(tmp_path, explicit, "explicit-" + name)]
+        assert validate(parse_args(explicit_flags), 8).deepspeed.cfg.precision == "bf16", name
+        with pytest.raises(ConfigError, match="trains in bf16 but --precision is fp32"):
+            validate(parse_args(explicit_flags + ["--precision", "fp32"]), 8)
         assert not [k for k, v in deepspeed_config._walk(ds) if v == "auto"], name
 
 
@@ -500,3 +501,20 @@ def test_mpu_over_topology():
     assert (mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()) == (2, 1)
     assert (mpu.get_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()) == (4, 3)
     assert (mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()) == (3, 2)
+
+
+def test_ops_build_recovers_from_a_killed_build():
+    """A build killed half-way leaves torch's `lock` file, on which every later load of the op would wait forever;
+    the next build (holding the checkout's flock, so no live builder can own that lock) removes it and loads."""
+    import subprocess
+    import sys
+
+    require_ops()
+    lock = os.path.join(zero_ops.default_extensions_dir(), "cpu_adam", "lock")
+    open(lock, "w").close()
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=zero_ops.default_extensions_dir())
+    out = subprocess.run([sys.executable, "-m", "trainer3d.zero", "--build-ops"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "left by a build that was killed" in out.stderr and not os.path.exists(lock)
+    assert "CPUAdamBuilder: ok" in out.stdout

@@ -60,6 +60,7 @@ class TrainConfig:
     # checkpoints (trainer3d/checkpoint/)
     save_every: int = 0  # steps between checkpoints under <out-dir>/checkpoints (also saved at the end); 0: never
     keep_last: int = 0  # complete checkpoints to keep (older ones pruned after each save); 0: all
+    on_save_error: str = "continue"  # a save that fails (e.g. a full disk): keep training, or stop the run
     resume: str | None = None  # "latest" (the newest in --out-dir; fresh start if none) or a checkpoint path
     log_every: int = 25
     peak_tflops: float | None = None  # per device, for MFU; known GPUs are recognised
@@ -140,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out-dir", default=d.out_dir)
     out.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (and at the end); 0: off")
     out.add_argument("--keep-last", type=int, default=d.keep_last, help="keep the newest K checkpoints; 0: all")
+    out.add_argument(
+        "--on-save-error", default=d.on_save_error, choices=["continue", "stop"],
+        help="a failed save (e.g. a full disk) leaves the previous checkpoint intact; then keep training or stop",
+    )
     out.add_argument(
         "--resume", nargs="?", const="latest", default=None, metavar="PATH",
         help="resume: alone, from the newest checkpoint in --out-dir (fresh start if none); or from PATH",

@@ -21,9 +21,11 @@ class Checkpointer:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self, trainer, loader, out_dir: str, save_every: int = 0, keep_last: int = 0, log: bool = True):
+    def __init__(self, trainer, loader, out_dir: str, save_every: int = 0, keep_last: int = 0, log: bool = True,
+                 on_error: str = "continue"):
         self.trainer, self.loader, self.out_dir = trainer, loader, out_dir
         self.save_every, self.keep_last, self.log = save_every, keep_last, log
+        self.on_error = on_error  # a failed save (full disk, ...): "continue" training, or "stop" the run
         self.received: int | None = None
         self.stopped_by: str | None = None
         self._previous = {}
@@ -53,7 +55,7 @@ class Checkpointer:
             try:
                 path = save_checkpoint(t, self.out_dir, self.loader, self.keep_last)
             except CheckpointError as e:  # raised on every rank alike; the previous checkpoint is intact
-                if stop:
+                if stop or self.on_error == "stop":
                     raise
                 if self.log:
                     _write(f"[trainer3d] warning: {e} Training goes on; the next save will try again.")

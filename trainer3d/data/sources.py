@@ -75,7 +75,7 @@ def _stat_identity(files: list[Path]) -> list[list[Any]]:
     return out
 
 
-def _looks_like_path(s: str) -> bool:
+def looks_like_path(s: str) -> bool:
     if s.startswith(("/", "./", "../", "~", ".\\")) or s.endswith(("/", os.sep)):
         return True
     return Path(s).suffix.lower() in _FILE_BUILDERS
@@ -159,7 +159,7 @@ def _resolve_source(cfg: DataConfig, hf_cache: Path) -> _Source:
 
         return _Source(str(path), ident, load_files, fixed_field="text" if builder == "text" else None)
 
-    if _looks_like_path(cfg.data):
+    if looks_like_path(cfg.data):
         raise DataError(
             f"Data path '{cfg.data}' does not exist; pass an existing .txt/.jsonl/.json/.parquet file, a folder of "
             "them, a save_to_disk folder, or a Hugging Face dataset name."

@@ -91,7 +91,7 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
     tokens_per_step = plan.global_batch * cfg.seq_len
     flops_tok = flops_per_token(trainer.mcfg, cfg.seq_len)
     peak = device_peak_tflops(trainer.device, trainer.precision, cfg.peak_tflops)
-    saver = Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log)
+    saver = Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log, cfg.on_save_error)
     metrics = MetricsFile(cfg.out_dir, enabled=log, append=trainer.step > 0)  # resumed: continue the file
     tracker = Tracker(trainer)  # W&B, on the logging rank only
     profiler = StepProfiler(cfg.profile_steps, cfg.max_steps, cfg.out_dir, dist.get_rank(), trainer.device)

@@ -4,15 +4,19 @@ result, `RunSetup`, is what the rest of the run is built from (the DeepSpeed JSO
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+from trainer3d.checkpoint.format import resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import TrainConfig
+from trainer3d.data.sources import looks_like_path
 from trainer3d.dist.topology import Layout, infer_layout
 from trainer3d.errors import ConfigError
 from trainer3d.model import MODEL_PRESETS, GPTConfig
 from trainer3d.parallel.batch import BatchPlan, plan_batch
-from trainer3d.parallel.pipeline import check_pipeline
+from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
 from trainer3d.parallel.tensor_parallel import check_tensor_parallel
 from trainer3d.train.profiling import parse_step_range
 from trainer3d.zero.config import DeepSpeedSpec, resolve_deepspeed
@@ -30,7 +34,82 @@ class RunSetup:
         return self.cfg.gpt_config(vocab_size, base=self.hf_base)
 
 
+# Every number a flag takes: (field, lowest, highest, highest excluded). None: no bound. Fields that default to
+# None ("not given") are checked only when given.
+RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
+    ("n_layer", 1, None, False), ("n_head", 1, None, False), ("n_embd", 1, None, False),
+    ("vocab_size", 1, None, False), ("dropout", 0.0, 1.0, True), ("virtual_stages", 1, None, False),
+    ("micro_batches", 1, None, False), ("seq_len", 1, None, False), ("global_batch", 1, None, False),
+    ("global_batch_tokens", 1, None, False), ("max_steps", 1, None, False), ("min_lr", 0.0, None, False),
+    ("warmup_steps", 0, None, False), ("weight_decay", 0.0, None, False), ("beta1", 0.0, 1.0, True),
+    ("beta2", 0.0, 1.0, True), ("grad_clip", 0.0, None, False), ("seed", 0, 2**63 - 1, False),
+    ("eval_every", 0, None, False), ("eval_batches", 1, None, False), ("save_every", 0, None, False),
+    ("keep_last", 0, None, False), ("log_every", 1, None, False),
+)
+POSITIVE = ("lr", "peak_tflops", "dist_timeout")  # strictly above 0
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    for field, low, high, high_excluded in RANGES:
+        value = getattr(cfg, field)
+        if value is None:
+            continue
+        too_high = high is not None and (value >= high if high_excluded else value > high)
+        if value < low or too_high:
+            if high is None:
+                need = f"at least {low}"
+            else:
+                need = f"in [{low}, {high}{')' if high_excluded else ']'}"
+            raise ConfigError(f"{flag(field)} must be {need} (got {value}).")
+    for field in POSITIVE:
+        value = getattr(cfg, field)
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag(field)} must be a positive number (got {value}).")
+
+
+def check_combinations(cfg: TrainConfig) -> None:
+    """Flags that each make sense but not together."""
+    if cfg.min_lr is not None and cfg.min_lr > cfg.lr:
+        raise ConfigError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}; the cosine decays down to it: lower --min-lr.")
+    typed = cfg.explicit_flags or ()
+    if "global_batch" in typed and "global_batch_tokens" in typed:
+        raise ConfigError("--global-batch and --global-batch-tokens both set the batch; pass only one of them.")
+    if cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].multi_stage and not SCHEDULES[cfg.schedule].v_shape \
+            and cfg.virtual_stages == 1:
+        raise ConfigError(
+            f"--schedule {cfg.schedule} with --virtual-stages 1 is plain 1F1B with extra bookkeeping; pass "
+            "--virtual-stages 2 (or more), or use --schedule 1f1b."
+        )
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """Paths must exist (inputs) or be creatable and writable (--out-dir), so a run never fails after hours."""
+    out = Path(cfg.out_dir).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out-dir {cfg.out_dir} is a file; pass a directory (it is created if missing).")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out-dir {cfg.out_dir} cannot be written ({existing} is not writable); pick another path.")
+    for field in ("data", "tokenizer"):
+        value = getattr(cfg, field)
+        if value and looks_like_path(value) and not Path(value).expanduser().exists():
+            raise ConfigError(f"{flag(field)} {value} does not exist; pass an existing path or a Hugging Face name.")
+    if cfg.init_from_hf and not Path(cfg.init_from_hf).is_dir():
+        raise ConfigError(f"--init-from-hf {cfg.init_from_hf} is not a directory; pass a save_pretrained directory.")
+    if cfg.resume not in (None, "latest"):
+        resolve_checkpoint(cfg.resume)  # raises one sentence if the path holds no complete checkpoint
+
+
 def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> RunSetup:
+    check_ranges(cfg)
+    check_combinations(cfg)
+    check_paths(cfg)
     if cfg.model not in MODEL_PRESETS:
         raise ConfigError(f"Unknown --model {cfg.model!r}; choose one of {', '.join(MODEL_PRESETS)}.")
     if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
@@ -53,12 +132,6 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> RunS
     else:
         plan = plan_batch(cfg, layout.dp, layout.pp)
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches)
-    if cfg.max_steps < 1:
-        raise ConfigError("--max-steps must be at least 1.")
-    if cfg.save_every < 0 or cfg.keep_last < 0:
-        raise ConfigError("--save-every and --keep-last must be 0 (off) or a positive number.")
-    if cfg.dist_timeout <= 0:
-        raise ConfigError(f"--dist-timeout must be a positive number of seconds (got {cfg.dist_timeout}).")
     if cfg.profile_steps is not None:
         parse_step_range(cfg.profile_steps, cfg.max_steps)
     return RunSetup(cfg=cfg, layout=layout, plan=plan, deepspeed=deepspeed, hf_base=hf_base)

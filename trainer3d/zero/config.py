@@ -253,7 +253,7 @@ def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
         if off_par == "nvme" and not enabled and not torch.cuda.is_available():
             raise ConfigError(
                 f"{src} swaps fp32 parameters to NVMe on a host without CUDA, where DeepSpeed 0.19.8 swaps them as "
-                "bf16 (partition_parameters.Init._set_dtype) and training crashes; enable bf16 or set "
+                "bf16 (partition_parameters.Init._set_dtype) and training crashes; pass --precision bf16 (or enable bf16 in the JSON) or set "
                 "offload_param.device to cpu."
             )
         if not aio_available():

@@ -90,8 +90,13 @@ def aio_available() -> bool:
     return builder is not None and bool(builder.is_compatible(verbose=False))
 
 
-def build_ops(names=OPS, stale_lock_s: float = 1800.0) -> dict[str, str]:
-    """Build (or find already built) DeepSpeed's JIT ops into $TORCH_EXTENSIONS_DIR. Returns name -> status."""
+def build_ops(names=OPS) -> dict[str, str]:
+    """Build (or find already built) DeepSpeed's JIT ops into $TORCH_EXTENSIONS_DIR; name -> status.
+
+    Builders of this checkout take an exclusive flock on the directory first. The kernel drops a flock when its
+    holder dies, so a torch `lock` file found while holding it was left by a build that was killed half-way (torch
+    would wait on it forever): it is removed and that op built again."""
+    import fcntl
     import shutil
     import time
 
@@ -100,23 +105,25 @@ def build_ops(names=OPS, stale_lock_s: float = 1800.0) -> dict[str, str]:
     from deepspeed.accelerator import get_accelerator
 
     status = {}
-    for name in names:
-        builder = get_accelerator().create_op_builder(name)
-        if builder is None:
-            status[name] = "not used by this accelerator"
-            continue
-        if not builder.is_compatible(verbose=False):
-            status[name] = "cannot be built here (" + (
-                "libaio headers missing: apt-get install libaio-dev" if name == "AsyncIOBuilder" else "incompatible"
-            ) + ")"
-            continue
-        lock = os.path.join(path, OP_DIRS.get(name, builder.name), "lock")
-        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > stale_lock_s:
-            os.remove(lock)  # left by a killed build; torch would wait on it forever
-            print(f"[trainer3d] removed a stale build lock {lock}", file=sys.stderr)
-        t0 = time.time()
-        builder.load(verbose=False)
-        status[name] = f"ok ({time.time() - t0:.0f} s)"
+    with open(os.path.join(path, ".trainer3d-build.lock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # another test session or build of this checkout finishes first
+        for name in names:
+            builder = get_accelerator().create_op_builder(name)
+            if builder is None:
+                status[name] = "not used by this accelerator"
+                continue
+            if not builder.is_compatible(verbose=False):
+                status[name] = "cannot be built here (" + (
+                    "libaio headers missing: apt-get install libaio-dev" if name == "AsyncIOBuilder" else "incompatible"
+                ) + ")"
+                continue
+            lock = os.path.join(path, OP_DIRS.get(name, builder.name), "lock")
+            if os.path.exists(lock):
+                os.remove(lock)
+                print(f"[trainer3d] removed {lock}, left by a build that was killed", file=sys.stderr)
+            t0 = time.time()
+            builder.load(verbose=False)
+            status[name] = f"ok ({time.time() - t0:.0f} s)"
     status["_dir"] = path
     status["_ninja"] = shutil.which("ninja") or "none"
     return status

@@ -1,0 +1,137 @@
+"""Bad input on the command line: one sentence on stderr, exit code 2, no traceback, nothing written, before any
+process group exists. Every case runs the real entry point (trainer3d.train.loop.main) in this process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+BASE = ["--model", "tiny", "--n-layer", "2", "--max-steps", "1", "--eval-every", "0"]
+
+
+def _cases(tmp):
+    a_file = tmp / "a_file"
+    a_file.write_text("x")
+    bad_json = tmp / "bad.json"
+    bad_json.write_text("{not json")
+    return [
+        # numbers
+        (["--lr", "-0.1"], "--lr must be a positive number (got -0.1)."),
+        (["--lr", "0"], "--lr must be a positive number (got 0.0)."),
+        (["--dropout", "1.5"], "--dropout must be in [0.0, 1.0) (got 1.5)."),
+        (["--dropout", "-0.1"], "--dropout must be in [0.0, 1.0) (got -0.1)."),
+        (["--beta1", "1.0"], "--beta1 must be in [0.0, 1.0) (got 1.0)."),
+        (["--beta2", "-0.5"], "--beta2 must be in [0.0, 1.0) (got -0.5)."),
+        (["--warmup-steps", "-1"], "--warmup-steps must be at least 0 (got -1)."),
+        (["--grad-clip", "-1"], "--grad-clip must be at least 0.0 (got -1.0)."),
+        (["--weight-decay", "-0.1"], "--weight-decay must be at least 0.0 (got -0.1)."),
+        (["--eval-every", "-1"], "--eval-every must be at least 0 (got -1)."),
+        (["--eval-batches", "0"], "--eval-batches must be at least 1 (got 0)."),
+        (["--log-every", "0"], "--log-every must be at least 1 (got 0)."),
+        (["--virtual-stages", "0"], "--virtual-stages must be at least 1 (got 0)."),
+        (["--micro-batches", "0"], "--micro-batches must be at least 1 (got 0)."),
+        (["--max-steps", "0"], "--max-steps must be at least 1 (got 0)."),
+        (["--seq-len", "0"], "--seq-len must be at least 1 (got 0)."),
+        (["--global-batch", "0"], "--global-batch must be at least 1 (got 0)."),
+        (["--global-batch-tokens", "-5"], "--global-batch-tokens must be at least 1 (got -5)."),
+        (["--n-layer", "0"], "--n-layer must be at least 1 (got 0)."),
+        (["--n-head", "0"], "--n-head must be at least 1 (got 0)."),
+        (["--vocab-size", "0"], "--vocab-size must be at least 1 (got 0)."),
+        (["--save-every", "-1"], "--save-every must be at least 0 (got -1)."),
+        (["--keep-last", "-2"], "--keep-last must be at least 0 (got -2)."),
+        (["--seed", "-1"], f"--seed must be in [0, {2**63 - 1}] (got -1)."),
+        (["--peak-tflops", "0"], "--peak-tflops must be a positive number (got 0.0)."),
+        (["--dist-timeout", "0"], "--dist-timeout must be a positive number (got 0.0)."),
+        # combinations
+        (["--lr", "1e-3", "--min-lr", "1e-2"],
+         "--min-lr 0.01 is above --lr 0.001; the cosine decays down to it: lower --min-lr."),
+        (["--global-batch", "8", "--global-batch-tokens", "1024"],
+         "--global-batch and --global-batch-tokens both set the batch; pass only one of them."),
+        (["--schedule", "interleaved-1f1b"],
+         "--schedule interleaved-1f1b with --virtual-stages 1 is plain 1F1B with extra bookkeeping; pass "
+         "--virtual-stages 2 (or more), or use --schedule 1f1b."),
+        (["--virtual-stages", "2"], "--virtual-stages 2 needs a multi-stage schedule; use --schedule interleaved-1f1b."),
+        (["--profile-steps", "5:3"], "--profile-steps '5:3' must satisfy 1 <= A <= B <= --max-steps (1), e.g. 3:5."),
+        (["--n-head", "3"], "--n-embd 128 must be a multiple of --n-head 3."),
+        (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's context of 256 positions; use --seq-len 256 or less."),
+        (["--global-batch", "6", "--micro-batches", "4"],
+         "The global batch of 6 sequences does not split into dp=1 × 4 micro-batches; make --global-batch a "
+         "multiple of 4 or change --micro-batches."),
+        # layouts
+        (["--tp", "3"], "World size 1 is not divisible by tp×pp = 3×1 = 3; launch a multiple of 3 processes or "
+                        "change --tp/--pp."),
+        (["--n-layer", "1", "--schedule", "zbv"],
+         "2 pipeline stages (pp=1 × 2 per rank) exceed the model's 1 layers; lower --pp or --virtual-stages."),
+        # paths
+        (["--out-dir", str(a_file)], f"--out-dir {a_file} is a file; pass a directory (it is created if missing)."),
+        (["--out-dir", str(a_file / "run")], f"--out-dir {a_file / 'run'} cannot be written ({a_file} is not writable); "
+                                             "pick another path."),
+        (["--data", "./no_such_corpus.txt"],
+         "--data ./no_such_corpus.txt does not exist; pass an existing path or a Hugging Face name."),
+        (["--tokenizer", str(tmp / "no_tokenizer") + "/"],
+         f"--tokenizer {tmp / 'no_tokenizer'}/ does not exist; pass an existing path or a Hugging Face name."),
+        (["--init-from-hf", str(tmp / "no_hf")], f"--init-from-hf {tmp / 'no_hf'} is not a directory; pass a "
+                                                 "save_pretrained directory."),
+        (["--resume", str(tmp / "no_ckpt")], f"Checkpoint path {tmp / 'no_ckpt'} does not exist; pass a step_* "
+                                             "directory or a run's --out-dir."),
+        # DeepSpeed JSONs
+        (["--deepspeed_config", str(tmp / "no.json")],
+         f"--deepspeed_config {tmp / 'no.json'} does not exist; pass the path of a DeepSpeed JSON (see ds_configs/)."),
+        (["--deepspeed_config", str(bad_json)],
+         f"--deepspeed_config {bad_json} is not valid JSON (Expecting property name enclosed in double quotes at line 1); "
+         "fix the file."),
+    ]
+
+
+def test_bad_flags_get_one_sentence_and_exit_2(tmp_path, monkeypatch, capsys):
+    from trainer3d.train.loop import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    out_dir = tmp_path / "out"
+    cases = _cases(tmp_path)
+    assert len(cases) >= 30
+    for argv, sentence in cases:
+        args = BASE + ["--out-dir", str(out_dir)] + argv
+        rc = main(args)
+        err = capsys.readouterr().err
+        assert rc == 2, (argv, err)
+        assert f"trainer3d: error: {sentence}\n" in err, (argv, err)
+        assert "Traceback" not in err, (argv, err)
+    assert not out_dir.exists()  # refused before anything was written
+
+
+def test_launcher_world_size_is_checked_before_any_process_group(monkeypatch, capsys):
+    """WORLD_SIZE=4 from a launcher, with no peers anywhere: reaching init_process_group would hang."""
+    from trainer3d.train.loop import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    assert main(BASE + ["--tp", "2", "--pp", "3"]) == 2
+    assert "World size 4 is not divisible by tp×pp = 2×3 = 6" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["1", "\"auto\""])
+def test_deepspeed_json_contradiction_refused(tmp_path, capsys, monkeypatch, value):
+    """An explicit flag and a contradicting value in the JSON: refused; "auto" takes the flag."""
+    from trainer3d.train.loop import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"gradient_clipping": json.loads(value), "zero_optimization": {"stage": 1}}))
+    from trainer3d.config import parse_args
+    from trainer3d.train.setup import validate
+
+    if value == "1":
+        assert main(BASE + ["--grad-clip", "0.5", "--deepspeed_config", str(path), "--precision", "fp32"]) == 2
+        assert ("sets gradient_clipping=1.0 but --grad-clip is 0.5; drop one of them or make them agree."
+                in capsys.readouterr().err)
+    else:
+        setup = validate(parse_args(BASE + ["--grad-clip", "0.5", "--deepspeed_config", str(path), "--precision", "fp32"]), 1)
+        assert setup.cfg.grad_clip == 0.5
