@@ -35,7 +35,7 @@ class Case:
     vocab: int = 512
     seq_len: int = 32
     global_batch: int = 8
-    deepspeed_config: dict | str | None = field(default=None, hash=False, compare=False)  # ZeRO (trainer3d/zero.py)
+    deepspeed_config: dict | str | None = field(default=None, hash=False, compare=False)  # ZeRO (trainer3d/zero/)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -82,7 +82,10 @@ def zero_label(ds) -> str:
 
 
 def zero_available() -> bool:
-    return os.path.exists(os.path.join(ROOT, "trainer3d", "zero.py"))
+    """DeepSpeed is installed, so the ZeRO engine (trainer3d/zero/) can run."""
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def build_trainer(case: Case):

@@ -14,7 +14,7 @@ Memory: from the malloc counter preloaded into the workers (bench/memhook.c): "s
 after a step (everything built for it, relative to before it was built), "peak" is static plus the largest
 increase during one of its steps. Both are per rank.
 
-    TORCH_EXTENSIONS_DIR=/tmp/dsbuild/ext python bench/peer_hf_deepspeed.py
+    python bench/peer_hf_deepspeed.py
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import fmt_bytes, stamp, table, zero_available  # noqa: E402
+from trainer3d.zero.ops import use_prebuilt_ops  # noqa: E402
 
 SIZES = dict(n_layer=4, n_embd=128, n_head=4, n_positions=256, vocab=50257)
 
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch-size", type=int, default=4, help="per rank (global batch = 2 × this)")
     ap.add_argument("--offload", action="store_true", help="also HF + ZeRO-3 with CPU offload (DeepSpeedCPUAdam)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/dsbuild/ext")
+    use_prebuilt_ops()  # DeepSpeed's CPU ops in the checkout's .cache/torch_extensions (--build-ops)
     from bench.measure import preloaded_memhook
     from distributed import run_world
 
