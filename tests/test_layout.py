@@ -121,3 +121,19 @@ def test_vocab_parallel_cross_entropy_matches_torch_with_padding_masked():
     g_ref, = torch.autograd.grad(ref.sum(), logits)
     torch.testing.assert_close(g_ours, g_ref)
     assert torch.count_nonzero(g_ours[..., V:]) == 0
+
+
+def test_gpt3_presets_match_the_paper_and_n_positions_opens_the_context():
+    """Brown et al. 2020, Table 2.1: parameter counts within 3% (vocabulary 50257, context 2048); --n-positions
+    lets any preset train on longer sequences."""
+    published = {"gpt3-125m": 125e6, "gpt3-350m": 350e6, "gpt3-760m": 760e6, "gpt3-1.3b": 1.3e9, "gpt3-2.7b": 2.7e9,
+                 "gpt3-6.7b": 6.7e9, "gpt3-13b": 13e9, "gpt3-175b": 175e9}
+    for name, n in published.items():
+        cfg = MODEL_PRESETS[name]
+        assert cfg.n_positions == 2048 and cfg.n_embd % cfg.n_head == 0, name
+        assert abs(cfg.num_params() / n - 1) < 0.03, (name, cfg.num_params())
+    assert validate(TrainConfig(model="gpt3-125m", n_layer=1, seq_len=2048), 1).plan.global_batch == 8
+    with pytest.raises(ConfigError, match="exceeds the model's context of 1024 positions"):
+        validate(TrainConfig(model="gpt2", n_layer=1, seq_len=2048), 1)
+    setup = validate(TrainConfig(model="gpt2", n_layer=1, seq_len=2048, n_positions=2048), 1)
+    assert setup.model_config(50257).n_positions == 2048

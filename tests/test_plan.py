@@ -16,7 +16,7 @@ import pytest
 
 from trainer3d.model import MODEL_PRESETS, GPTConfig
 from trainer3d.plan.candidate import Candidate, rank_params
-from trainer3d.plan.cli import PLAN_MODELS, main
+from trainer3d.plan.cli import main
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.comm import analytic_comm
 from trainer3d.plan.memory import estimate_memory
@@ -27,7 +27,7 @@ H100 = dict(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, intra_node_gbps
 
 
 def test_175b_does_not_fit_on_one_node_and_says_why():
-    search = enumerate_plans(PLAN_MODELS["gpt3-175b"], Cluster(nodes=1, **H100), 64, 2048, offload=False)
+    search = enumerate_plans(MODEL_PRESETS["gpt3-175b"], Cluster(nodes=1, **H100), 64, 2048, offload=False)
     assert search.plans == []
     assert search.refused["does not fit in GPU memory"] > 0
 

@@ -23,6 +23,7 @@ class TrainConfig:
     n_layer: int | None = None  # overrides of the preset's sizes
     n_head: int | None = None
     n_embd: int | None = None
+    n_positions: int | None = None  # the context (learned positions); default: the preset's
     dropout: float = 0.0
     vocab_size: int | None = None  # default: the tokenizer's
     init_from_hf: str | None = None
@@ -89,7 +90,8 @@ class TrainConfig:
             vocab_size = base.vocab_size
         else:
             base = MODEL_PRESETS[self.model]
-        sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd)) if v}
+        sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd),
+                                   ("n_positions", self.n_positions)) if v}
         return dataclasses.replace(base, vocab_size=self.vocab_size or vocab_size, dropout=self.dropout, **sizes)
 
 
@@ -105,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--n-layer", type=int, default=None, help="override the preset's number of blocks")
     m.add_argument("--n-head", type=int, default=None, help="override the preset's attention heads")
     m.add_argument("--n-embd", type=int, default=None, help="override the preset's width")
+    m.add_argument("--n-positions", type=int, default=None, help="override the preset's context (learned positions)")
     m.add_argument("--dropout", type=float, default=d.dropout)
     m.add_argument("--vocab-size", type=int, default=None, help="override the tokenizer's vocabulary size")
     m.add_argument("--init-from-hf", default=None, help="a GPT2LMHeadModel save_pretrained directory")

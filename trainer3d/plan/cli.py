@@ -31,20 +31,11 @@ from trainer3d.plan.report import format_plans, launch_command, plan_deepspeed_c
 from trainer3d.plan.search import best_distinct, enumerate_plans, evaluate, parse_layout
 
 # Beyond trainer3d's GPT-2 presets: published GPT-3-family shapes (Brown et al. 2020; Narayanan et al. 2021).
-PLAN_MODELS = {
-    "gpt3-1.3b": GPTConfig(n_layer=24, n_embd=2048, n_head=16, vocab_size=50257, n_positions=2048),
-    "gpt3-6.7b": GPTConfig(n_layer=32, n_embd=4096, n_head=32, vocab_size=50257, n_positions=2048),
-    "gpt3-13b": GPTConfig(n_layer=40, n_embd=5120, n_head=40, vocab_size=50257, n_positions=2048),
-    "gpt3-175b": GPTConfig(n_layer=96, n_embd=12288, n_head=96, vocab_size=50257, n_positions=2048),
-    "megatron-1t": GPTConfig(n_layer=128, n_embd=25600, n_head=160, vocab_size=50257, n_positions=2048),
-}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer3d.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, or sizes)")
-    m.add_argument("--model", default=None, help=f"one of {', '.join(list(MODEL_PRESETS) + list(PLAN_MODELS))}")
+    m.add_argument("--model", default=None, help=f"one of {', '.join(MODEL_PRESETS)}")
     m.add_argument("--n-layer", type=int)
     m.add_argument("--n-embd", type=int)
     m.add_argument("--n-head", type=int)
@@ -87,12 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args) -> tuple[str | None, GPTConfig, Cluster, int]:
     """(model name, model, cluster, global batch in sequences) from the flags."""
-    if args.model in PLAN_MODELS:
-        base = PLAN_MODELS[args.model]
-    elif args.model in MODEL_PRESETS or args.model is None:
+    if args.model in MODEL_PRESETS or args.model is None:
         base = MODEL_PRESETS[args.model or "gpt2"]
     else:
-        raise SystemExit(f"plan: unknown --model {args.model!r}; choose one of {', '.join(list(MODEL_PRESETS) + list(PLAN_MODELS))} or give sizes.")
+        raise SystemExit(f"plan: unknown --model {args.model!r}; choose one of {', '.join(MODEL_PRESETS)} or give sizes.")
     cfg = replace(base, n_layer=args.n_layer or base.n_layer, n_embd=args.n_embd or base.n_embd,
                   n_head=args.n_head or base.n_head, vocab_size=args.vocab or base.vocab_size,
                   n_positions=max(base.n_positions, args.seq_len))

@@ -105,12 +105,16 @@ def format_plans(shown: list[Plan], C: Cluster) -> str:
 def model_flags(model_name: str | None, cfg: GPTConfig) -> list[str]:
     """The trainer's model flags: a preset's name, else gpt2 with the sizes overridden."""
     if model_name in MODEL_PRESETS:
-        return ["--model", model_name]
-    base = MODEL_PRESETS["gpt2"]
-    flags = ["--model", "gpt2", "--n-layer", str(cfg.n_layer), "--n-embd", str(cfg.n_embd),
-             "--n-head", str(cfg.n_head)]
+        base = MODEL_PRESETS[model_name]
+        flags = ["--model", model_name]
+    else:
+        base = MODEL_PRESETS["gpt2"]
+        flags = ["--model", "gpt2", "--n-layer", str(cfg.n_layer), "--n-embd", str(cfg.n_embd),
+                 "--n-head", str(cfg.n_head)]
     if cfg.vocab_size != base.vocab_size:
         flags += ["--vocab-size", str(cfg.vocab_size)]
+    if cfg.n_positions != base.n_positions:
+        flags += ["--n-positions", str(cfg.n_positions)]
     return flags
 
 

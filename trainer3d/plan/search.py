@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from trainer3d.errors import LayoutError
-from trainer3d.model import MODEL_PRESETS, GPTConfig
+from trainer3d.model import GPTConfig
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import Cluster
@@ -135,8 +135,6 @@ def enumerate_plans(model: GPTConfig, C: Cluster, global_batch: int, seq_len: in
                                 p = Plan(cand, mem, host, step_times(cand, C))
                                 if rc:
                                     p.notes.append("needs activation checkpointing (not yet a trainer3d flag)")
-                                if cfg.n_positions > MODEL_PRESETS["gpt2"].n_positions:
-                                    p.notes.append("needs more than 1024 positions (not a trainer3d flag yet)")
                                 plans.append(p)
     plans.sort(key=lambda p: (p.step_time, p.memory))
     return Search(plans, refused, examples)
