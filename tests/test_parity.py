@@ -17,12 +17,12 @@ STEPS = 10
 ALL_SCHEDULES = list(SCHEDULES)
 
 
-def case(dp=1, tp=1, pp=1, schedule="1f1b"):
+def case(dp=1, tp=1, pp=1, schedule="1f1b", **features):
     info = SCHEDULES[schedule]
     v = 2 if info.multi_stage and not info.v_shape else 1
     per_rank = 2 if info.multi_stage else 1
     micro = max(2, pp * per_rank)  # enough for every schedule's rule, and at least 2 (accumulation)
-    return dict(dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v, micro_batches=micro)
+    return dict(dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v, micro_batches=micro, **features)
 
 
 def factorisations(world: int):
@@ -54,7 +54,17 @@ def world8_matrix() -> list[dict]:
     cases = [case(dp, tp, pp) for dp, tp, pp in factorisations(8)]
     cases += [case(2, 2, 2, s) for s in ALL_SCHEDULES if s != "1f1b"]
     cases += [case(1, 2, 4, "interleaved-1f1b"), case(2, 1, 4, "zbv"), case(1, 1, 8, "gpipe")]
+    # features against the same one-process reference without them
+    for mode in ("selective", "full"):
+        cases += [case(recompute=mode), case(2, 2, 2, recompute=mode), case(1, 2, 4, "interleaved-1f1b", recompute=mode)]
+    cases += [case(2, 1, 4, "zbv", recompute="full")]  # split backward: input and weight passes both recompute
     return cases
+
+
+def label(c: dict) -> str:
+    extra = "".join(f" {k}={v}" for k, v in c.items() if k not in ("dp", "tp", "pp", "schedule", "virtual_stages",
+                                                                    "micro_batches"))
+    return f"{c['dp']}x{c['tp']}x{c['pp']} {c['schedule']:<16} v={c['virtual_stages']}{extra}"
 
 
 def check(results: list, cases: list[dict]) -> list[str]:
@@ -76,7 +86,7 @@ def check(results: list, cases: list[dict]) -> list[str]:
         tied_ok = all(torch.equal(head_copies[k], params[k]) for k in head_copies)
         if c["pp"] > 1 and not head_copies and c["schedule"] not in ("zbv", "dualpipev"):
             tied_ok = False  # a last stage without the embedding must hold a copy
-        table.append(f"{c['dp']}x{c['tp']}x{c['pp']} {c['schedule']:<16} v={c['virtual_stages']} loss {rel:.1e} param {dparam:.1e}")
+        table.append(f"{label(c)} loss {rel:.1e} param {dparam:.1e}")
         if rel > 1e-5 or dparam > 1e-4 or not tied_ok:
             failures.append(f"{c}: loss rel diff {rel:.2e}, param abs diff {dparam:.2e}, tied copies equal {tied_ok}")
     print("\n".join(table))
@@ -92,3 +102,19 @@ def test_loss_parity(world, matrix):
     results = run_world(world, run_layouts, matrix, STEPS, timeout=900)
     failures = check(results, matrix)
     assert not failures, "\n".join(failures)
+
+
+def dropout_cases() -> list[dict]:
+    """(1,2,2) 1F1B with dropout 0.2 (replicated and head-sharded masks, four micro-batches in flight): the same
+    run with recompute none, selective and full."""
+    return [dict(tp=2, pp=2, micro_batches=4, dropout=0.2, recompute=m) for m in ("none", "selective", "full")]
+
+
+def test_recompute_replays_dropout_masks():
+    """Recomputation draws every dropout mask again; the losses must not move (bitwise: same masks, same math)."""
+    results = run_world(4, run_layouts, dropout_cases(), 6, timeout=600)
+    losses = [next(r[i] for r in results if r[i] is not None)["losses"] for i in (1, 2, 3)]
+    print(f"\nrecompute none/selective/full with dropout 0.2 at 1x2x2: {losses[0][-1]:.6f} {losses[1][-1]:.6f} "
+          f"{losses[2][-1]:.6f}")
+    assert losses[0] != results[0][0]["losses"]  # dropout is on: not the dropout-free reference
+    assert losses[1] == losses[0] and losses[2] == losses[0], losses

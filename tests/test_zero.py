@@ -79,6 +79,8 @@ def layout(dp=2, tp=1, pp=1, schedule="1f1b"):
 
 def label(lay: dict, ds: dict | None) -> str:
     name = f"{lay['dp']}x{lay['tp']}x{lay['pp']} {lay['schedule']}"
+    if lay.get("recompute", "none") != "none":
+        name += f" recompute={lay['recompute']}"
     if ds is None:
         return name + " DDP"
     z = ds["zero_optimization"]
@@ -282,7 +284,9 @@ def world4_cases():
 
 def world8_cases():
     a, c = layout(2, tp=2, pp=2), layout(2, tp=2, pp=2, schedule="interleaved-1f1b")
-    return [(a, None)] + [(a, ds_config(s)) for s in (1, 2, 3)] + [(c, None), (c, ds_config(2, "opt")), (c, ds_config(3, "all"))]
+    cases = [(a, None)] + [(a, ds_config(s)) for s in (1, 2, 3)] + [(c, None), (c, ds_config(2, "opt")), (c, ds_config(3, "all"))]
+    # activation recomputation under ZeRO-3 with CPU offload (checked against the DDP run of the same layout)
+    return cases + [(dict(a, recompute=m), ds_config(3, "all")) for m in ("selective", "full")]
 
 
 def _run(world, cases, timeout):

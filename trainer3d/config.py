@@ -32,6 +32,7 @@ class TrainConfig:
     pp: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (every block)
     micro_batches: int | None = None  # per optimizer step and dp rank; default pp (2·pp for multi-stage), 1 at pp=1
     # batch
     seq_len: int = 128
@@ -116,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--pp", type=int, default=d.pp)
     lay.add_argument("--schedule", default=d.schedule, choices=SCHEDULE_NAMES)
     lay.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank (interleaved)")
+    lay.add_argument(
+        "--recompute", default=d.recompute, choices=["none", "selective", "full"],
+        help="activation recomputation: selective recomputes the attention core, full every block",
+    )
     lay.add_argument("--micro-batches", type=int, default=None, help="per step and dp rank")
     b = p.add_argument_group("batch")
     b.add_argument("--seq-len", type=int, default=d.seq_len)

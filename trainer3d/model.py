@@ -88,11 +88,15 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         # The local head count follows from the (possibly sharded) width.
         q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.c_proj(y))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Softmax, dropout and attention over values: what selective recomputation recomputes (its activations
+        grow with the sequence squared, its FLOPs are few)."""
         dropout_p = self.attn_dropout_p if self.training else 0.0
         with self.sharded_rng():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        y = y.transpose(1, 2).reshape(B, T, -1)
-        return self.resid_dropout(self.c_proj(y))
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 class MLP(nn.Module):

@@ -2,7 +2,7 @@
 
   1. build the plain GPT on the meta device (no memory, any size),
   2. pipeline: keep only this rank's stage(s),
-  3. tensor parallel: swap each stage's layers for their sharded forms,
+  3. tensor parallel: swap each stage's layers for their sharded forms, then activation recomputation around them,
   4. materialize this rank's shards with layout-independent values (init, checkpoint or HF weights),
   5. data parallel: hand the stages to the data-parallel engine (DDP, or DeepSpeed ZeRO: zero/engine.py),
   6. pipeline schedule: torch's schedule over what the engine wraps, with static stage shapes.
@@ -20,6 +20,7 @@ from trainer3d.model import GPT, GPTConfig, canonical_name, init_value
 from trainer3d.parallel import pipeline
 from trainer3d.parallel.batch import BatchPlan
 from trainer3d.parallel.engine import DataParallelEngine
+from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.tensor_parallel import (
     ShardedDropoutRNG, apply_tensor_parallel, gather_full, materialize, padded_vocab_size,
 )
@@ -76,6 +77,9 @@ def parallelize(
     # the default generator, seeded alike on tp peers (seed_rngs).
     sharded_rng = ShardedDropoutRNG(sharded_stream_seed(cfg.seed, topo), device)
     stages = [apply_tensor_parallel(s, topo.tp_group, topo.tp_rank, L.tp, sharded_rng) for s in stages]
+
+    # 3b. activation recomputation, around the tensor-parallel layers (their collectives run again in the backward)
+    stages = [apply_recompute(s, cfg.recompute) for s in stages]
 
     # 4. materialize: values are a function of the parameter's name, never of the layout
     if full_value is None:

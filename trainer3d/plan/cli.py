@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zero-stages", type=int, nargs="+", default=[0, 1, 2, 3])
     s.add_argument("--no-offload", action="store_true")
     s.add_argument("--no-recompute", action="store_true", help="leave out activation checkpointing")
-    s.add_argument("--trainer3d-only", action="store_true", help="only what trainer3d can run today (no recompute)")
+    s.add_argument("--trainer3d-only", action="store_true",
+                   help="kept for scripts; no effect: trainer3d runs every plan (recomputation is --recompute full)")
     s.add_argument("--max-micro-batch-size", type=int, default=64)
     s.add_argument("--top", type=int, default=5)
     o = p.add_argument_group("output")
@@ -107,8 +108,7 @@ def main(argv=None) -> int:
     name, cfg, C, gb = resolve(args)
     search = enumerate_plans(
         cfg, C, gb, args.seq_len, schedules=args.schedules, zero_stages=tuple(args.zero_stages),
-        offload=not args.no_offload, recompute=not (args.no_recompute or args.trainer3d_only),
-        max_micro_batch_size=args.max_micro_batch_size, trainer3d_only=args.trainer3d_only,
+        offload=not args.no_offload, recompute=not args.no_recompute, max_micro_batch_size=args.max_micro_batch_size,
     )
     print(f"model: {name or 'custom'} L{cfg.n_layer} d{cfg.n_embd} h{cfg.n_head} vocab {cfg.vocab_size} "
           f"({cfg.num_params() / 1e9:.2f}B params), seq {args.seq_len}, global batch {gb} sequences ({gb * args.seq_len:,} tokens)")

@@ -127,6 +127,8 @@ def train_flags(p: Plan, model_name: str | None, ds_path: str | None) -> list[st
             flags += ["--virtual-stages", str(c.virtual_stages)]
     flags += ["--micro-batches", str(c.micro_batches), "--global-batch", str(c.global_batch),
               "--seq-len", str(c.seq_len)]
+    if c.recompute:
+        flags += ["--recompute", "full"]
     if c.zero_stage:
         flags += ["--deepspeed_config", ds_path or "plan_ds_config.json"]
     return flags

@@ -56,8 +56,7 @@ def memory_per_gpu(cand: Candidate) -> tuple[float, float]:
 
 def enumerate_plans(model: GPTConfig, C: Cluster, global_batch: int, seq_len: int, *, schedules=None,
                     zero_stages=(0, 1, 2, 3), offload: bool = True, recompute: bool = True,
-                    max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False,
-                    trainer3d_only: bool = False) -> Search:
+                    max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False) -> Search:
     """Every feasible plan, fastest first; offload only where the plan does not fit without it."""
     N = C.world
     schedules = list(schedules or ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
@@ -114,7 +113,7 @@ def enumerate_plans(model: GPTConfig, C: Cluster, global_batch: int, seq_len: in
                             offloads.append((True, True))
                         fits_without_offload = set()
                         for off_o, off_p in offloads:
-                            for rc in ((False, True) if recompute and not trainer3d_only else (False,)):
+                            for rc in ((False, True) if recompute else (False,)):
                                 if off_o and rc in fits_without_offload:
                                     continue  # offloading only costs time when the plan fits without it
                                 cand = Candidate(
@@ -133,8 +132,6 @@ def enumerate_plans(model: GPTConfig, C: Cluster, global_batch: int, seq_len: in
                                 if not off_o:
                                     fits_without_offload.add(rc)
                                 p = Plan(cand, mem, host, step_times(cand, C))
-                                if rc:
-                                    p.notes.append("needs activation checkpointing (not yet a trainer3d flag)")
                                 plans.append(p)
     plans.sort(key=lambda p: (p.step_time, p.memory))
     return Search(plans, refused, examples)

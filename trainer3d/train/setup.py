@@ -114,6 +114,8 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> RunS
         raise ConfigError(f"Unknown --model {cfg.model!r}; choose one of {', '.join(MODEL_PRESETS)}.")
     if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
         raise ConfigError(f"--precision must be auto, fp32, bf16 or fp16 (got {cfg.precision!r}).")
+    if cfg.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"--recompute must be none, selective or full (got {cfg.recompute!r}).")
     layout = infer_layout(world_size, cfg.tp, cfg.pp)
     hf_base = hf_model_config(cfg.init_from_hf) if cfg.init_from_hf else None
     mcfg = cfg.gpt_config(vocab_size, base=hf_base)

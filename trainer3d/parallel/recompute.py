@@ -1,0 +1,84 @@
+"""Activation recomputation (--recompute): keep less of the forward, recompute it in the backward.
+
+  full       each transformer block keeps only its input; the whole block runs again in the backward
+  selective  only the attention core (softmax, dropout, attention over values: Korthikanti et al. 2022), whose
+             activations grow with the sequence squared while its FLOPs are few, is recomputed
+
+torch.utils.checkpoint (non-reentrant) replays the default generator, so replicated dropout masks come out the same.
+Head-sharded attention dropout draws from our own per-tp-rank stream (tensor_parallel.ShardedDropoutRNG), which
+torch does not know: `_ReplayShardedStream` records that stream's state when the forward runs and hands it to the
+recomputation, restoring the live stream afterwards, so the recomputed masks are the original ones and the stream
+goes on exactly as without recomputation (Megatron's CheckpointFunction does the same for its RNG tracker).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
+
+MODES = ("none", "selective", "full")
+
+
+class _ReplayShardedStream:
+    """checkpoint's context_fn: (forward context, recomputation context) for one checkpointed call. Both are plain
+    re-enterable objects: a split-backward (zero-bubble) schedule recomputes twice, for its input- and its
+    weight-gradient pass, and gets the same masks both times."""
+
+    def __init__(self, rng):
+        self.rng = rng if isinstance(rng, ShardedDropoutRNG) else None
+        self.state = self.live = None
+
+    def __call__(self):
+        return _Enter(self.record), _Enter(self.replay, self.restore)
+
+    def record(self):
+        if self.rng is not None:
+            self.state = self.rng.state.clone()
+
+    def replay(self):
+        if self.rng is not None:
+            self.live, self.rng.state = self.rng.state, self.state.clone()
+
+    def restore(self):
+        if self.rng is not None:
+            self.rng.state = self.live
+
+
+class _Enter:
+    def __init__(self, on_enter, on_exit=None):
+        self.on_enter, self.on_exit = on_enter, on_exit
+
+    def __enter__(self):
+        self.on_enter()
+
+    def __exit__(self, *exc):
+        if self.on_exit is not None:
+            self.on_exit()
+        return False
+
+
+def _checkpointed(fn, rng):
+    @functools.wraps(fn)
+    def run(*args):
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_ReplayShardedStream(rng))
+
+    return run
+
+
+def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
+    """Wrap this stage's blocks (full) or their attention cores (selective), in place."""
+    if mode == "none":
+        return stage
+    for block in stage.h.values():
+        rng = block.attn.sharded_rng
+        if mode == "full":
+            block.forward = _checkpointed(block.forward, rng)
+        elif mode == "selective":
+            block.attn.core = _checkpointed(block.attn.core, rng)
+        else:
+            raise ValueError(f"unknown recompute mode {mode!r}")
+    return stage
