@@ -1,12 +1,18 @@
 """Soak: a long run of the real entry point under torchrun, each rank's resident memory (RSS) and open file
-descriptors sampled from outside (psutil) against the step it has reached (metrics.jsonl). After warm-up a leak
-shows as a slope: the figure of merit is the fitted growth per 1,000 steps, in % of the rank's RSS (target < 1%).
+descriptors sampled from outside (psutil) against the step it has reached (metrics.jsonl).
+
+RSS swings by a step's transient buffers (activations, gradients, optimizer scratch) wherever a sample lands; a
+leak shows as a rising floor. So the figure of merit is the least-squares growth, per 1,000 steps, of the floor:
+the minimum RSS of each 100-step window after warm-up, in % of the rank's mean (target < 1%). glibc's dynamic mmap
+threshold makes freed tensors stay in the heap in chunks of tens of MiB, which moves that floor between a few
+levels at random; MALLOC_MMAP_THRESHOLD_ is fixed at 128 KiB in the workers, so large tensors are mapped and
+returned to the system when freed, and the floor is what the process really holds.
 
 Two configurations, one after the other: DDP at (dp, tp, pp) = (2, 1, 2) and ZeRO-3 with CPU offload of optimizer
 and parameters at dp = 2, both with evaluation every 100 steps and a checkpoint every 250 (keep-last 1), so saves,
 evaluation and the pipeline schedules all run many times. Each run ends with SIGTERM (save, clean exit).
 
-    python bench/soak.py --minutes 12      # per configuration; bench/soak.png + bench/results/soak.json
+    python bench/soak.py --minutes 15      # per configuration; bench/soak.png + bench/results/soak.json
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def soak(name: str, spec: dict, minutes: float, work: str, every_s: float = 2.0)
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), os.path.join(ROOT, "launch", "train_gpt2.py"),
            *COMMON, *flags, "--out-dir", out]
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", WANDB_MODE="disabled",
-               TRAINER3D_CACHE=os.path.join(work, "cache"))
+               TRAINER3D_CACHE=os.path.join(work, "cache"), MALLOC_MMAP_THRESHOLD_="131072")
     log = open(os.path.join(work, f"{os.path.basename(out)}.log"), "w")
     agent = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     samples = []  # (seconds, rank, step, rss bytes, open fds)
@@ -96,10 +102,14 @@ def analyse(run: dict, warmup_frac: float = 0.25) -> list[dict]:
         ss = [s for s in run["samples"] if s[1] == rank and s[2] > 0]
         start = ss[0][2] + warmup_frac * (ss[-1][2] - ss[0][2])
         steady = [s for s in ss if s[2] >= start]
-        rss = [s[3] for s in steady]
-        mean = sum(rss) / len(rss)
-        per_1k = slope([(s[2], s[3]) for s in steady]) * 1000
+        windows: dict[int, list[int]] = {}
+        for s in steady:
+            windows.setdefault(s[2] // 100, []).append(s[3])
+        floor = [(w * 100 + 50, min(v)) for w, v in sorted(windows.items()) if len(v) >= 3]
+        mean = sum(s[3] for s in steady) / len(steady)
+        per_1k = slope(floor) * 1000
         rows.append(dict(config=run["name"], rank=rank, steps=f"{int(start)}-{steady[-1][2]}", rss_mib=mean / 2**20,
+                         floor_mib=f"{min(v for _, v in floor) / 2**20:.0f}-{max(v for _, v in floor) / 2**20:.0f}",
                          growth_pct_per_1k_steps=100 * per_1k / mean,
                          fds=f"{min(s[4] for s in steady)}-{max(s[4] for s in steady)}",
                          fd_slope_per_1k_steps=slope([(s[2], s[4]) for s in steady]) * 1000))
@@ -131,16 +141,17 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--minutes", type=float, default=12.0, help="per configuration")
+    ap.add_argument("--minutes", type=float, default=15.0, help="per configuration")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "soak.png"))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
         runs = [soak(name, spec, args.minutes, work) for name, spec in CONFIGS.items()]
     rows = [r for run in runs for r in analyse(run)]
     print(f"\n{stamp(f'python bench/soak.py --minutes {args.minutes:g}')}\n")
-    print(table([[r["config"], r["rank"], r["steps"], f"{r['rss_mib']:.0f}", f"{r['growth_pct_per_1k_steps']:+.2f}%",
-                  r["fds"], f"{r['fd_slope_per_1k_steps']:+.2f}"] for r in rows],
-                ["config", "rank", "steps (after warm-up)", "RSS MiB", "RSS growth / 1k steps", "fds", "fd slope / 1k"]))
+    print(table([[r["config"], r["rank"], r["steps"], f"{r['rss_mib']:.0f}", r["floor_mib"],
+                  f"{r['growth_pct_per_1k_steps']:+.2f}%", r["fds"], f"{r['fd_slope_per_1k_steps']:+.2f}"] for r in rows],
+                ["config", "rank", "steps (after warm-up)", "mean RSS MiB", "floor MiB (per 100 steps)",
+                 "floor growth / 1k steps", "fds", "fd slope / 1k"]))
     print("exit codes after SIGTERM: " + ", ".join(f"{run['name']}: {run['exit_code']} at step {run['steps']}" for run in runs))
     plot(runs, args.out)
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
