@@ -68,11 +68,12 @@ def _cases(tmp):
         (["--out-dir", str(a_file / "run")], f"--out-dir {a_file / 'run'} cannot be written ({a_file} is not writable); "
                                              "pick another path."),
         (["--data", "./no_such_corpus.txt"],
-         "--data ./no_such_corpus.txt does not exist; pass an existing path or a Hugging Face name."),
+         "Data path './no_such_corpus.txt' does not exist; pass an existing .txt/.jsonl/.json/.parquet file, a folder "
+         "of them, a save_to_disk folder, or a Hugging Face dataset name."),
         (["--tokenizer", str(tmp / "no_tokenizer") + "/"],
          f"--tokenizer {tmp / 'no_tokenizer'}/ does not exist; pass an existing path or a Hugging Face name."),
-        (["--init-from-hf", str(tmp / "no_hf")], f"--init-from-hf {tmp / 'no_hf'} is not a directory; pass a "
-                                                 "save_pretrained directory."),
+        (["--init-from-hf", str(tmp / "no_hf")], f"--init-from-hf {tmp / 'no_hf'}: {tmp / 'no_hf' / 'config.json'} "
+                                                 "does not exist; pass a GPT2LMHeadModel save_pretrained directory."),
         (["--resume", str(tmp / "no_ckpt")], f"Checkpoint path {tmp / 'no_ckpt'} does not exist; pass a step_* "
                                              "directory or a run's --out-dir."),
         # DeepSpeed JSONs

@@ -75,6 +75,19 @@ def _stat_identity(files: list[Path]) -> list[list[Any]]:
     return out
 
 
+def check_data_path(data: str | None) -> None:
+    """Refuse a --data that names a local path which does not exist (checked before any process group too)."""
+    if data and looks_like_path(data) and not Path(data).expanduser().exists():
+        raise _no_such_path(data)
+
+
+def _no_such_path(data: str) -> DataError:
+    return DataError(
+        f"Data path '{data}' does not exist; pass an existing .txt/.jsonl/.json/.parquet file, a folder of "
+        "them, a save_to_disk folder, or a Hugging Face dataset name."
+    )
+
+
 def looks_like_path(s: str) -> bool:
     if s.startswith(("/", "./", "../", "~", ".\\")) or s.endswith(("/", os.sep)):
         return True
@@ -160,10 +173,7 @@ def _resolve_source(cfg: DataConfig, hf_cache: Path) -> _Source:
         return _Source(str(path), ident, load_files, fixed_field="text" if builder == "text" else None)
 
     if looks_like_path(cfg.data):
-        raise DataError(
-            f"Data path '{cfg.data}' does not exist; pass an existing .txt/.jsonl/.json/.parquet file, a folder of "
-            "them, a save_to_disk folder, or a Hugging Face dataset name."
-        )
+        raise _no_such_path(cfg.data)
 
     ident = {"kind": "hf", "name": cfg.data, "config": cfg.data_config, "split": cfg.split}
 

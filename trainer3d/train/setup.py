@@ -11,7 +11,7 @@ from pathlib import Path
 from trainer3d.checkpoint.format import resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import TrainConfig
-from trainer3d.data.sources import looks_like_path
+from trainer3d.data.sources import check_data_path, looks_like_path
 from trainer3d.dist.topology import Layout, infer_layout
 from trainer3d.errors import ConfigError
 from trainer3d.model import MODEL_PRESETS, GPTConfig
@@ -96,12 +96,9 @@ def check_paths(cfg: TrainConfig) -> None:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out-dir {cfg.out_dir} cannot be written ({existing} is not writable); pick another path.")
-    for field in ("data", "tokenizer"):
-        value = getattr(cfg, field)
-        if value and looks_like_path(value) and not Path(value).expanduser().exists():
-            raise ConfigError(f"{flag(field)} {value} does not exist; pass an existing path or a Hugging Face name.")
-    if cfg.init_from_hf and not Path(cfg.init_from_hf).is_dir():
-        raise ConfigError(f"--init-from-hf {cfg.init_from_hf} is not a directory; pass a save_pretrained directory.")
+    check_data_path(cfg.data)  # --init-from-hf is checked by hf_model_config, in validate
+    if cfg.tokenizer and looks_like_path(cfg.tokenizer) and not Path(cfg.tokenizer).expanduser().exists():
+        raise ConfigError(f"--tokenizer {cfg.tokenizer} does not exist; pass an existing path or a Hugging Face name.")
     if cfg.resume not in (None, "latest"):
         resolve_checkpoint(cfg.resume)  # raises one sentence if the path holds no complete checkpoint
 
