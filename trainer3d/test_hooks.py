@@ -42,3 +42,15 @@ def inject_fault(step: int, rank: int) -> None:
         raise RuntimeError(f"TRAINER3D_FAULT={spec}")
     else:
         raise ValueError(f"TRAINER3D_FAULT: unknown fault {kind!r} (kill, hang or raise)")
+
+
+# `python -m trainer3d.prepare` stops (sleeps, after creating `PAUSED` in the output) once this many shards are
+# committed, so a test can SIGKILL it mid-corpus and resume (tests/test_prepare.py).
+PAUSE_PREPARE_ENV = "TRAINER3D_TEST_PAUSE_PREPARE_AFTER_SHARDS"
+
+
+def pause_after_shard(n_shards: int, out_dir) -> None:
+    if os.environ.get(PAUSE_PREPARE_ENV) == str(n_shards):
+        (out_dir / "PAUSED").touch()
+        while True:
+            time.sleep(1)

@@ -2,25 +2,29 @@
 
 Pipeline: corpus (sources: bundled Shakespeare, local files, a saved or Hugging Face dataset) -> tokens
 (tokenizer: bundled GPT-2 BPE or any HF tokenizer) -> packed ``[N, seq_len + 1]`` blocks memory-mapped from an
-on-disk cache (cache) -> dp-sharded, resumable batches (loader).
+on-disk cache (cache) -> dp-sharded, resumable batches (loader). At scale, `python -m trainer3d.prepare` (prepare)
+writes token shards once and training memory-maps windows of them (shards).
+
+The names below are imported on first use, so a process that needs one piece (`python -m trainer3d.prepare` needs
+no torch) does not pay for the others.
 """
 
-from trainer3d.data.cache import TokenBlocks, build_token_blocks, check_seq_len, default_cache_dir
-from trainer3d.data.loader import BatchLoader, val_batches
-from trainer3d.data.sources import DataConfig, bundled_corpus_files
-from trainer3d.data.tokenizer import BUNDLED_TOKENIZER_DIR, load_tokenizer
-from trainer3d.errors import DataError
+import importlib
 
-__all__ = [
-    "BUNDLED_TOKENIZER_DIR",
-    "BatchLoader",
-    "DataConfig",
-    "DataError",
-    "TokenBlocks",
-    "build_token_blocks",
-    "bundled_corpus_files",
-    "check_seq_len",
-    "default_cache_dir",
-    "load_tokenizer",
-    "val_batches",
-]
+_HOMES = {
+    "BUNDLED_TOKENIZER_DIR": "tokenizer", "load_tokenizer": "tokenizer",
+    "BatchLoader": "loader", "val_batches": "loader",
+    "DataConfig": "sources", "bundled_corpus_files": "sources",
+    "TokenBlocks": "cache", "build_token_blocks": "cache", "check_seq_len": "cache", "default_cache_dir": "cache",
+}
+__all__ = sorted([*_HOMES, "DataError"])
+
+
+def __getattr__(name: str):
+    if name == "DataError":
+        from trainer3d.errors import DataError
+
+        return DataError
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"trainer3d.data.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'trainer3d.data' has no attribute {name!r}")

@@ -28,8 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trainer3d.data.shards import (
+    TokenWindows, check_tokenizer, looks_prepared, manifest_fingerprint, open_windows, read_manifest,
+)
 from trainer3d.data.sources import DataConfig, _no_text, _resolve_source, _select_text, _Source
-from trainer3d.data.tokenizer import _tokenizer_identity, load_tokenizer
+from trainer3d.data.tokenizer import _tokenizer_identity, load_tokenizer, tokenizer_identity
 from trainer3d.errors import DataError
 from trainer3d.fsio import write_text_atomic
 
@@ -44,8 +47,8 @@ FORMAT_VERSION = 1  # bump when the on-disk layout or packing rule changes
 
 @dataclass
 class TokenBlocks:
-    train: np.ndarray  # [n_train, seq_len + 1], uint16 or int32, memory-mapped
-    val: np.ndarray  # [n_val, seq_len + 1]
+    train: np.ndarray | TokenWindows  # [n_train, seq_len + 1], uint16 or int32, memory-mapped
+    val: np.ndarray | TokenWindows  # [n_val, seq_len + 1]
     seq_len: int
     vocab_size: int  # len(tokenizer): every id is < vocab_size
     eos_id: int
@@ -191,11 +194,14 @@ _CORPUS_STATS = ("corpus", "n_docs", "n_tokens", "text_mb", "tokenize_seconds", 
 
 
 def build_token_blocks(cfg: DataConfig | None, seq_len: int) -> TokenBlocks:
-    """Tokenize (or reuse the cache), pack into [N, seq_len + 1] blocks and split off validation."""
+    """Tokenize (or reuse the cache), pack into [N, seq_len + 1] blocks and split off validation; or open the
+    shards of a prepared directory (python -m trainer3d.prepare)."""
     cfg = cfg or DataConfig()
     t_start = time.perf_counter()
     if seq_len < 1:
         raise DataError(f"seq_len must be a positive number of tokens, got {seq_len}; set --seq-len to at least 1.")
+    if cfg.data and looks_prepared(cfg.data):
+        return open_prepared(cfg, seq_len)
     if not 0.0 <= cfg.val_fraction < 0.5:
         raise DataError(f"val_fraction {cfg.val_fraction} is outside [0, 0.5); set it to e.g. 0.01, or 0 for none.")
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
@@ -281,3 +287,26 @@ def _n_val(cfg: DataConfig, n_blocks: int) -> int:
         return 0
     n = max(round(cfg.val_fraction * n_blocks), min(cfg.min_val_blocks, n_blocks // 10), 1)
     return min(n, n_blocks - 1)
+
+
+def open_prepared(cfg: DataConfig, seq_len: int) -> TokenBlocks:
+    """Windows over the shards of a prepared directory: a manifest read, a stat per shard, nothing tokenized."""
+    manifest = read_manifest(cfg.data)
+    check_tokenizer(manifest, tokenizer_identity(cfg.tokenizer), cfg.tokenizer, cfg.data)
+    train, val = (open_windows(cfg.data, manifest, split, seq_len) for split in ("train", "val"))
+    if len(train) == 0:
+        raise DataError(
+            f"The training shards of {cfg.data} hold fewer than seq_len + 1 = {seq_len + 1} tokens; lower --seq-len "
+            "or prepare more data."
+        )
+    tok = manifest["tokenizer"]
+    return TokenBlocks(
+        train=train,
+        val=val,
+        seq_len=seq_len,
+        vocab_size=int(tok["vocab_size"]),
+        eos_id=int(tok["eos_id"]),
+        fingerprint=_hash({"shards": manifest_fingerprint(manifest), "seq_len": seq_len})[:16],
+        stats={"prepared": str(cfg.data), "n_train": len(train), "n_val": len(val), "seq_len": seq_len,
+               "tokens": int(train.starts[-1] + val.starts[-1])},
+    )

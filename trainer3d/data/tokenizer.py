@@ -23,7 +23,7 @@ def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
     """The bundled GPT-2 BPE (None, "gpt2"), or any Hugging Face tokenizer by name or local folder."""
     from transformers import AutoTokenizer
 
-    if name_or_path is None or (name_or_path in _GPT2_ALIASES and not os.path.exists(name_or_path)):
+    if is_bundled_gpt2(name_or_path):
         name_or_path = str(BUNDLED_TOKENIZER_DIR)
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path)
@@ -37,6 +37,21 @@ def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
         raise DataError(f"Tokenizer '{name_or_path}' has no end-of-text token; use a tokenizer that defines eos_token.")
     tok.model_max_length = int(1e30)  # we tokenize whole documents; silence the length warning
     return tok
+
+
+def is_bundled_gpt2(name_or_path: str | None) -> bool:
+    return name_or_path is None or (name_or_path in _GPT2_ALIASES and not os.path.exists(name_or_path))
+
+
+def tokenizer_identity(name_or_path: str | None) -> str:
+    """What prepared shards record and check: the bundled GPT-2 BPE by the hash of its files (no transformers
+    import, which costs seconds per process), any other tokenizer by its full serialization."""
+    if is_bundled_gpt2(name_or_path):
+        h = hashlib.sha256(b"gpt2-bpe")
+        for f in ("vocab.json", "merges.txt"):
+            h.update((BUNDLED_TOKENIZER_DIR / f).read_bytes())
+        return h.hexdigest()
+    return _tokenizer_identity(load_tokenizer(name_or_path))
 
 
 def _tokenizer_identity(tok: PreTrainedTokenizerBase) -> str:
