@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trainer3d"
 LAYERS: list[tuple[str, ...]] = [
     ("trainer3d.errors", "trainer3d.fsio", "trainer3d.test_hooks"),  # no imports of the package at all
     ("trainer3d.model",),  # plain GPT-2: no distributed code
-    ("trainer3d.config", "trainer3d.optim"),  # the flags; the optimizer's rules
+    ("trainer3d.config", "trainer3d.optim", "trainer3d.generate"),  # the flags; the optimizer's rules; decoding
     ("trainer3d.dist",),  # topology, collectives, failure reports
     ("trainer3d.data",),  # corpus -> tokens -> packed blocks -> dp batches
     ("trainer3d.parallel",),  # tensor parallel, pipeline, the data-parallel engine interface + DDP, parallelize
@@ -24,7 +24,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer3d.checkpoint",),  # format, save, load, signals, Hugging Face interop
     ("trainer3d.train",),  # setup (validation), the Trainer, the loop and its reporting
 ]
-ENTRY_POINTS = ("trainer3d.export", "trainer3d.zero.__main__", "trainer3d.plan.__main__", "trainer3d.assets")
+ENTRY_POINTS = (
+    "trainer3d.export", "trainer3d.evaluate", "trainer3d.prepare", "trainer3d.sample", "trainer3d.zero.__main__",
+    "trainer3d.plan.__main__", "trainer3d.assets",
+)
 
 
 def module_name(path: Path, root: Path) -> str:

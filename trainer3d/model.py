@@ -5,6 +5,10 @@ No distributed code lives here. Tensor parallelism swaps the Linear/Embedding mo
 `forward` tolerates a missing embedding (input is hidden states) and a missing head (output is hidden
 states). Parameter names follow Hugging Face's GPT2Model without the `transformer.` prefix; blocks live in
 a ModuleDict keyed by their global index, so a name means the same parameter under every layout.
+
+Generation passes a KVCache to `forward`: each attention layer appends its new keys and values and attends to all
+of them, so a new token costs one position's work instead of the whole prefix's. Without a cache (training) the
+code path is the one above, untouched.
 """
 
 from __future__ import annotations
@@ -71,6 +75,34 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
 }
 
 
+class KVCache:
+    """Keys and values of every layer for incremental decoding, and `length`, the positions already filled.
+
+    Each layer's buffers ([B, heads, max_len, head_dim], the dtype and device of its keys) are allocated whole at its
+    first `append`, so decoding never reallocates; the head count comes from the keys, so a tensor-parallel
+    attention's local heads fit too. GPT.forward advances `length` once all layers have appended.
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, h, T, hd] at positions [length, length + T); return this layer's keys and values so far."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} positions is full ({start} used, {k.shape[2]} more)")
+        if layer not in self.k:
+            B, H, _, D = k.shape
+            self.k[layer] = k.new_empty(B, H, self.max_len, D)
+            self.v[layer] = v.new_empty(B, H, self.max_len, D)
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -83,12 +115,16 @@ class CausalSelfAttention(nn.Module):
         # stream; tensor_parallel.py installs it here. One process: the default generator.
         self.sharded_rng = contextlib.nullcontext
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         # The local head count follows from the (possibly sharded) width.
         q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
+        if kv_cache is None:
+            y = self.core(q, k, v)
+        else:
+            y = self.cached_core(q, *kv_cache.append(layer, k, v))
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -97,6 +133,18 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.attn_dropout_p if self.training else 0.0
         with self.sharded_rng():
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+    @staticmethod
+    def cached_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the T newest positions (q) over all S cached ones (k, v), no dropout (inference). SDPA's
+        is_causal aligns the mask top-left, right only for a prefill (T == S); one new token sees every key."""
+        T, S = q.shape[2], k.shape[2]
+        if T == S:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if T == 1:
+            return F.scaled_dot_product_attention(q, k, v)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query i sits at position S-T+i
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class MLP(nn.Module):
@@ -118,8 +166,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -135,12 +183,16 @@ class GPT(nn.Module):
         self.lm_head: nn.Module | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied; pipeline stages that split them keep a synced copy
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """With `kv_cache`, x continues the cached sequence: its positions start at the cache's length."""
+        start = 0 if kv_cache is None else kv_cache.length
         if self.wte is not None:  # first stage: x holds token ids
-            positions = torch.arange(x.shape[1], device=x.device)
+            positions = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.drop(self.wte(x) + self.wpe(positions))
-        for block in self.h.values():
-            x = block(x)
+        for name, block in self.h.items():
+            x = block(x) if kv_cache is None else block(x, kv_cache, int(name))
+        if kv_cache is not None:
+            kv_cache.length += x.shape[1]
         if self.lm_head is not None:  # last stage: x becomes logits (a vocab shard under TP)
             x = self.lm_head(self.ln_f(x))
         return x

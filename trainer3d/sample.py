@@ -1,0 +1,167 @@
+"""Generate text from a checkpoint, without any process group:
+
+    python -m trainer3d.sample CKPT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
+                                    [--num-samples N] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+
+CKPT is a checkpoint directory (`<out-dir>/checkpoints/step_000123`), a `checkpoints` directory or a run's --out-dir
+(both follow `latest`), or a Hugging Face directory written by `python -m trainer3d.export`. The weights are read
+from safetensors (nothing is unpickled) into the plain model, the prompt is encoded with the tokenizer the run used,
+and the samples are drawn with a KV cache (trainer3d/generate.py) from one CPU generator seeded with --seed, so a
+seed prints the same text on every run. Samples go to stdout, one header line each; timing goes to stderr.
+Bad input (not a checkpoint, a bad number, a prompt longer than the context) is one sentence and exit code 2,
+before any weights are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from trainer3d.checkpoint.format import META, Checkpoint, resolve_checkpoint
+from trainer3d.checkpoint.hf import gpt_config_from_hf, load_hf_checkpoint
+from trainer3d.data import load_tokenizer
+from trainer3d.errors import CheckpointError, UsageError, first_line
+from trainer3d.export import DTYPES
+from trainer3d.generate import generate, new_token_budget
+from trainer3d.model import GPT, GPTConfig
+
+MAX_SEED = 2**63 - 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a missing CKPT, `--top-k abc`) as one sentence, like every other bad input."""
+
+    def error(self, message: str):
+        print(f"trainer3d: error: {message}; see python -m trainer3d.sample --help.", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(prog="python -m trainer3d.sample", description="Generate text from a trainer3d checkpoint.")
+    p.add_argument("checkpoint", help="step_* directory, checkpoints directory, a run's --out-dir, or an HF export")
+    p.add_argument("--prompt", default="", help="text to continue (default: start from the end-of-text token)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to add per sample (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 picks the likeliest token (default 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help="sample among the k likeliest tokens (default 200)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The numbers and the device, before anything is read."""
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UsageError(f"--temperature must be a finite number at least 0 (got {args.temperature}).")
+    for flag, value in (("--top-k", args.top_k), ("--max-new-tokens", args.max_new_tokens),
+                        ("--num-samples", args.num_samples)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value}).")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be in [0, {MAX_SEED}] (got {args.seed}).")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda needs a CUDA GPU and torch sees none; use --device cpu.")
+
+
+def open_source(path: str) -> tuple[GPTConfig, str | None, Callable[[], dict[str, torch.Tensor]]]:
+    """(model config, the tokenizer the weights were trained with, a function reading the canonical state dict):
+    everything but the weights is read and checked here."""
+    p = Path(path)
+    if p.is_dir() and (p / "config.json").is_file() and not (p / META).is_file():  # a Hugging Face directory
+        try:
+            cfg = gpt_config_from_hf(json.loads((p / "config.json").read_text()), dropout=0.0)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{p / 'config.json'} cannot be used ({first_line(e)}).") from None
+        tok_files = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
+        tokenizer = str(p) if any((p / f).is_file() for f in tok_files) else None
+
+        def read_hf() -> dict[str, torch.Tensor]:
+            try:
+                return load_hf_checkpoint(p, dropout=0.0, dtype=None)[1]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{p} cannot be loaded ({first_line(e)}).") from None
+
+        return cfg, tokenizer, read_hf
+    ckpt = Checkpoint(resolve_checkpoint(p))
+
+    def read_checkpoint() -> dict[str, torch.Tensor]:
+        ckpt.verify_files([f for f in ckpt.meta["files"] if f.startswith("model-")])
+        return ckpt.model_state()
+
+    return ckpt.model_config, ckpt.meta["config"].get("tokenizer"), read_checkpoint
+
+
+def encode_prompt(tok, prompt: str, cfg: GPTConfig) -> list[int]:
+    """The prompt's token ids (the end-of-text token for an empty prompt, as GPT-2 starts a document), checked
+    against the model's vocabulary and context."""
+    ids = tok.encode(prompt) if prompt else [tok.eos_token_id]
+    bad = [i for i in ids if i >= cfg.vocab_size]
+    if bad:
+        what = "--prompt" if prompt else "The end-of-text token that starts an empty --prompt"
+        raise UsageError(
+            f"{what} encodes to token id {bad[0]}, outside the model's vocabulary of {cfg.vocab_size}; "
+            "use text the model's tokenizer covers."
+        )
+    if len(ids) >= cfg.n_positions:
+        raise UsageError(
+            f"--prompt is {len(ids)} tokens but the model's context is {cfg.n_positions} positions; shorten it to at "
+            f"most {cfg.n_positions - 1} tokens."
+        )
+    return ids
+
+
+def build_model(cfg: GPTConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> GPT:
+    """The plain GPT holding `state` (canonical names: the tied head is `wte.weight`), in eval mode."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys or set(result.missing_keys) != {"lm_head.weight"}:
+        raise CheckpointError(f"the weights do not fit the model ({result}).")
+    model.lm_head.weight = model.wte.weight
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        check_args(args)
+        cfg, tok_name, read_state = open_source(args.checkpoint)
+        tok = load_tokenizer(tok_name)
+        ids = encode_prompt(tok, args.prompt, cfg)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = build_model(cfg, read_state(), device, DTYPES[args.dtype])
+    except UsageError as e:
+        print(f"trainer3d: error: {e}", file=sys.stderr)
+        return 2
+    n = new_token_budget(len(ids), args.max_new_tokens, cfg.n_positions)
+    if n < args.max_new_tokens:
+        print(f"trainer3d.sample: note: {n} new tokens, not {args.max_new_tokens}: the sequence stops at the model's "
+              f"context of {cfg.n_positions} positions.", file=sys.stderr)
+    prompt = torch.tensor([ids] * args.num_samples, device=device)
+    generator = torch.Generator().manual_seed(args.seed)  # on the CPU: the same draws whatever the device
+    t0 = time.perf_counter()
+    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator, tok.eos_token_id)
+    seconds = time.perf_counter() - t0
+    new = out[:, len(ids):].tolist()
+    for i, row in enumerate(new):
+        if tok.eos_token_id in row:
+            row = row[: row.index(tok.eos_token_id)]
+        text = tok.decode(ids + row) if args.prompt else tok.decode(row)
+        print(f"--- sample {i + 1} of {args.num_samples} ---")
+        print(text)
+    print(f"trainer3d.sample: {args.num_samples} sample(s), {out.shape[1] - len(ids)} steps in {seconds:.2f} s "
+          f"({out[:, len(ids):].numel() / max(seconds, 1e-9):.0f} tokens/s, {device.type}, {args.dtype}, "
+          f"seed {args.seed})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
