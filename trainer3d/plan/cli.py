@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 
+from trainer3d.errors import UsageError
 from trainer3d.model import MODEL_PRESETS, GPTConfig
 from trainer3d.plan.candidate import describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
@@ -106,6 +108,11 @@ def resolve(args) -> tuple[str | None, GPTConfig, Cluster, int]:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     name, cfg, C, gb = resolve(args)
+    try:
+        evaluated = parse_layout(args.evaluate, cfg, C, gb, args.seq_len) if args.evaluate else None
+    except UsageError as e:
+        print(f"trainer3d: error: {e}", file=sys.stderr)
+        return 2
     search = enumerate_plans(
         cfg, C, gb, args.seq_len, schedules=args.schedules, zero_stages=tuple(args.zero_stages),
         offload=not args.no_offload, recompute=not args.no_recompute, max_micro_batch_size=args.max_micro_batch_size,
@@ -134,8 +141,8 @@ def main(argv=None) -> int:
         print(f"\nrefused {sum(search.refused.values())} candidates:")
         for reason, n in sorted(search.refused.items(), key=lambda kv: -kv[1]):
             print(f"  {n:>7} {reason} (e.g. {search.examples[reason]})")
-    if args.evaluate:
-        ev = evaluate(parse_layout(args.evaluate, cfg, C, gb, args.seq_len), C)
+    if evaluated is not None:
+        ev = evaluate(evaluated, C)
         faster = sum(1 for p in search.plans if p.step_time < ev.step_time)
         print(f"\nevaluated: {args.evaluate}")
         print(format_plans([ev], C))

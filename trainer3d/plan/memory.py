@@ -181,6 +181,4 @@ def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
     # held through the step: params, optimizer state, buffers, and (ZeRO) the gradient partition
     base = e.params + e.optimizer + e.ddp_buckets + e.zero_buffers + e.pipeline_buffers + (e.grads if z else 0.0)
     e.peak = base + max(sched_peak, opt_peak)
-    if cand.recompute:
-        e.notes.append("activation checkpointing is modelled but not yet a trainer3d flag")
     return e

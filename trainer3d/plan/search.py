@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from trainer3d.errors import LayoutError
+from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.model import GPTConfig
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
 from trainer3d.plan.candidate import Candidate, describe, gib
@@ -152,18 +152,26 @@ def best_distinct(plans: list[Plan], top: int) -> list[Plan]:
 
 def parse_layout(text: str, cfg: GPTConfig, C: Cluster, global_batch: int, seq_len: int) -> Candidate:
     """The candidate of an --evaluate string, e.g. `tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1`."""
-    kv = dict(item.split("=", 1) for item in text.replace(" ", "").split(",") if item)
-    tp, pp = int(kv.get("tp", 1)), int(kv.get("pp", 1))
-    if C.world % (tp * pp):
-        raise SystemExit(f"plan: --evaluate tp×pp = {tp * pp} does not divide {C.world} GPUs.")
+    keys = ("tp", "pp", "schedule", "v", "mbs", "zero", "offload", "recompute")
+    items = [item.split("=", 1) for item in text.replace(" ", "").split(",") if item]
+    if any(len(kv) != 2 or kv[0] not in keys for kv in items):
+        raise ConfigError(f"--evaluate takes key=value pairs from {', '.join(keys)} separated by commas "
+                          f"(e.g. tp=8,pp=16,schedule=1f1b,mbs=1), not {text!r}.")
+    kv = dict(items)
+    try:
+        tp, pp, mbs, z, v = (int(kv.get(k, d)) for k, d in (("tp", 1), ("pp", 1), ("mbs", 1), ("zero", 0), ("v", 1)))
+    except ValueError:
+        raise ConfigError(f"--evaluate: tp, pp, mbs, zero and v are whole numbers, not as in {text!r}.") from None
+    if min(tp, pp, mbs, v) < 1 or C.world % (tp * pp):
+        raise ConfigError(f"--evaluate: tp×pp = {tp * pp} must be positive and divide the {C.world} GPUs.")
+    if kv.get("schedule", "1f1b") not in SCHEDULES:
+        raise ConfigError(f"--evaluate: schedule={kv['schedule']} is none of {', '.join(SCHEDULES)}.")
     dp = C.world // (tp * pp)
-    mbs = int(kv.get("mbs", 1))
     if global_batch % (dp * mbs):
-        raise SystemExit(f"plan: --evaluate: global batch {global_batch} does not split into dp={dp} × mbs={mbs}.")
-    z = int(kv.get("zero", 0))
+        raise ConfigError(f"--evaluate: the global batch {global_batch} does not split into dp={dp} × mbs={mbs}.")
     off = kv.get("offload", "none")
     return Candidate(
-        cfg=cfg, dp=dp, tp=tp, pp=pp, schedule=kv.get("schedule", "1f1b"), virtual_stages=int(kv.get("v", 1)),
+        cfg=cfg, dp=dp, tp=tp, pp=pp, schedule=kv.get("schedule", "1f1b"), virtual_stages=v,
         micro_batches=global_batch // (dp * mbs), micro_batch_size=mbs, seq_len=seq_len,
         precision="bf16-autocast" if z == 0 else "bf16-mixed", zero_stage=z,
         offload_optimizer=off in ("opt", "all"), offload_params=off == "all", recompute=kv.get("recompute", "0") in ("1", "true"),
