@@ -15,6 +15,11 @@ def _cases(tmp):
     a_file.write_text("x")
     bad_json = tmp / "bad.json"
     bad_json.write_text("{not json")
+    hellaswag = tmp / "hellaswag.jsonl"
+    good_line = json.dumps({"ctx": "A man", "endings": ["runs.", "sits.", "eats.", "sleeps."], "label": 0})
+    hellaswag.write_text(good_line + "\n" + good_line + "\n")
+    bad_hellaswag = tmp / "bad_hellaswag.jsonl"
+    bad_hellaswag.write_text(good_line + "\n\n" + json.dumps({"ctx": "A man", "endings": ["runs."] * 4, "label": 4}) + "\n")
     return [
         # numbers
         (["--lr", "-0.1"], "--lr must be a positive number (got -0.1)."),
@@ -43,9 +48,17 @@ def _cases(tmp):
         (["--seed", "-1"], f"--seed must be in [0, {2**63 - 1}] (got -1)."),
         (["--peak-tflops", "0"], "--peak-tflops must be a positive number (got 0.0)."),
         (["--dist-timeout", "0"], "--dist-timeout must be a positive number (got 0.0)."),
+        (["--sample-every", "-1"], "--sample-every must be at least 0 (got -1)."),
+        (["--sample-count", "0"], "--sample-count must be at least 1 (got 0)."),
+        (["--sample-tokens", "0"], "--sample-tokens must be at least 1 (got 0)."),
+        (["--sample-temperature", "-1"], "--sample-temperature must be at least 0.0 (got -1.0)."),
+        (["--sample-top-k", "-1"], "--sample-top-k must be at least 0 (got -1)."),
+        (["--hellaswag-examples", "0", "--eval-hellaswag", str(hellaswag)],
+         "--hellaswag-examples must be at least 1 (got 0)."),
         # combinations
         (["--lr", "1e-3", "--min-lr", "1e-2"],
          "--min-lr 0.01 is above --lr 0.001; the cosine decays down to it: lower --min-lr."),
+        (["--hellaswag-examples", "5"], "--hellaswag-examples needs --eval-hellaswag PATH, the file to take them from."),
         (["--global-batch", "8", "--global-batch-tokens", "1024"],
          "--global-batch and --global-batch-tokens both set the batch; pass only one of them."),
         (["--schedule", "interleaved-1f1b"],
@@ -76,6 +89,13 @@ def _cases(tmp):
                                                  "does not exist; pass a GPT2LMHeadModel save_pretrained directory."),
         (["--resume", str(tmp / "no_ckpt")], f"Checkpoint path {tmp / 'no_ckpt'} does not exist; pass a step_* "
                                              "directory or a run's --out-dir."),
+        (["--eval-hellaswag", str(tmp / "no.jsonl")],
+         f"HellaSwag file {tmp / 'no.jsonl'} does not exist; pass a jsonl file such as hellaswag_val.jsonl."),
+        (["--eval-hellaswag", str(bad_hellaswag)],
+         f"HellaSwag file {bad_hellaswag}, line 3 has a 'label' of 4, not an index into its 4 endings; every line must "
+         'be a JSON object with "ctx" (text), "endings" (a list of texts) and "label" (the right ending\'s index).'),
+        (["--eval-hellaswag", str(hellaswag), "--hellaswag-examples", "3"],
+         f"--hellaswag-examples 3 exceeds the 2 examples in {hellaswag}; pass at most 2, or omit it to use them all."),
         # DeepSpeed JSONs
         (["--deepspeed_config", str(tmp / "no.json")],
          f"--deepspeed_config {tmp / 'no.json'} does not exist; pass the path of a DeepSpeed JSON (see ds_configs/)."),
@@ -136,3 +156,45 @@ def test_deepspeed_json_contradiction_refused(tmp_path, capsys, monkeypatch, val
     else:
         setup = validate(parse_args(BASE + ["--grad-clip", "0.5", "--deepspeed_config", str(path), "--precision", "fp32"]), 1)
         assert setup.cfg.grad_clip == 0.5
+
+
+def test_evaluate_bad_input_gets_one_sentence_and_exit_2(tmp_path, monkeypatch, capsys):
+    """python -m trainer3d.evaluate: a path that is not a checkpoint, a malformed HellaSwag file, an --output that
+    cannot be written, a checkpoint whose files are missing: one sentence, exit 2, and no --output file."""
+    from trainer3d.evaluate import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    line = json.dumps({"ctx": "A man", "endings": ["runs.", "sits."], "label": 1})
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(line + "\n")
+    bad.write_text(line + "\n" + line[:-1] + "\n")
+    not_ckpt = tmp_path / "not_a_checkpoint"
+    not_ckpt.mkdir()
+    ckpt = tmp_path / "step_000001"  # a meta.json that lists no files: refused when the checkpoint is opened
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({
+        "format": "trainer3d-checkpoint", "format_version": 1, "step": 1, "layout": {}, "files": {},
+        "model": {"vocab_size": 50257, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 2},
+        "config": {"model": "tiny", "seq_len": 16, "seed": 1},
+    }))
+    output = tmp_path / "out.json"
+    cases = [
+        ([str(tmp_path / "nowhere"), "--hellaswag", str(good)],
+         f"Checkpoint path {tmp_path / 'nowhere'} does not exist; pass a step_* directory or a run's --out-dir."),
+        ([str(not_ckpt), "--hellaswag", str(good)],
+         f"{not_ckpt / 'meta.json'} does not exist, so {not_ckpt} is not a complete checkpoint"),
+        ([str(ckpt), "--hellaswag", str(bad)], f"HellaSwag file {bad}, line 2 is not valid JSON"),
+        ([str(ckpt), "--hellaswag", str(good), "--output", str(tmp_path / "no" / "out.json")],
+         f"--output {tmp_path / 'no' / 'out.json'} cannot be written ({tmp_path / 'no'} is not a writable directory)."),
+        ([str(ckpt), "--hellaswag", str(good), "--tp", "3"], "World size 1 is not divisible by tp×pp = 3×1 = 3"),
+        ([str(ckpt), "--hellaswag", str(good), "--output", str(output)],
+         f"{ckpt} holds no tensor 'h.0.attn.c_attn.bias' in any model-pp*.safetensors; the checkpoint is incomplete."),
+    ]
+    for argv, sentence in cases:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2, (argv, err)
+        assert err.startswith(f"trainer3d: error: {sentence}") and err.count("\n") == 1, (argv, err)
+        assert "Traceback" not in err, (argv, err)
+    assert not output.exists()

@@ -57,6 +57,15 @@ class TrainConfig:
     tokenizer: str | None = None
     eval_every: int = 100
     eval_batches: int = 4
+    # downstream (train/downstream.py): HellaSwag at every evaluation, text samples
+    eval_hellaswag: str | None = None  # a HellaSwag jsonl (ctx, endings, label), e.g. hellaswag_val.jsonl
+    hellaswag_examples: int | None = None  # its first N examples; default all
+    sample_every: int = 0  # steps between samples; 0: none
+    sample_count: int = 2
+    sample_tokens: int = 32
+    sample_prompt: str = ""  # after the end-of-text token every sample starts from
+    sample_temperature: float = 1.0  # 0: the likeliest token
+    sample_top_k: int = 50  # 0: the whole vocabulary
     # output
     out_dir: str = "runs/default"
     # checkpoints (trainer3d/checkpoint/)
@@ -145,6 +154,26 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--tokenizer", default=None, help="HF tokenizer name or path (default: bundled GPT-2 BPE)")
     da.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validations; 0: only at end")
     da.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    ds_ = p.add_argument_group("downstream: HellaSwag and samples")
+    ds_.add_argument(
+        "--eval-hellaswag", default=None, metavar="PATH",
+        help="HellaSwag jsonl (ctx, endings, label; e.g. hellaswag_val.jsonl): at every evaluation, the share of "
+        "examples whose right ending has the lowest mean token loss (hellaswag_acc) and summed loss "
+        "(hellaswag_acc_sum); costs a forward pass over one row per ending (4 per example), --global-batch rows a pass",
+    )
+    ds_.add_argument("--hellaswag-examples", type=int, default=None, metavar="N",
+                     help="use the first N examples (default: all; the validation file has 10042)")
+    ds_.add_argument(
+        "--sample-every", type=int, default=d.sample_every, metavar="N",
+        help="print (and log to W&B as a table) text samples every N steps and at the last; 0: off. Each new token "
+        "is one forward pass over a global batch, so a round of samples costs about --sample-tokens/3 training steps",
+    )
+    ds_.add_argument("--sample-count", type=int, default=d.sample_count, help="samples each time")
+    ds_.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="new tokens per sample")
+    ds_.add_argument("--sample-prompt", default=d.sample_prompt,
+                     help="text the samples continue (after an end-of-text token); default: none")
+    ds_.add_argument("--sample-temperature", type=float, default=d.sample_temperature, help="0: the likeliest token")
+    ds_.add_argument("--sample-top-k", type=int, default=d.sample_top_k, help="sample among the K likeliest; 0: all")
     out = p.add_argument_group("output")
     out.add_argument("--out-dir", default=d.out_dir)
     out.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (and at the end); 0: off")

@@ -176,10 +176,29 @@ def build_schedule(
 ):
     """`shapes(stage_index)`: stage_shapes of each stage; `stage_cls`: zero/glue.py's ZeroPipelineStage (DeepSpeed
     engines as submodules) or torch's PipelineStage."""
-    stages = [stage_cls(m, i, n_stages, device, group=pp_group, **shapes(i)) for m, i in zip(stage_modules, ids)]
     info = SCHEDULES[schedule]
+    if info.v_shape:
+        stage_cls = _forward_only_safe(stage_cls)
+    stages = [stage_cls(m, i, n_stages, device, group=pp_group, **shapes(i)) for m, i in zip(stage_modules, ids)]
     # scale_grads=False: the loss is already divided by the number of micro-batches (see train/trainer.py), so the
     # gradient means the same thing at every layout.
     if info.multi_stage:
         return info.cls(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
     return info.cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+
+class _NoGradientHandoffWithoutBackward:
+    """torch 2.13's runtime for the V-shaped schedules hands the input gradient from a rank's later stage to its
+    earlier, adjacent one even in `schedule.eval()`, where no backward ran, and the stage asserts; forward-only
+    passes (validation, HellaSwag, samples) then crash. Without a backward there is nothing to hand over."""
+
+    def get_local_bwd_output(self, mb_index):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+
+def _forward_only_safe(stage_cls: type) -> type:
+    return type(stage_cls.__name__, (_NoGradientHandoffWithoutBackward, stage_cls), {})

@@ -3,6 +3,7 @@ checkpoint state, then train to --max-steps, logging on one rank (console, progr
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -19,6 +20,7 @@ from trainer3d.dist.failure import Heartbeat, report_failure
 from trainer3d.dist.topology import LaunchEnv, Topology, default_device, init_distributed
 from trainer3d.errors import DataError, UsageError
 from trainer3d.parallel import pipeline
+from trainer3d.train.downstream import Downstream
 from trainer3d.train.metrics import MetricsFile, device_peak_tflops, flops_per_token, peak_memory_bytes
 from trainer3d.train.profiling import StepProfiler
 from trainer3d.train.setup import validate
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(setup, topo, device, mcfg, full_value=start.full_value)
         loader = BatchLoader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
-        run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches))
+        downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
+        run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches),
+            downstream)
     except UsageError as e:  # a corpus or checkpoint that cannot be used: found on every rank alike
         if env.rank == 0:
             print(f"trainer3d: error: {e}", file=sys.stderr)
@@ -81,8 +85,9 @@ def local_leader_first(env: LaunchEnv, build):
     return result if env.local_rank == 0 else build()
 
 
-def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
-    """Train to max_steps, logging on one rank: console, progress bar and metrics.jsonl."""
+def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | None = None) -> list[dict]:
+    """Train to max_steps, logging on one rank: console, progress bar and metrics.jsonl; HellaSwag beside every
+    validation and text samples every --sample-every steps (`downstream`)."""
     from tqdm import tqdm
 
     cfg, topo, plan = trainer.cfg, trainer.topo, trainer.plan
@@ -96,6 +101,7 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
     tracker = Tracker(trainer)  # W&B, on the logging rank only
     profiler = StepProfiler(cfg.profile_steps, cfg.max_steps, cfg.out_dir, dist.get_rank(), trainer.device)
     heartbeat = Heartbeat()
+    downstream = downstream or Downstream(trainer)
     if verbose:
         n_params = trainer.mcfg.num_params()
         print(
@@ -113,11 +119,11 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
     history = []
     if cfg.eval_every and trainer.step == 0:  # the starting point of the validation curve
         val = trainer.evaluate(make_val_batches())
-        record0 = {"step": 0, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+        record0 = {"step": 0, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **downstream.evaluate()}
         metrics.write(record0)
         tracker.log(record0)
         if log:
-            print(f"step      0 | val_loss {val:.4f}", flush=True)
+            print(f"step      0 | val_loss {val:.4f}{hellaswag_text(record0)}", flush=True)
     # In a log file (SLURM, nohup) a bar redrawn every step is a wall of \r-joined updates: redraw every 30 s there.
     bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=not log, dynamic_ncols=True, unit="step",
                mininterval=0.1 if sys.stderr.isatty() else 30.0)
@@ -140,7 +146,7 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
         last = trainer.step == cfg.max_steps
         if (cfg.eval_every and trainer.step % cfg.eval_every == 0) or last:
             val = trainer.evaluate(make_val_batches())
-            record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+            record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), **downstream.evaluate())
         history.append(record)
         metrics.write(record)
         tracker.log(record)
@@ -160,8 +166,13 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
                 eta = fd["elapsed"] / (fd["n"] - fd["initial"]) * (cfg.max_steps - trainer.step)
                 line += f" | eta {tqdm.format_interval(eta)}"
             if "val_loss" in record:
-                line += f" | val_loss {record['val_loss']:.4f}"
+                line += f" | val_loss {record['val_loss']:.4f}{hellaswag_text(record)}"
             bar.write(line)
+        if downstream.samples_due(trainer.step, last):  # every rank: one forward pass per token
+            texts = downstream.samples()
+            tracker.log_samples(trainer.step, texts)
+            for i, text in enumerate(texts if log else []):
+                bar.write(f"step {trainer.step:>6} | sample {i}: {json.dumps(text, ensure_ascii=False)}")
         if saver.after_step():  # checkpoint when due; True after SIGTERM/SIGUSR1: saved, every rank stops here
             break
     saver.close()
@@ -170,6 +181,10 @@ def run(trainer: Trainer, loader, make_val_batches) -> list[dict]:
     profiler.close()
     tracker.finish()
     return history
+
+
+def hellaswag_text(record: dict) -> str:
+    return f" | hellaswag {record['hellaswag_acc']:.4f}" if "hellaswag_acc" in record else ""
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from pathlib import Path
 from trainer3d.checkpoint.format import resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import TrainConfig
+from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.sources import check_data_path, looks_like_path
 from trainer3d.dist.topology import Layout, infer_layout
 from trainer3d.errors import ConfigError
@@ -29,6 +30,7 @@ class RunSetup:
     plan: BatchPlan
     deepspeed: DeepSpeedSpec | None  # None: DDP is the data-parallel engine
     hf_base: GPTConfig | None = None  # --init-from-hf: the Hugging Face model's shape (and vocabulary)
+    hellaswag: tuple[Example, ...] | None = None  # --eval-hellaswag: its examples, every line checked
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return self.cfg.gpt_config(vocab_size, base=self.hf_base)
@@ -44,7 +46,9 @@ RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("warmup_steps", 0, None, False), ("weight_decay", 0.0, None, False), ("beta1", 0.0, 1.0, True),
     ("beta2", 0.0, 1.0, True), ("grad_clip", 0.0, None, False), ("seed", 0, 2**63 - 1, False),
     ("eval_every", 0, None, False), ("eval_batches", 1, None, False), ("save_every", 0, None, False),
-    ("keep_last", 0, None, False), ("log_every", 1, None, False),
+    ("keep_last", 0, None, False), ("log_every", 1, None, False), ("hellaswag_examples", 1, None, False),
+    ("sample_every", 0, None, False), ("sample_count", 1, None, False), ("sample_tokens", 1, None, False),
+    ("sample_temperature", 0.0, None, False), ("sample_top_k", 0, None, False),
 )
 POSITIVE = ("lr", "peak_tflops", "dist_timeout")  # strictly above 0
 
@@ -78,6 +82,8 @@ def check_combinations(cfg: TrainConfig) -> None:
     typed = cfg.explicit_flags or ()
     if "global_batch" in typed and "global_batch_tokens" in typed:
         raise ConfigError("--global-batch and --global-batch-tokens both set the batch; pass only one of them.")
+    if cfg.hellaswag_examples is not None and not cfg.eval_hellaswag:
+        raise ConfigError("--hellaswag-examples needs --eval-hellaswag PATH, the file to take them from.")
     if cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].multi_stage and not SCHEDULES[cfg.schedule].v_shape \
             and cfg.virtual_stages == 1:
         raise ConfigError(
@@ -133,4 +139,5 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> RunS
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches)
     if cfg.profile_steps is not None:
         parse_step_range(cfg.profile_steps, cfg.max_steps)
-    return RunSetup(cfg=cfg, layout=layout, plan=plan, deepspeed=deepspeed, hf_base=hf_base)
+    hellaswag = tuple(read_examples(cfg.eval_hellaswag, cfg.hellaswag_examples)) if cfg.eval_hellaswag else None
+    return RunSetup(cfg=cfg, layout=layout, plan=plan, deepspeed=deepspeed, hf_base=hf_base, hellaswag=hellaswag)

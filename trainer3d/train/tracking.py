@@ -8,7 +8,8 @@ the API key is never logged (wandb itself never prints it).
 
 The config logged is the TrainConfig as a dict, the layout, the batch plan, the model's sizes and, with
 `--deepspeed_config`, the DeepSpeed JSON. Each step logs the same record that metrics.jsonl gets (None values
-dropped). A resumed run (trainer.step > 0 at start) continues the W&B run whose id is in `<out-dir>/wandb_run_id`.
+dropped); text samples (`--sample-every`) go to a table, `samples`. A resumed run (trainer.step > 0 at start)
+continues the W&B run whose id is in `<out-dir>/wandb_run_id`.
 
 tests/wandb_reader.py decodes the `.wandb` files back, to compare the logged history with metrics.jsonl.
 """
@@ -81,6 +82,7 @@ class Tracker:
     def __init__(self, trainer):
         cfg = trainer.cfg
         self.run = None
+        self.sample_rows: list[list] = []  # every sample so far: each logged table holds the whole history
         self.mode = resolve_mode(cfg.wandb_project, cfg.wandb_mode)
         if not trainer.is_logging_rank or self.mode == "disabled":
             return
@@ -106,6 +108,15 @@ class Tracker:
     def log(self, record: dict) -> None:
         if self.run is not None:
             self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+
+    def log_samples(self, step: int, texts: list[str]) -> None:
+        """Text samples as a W&B table (step, sample, text); each log carries all samples so far, so the newest
+        version of the table shows how the text changed over training."""
+        if self.run is not None:
+            import wandb
+
+            self.sample_rows += [[step, i, text] for i, text in enumerate(texts)]
+            self.run.log({"samples": wandb.Table(columns=["step", "sample", "text"], data=self.sample_rows)}, step=step)
 
     def finish(self, exit_code: int = 0) -> None:
         if self.run is not None:

@@ -43,31 +43,42 @@ class Trainer:
         self.step = 0
         self.logging_rank = topo.global_rank(self.pm.last_stage_pp_rank, 0, 0)
         self.is_logging_rank = dist.get_rank() == self.logging_rank
+        self._reduction = None  # set by forward_only for one pass
 
-    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        per_token = vocab_parallel_cross_entropy(
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy from this rank's vocab shard of the logits (collective over tp)."""
+        return vocab_parallel_cross_entropy(
             logits, targets, self.topo.tp_group, self.pm.vocab_start, self.mcfg.vocab_size
         )
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self._reduction is not None:  # a forward-only pass with its own reduction (forward_only)
+            return self._reduction(logits, targets)
         scale = self.loss_scale.scale if self.loss_scale else 1.0
-        return per_token.mean() * (scale / self.plan.micro_batches)
+        return self.token_losses(logits, targets).mean() * (scale / self.plan.micro_batches)
 
     def _autocast(self):
         if self.precision == "fp32" or self.engine.casts_module:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[self.precision])
 
-    def _run_schedule(self, batch: torch.Tensor, train: bool) -> float:
-        """Run the pipeline over this rank's share of the global batch; return the global mean loss."""
-        batch = batch.to(self.device, non_blocking=True)
-        args = (batch[:, :-1].contiguous(),) if self.pm.has_first else ()
-        kwargs = {"target": batch[:, 1:].contiguous()} if self.pm.has_last else {}
+    def _schedule_pass(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> list[torch.Tensor]:
+        """One run of the pipeline schedule over this dp rank's rows; what the loss function returned for each
+        micro-batch on the last stage's ranks, [] elsewhere."""
+        args = (inputs.to(self.device, non_blocking=True).contiguous(),) if self.pm.has_first else ()
+        kwargs = {"target": targets.to(self.device, non_blocking=True).contiguous()} if self.pm.has_last else {}
         losses: list[torch.Tensor] = []
         with self._autocast():
             if train:
                 self.schedule.step(*args, losses=losses, return_outputs=False, **kwargs)
             else:
                 with torch.no_grad():
-                    self.schedule.eval(*args, losses=losses, **kwargs)
+                    self.schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
+        return losses
+
+    def _run_schedule(self, batch: torch.Tensor, train: bool) -> float:
+        """Run the pipeline over this rank's share of the global batch; return the global mean loss."""
+        losses = self._schedule_pass(batch[:, :-1], batch[:, 1:], train)
         # One rank per dp replica (last stage, tp rank 0) contributes its replica's mean; the world sums.
         local = torch.zeros((), device=self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
@@ -91,6 +102,19 @@ class Trainer:
             record.update(loss_scale=self.loss_scale.scale, skipped=not result.stepped)
         record.update(self.engine.memory())
         return record
+
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor, reduction) -> list[torch.Tensor]:
+        """A forward pass without gradients (eval mode) over this dp rank's rows, inputs [local_batch, seq_len], in
+        which `reduction(logits_shard, targets_micro_batch)` takes the loss's place: one pipeline for every pass
+        with a reduction of its own (HellaSwag's per-row losses, the logits of a sampled position: downstream.py).
+        `targets` may have any trailing shape; only the reduction reads it. Returns the reduction's results on the
+        last stage's ranks, [] elsewhere. Every rank of the layout must call it (pipeline, tp and ZeRO-3 exchanges)."""
+        self.engine.train(False)
+        self._reduction = reduction
+        try:
+            return self._schedule_pass(inputs, targets, train=False)
+        finally:
+            self._reduction = None
 
     def evaluate(self, batches) -> float:
         self.engine.train(False)
