@@ -123,6 +123,23 @@ def test_vocab_parallel_cross_entropy_matches_torch_with_padding_masked():
     assert torch.count_nonzero(g_ours[..., V:]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_in_chunks_equals_one_chunk(dtype):
+    """Chunks of 1, 5 and 8 tokens (a last chunk cut short) give bitwise the losses and gradients of one chunk of
+    all 21 tokens, the old unchunked computation, with padding columns (tp > 1 runs it in the parity tests)."""
+    torch.manual_seed(0)
+    target = torch.randint(0, 500, (3, 7))
+    logits = torch.randn(3, 7, 512).to(dtype).requires_grad_()
+    out = {}
+    for chunk in (21, 1, 5, 8):
+        loss = vocab_parallel_cross_entropy(logits, target, None, 0, 500, chunk_tokens=chunk)
+        grad, = torch.autograd.grad((loss * torch.arange(21.0).view(3, 7)).sum(), logits)
+        out[chunk] = (loss, grad)
+    for chunk in (1, 5, 8):
+        assert torch.equal(out[chunk][0], out[21][0]) and torch.equal(out[chunk][1], out[21][1]), chunk
+    assert out[21][1].dtype == dtype and torch.count_nonzero(out[21][1][..., 500:]) == 0
+
+
 def test_gpt3_presets_match_the_paper_and_n_positions_opens_the_context():
     """Brown et al. 2020, Table 2.1: parameter counts within 3% (vocabulary 50257, context 2048); --n-positions
     lets any preset train on longer sequences."""
