@@ -46,7 +46,7 @@ def test_every_refusal_has_a_reason():
 
 
 def test_a_layout_that_does_not_fit_is_flagged():
-    C = Cluster(nodes=1, **{**H100, "gpu_memory_gib": 16})
+    C = Cluster(nodes=1, **{**H100, "gpu_memory_gib": 12})  # ~13.8 GiB estimated
     cand = parse_layout("tp=1,pp=1,mbs=8", MODEL_PRESETS["gpt2-medium"], C, 64, 1024)
     assert any("does NOT fit" in n for n in evaluate(cand, C).notes)
 

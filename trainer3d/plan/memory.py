@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer3d.parallel.tensor_parallel import padded_vocab_size
+from trainer3d.parallel.tensor_parallel import LOSS_CHUNK_ELEMENTS, padded_vocab_size
 from trainer3d.plan.candidate import (
     Candidate, Stage, block_params, max_param_tensor, persistent_params, rank_params,
 )
@@ -34,8 +34,8 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
         total += T * (8 + (9 if t > 1 else 0))  # token ids (int64); under TP also the shard mask and local ids
     if st.last:
         total += T * (h * P.resid + h * P.matmul + 8)  # ln_f input, head input, the CE's local targets
-        total += T * Vp // t * 4  # the cross-entropy keeps the fp32 softmax for its backward
-        total += T * Vp // t * P.matmul  # the logits, held as the stage output until backward
+        total += T * (4 + 4 + 1)  # the CE's max and sum of exps (fp32), its outside-the-shard mask
+        total += T * Vp // t * P.matmul  # the logits, held as the stage output until backward (and by the CE)
     else:
         total += T * h * P.resid  # the stage output, held until backward
     return total
@@ -163,10 +163,11 @@ def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
     # Transients on top of the activations, during the schedule:
     Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
     has_last = any(s.last for s in stages)
-    # - the last stage's first backward: the head's weight gradient (the largest tensor) is allocated while
-    #   every activation is still held; under autocast the loss gradient is also cast back to the logits' dtype
-    t_head = Vp // cand.tp * h * P.grad if has_last else 0.0
-    t_head += T * Vp // cand.tp * P.matmul if has_last and P.matmul != 4 else 0.0
+    # - the last stage's first backward: the loss's gradient (the logits' shape and dtype) while every activation is
+    #   still held, with one chunk's fp32 softmax (tensor_parallel.LOSS_CHUNK_ELEMENTS) and then the head's weight
+    #   gradient (the largest tensor) on top
+    shard = Vp // cand.tp
+    t_head = T * shard * P.matmul + max(min(T * shard, LOSS_CHUNK_ELEMENTS) * 4, shard * h * P.grad) if has_last else 0.0
     # - a block's backward: the gradients w.r.t. the GELU output and the fc output (4h/t each) live together
     t_block = 8 * T * h // cand.tp * P.matmul + T * h * P.resid if any(s.layers for s in stages) else 0.0
     t_recompute = layer_activation_bytes(cand) if cand.recompute else 0.0
