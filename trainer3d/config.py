@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--precision", default=d.precision, choices=["auto", "fp32", "bf16", "fp16"])
     o.add_argument("--seed", type=int, default=d.seed)
     da = p.add_argument_group("data")
-    da.add_argument("--data", default=None, help="file, folder, save_to_disk dir or HF dataset name")
+    da.add_argument("--data", default=None,
+                    help="file, folder, save_to_disk dir, HF dataset name, or a python -m trainer3d.prepare directory")
     da.add_argument("--data-config", default=None, help="HF dataset config name")
     da.add_argument("--data-split", default=d.data_split)
     da.add_argument("--text-field", default=d.text_field)
