@@ -26,7 +26,7 @@ import torch.distributed as dist
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.load import prepare
 from trainer3d.config import SCHEDULE_NAMES, TrainConfig
-from trainer3d.dist.failure import report_failure
+from trainer3d.dist.failure import run_reported
 from trainer3d.dist.topology import LaunchEnv, Topology, default_device, init_distributed
 from trainer3d.errors import ConfigError, UsageError
 from trainer3d.fsio import write_text_atomic
@@ -121,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     device = default_device(env.local_rank)
     owns_group = not dist.is_initialized()  # (tests run this inside a world they made)
     init_distributed(env, device, timeout_s=setup.cfg.dist_timeout)
-    topo = None
-    try:
+    made: list = []  # the Topology, once built (cleanup destroys it when the caller owns the group)
+
+    def run() -> None:
         last_stage = pipeline.last_stage_pp_rank(setup.cfg.schedule, setup.layout.pp)
         topo = Topology(setup.layout, last_stage_pp_rank=last_stage)
+        made.append(topo)
         result, trainer = evaluate(setup, topo, device, ckpt.model_config.vocab_size)
         if trainer.is_logging_rank:
             print(f"trainer3d.evaluate: {ckpt.path} (step {trainer.step}) at {topo.layout} "
@@ -142,20 +144,14 @@ def main(argv: list[str] | None = None) -> int:
                                                              result.loss_mean, result.loss_sum)],
                 }
                 write_text_atomic(args.output, json.dumps(report, indent=1) + "\n")
-    except UsageError as e:  # the checkpoint's files, the tokenizer: found on every rank alike
-        if env.rank == 0:
-            print(f"trainer3d: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # a collective failed (a peer died, or hung past --dist-timeout): name it
-        if env.world_size > 1:
-            report_failure(env.rank, e)
-        raise
-    finally:
+
+    def cleanup() -> None:
         if owns_group:
             dist.destroy_process_group()
-        elif topo is not None:
-            topo.destroy()
-    return 0
+        elif made:
+            made[0].destroy()
+
+    return run_reported(env.rank, env.world_size, run, cleanup)
 
 
 if __name__ == "__main__":

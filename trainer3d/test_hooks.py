@@ -14,8 +14,13 @@ PAUSE_SAVE_ENV = "TRAINER3D_TEST_PAUSE_SAVE_AT_STEP"
 
 
 def pause_mid_save(step: int, tmp_dir) -> None:
-    if os.environ.get(PAUSE_SAVE_ENV) == str(step):
-        (tmp_dir / "PAUSED").touch()
+    _pause_if(PAUSE_SAVE_ENV, step, tmp_dir)
+
+
+def _pause_if(env: str, value: int, directory) -> None:
+    """Create `PAUSED` in `directory` and sleep forever when the variable `env` equals `value`."""
+    if os.environ.get(env) == str(value):
+        (directory / "PAUSED").touch()
         while True:
             time.sleep(1)
 
@@ -50,7 +55,4 @@ PAUSE_PREPARE_ENV = "TRAINER3D_TEST_PAUSE_PREPARE_AFTER_SHARDS"
 
 
 def pause_after_shard(n_shards: int, out_dir) -> None:
-    if os.environ.get(PAUSE_PREPARE_ENV) == str(n_shards):
-        (out_dir / "PAUSED").touch()
-        while True:
-            time.sleep(1)
+    _pause_if(PAUSE_PREPARE_ENV, n_shards, out_dir)

@@ -8,8 +8,11 @@ import os
 import socket
 import sys
 import time
+from typing import Callable
 
 import torch.distributed as dist
+
+from trainer3d.errors import UsageError
 
 
 class Heartbeat:
@@ -102,3 +105,22 @@ def report_failure(rank: int, error: BaseException, wait_s: float = 5.0) -> None
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+def run_reported(rank: int, world_size: int, body: Callable[[], None], cleanup: Callable[[], None]) -> int:
+    """Run an entry point's `body` once its process group exists: a UsageError (a corpus or checkpoint that cannot be
+    used, found on every rank alike) becomes its sentence on rank 0 and exit code 2; any other error names the rank
+    that died or hangs (report_failure) and is raised; `cleanup` runs either way. Returns the exit code."""
+    try:
+        body()
+    except UsageError as e:
+        if rank == 0:
+            print(f"trainer3d: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a collective failed (a peer died, or hung past --dist-timeout): name it
+        if world_size > 1:
+            report_failure(rank, e)
+        raise
+    finally:
+        cleanup()
+    return 0

@@ -16,7 +16,7 @@ from trainer3d.checkpoint.signals import Checkpointer
 from trainer3d.config import parse_args
 from trainer3d.data import BatchLoader, DataConfig, build_token_blocks, val_batches
 from trainer3d.dist.collectives import agree_on_error
-from trainer3d.dist.failure import Heartbeat, report_failure
+from trainer3d.dist.failure import Heartbeat, run_reported
 from trainer3d.dist.topology import LaunchEnv, Topology, default_device, init_distributed
 from trainer3d.errors import DataError, UsageError
 from trainer3d.parallel import pipeline
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     device = default_device(env.local_rank)
     init_distributed(env, device, timeout_s=cfg.dist_timeout)
     Heartbeat().beat(0)
-    try:
+
+    def train() -> None:
         topo = Topology(layout, last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, layout.pp))
         data_cfg = DataConfig(
             data=cfg.data,
@@ -59,17 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
         run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches),
             downstream)
-    except UsageError as e:  # a corpus or checkpoint that cannot be used: found on every rank alike
-        if env.rank == 0:
-            print(f"trainer3d: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # a collective failed (a peer died, or hung past --dist-timeout): name it
-        if env.world_size > 1:
-            report_failure(env.rank, e)
-        raise
-    finally:
-        dist.destroy_process_group()
-    return 0
+
+    return run_reported(env.rank, env.world_size, train, dist.destroy_process_group)
 
 
 def local_leader_first(env: LaunchEnv, build):
