@@ -1,11 +1,13 @@
-"""The optimizer's rules, written once for every data-parallel engine: AdamW's parameter groups, the learning-rate
-schedule, the global-norm clip coefficient and fp16's dynamic loss scale."""
+"""The optimizer's rules, written once for every data-parallel engine: AdamW's parameter groups and implementation
+(fused where torch has it), where Adam keeps its step count, the learning-rate schedule, the global-norm clip
+coefficient and fp16's dynamic loss scale."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 
 def lr_at(step: int, cfg) -> float:
@@ -26,6 +28,29 @@ def param_groups(params, weight_decay: float) -> list[dict]:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+def adam(params, lr: float, betas: tuple[float, float], eps: float, decoupled: bool = True) -> torch.optim.Optimizer:
+    """AdamW (Adam: decoupled=False): torch's fused kernel where torch has one for every parameter's device and dtype
+    (CUDA and CPU, floating point), else foreach, else the per-tensor loop. Fused makes one pass over the weights,
+    gradients and moments per step; torch's default on CPU is the per-tensor loop, 6-8x slower on GPT-2 124M's
+    parameters (bench/README.md section 13). Implementations differ in the last bits; the pick depends only on the
+    device and dtype, so a resumed run steps as the saved one did (bitwise), and every engine's torch Adam is built
+    here."""
+    params = list(params)
+    tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+    fused, foreach = _default_to_fused_or_foreach(tensors, differentiable=False, use_fused=True)  # torch's own test
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    return cls(params, lr=lr, betas=betas, eps=eps, fused=fused or None, foreach=foreach if not fused else None)
+
+
+def adam_step_state(step: float | torch.Tensor, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """Adam's `step` count as `optimizer` keeps it for `param` (a checkpoint loads it so): float32, on the
+    parameter's device for fused (and capturable) implementations, which read it in the kernel; on the CPU
+    otherwise, where torch reads it on the host without a device sync."""
+    group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), optimizer.defaults)
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.as_tensor(step, dtype=torch.float32).to(param.device if on_device else "cpu").clone()
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

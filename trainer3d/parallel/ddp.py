@@ -8,7 +8,6 @@ flat-bucket all-reduce after the schedule, with the same arithmetic as DDP (sum,
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -17,9 +16,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer3d.dist.collectives import all_reduce, group_size
-from trainer3d.optim import clip_coefficient, param_groups, set_lr
+from trainer3d.optim import adam, adam_step_state, param_groups, set_lr
 from trainer3d.parallel.engine import (
-    DataParallelEngine, StepResult, counts_in_norm, sum_tied_grads, tied_copies, unique_parameters,
+    DataParallelEngine, counts_in_norm, sum_tied_grads, tied_copies, unique_parameters,
 )
 from trainer3d.parallel.pipeline import SCHEDULES
 
@@ -67,6 +66,9 @@ def _set_grad(p: nn.Parameter, value: torch.Tensor) -> None:
 
 
 class DDPEngine(DataParallelEngine):
+    """AdamW is torch's fused kernel (torch has one on CUDA and on CPU; foreach elsewhere): one pass per step where
+    the CPU default's per-tensor loop makes ~8 (optim.adam). The clip multiplies gradients on the device by a float."""
+
     name = "DDP"
 
     def __init__(self, stages: list[nn.Module], topo, device: torch.device, cfg):
@@ -74,9 +76,8 @@ class DDPEngine(DataParallelEngine):
         self.hooks_reduce = not SCHEDULES[cfg.schedule].split_backward  # DDP's hooks see every gradient
         self.wrapped = [wrap_ddp(s, topo.dp_group, device) for s in stages] if self.hooks_reduce else list(stages)
         self.params = unique_parameters(stages)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.params, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8
-        )
+        groups = param_groups(self.params, cfg.weight_decay)
+        self.optimizer = adam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
     @property
     def stage_modules(self) -> list[nn.Module]:
@@ -85,33 +86,34 @@ class DDPEngine(DataParallelEngine):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, lr: float, max_norm: float, grad_scale: float = 1.0) -> StepResult:
+    def reduce_grads(self, grad_scale: float) -> torch.Tensor:
         if not self.hooks_reduce:
             all_reduce_grads(self.params, self.topo.dp_group)
         sum_tied_grads(tied_copies(self.stages), self.topo.embedding_group, lambda p: p.grad, _set_grad)
-        grads = [p.grad for p in self.params if p.grad is not None]
         if grad_scale != 1.0:
-            torch._foreach_mul_(grads, grad_scale)
-        norm = self.global_grad_norm()
-        if not math.isfinite(norm):
-            return StepResult(norm, stepped=False)
-        coef = clip_coefficient(norm, max_norm)
+            torch._foreach_mul_(self._grads(), grad_scale)
+        return self.global_grad_norm()
+
+    def update(self, lr: float, coef: float) -> None:
+        grads = self._grads()
         if coef < 1.0 and grads:
             torch._foreach_mul_(grads, coef)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        return StepResult(norm, stepped=True)
 
-    def global_grad_norm(self) -> float:
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def global_grad_norm(self) -> torch.Tensor:
         """Squares of tp shards and pp stages summed over the model-parallel group, each element counted once;
-        DDP has already averaged over dp, so dp needs no reduction."""
+        DDP has already averaged over dp, so dp needs no reduction. A device scalar (float32), not read here."""
         squares = [
             p.grad.detach().float().pow(2).sum()
             for m in self.stages for p in m.parameters()
             if p.grad is not None and counts_in_norm(m, p, self.topo.tp_rank)
         ]
         total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
-        return all_reduce(total, self.topo.mp_group).sqrt().item()
+        return all_reduce(total, self.topo.mp_group).sqrt()
 
     def param_value(self, param: nn.Parameter) -> torch.Tensor:
         return param.data
@@ -124,7 +126,7 @@ class DDPEngine(DataParallelEngine):
             state = read_state()
             if state:
                 self.optimizer.state[param] = {
-                    k: v.to(torch.float32) if k == "step" else v.to(device=param.device, dtype=param.dtype)
+                    k: adam_step_state(v, param, self.optimizer) if k == "step" else v.to(param.device, param.dtype)
                     for k, v in state.items()
                 }
 

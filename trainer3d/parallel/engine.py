@@ -5,10 +5,15 @@ DeepSpeed ZeRO 0-3 (zero/engine.py). The trainer calls only this interface; the 
 An engine owns everything between "the schedule has run every micro-batch's backward" and "the weights moved":
 the dp reduction, the tied-embedding sum across the first and last stage, the global norm, clipping and the
 optimizer step; and, for checkpoints, each parameter's fp32 value and optimizer state, whole over dp.
+
+A training step reads the device once (`read_scalars`, in `DataParallelEngine.step`): the global norm must be on the
+host before the update (a non-finite one skips it: fp16's loss scale backs off), so the step's loss rides along in
+the same transfer and the trainer reads nothing else.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -17,12 +22,14 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
 from trainer3d.dist.collectives import all_reduce, group_size
+from trainer3d.optim import clip_coefficient
 
 
 @dataclass
 class StepResult:
     grad_norm: float  # global L2 norm of the (dp-averaged, unscaled) gradient, each element counted once
     stepped: bool  # False: a non-finite norm skipped the update (fp16 only; the loss scale backs off)
+    loss: float  # the `loss` handed to step(), read in the same transfer as the norm
 
 
 class DataParallelEngine:
@@ -44,9 +51,30 @@ class DataParallelEngine:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
-    def step(self, lr: float, max_norm: float, grad_scale: float = 1.0) -> StepResult:
+    def step(self, lr: float, max_norm: float, grad_scale: float = 1.0, *, loss: torch.Tensor) -> StepResult:
         """After the schedule's backward: reduce over dp, sum the tied embedding, multiply gradients by
-        `grad_scale` (fp16's 1/loss-scale), take the global norm, clip to `max_norm` (0: off), step at `lr`."""
+        `grad_scale` (fp16's 1/loss-scale), take the global norm, clip to `max_norm` (0: off), step at `lr`.
+        `loss`: the step's loss, a device scalar not yet read: it comes back as StepResult.loss from the step's
+        only device-to-host transfer, which also brings the norm that decides whether to step and the clip."""
+        norm_t = self.reduce_grads(grad_scale)
+        norm, loss_value = read_scalars(norm_t, loss)
+        if not math.isfinite(norm):  # the same on every rank: the norm is all-reduced over the world
+            self.skip_step(norm)
+            return StepResult(norm, stepped=False, loss=loss_value)
+        self.update(lr, clip_coefficient(norm, max_norm))
+        return StepResult(norm, stepped=True, loss=loss_value)
+
+    def reduce_grads(self, grad_scale: float) -> torch.Tensor:
+        """step()'s first half, without reading the device: reduce over dp, sum the tied embedding, multiply by
+        `grad_scale`; return the global gradient norm as a device scalar."""
+        raise NotImplementedError
+
+    def skip_step(self, norm: float) -> None:
+        """A non-finite norm: leave the weights as they are (the next zero_grad drops the gradients)."""
+
+    def update(self, lr: float, coef: float) -> None:
+        """step()'s second half: multiply the gradients by the clip coefficient `coef` (<= 1; on the device, the
+        host float as a kernel argument) and step the optimizer at `lr`."""
         raise NotImplementedError
 
     # -- checkpoints: collective over dp (every dp rank asks for the same parameters in the same order) --------------
@@ -72,6 +100,13 @@ class DataParallelEngine:
     def describe(self) -> dict:
         """What owned the dp axis, for meta.json (informational: any engine loads any checkpoint)."""
         raise NotImplementedError
+
+
+def read_scalars(*scalars: torch.Tensor) -> list[float]:
+    """THE device-to-host read of a training step: every scalar the host needs, stacked on the device and copied
+    in one transfer. float64 holds float32 and float64 values exactly, so each equals its own `.item()`."""
+    device = scalars[0].device
+    return torch.stack([s.detach().reshape(()).to(device, torch.float64) for s in scalars]).tolist()
 
 
 # ---- gradient rules shared by every engine ---------------------------------------------------------------------------

@@ -3,6 +3,9 @@ engine's step (dp reduction, tied embedding, global norm, clip, AdamW): DDP or Z
 
 Loss scale: every micro-batch's loss is its token mean divided by the number of micro-batches, and the engine
 averages over dp, so the gradient is that of the mean loss over all tokens of the global batch at every layout.
+
+Host syncs: the step's loss stays on the device and goes to the engine's step, which reads it together with the
+global norm in the step's one device-to-host transfer (parallel/engine.py: read_scalars).
 """
 
 from __future__ import annotations
@@ -76,31 +79,33 @@ class Trainer:
                     self.schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
         return losses
 
-    def _run_schedule(self, batch: torch.Tensor, train: bool) -> float:
-        """Run the pipeline over this rank's share of the global batch; return the global mean loss."""
+    def _run_schedule(self, batch: torch.Tensor, train: bool) -> torch.Tensor:
+        """Run the pipeline over this rank's share of the global batch; return the global mean loss, a float64
+        device scalar on every rank (not read here)."""
         losses = self._schedule_pass(batch[:, :-1], batch[:, 1:], train)
         # One rank per dp replica (last stage, tp rank 0) contributes its replica's mean; the world sums.
         local = torch.zeros((), device=self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
             local = torch.stack([x.detach().float() for x in losses]).sum() / scale
-        return all_reduce(local, self.topo.world_group).item() / self.topo.layout.dp
+        return all_reduce(local, self.topo.world_group).double() / self.topo.layout.dp
 
     def train_step(self, batch: torch.Tensor) -> dict:
-        """One optimizer step on this dp rank's rows of the global batch ([local_batch, seq_len + 1])."""
+        """One optimizer step on this dp rank's rows of the global batch ([local_batch, seq_len + 1]); one
+        device-to-host read (the engine's, for the norm and the loss together)."""
         self.engine.train()
         self.engine.zero_grad()
         loss = self._run_schedule(batch, train=True)
         lr = lr_at(self.step, self.cfg)
         grad_scale = 1.0 / self.loss_scale.scale if self.loss_scale else 1.0
-        result = self.engine.step(lr, self.cfg.grad_clip, grad_scale)
+        result = self.engine.step(lr, self.cfg.grad_clip, grad_scale, loss=loss)
         if self.loss_scale:
             self.loss_scale.update(result.stepped)
         self.step += 1
-        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": result.grad_norm}
+        record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm}
         if self.loss_scale:
             record.update(loss_scale=self.loss_scale.scale, skipped=not result.stepped)
-        record.update(self.engine.memory())
+        record.update(self.engine.memory())  # sizes only: no device read
         return record
 
     def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor, reduction) -> list[torch.Tensor]:
@@ -119,4 +124,5 @@ class Trainer:
     def evaluate(self, batches) -> float:
         self.engine.train(False)
         losses = [self._run_schedule(b, train=False) for b in batches]
-        return sum(losses) / max(1, len(losses))
+        values = torch.stack(losses).tolist() if losses else []  # one device read for the whole evaluation
+        return sum(values) / max(1, len(values))

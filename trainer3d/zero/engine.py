@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import warnings
 
@@ -20,8 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from trainer3d.dist.collectives import all_reduce
-from trainer3d.optim import clip_coefficient, param_groups, set_lr
-from trainer3d.parallel.engine import DataParallelEngine, StepResult, counts_in_norm, sum_tied_grads, tied_copies
+from trainer3d.optim import adam, param_groups, set_lr
+from trainer3d.parallel.engine import DataParallelEngine, counts_in_norm, sum_tied_grads, tied_copies
 from trainer3d.zero import memory, state
 from trainer3d.zero.config import DeepSpeedSpec
 from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
@@ -64,7 +63,10 @@ class ZeroEngine(DataParallelEngine):
         self._engine_of = {id(p): e for e in self.engines for p in e.module.parameters()}
 
     def _client_optimizer(self, module: nn.Module):
-        """AdamW with the DDP engine's parameter groups; DeepSpeedCPUAdam when the optimizer is offloaded."""
+        """AdamW with the DDP engine's parameter groups, which ZeRO steps on its fp32 master partitions: torch's
+        fused kernel where torch has one for the device (optim.adam; one pass over each flat partition where the
+        per-tensor loop makes ~8), or DeepSpeedCPUAdam when the optimizer is offloaded (DeepSpeed's own vectorised
+        one-pass C++ step on the host copies: fused/foreach do not apply)."""
         cfg = self.spec.cfg
         kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=self.spec.eps)
         groups = param_groups(module.parameters(), cfg.weight_decay)
@@ -72,7 +74,7 @@ class ZeroEngine(DataParallelEngine):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             return DeepSpeedCPUAdam(groups, adamw_mode=self.spec.adamw, **kw)
-        return (torch.optim.AdamW if self.spec.adamw else torch.optim.Adam)(groups, **kw)
+        return adam(groups, decoupled=self.spec.adamw, **kw)
 
     @property
     def stage_modules(self) -> list[nn.Module]:
@@ -81,22 +83,23 @@ class ZeroEngine(DataParallelEngine):
     def zero_grad(self) -> None:
         pass  # ZeRO resets its gradient partitions in engine.step()
 
-    def step(self, lr: float, max_norm: float, grad_scale: float = 1.0) -> StepResult:
+    def reduce_grads(self, grad_scale: float) -> torch.Tensor:
         if grad_scale != 1.0:
             raise ValueError("ZeRO engines take no gradient scale (fp16 is refused for DeepSpeed configs)")
         self.sync_tied_embedding_grads()
-        norm = self.global_grad_norm()
-        if not math.isfinite(norm):  # the same on every rank (a world all-reduce): all stop at this step
-            raise FloatingPointError(
-                f"non-finite gradient norm under DeepSpeed ({self.spec.cfg.precision}: no loss scale to back off, "
-                "and ZeRO cannot skip a step); lower --lr or check the data."
-            )
-        coef = clip_coefficient(norm, max_norm)
+        return self.global_grad_norm()
+
+    def skip_step(self, norm: float) -> None:
+        raise FloatingPointError(
+            f"non-finite gradient norm under DeepSpeed ({self.spec.cfg.precision}: no loss scale to back off, "
+            "and ZeRO cannot skip a step); lower --lr or check the data."
+        )
+
+    def update(self, lr: float, coef: float) -> None:
         self._grad_mem = memory.grad_bytes(self)  # as held when the optimizer steps
         for e in self.engines:
             set_lr(e.optimizer, lr)
             self._step(e, coef)
-        return StepResult(norm, stepped=True)
 
     def _step(self, engine, coef: float) -> None:
         """engine.step() with the gradients multiplied by `coef`. ZeRO-1/2/3 divide their fp32 gradient partitions
@@ -134,11 +137,12 @@ class ZeroEngine(DataParallelEngine):
                 safe_set_full_grad(p, total.to(p.grad.dtype if p.grad is not None else torch.float32))
         sum_tied_grads(copies, self.topo.embedding_group, read, write)
 
-    def global_grad_norm(self) -> float:
+    def global_grad_norm(self) -> torch.Tensor:
         """Every rank sums the squares of the gradient elements it owns after the dp reduction (its ZeRO partition,
         or at ZeRO-0 the whole gradient on dp rank 0 only), each element once over tp and pp, and the world sums.
         ZeRO-3 with an offloaded optimizer keeps each partition's norm from the accumulation boundary (what its own
-        clipping reads), so nothing is copied back from CPU or swapped in from NVMe for it."""
+        clipping reads), so nothing is copied back from CPU or swapped in from NVMe for it. A device scalar
+        (float64), not read here."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         tp_rank, dp_rank = self.topo.tp_rank, self.topo.dp_rank
         for e in self.engines:
@@ -150,12 +154,12 @@ class ZeroEngine(DataParallelEngine):
                     continue
                 if norms is not None:
                     if opt.get_param_id(p) in norms:
-                        total += float(norms[opt.get_param_id(p)]) ** 2
+                        total += torch.as_tensor(norms[opt.get_param_id(p)]).to(total).square()
                     continue
                 for share in grad_shares(p):
                     if not (share.dp_replicated and dp_rank != 0):
                         total += share.tensor.detach().double().pow(2).sum().to(total.device)
-        return math.sqrt(all_reduce(total, self.topo.world_group).item())
+        return all_reduce(total, self.topo.world_group).sqrt()
 
     # -- checkpoints: state.py turns ZeRO's partitions into whole tensors and back (collective over dp) -------------
     def param_value(self, param: nn.Parameter) -> torch.Tensor:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from trainer3d.optim import adam_step_state
+
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -98,7 +100,7 @@ def _new_adam_state(base, master: torch.Tensor, step: int) -> dict:
         dtype = master.dtype if cpu_adam and not base.fp32_optimizer_states else torch.float32
         state["exp_avg"] = torch.zeros_like(master, dtype=dtype)
         state["exp_avg_sq"] = torch.zeros_like(master, dtype=dtype)
-    state["step"] = step if cpu_adam else torch.tensor(float(step))
+    state["step"] = step if cpu_adam else adam_step_state(step, master, base)
     return state
 
 
@@ -184,4 +186,5 @@ def _load_param_state(engine, p: nn.Parameter, state: dict[str, torch.Tensor], v
             safe_set_full_optimizer_state(p, state[key].to(torch.float32), key)
     else:
         base, _ = _base_optimizer_and_masters(engine)
-        base.state[p] = {k: v.to(device=p.device, dtype=torch.float32) for k, v in state.items()}
+        base.state[p] = {k: adam_step_state(v, p, base) if k == "step" else v.to(p.device, torch.float32)
+                         for k, v in state.items()}
