@@ -2,7 +2,9 @@
 
 The llm.c side is dev/data/fineweb.py's loop: the corpus loaded by `datasets.load_dataset` (its Arrow cache built
 before the clock starts, as after llm.c's download), `multiprocessing.Pool(N).imap(tokenize, docs, chunksize=16)`,
-`tokenize` = EOT + tiktoken `encode_ordinary` -> np.uint16, 1e8-token shards written with `tofile`. trainer3d reads
+`tokenize` = EOT + tiktoken `encode_ordinary` -> np.uint16, shards written with `tofile` (llm.c's are 1e8 tokens;
+both sides use `--shard-tokens`, 1e7 by default, so that both corpus sizes span several shards: a shard buffer's
+pages become resident as tokens arrive, which would show as growth below one shard). trainer3d reads
 the .jsonl itself, streamed. Both run as subprocesses and are timed end to end (start-up included); peak RSS is the
 largest sum over the process tree (main + workers), sampled every 20 ms with psutil. The corpus is synthetic: the
 bundled plays' paragraphs drawn at random into documents of 2-60 paragraphs, as .jsonl, at two sizes, to show that
@@ -119,11 +121,14 @@ def main() -> None:
     ap.add_argument("--mb", type=int, nargs="+", default=[100, 200], help="corpus sizes (MB of text)")
     ap.add_argument("--procs", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the fastest counts")
+    ap.add_argument("--shard-tokens", type=int, default=10**7,
+                    help="both sides (llm.c: 1e8); a shard buffer fills its pages as tokens arrive, so memory is "
+                         "compared at corpus sizes of several shards")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "trainer3d-bench-prepare"))
     args = ap.parse_args()
     if args.llmc:
         corpus, out, n = args.llmc
-        return llmc_prepare(corpus, out, int(n), args.cache)
+        return llmc_prepare(corpus, out, int(n), args.cache, args.shard_tokens)
 
     os.makedirs(args.work, exist_ok=True)
     cache = os.path.join(args.work, "hf")
@@ -140,11 +145,12 @@ def main() -> None:
                 ours_out, llmc_out = (os.path.join(args.work, f"{k}_{mb}_{n}_{r}") for k in ("ours", "llmc"))
                 for d in (ours_out, llmc_out):
                     subprocess.run(["rm", "-rf", d], check=True)
-                s, rss = run_measured([sys.executable, "-m", "trainer3d.prepare", corpus, ours_out, "--num-proc", str(n)])
+                s, rss = run_measured([sys.executable, "-m", "trainer3d.prepare", corpus, ours_out, "--num-proc", str(n),
+                                       "--shard-tokens", str(args.shard_tokens)])
                 cell["ours_s"].append(s)
                 cell["ours_rss"] = max(cell["ours_rss"], rss)
                 s, rss = run_measured([sys.executable, os.path.abspath(__file__), "--llmc", corpus, llmc_out, str(n),
-                                       "--cache", cache])
+                                       "--cache", cache, "--shard-tokens", str(args.shard_tokens)])
                 cell["llmc_s"].append(s)
                 cell["llmc_rss"] = max(cell["llmc_rss"], rss)
                 ours = np.concatenate([tokens_of(ours_out, "val_*.bin"), tokens_of(ours_out, "train_*.bin")])
