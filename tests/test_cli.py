@@ -4,6 +4,9 @@ process group exists. Every case runs the real entry point (trainer3d.train.loop
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -198,3 +201,23 @@ def test_evaluate_bad_input_gets_one_sentence_and_exit_2(tmp_path, monkeypatch, 
         assert err.startswith(f"trainer3d: error: {sentence}") and err.count("\n") == 1, (argv, err)
         assert "Traceback" not in err, (argv, err)
     assert not output.exists()
+
+
+def test_compile_without_a_compiler_gets_one_sentence(tmp_path):
+    """--compile on a host where inductor finds no C++ compiler: refused before training. Simulated with $CXX naming a
+    program that does not exist (inductor reads $CXX into torch._inductor.config.cpp.cxx when it is imported, hence a
+    fresh process), which is what inductor itself would try and fail to run."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                          "TORCH_INDUCTOR_INSTALL_GXX")}
+    env["CXX"] = str(tmp_path / "no-such-c++")
+    out_dir = tmp_path / "out"
+    code = "import sys; from trainer3d.train.loop import main; sys.exit(main(sys.argv[1:]))"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code, *BASE, "--compile", "--out-dir", str(out_dir)], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        "trainer3d: error: --compile needs a C++ compiler for inductor's CPU kernels and none works "
+        f"(tried {env['CXX']}); install g++ (e.g. apt-get install g++) or point CXX at one, or drop --compile.\n"
+    ), proc.stderr
+    assert not out_dir.exists()

@@ -1,9 +1,11 @@
 """The dropout RNG contract under tensor parallelism (Megatron's RNG tracker): dropout on replicated
 activations draws the same mask on every tp rank (else the replicas of the residual stream drift apart),
-dropout on head-sharded attention probabilities draws a different mask on each."""
+dropout on head-sharded attention probabilities draws a different mask on each. Under --compile too: inductor's
+dropout seeds come from the default generator (alike on tp peers); the head-sharded core runs eagerly on its stream."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from distributed import run_world
@@ -13,8 +15,9 @@ from trainer3d.dist.topology import Topology
 from trainer3d.train.trainer import Trainer
 
 
-def _dropout_streams(rank, world_size):
-    cfg = TrainConfig(model="tiny", n_layer=2, vocab_size=300, tp=2, dropout=0.2, seq_len=16, global_batch=2)
+def _dropout_streams(rank, world_size, compile_blocks):
+    cfg = TrainConfig(model="tiny", n_layer=2, vocab_size=300, tp=2, dropout=0.2, seq_len=16, global_batch=2,
+                      compile=compile_blocks)
     setup = validate(cfg, world_size, 300)
     layout = setup.layout
     topo = Topology(layout)
@@ -33,8 +36,9 @@ def _dropout_streams(rank, world_size):
     return {"hidden": hidden["h1"], "sharded": sharded, "replicated": replicated}
 
 
-def test_dropout_masks_follow_the_tp_contract():
-    r0, r1 = run_world(2, _dropout_streams, timeout=300)
+@pytest.mark.parametrize("compile_blocks", [False, True], ids=["eager", "compile"])
+def test_dropout_masks_follow_the_tp_contract(compile_blocks):
+    r0, r1 = run_world(2, _dropout_streams, compile_blocks, timeout=300)
     # replicated stream: identical draws, hence identical residual streams after two dropout-heavy blocks
     assert torch.equal(r0["replicated"], r1["replicated"])
     assert torch.equal(r0["hidden"], r1["hidden"])

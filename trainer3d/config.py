@@ -33,6 +33,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (every block)
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     micro_batches: int | None = None  # per optimizer step and dp rank; default pp (2·pp for multi-stage), 1 at pp=1
     # batch
     seq_len: int = 128
@@ -129,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument(
         "--recompute", default=d.recompute, choices=["none", "selective", "full"],
         help="activation recomputation: selective recomputes the attention core, full every block",
+    )
+    lay.add_argument(
+        "--compile", action="store_true",
+        help="torch.compile (inductor) each transformer block: ~15 s of compiling per process before the first step; "
+        "on CPU it needs a C++ compiler and gains little in fp32 (bench/README.md, section 12)",
     )
     lay.add_argument("--micro-batches", type=int, default=None, help="per step and dp rank")
     b = p.add_argument_group("batch")

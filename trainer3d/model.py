@@ -131,6 +131,8 @@ class CausalSelfAttention(nn.Module):
         """Softmax, dropout and attention over values: what selective recomputation recomputes (its activations
         grow with the sequence squared, its FLOPs are few)."""
         dropout_p = self.attn_dropout_p if self.training else 0.0
+        if dropout_p == 0.0:  # no mask to draw, no stream to switch to (and no graph break under --compile)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         with self.sharded_rng():
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 

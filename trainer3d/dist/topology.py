@@ -99,8 +99,13 @@ def _slurm_master(env) -> tuple[str, int]:
     return addr, 20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000
 
 
+def device_type() -> str:
+    """The kind of device every process of this host trains on."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def default_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         count = torch.cuda.device_count()
         if count == 1:  # the launcher bound one GPU per process (srun --gpus-per-task=1, --gpu-bind=single:1)
             local_rank = 0

@@ -3,6 +3,7 @@
   1. build the plain GPT on the meta device (no memory, any size),
   2. pipeline: keep only this rank's stage(s),
   3. tensor parallel: swap each stage's layers for their sharded forms, then activation recomputation around them,
+     then compile: torch.compile on each block, in place (--compile),
   4. materialize this rank's shards with layout-independent values (init, checkpoint or HF weights),
   5. data parallel: hand the stages to the data-parallel engine (DDP, or DeepSpeed ZeRO: zero/engine.py),
   6. pipeline schedule: torch's schedule over what the engine wraps, with static stage shapes.
@@ -19,6 +20,7 @@ import torch.nn as nn
 from trainer3d.model import GPT, GPTConfig, canonical_name, init_value
 from trainer3d.parallel import pipeline
 from trainer3d.parallel.batch import BatchPlan
+from trainer3d.parallel.compile import apply_compile
 from trainer3d.parallel.engine import DataParallelEngine
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.tensor_parallel import (
@@ -80,6 +82,9 @@ def parallelize(
 
     # 3b. activation recomputation, around the tensor-parallel layers (their collectives run again in the backward)
     stages = [apply_recompute(s, cfg.recompute) for s in stages]
+
+    # 3c. compile each block in place, TP and recomputation included (parameter names do not change)
+    stages = [apply_compile(s, cfg.compile) for s in stages]
 
     # 4. materialize: values are a function of the parameter's name, never of the layout
     if full_value is None:

@@ -13,8 +13,6 @@ goes on exactly as without recomputation (Megatron's CheckpointFunction does the
 
 from __future__ import annotations
 
-import functools
-
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -61,12 +59,16 @@ class _Enter:
         return False
 
 
-def _checkpointed(fn, rng):
-    @functools.wraps(fn)
-    def run(*args):
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=_ReplayShardedStream(rng))
+class Checkpointed:
+    """`fn` under torch's checkpoint, with the sharded stream replayed. `fn` is what runs in the forward and again in
+    the recomputation: --compile (compile.py) compiles it in place, so both run the same code and save the same
+    tensors (non-reentrant checkpoint matches them by order)."""
 
-    return run
+    def __init__(self, fn, rng):
+        self.fn, self.rng = fn, rng
+
+    def __call__(self, *args):
+        return checkpoint(self.fn, *args, use_reentrant=False, context_fn=_ReplayShardedStream(self.rng))
 
 
 def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
@@ -76,9 +78,9 @@ def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
     for block in stage.h.values():
         rng = block.attn.sharded_rng
         if mode == "full":
-            block.forward = _checkpointed(block.forward, rng)
+            block.forward = Checkpointed(block.forward, rng)
         elif mode == "selective":
-            block.attn.core = _checkpointed(block.attn.core, rng)
+            block.attn.core = Checkpointed(block.attn.core, rng)
         else:
             raise ValueError(f"unknown recompute mode {mode!r}")
     return stage

@@ -13,10 +13,11 @@ from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.sources import check_data_path, looks_like_path
-from trainer3d.dist.topology import Layout, infer_layout
+from trainer3d.dist.topology import Layout, device_type, infer_layout
 from trainer3d.errors import ConfigError
 from trainer3d.model import MODEL_PRESETS, GPTConfig
 from trainer3d.parallel.batch import BatchPlan, plan_batch
+from trainer3d.parallel.compile import check_compiler
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
 from trainer3d.parallel.tensor_parallel import check_tensor_parallel
 from trainer3d.train.profiling import parse_step_range
@@ -139,5 +140,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> RunS
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches)
     if cfg.profile_steps is not None:
         parse_step_range(cfg.profile_steps, cfg.max_steps)
+    if cfg.compile:
+        check_compiler(device_type())
     hellaswag = tuple(read_examples(cfg.eval_hellaswag, cfg.hellaswag_examples)) if cfg.eval_hellaswag else None
     return RunSetup(cfg=cfg, layout=layout, plan=plan, deepspeed=deepspeed, hf_base=hf_base, hellaswag=hellaswag)
