@@ -139,3 +139,14 @@ def test_memory_estimate_within_10_percent_of_measured():
     n_layouts = len({(c.label(), z) for c, z, _ in cases})
     assert n_layouts >= 6
     assert not bad, "estimate off by more than 10%:\n" + "\n".join(bad)
+
+
+def test_evaluate_string_is_checked_with_one_sentence(capsys):
+    """--evaluate takes key=value pairs; anything else is one sentence and exit code 2, before the search runs."""
+    from trainer3d.plan.cli import main
+
+    for bad, expected in (("dp16 tp8", "key=value pairs"), ("tp=eight", "whole numbers"), ("tp=3", "divide the 8 GPUs"),
+                          ("tp=2,schedule=fast", "schedule=fast is none of"), ("tp=8,pp=1,mbs=5", "does not split")):
+        assert main(["--model", "gpt2", "--nodes", "1", "--global-batch", "64", "--evaluate", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("trainer3d: error: --evaluate") and expected in err and len(err.splitlines()) == 1, err
