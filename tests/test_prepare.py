@@ -204,9 +204,16 @@ def test_prepare_bad_input_leaves_nothing(corpus, tmp_path, capsys, monkeypatch)
         assert not Path(argv[1]).exists(), f"{argv[1]} left behind"
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
+    (tmp_path / "busy" / "draft.tmp-1").write_text("mine too")  # a temporary name, but not one prepare writes
     assert main([str(source), str(tmp_path / "busy")]) == 2
     assert "not a prepared directory" in capsys.readouterr().err
-    assert os.listdir(tmp_path / "busy") == ["notes.txt"]
+    assert sorted(os.listdir(tmp_path / "busy")) == ["draft.tmp-1", "notes.txt"]
+    # killed before its first shard was complete: only a torn temporary shard, no manifest yet -> starts afresh
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "val_000000.bin.tmp-7-dead").write_bytes(b"\0" * 6)
+    assert main([str(source), str(tmp_path / "early"), "--val-tokens", "3000"]) == 0
+    assert read_manifest(tmp_path / "early")["complete"] and not list((tmp_path / "early").glob("*.tmp-*"))
+    capsys.readouterr()
     # a source that cannot be streamed is loaded whole, with the reason printed
     import trainer3d.data.sources as sources
 

@@ -18,8 +18,10 @@ the Hugging Face `tokenizers` backend.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import sys
 import time
@@ -42,6 +44,7 @@ from trainer3d.fsio import replace_durably, temp_name, write_text_atomic
 # OpenAI's published sha256 of the GPT-2 BPE files (tiktoken_ext.openai_public.gpt2); the bundled copies match.
 GPT2_MERGES_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_VOCAB_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+_OUR_TEMP = re.compile(r"^((val|train)_\d{6}\.bin|manifest\.json)\.tmp-")  # fsio.temp_name of what we write
 TASK_CHARS = 1 << 20  # text per worker task: large enough to amortize the pickling, small enough to bound memory
 
 
@@ -169,10 +172,10 @@ class ShardWriter:
                 self.commit(_advance(cursor, lengths, start))
 
     def commit(self, next_cursor: tuple[int, int] | None, complete: bool = False) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
         if self.filled:
             split = self.split
             name = shard_name(split, len(self.m["shards"][split]))
-            self.out.mkdir(parents=True, exist_ok=True)
             tmp = temp_name(self.out / name)
             with open(tmp, "wb") as f:
                 f.write(self.buffer[: self.filled].tobytes())
@@ -182,8 +185,7 @@ class ShardWriter:
         if next_cursor is not None:
             self.m["resume"] = {"next_doc": next_cursor[0], "offset": next_cursor[1]}
         self.m["complete"] = complete
-        self.out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.out / MANIFEST, _dumps(self.m))
+        write_text_atomic(self.out / MANIFEST, json.dumps(self.m, indent=1))
         if not complete:
             self.buffer = np.empty(self._capacity(), dtype=self.dtype)
             test_hooks.pause_after_shard(len(self.m["shards"]["val"]) + len(self.m["shards"]["train"]), self.out)
@@ -196,12 +198,6 @@ def _advance(cursor: tuple[int, int], lengths: np.ndarray, consumed: int) -> tup
     k = int(np.searchsorted(ends, consumed, side="right"))
     before = 0 if k == 0 else int(ends[k - 1])
     return cursor[0] + k, (consumed - before) + (cursor[1] if k == 0 else 0)
-
-
-def _dumps(obj) -> str:
-    import json
-
-    return json.dumps(obj, indent=1)
 
 
 def _settings(cfg: DataConfig, src_identity: dict, encoder: Encoder, args) -> dict[str, Any]:
@@ -282,8 +278,9 @@ def _count(m: dict) -> int:
 
 
 def _resume_or_start(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    for leftover in out.glob("*.tmp-*") if out.is_dir() else ():  # a shard cut short by a kill
-        leftover.unlink()
+    for leftover in out.glob("*.tmp-*") if out.is_dir() else ():  # a shard or manifest cut short by a kill
+        if _OUR_TEMP.match(leftover.name):
+            leftover.unlink()
     if not (out / MANIFEST).exists():
         if out.is_dir() and any(out.iterdir()):
             raise DataError(f"{out} exists and is not a prepared directory; choose an empty or new output directory.")
