@@ -145,7 +145,7 @@ class ShardWriter:
         self.filled = 0
 
     def _written(self, split: str) -> int:
-        return sum(s["tokens"] for s in self.m["shards"][split])
+        return _count(self.m, split)
 
     @property
     def split(self) -> str:
@@ -273,8 +273,9 @@ def _prepare(args, out: Path, say) -> dict[str, Any]:
     return manifest
 
 
-def _count(m: dict) -> int:
-    return sum(s["tokens"] for split in ("val", "train") for s in m["shards"][split])
+def _count(m: dict, *splits: str) -> int:
+    """Tokens in the committed shards of `splits` (default: both)."""
+    return sum(s["tokens"] for split in splits or ("val", "train") for s in m["shards"][split])
 
 
 def _resume_or_start(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
