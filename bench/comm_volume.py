@@ -75,6 +75,7 @@ def candidate_of(case: Case, zero_stage: int = 0):
         seq_len=case.seq_len, zero_stage=zero_stage,
         # the trainer's bf16 without DeepSpeed is torch.autocast over fp32 parameters
         precision="bf16-autocast" if case.extra.get("precision") == "bf16" else "fp32",
+        sequence_parallel=bool(case.extra.get("sequence_parallel")),
     )
 
 
@@ -94,9 +95,16 @@ def default_cases(zero: bool = True, only_zero: bool = False) -> list[Case]:
              **{**MODEL, "n_layer": 8}),
         Case(dp=2, pp=4, schedule="zbv", micro_batches=8, global_batch=16, **{**MODEL, "n_layer": 8}),
         Case(dp=8, global_batch=16, **MODEL),
-        # bf16 autocast (what a GPU run uses): forward TP all-reduces in bf16, the rest fp32
-        Case(dp=2, tp=2, pp=2, micro_batches=4, global_batch=16, extra={"precision": "bf16"}, **MODEL),
     ]
+    # sequence parallelism, and bf16 autocast (what a GPU run uses: tp collectives and pipeline sends in bf16), each
+    # next to the same layout without it (SUMMARY_PAIRS compares them)
+    for extra in ({"sequence_parallel": True}, {"precision": "bf16"}, {"precision": "bf16", "sequence_parallel": True}):
+        c += [] if only_zero else [
+            Case(tp=2, global_batch=8, extra=extra, **MODEL),
+            Case(dp=2, tp=2, pp=2, micro_batches=4, global_batch=16, extra=extra, **MODEL),
+            Case(tp=2, pp=4, schedule="interleaved-1f1b", virtual_stages=2, micro_batches=4, global_batch=8,
+                 extra=extra, **{**MODEL, "n_layer": 8}),
+        ]
     if zero and zero_available():
         from bench.memory import ds_config
 
@@ -109,7 +117,49 @@ def default_cases(zero: bool = True, only_zero: bool = False) -> list[Case]:
 
 
 def label(case: Case) -> str:
-    return case.label() + (" bf16" if case.extra.get("precision") == "bf16" else "")
+    return (case.label() + (" bf16" if case.extra.get("precision") == "bf16" else "")
+            + (" SP" if case.extra.get("sequence_parallel") else ""))
+
+
+def summary(cases: list[Case], results: list[list]) -> list[list]:
+    """Each sequence-parallel or bf16 layout against the same layout without it: measured tp and pp wire bytes (all
+    ranks), their ratio, and the analytic ratio. Under SP the tp bytes split into the all-gathers and reduce-scatters
+    that replace the all-reduces ("replacements only"), the re-gather of each saved input shard for the weight
+    gradient, and the once-per-step sum of the replicated parameters' gradients."""
+    from trainer3d.plan.comm import analytic_comm
+
+    def wire(i, group):
+        return sum(r["groups"].get(group, {}).get("wire", 0.0) for r in results[i] if r is not None)
+
+    def sp_extra(i):  # analytic bytes of the backward re-gathers and the per-step gradient sum, all ranks
+        return sum(t.wire for r in results[i] if r is not None
+                   for t in analytic_comm(candidate_of(cases[i]), r["coords"][0])
+                   if "gathered again" in t.why or "once per step" in t.why)
+
+    def key(c: Case, **override):
+        extra = {**c.extra, **override}
+        return (c.dp, c.tp, c.pp, c.schedule, c.n_layer, extra.get("precision"), bool(extra.get("sequence_parallel")))
+
+    index = {key(c): i for i, c in enumerate(cases)}
+    rows = []
+    for i, c in enumerate(cases):
+        sp, bf16 = bool(c.extra.get("sequence_parallel")), c.extra.get("precision") == "bf16"
+        for what, base in (("SP", key(c, sequence_parallel=False) if sp else None),
+                           ("bf16", key(c, precision=None) if bf16 else None)):
+            j = index.get(base)
+            if j is None:
+                continue
+            tp_i, tp_j, pp_i, pp_j = wire(i, "tp"), wire(j, "tp"), wire(i, "pp"), wire(j, "pp")
+            ana = lambda k, g: sum(t.wire for r in results[k] if r is not None  # noqa: E731
+                                   for t in analytic_comm(candidate_of(cases[k]), r["coords"][0]) if t.group == g)
+            rows.append([
+                f"{label(c)} vs without {what}", fmt_bytes(tp_j), fmt_bytes(tp_i), f"{tp_i / tp_j:.3f}",
+                f"{ana(i, 'tp') / ana(j, 'tp'):.3f}",
+                f"{(tp_i - sp_extra(i)) / tp_j:.3f}" if what == "SP" else "-",
+                fmt_bytes(pp_j) if pp_j else "-", fmt_bytes(pp_i) if pp_i else "-",
+                f"{pp_i / pp_j:.3f}" if pp_j else "-", f"{ana(i, 'pp') / ana(j, 'pp'):.3f}" if pp_j else "-",
+            ])
+    return rows
 
 
 def compare(cases: list[Case], results: list[list]) -> tuple[list[list], list[str]]:
@@ -172,6 +222,10 @@ def main(argv=None) -> int:
     rows, _ = compare(cases, results)
     print(table(rows, ["layout", "group", "measured (all ranks)", "analytic", "ratio", "wire measured",
                        "wire analytic", "max rank |r-1|", "calls (op/group size × count, all ranks)"]))
+    print()
+    print(table(summary(cases, results), ["layout", "tp wire without", "tp wire with", "tp ratio", "analytic",
+                                          "tp ratio, replacements only", "pp without", "pp with", "pp ratio",
+                                          "analytic"]))
     print()
     print(stamp("python bench/comm_volume.py" + (" --no-zero" if args.no_zero else "")))
     if not zero_available():

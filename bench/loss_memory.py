@@ -65,7 +65,7 @@ def _before():
 def measure(tp: int, dtype: str, chunked: bool) -> dict:
     import torch
 
-    from trainer3d.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 
     counter = MallocCounter()
     torch.manual_seed(0)

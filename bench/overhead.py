@@ -94,7 +94,7 @@ class BareLoop:
         if not self.same_math:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
         else:  # the trainer's loss function (no group: its all-reduces are no-ops), padding masked
-            from trainer3d.parallel.tensor_parallel import vocab_parallel_cross_entropy
+            from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 
             loss = vocab_parallel_cross_entropy(logits, y, None, 0, self.vocab).mean()
         loss.backward()

@@ -77,6 +77,8 @@ def _cases(tmp):
         # layouts
         (["--tp", "3"], "World size 1 is not divisible by tp×pp = 3×1 = 3; launch a multiple of 3 processes or "
                         "change --tp/--pp."),
+        (["--sequence-parallel"], "--sequence-parallel splits the sequence over the tensor-parallel ranks; it needs "
+                                  "--tp 2 or more (drop the flag at --tp 1)."),
         (["--n-layer", "1", "--schedule", "zbv"],
          "2 pipeline stages (pp=1 × 2 per rank) exceed the model's 1 layers; lower --pp or --virtual-stages."),
         # paths
@@ -221,3 +223,19 @@ def test_compile_without_a_compiler_gets_one_sentence(tmp_path):
         f"(tried {env['CXX']}); install g++ (e.g. apt-get install g++) or point CXX at one, or drop --compile.\n"
     ), proc.stderr
     assert not out_dir.exists()
+
+
+def test_sequence_parallel_needs_a_sequence_tp_divides(monkeypatch, capsys):
+    """Two processes from a launcher at --tp 2, refused before the rendezvous (which would hang: no peer exists)."""
+    from trainer3d.train.loop import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    assert main(BASE + ["--tp", "2", "--sequence-parallel", "--seq-len", "63"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer3d: error: --sequence-parallel splits --seq-len 63 over --tp 2 ranks; pick a --seq-len divisible " \
+           "by 2.\n" in err, err
+    assert "Traceback" not in err

@@ -58,7 +58,17 @@ def world8_matrix() -> list[dict]:
     for mode in ("selective", "full"):
         cases += [case(recompute=mode), case(2, 2, 2, recompute=mode), case(1, 2, 4, "interleaved-1f1b", recompute=mode)]
     cases += [case(2, 1, 4, "zbv", recompute="full")]  # split backward: input and weight passes both recompute
+    # sequence parallelism: with pp (stage boundaries carry sequence shards), interleaved, tp 4, a split backward
+    sp = dict(sequence_parallel=True)
+    cases += [case(2, 2, 2, **sp), case(1, 2, 4, "interleaved-1f1b", **sp), case(1, 4, 2, **sp),
+              case(2, 2, 2, "zbv", recompute="full", **sp)]
     return cases
+
+
+def world4_matrix() -> list[dict]:
+    """Every layout of 4 processes, and sequence parallelism at (1,2,1) and (2,2,1) with selective recomputation."""
+    return full_matrix(4) + [case(1, 2, 1, sequence_parallel=True),
+                             case(2, 2, 1, sequence_parallel=True, recompute="selective")]
 
 
 def label(c: dict) -> str:
@@ -95,7 +105,7 @@ def check(results: list, cases: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize(
     "world,matrix",
-    [(2, full_matrix(2)), (4, full_matrix(4)), (8, world8_matrix())],
+    [(2, full_matrix(2)), (4, world4_matrix()), (8, world8_matrix())],
     ids=["world2", "world4", "world8"],
 )
 def test_loss_parity(world, matrix):
@@ -104,17 +114,25 @@ def test_loss_parity(world, matrix):
     assert not failures, "\n".join(failures)
 
 
+MODES = ("none", "selective", "full")
+
+
 def dropout_cases() -> list[dict]:
     """(1,2,2) 1F1B with dropout 0.2 (replicated and head-sharded masks, four micro-batches in flight): the same
-    run with recompute none, selective and full."""
-    return [dict(tp=2, pp=2, micro_batches=4, dropout=0.2, recompute=m) for m in ("none", "selective", "full")]
+    run with recompute none, selective and full; then again under sequence parallelism (every dropout outside
+    attention on sequence shards, drawn from the per-tp-rank stream)."""
+    return [dict(tp=2, pp=2, micro_batches=4, dropout=0.2, recompute=m, sequence_parallel=sp)
+            for sp in (False, True) for m in MODES]
 
 
 def test_recompute_replays_dropout_masks():
     """Recomputation draws every dropout mask again; the losses must not move (bitwise: same masks, same math)."""
     results = run_world(4, run_layouts, dropout_cases(), 6, timeout=600)
-    losses = [next(r[i] for r in results if r[i] is not None)["losses"] for i in (1, 2, 3)]
-    print(f"\nrecompute none/selective/full with dropout 0.2 at 1x2x2: {losses[0][-1]:.6f} {losses[1][-1]:.6f} "
-          f"{losses[2][-1]:.6f}")
-    assert losses[0] != results[0][0]["losses"]  # dropout is on: not the dropout-free reference
-    assert losses[1] == losses[0] and losses[2] == losses[0], losses
+    losses = [next(r[i] for r in results if r[i] is not None)["losses"] for i in range(1, 7)]
+    for name, runs in (("", losses[:3]), (" sequence-parallel", losses[3:])):
+        print(f"\nrecompute none/selective/full with dropout 0.2 at 1x2x2{name}: "
+              + " ".join(f"{run[-1]:.6f}" for run in runs))
+        assert runs[0] != results[0][0]["losses"]  # dropout is on: not the dropout-free reference
+        assert runs[1] == runs[0] and runs[2] == runs[0], runs
+    # sequence parallelism draws its masks per sequence shard: other masks, the same loss to within dropout's noise
+    assert losses[3] != losses[0] and abs(losses[3][-1] - losses[0][-1]) < 0.05 * losses[0][-1]

@@ -81,6 +81,8 @@ def label(lay: dict, ds: dict | None) -> str:
     name = f"{lay['dp']}x{lay['tp']}x{lay['pp']} {lay['schedule']}"
     if lay.get("recompute", "none") != "none":
         name += f" recompute={lay['recompute']}"
+    if lay.get("sequence_parallel"):
+        name += " sequence-parallel"
     if ds is None:
         return name + " DDP"
     z = ds["zero_optimization"]
@@ -286,7 +288,9 @@ def world8_cases():
     a, c = layout(2, tp=2, pp=2), layout(2, tp=2, pp=2, schedule="interleaved-1f1b")
     cases = [(a, None)] + [(a, ds_config(s)) for s in (1, 2, 3)] + [(c, None), (c, ds_config(2, "opt")), (c, ds_config(3, "all"))]
     # activation recomputation under ZeRO-3 with CPU offload (checked against the DDP run of the same layout)
-    return cases + [(dict(a, recompute=m), ds_config(3, "all")) for m in ("selective", "full")]
+    cases += [(dict(a, recompute=m), ds_config(3, "all")) for m in ("selective", "full")]
+    # sequence parallelism: its tp sum of the LayerNorm, bias and position gradients on ZeRO's partitions
+    return cases + [(dict(a, sequence_parallel=True), ds_config(s, off)) for s, off in ((1, "none"), (3, "all"))]
 
 
 def _run(world, cases, timeout):

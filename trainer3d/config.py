@@ -33,6 +33,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (every block)
+    sequence_parallel: bool = False  # LayerNorm, dropout, residual on sequence shards over tp (Megatron's)
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     micro_batches: int | None = None  # per optimizer step and dp rank; default pp (2·pp for multi-stage), 1 at pp=1
     # batch
@@ -130,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument(
         "--recompute", default=d.recompute, choices=["none", "selective", "full"],
         help="activation recomputation: selective recomputes the attention core, full every block",
+    )
+    lay.add_argument(
+        "--sequence-parallel", action="store_true",
+        help="Megatron's sequence parallelism (tp > 1): LayerNorm, dropout and the residual stream on sequence "
+        "shards, pipeline sends divided by tp",
     )
     lay.add_argument(
         "--compile", action="store_true",

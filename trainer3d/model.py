@@ -116,10 +116,11 @@ class CausalSelfAttention(nn.Module):
         self.sharded_rng = contextlib.nullcontext
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
-        # The local head count follows from the (possibly sharded) width.
-        q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        qkv = self.c_attn(x)
+        # The local head count follows from the (possibly sharded) width, the length from the projection's output
+        # (under sequence parallelism x is a shard of the sequence and the projection gathers it).
+        B, T, _ = qkv.shape
+        q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         if kv_cache is None:
             y = self.core(q, k, v)
         else:

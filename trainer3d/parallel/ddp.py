@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer3d.dist.collectives import all_reduce, group_size
 from trainer3d.optim import adam, adam_step_state, param_groups, set_lr
 from trainer3d.parallel.engine import (
-    DataParallelEngine, counts_in_norm, sum_tied_grads, tied_copies, unique_parameters,
+    DataParallelEngine, counts_in_norm, sequence_parallel_params, sum_sequence_parallel_grads, sum_tied_grads,
+    tied_copies, unique_parameters,
 )
 from trainer3d.parallel.pipeline import SCHEDULES
 
@@ -58,6 +59,10 @@ def all_reduce_grads(params: list[nn.Parameter], dp_group, bucket_elems: int = 2
             bucket = []
 
 
+def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
 def _set_grad(p: nn.Parameter, value: torch.Tensor) -> None:
     if p.grad is None:
         p.grad = value.clone()
@@ -76,6 +81,7 @@ class DDPEngine(DataParallelEngine):
         self.hooks_reduce = not SCHEDULES[cfg.schedule].split_backward  # DDP's hooks see every gradient
         self.wrapped = [wrap_ddp(s, topo.dp_group, device) for s in stages] if self.hooks_reduce else list(stages)
         self.params = unique_parameters(stages)
+        self.sequence_parallel = sequence_parallel_params(stages)
         groups = param_groups(self.params, cfg.weight_decay)
         self.optimizer = adam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
@@ -90,6 +96,7 @@ class DDPEngine(DataParallelEngine):
         if not self.hooks_reduce:
             all_reduce_grads(self.params, self.topo.dp_group)
         sum_tied_grads(tied_copies(self.stages), self.topo.embedding_group, lambda p: p.grad, _set_grad)
+        sum_sequence_parallel_grads(self.sequence_parallel, self.topo.tp_group, _grad_or_zeros, _set_grad)
         if grad_scale != 1.0:
             torch._foreach_mul_(self._grads(), grad_scale)
         return self.global_grad_norm()

@@ -3,8 +3,8 @@ DeepSpeed ZeRO 0-3 (zero/engine.py). The trainer calls only this interface; the 
 (which copies of the tied embedding exist, which gradient elements a rank counts in the global norm) live here.
 
 An engine owns everything between "the schedule has run every micro-batch's backward" and "the weights moved":
-the dp reduction, the tied-embedding sum across the first and last stage, the global norm, clipping and the
-optimizer step; and, for checkpoints, each parameter's fp32 value and optimizer state, whole over dp.
+the dp reduction, the tied-embedding sum across the first and last stage, the tp sum of sequence-parallel
+gradients, the global norm, clipping and the optimizer step; and, for checkpoints, each parameter's fp32 value and optimizer state, whole over dp.
 
 A training step reads the device once (`read_scalars`, in `DataParallelEngine.step`): the global norm must be on the
 host before the update (a non-finite one skips it: fp16's loss scale backs off), so the step's loss rides along in
@@ -65,8 +65,8 @@ class DataParallelEngine:
         return StepResult(norm, stepped=True, loss=loss_value)
 
     def reduce_grads(self, grad_scale: float) -> torch.Tensor:
-        """step()'s first half, without reading the device: reduce over dp, sum the tied embedding, multiply by
-        `grad_scale`; return the global gradient norm as a device scalar."""
+        """step()'s first half, without reading the device: reduce over dp, sum the tied embedding and the
+        sequence-parallel gradients, multiply by `grad_scale`; return the global gradient norm as a device scalar."""
         raise NotImplementedError
 
     def skip_step(self, norm: float) -> None:
@@ -165,3 +165,22 @@ def sum_tied_grads(copies: list[nn.Parameter], embedding_group, read: Callable, 
         total = all_reduce(total.contiguous(), embedding_group)
     for p in copies:
         write(p, total)
+
+
+def sequence_parallel_params(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The tp-replicated parameters whose gradient each tp rank holds only its sequence shard's share of
+    (marked by parallel/sequence_parallel.py); none without --sequence-parallel."""
+    return [p for p in unique_parameters(modules) if getattr(p, "sequence_parallel", False)]
+
+
+def sum_sequence_parallel_grads(params: list[nn.Parameter], tp_group, read: Callable, write: Callable) -> None:
+    """Sequence parallelism: the gradient of a tp-replicated parameter is the sum of the tp ranks' shares, and every
+    tp rank takes that sum so the copies stay identical (Megatron's all-reduce of the LayerNorm gradients). One
+    all-reduce for all of them. `read(p)`/`write(p, total)` access a gradient as the engine holds it; tp peers hold
+    the same parameters in the same order and, under ZeRO, the same partitions of them."""
+    if not params or group_size(tp_group) == 1:
+        return
+    grads = [read(p) for p in params]
+    flat = all_reduce(torch.cat([g.reshape(-1).float() for g in grads]), tp_group)
+    for p, g, total in zip(params, grads, flat.split([g.numel() for g in grads])):
+        write(p, total.view_as(g).to(g.dtype))

@@ -2,11 +2,12 @@
 
   1. build the plain GPT on the meta device (no memory, any size),
   2. pipeline: keep only this rank's stage(s),
-  3. tensor parallel: swap each stage's layers for their sharded forms, then activation recomputation around them,
+  3. tensor parallel: swap each stage's layers for their sharded forms (sequence parallelism: the activations
+     between them on sequence shards), then activation recomputation around them,
      then compile: torch.compile on each block, in place (--compile),
   4. materialize this rank's shards with layout-independent values (init, checkpoint or HF weights),
   5. data parallel: hand the stages to the data-parallel engine (DDP, or DeepSpeed ZeRO: zero/engine.py),
-  6. pipeline schedule: torch's schedule over what the engine wraps, with static stage shapes.
+  6. pipeline schedule: torch's schedule over what the engine wraps, with static stage shapes (in the compute dtype).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from trainer3d.parallel.batch import BatchPlan
 from trainer3d.parallel.compile import apply_compile
 from trainer3d.parallel.engine import DataParallelEngine
 from trainer3d.parallel.recompute import apply_recompute
+from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
 from trainer3d.parallel.tensor_parallel import (
     ShardedDropoutRNG, apply_tensor_parallel, gather_full, materialize, padded_vocab_size,
 )
@@ -79,6 +81,8 @@ def parallelize(
     # the default generator, seeded alike on tp peers (seed_rngs).
     sharded_rng = ShardedDropoutRNG(sharded_stream_seed(cfg.seed, topo), device)
     stages = [apply_tensor_parallel(s, topo.tp_group, topo.tp_rank, L.tp, sharded_rng) for s in stages]
+    if cfg.sequence_parallel:  # ... with the activations between the tp regions on sequence shards
+        stages = [apply_sequence_parallel(s, topo.tp_rank, L.tp, sharded_rng) for s in stages]
 
     # 3b. activation recomputation, around the tensor-parallel layers (their collectives run again in the backward)
     stages = [apply_recompute(s, cfg.recompute) for s in stages]
@@ -96,13 +100,17 @@ def parallelize(
     # 5. data parallel
     engine = engine_factory(stages)
 
-    # 6. the schedule over the engine's stage modules
+    # 6. the schedule over the engine's stage modules; stage boundaries in the compute dtype (under autocast the
+    # residual stream is fp32 inside a stage and is cast for the wire)
+    if compute_dtype != torch.float32 and not engine.casts_module:
+        for s in stages:
+            pipeline.send_in_compute_dtype(s, compute_dtype)
     padded = padded_vocab_size(mcfg.vocab_size, L.tp)
-    activations = compute_dtype if engine.casts_module else torch.float32  # autocast keeps the residual in fp32
     schedule = pipeline.build_schedule(
         engine.stage_modules, ids, n_stages, cfg.schedule, plan.micro_batches, loss_fn, topo.pp_group, device,
         shapes=lambda i: pipeline.stage_shapes(
-            i, n_stages, plan.micro_batch_size, cfg.seq_len, mcfg.n_embd, padded // L.tp, activations, compute_dtype
+            i, n_stages, plan.micro_batch_size, cfg.seq_len, mcfg.n_embd, padded // L.tp, compute_dtype, compute_dtype,
+            hidden_seq_len=cfg.seq_len // L.tp if cfg.sequence_parallel else cfg.seq_len,
         ),
         stage_cls=engine.stage_cls,
     )

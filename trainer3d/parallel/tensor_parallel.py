@@ -3,7 +3,11 @@
 Attention QKV and MLP fc are column-parallel (output dim split, heads split across ranks), attention and MLP
 projections row-parallel (input dim split, one all-reduce after), so each block needs one all-reduce per half
 in forward and one in backward. Embedding and LM head are vocab-parallel and the cross-entropy works on vocab
-shards without ever gathering the logits. Plain tensors (not DTensor) so DDP and DeepSpeed can wrap the result.
+shards without ever gathering the logits (cross_entropy.py). Plain tensors (not DTensor) so DDP and DeepSpeed can wrap the result.
+
+Under sequence parallelism (Korthikanti et al. 2022; sequence_parallel.py sets `sequence_parallel` on the layers)
+the activations between the regions are sequence shards: an all-gather of the sequence enters a column-parallel
+region and a reduce-scatter of it leaves a row-parallel one, the same bytes as the all-reduce they replace.
 """
 
 from __future__ import annotations
@@ -55,6 +59,86 @@ def reduce_from_tp(x, group):
     return _ReduceFromTP.apply(x, group) if group_size(group) > 1 else x
 
 
+# ---- their sequence-parallel forms: activations [batch, seq, hidden] split along seq between the regions ----------
+# torch's collectives concatenate along dim 0, so the sequence is moved there and back (one copy each way; Megatron
+# avoids it by keeping activations [seq, batch, hidden] throughout).
+SEQ_DIM = 1
+
+
+def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, T/tp, ...] shards -> [B, T, ...], rank order along the sequence."""
+    shards = x.movedim(SEQ_DIM, 0).contiguous()
+    out = shards.new_empty((group_size(group) * shards.shape[0],) + tuple(shards.shape[1:]))
+    dist.all_gather_into_tensor(out, shards, group=group)
+    return out.movedim(0, SEQ_DIM).contiguous()
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, T, ...] partial sums -> this rank's [B, T/tp, ...] shard of their sum."""
+    full = x.movedim(SEQ_DIM, 0).contiguous()
+    out = full.new_empty((full.shape[0] // group_size(group),) + tuple(full.shape[1:]))
+    dist.reduce_scatter_tensor(out, full, group=group)
+    return out.movedim(0, SEQ_DIM).contiguous()
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Reduce-scatter forward, all-gather backward: leaves a row-parallel region onto sequence shards."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """F.linear(all-gathered sequence, weight, bias), saving only this rank's shard of the input: the backward
+    gathers it again for the weight gradient and reduce-scatters the input gradient, so the saved input of every
+    column-parallel layer shrinks by tp too (Korthikanti et al. 2022, section 4.2.2; Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication). A plain gather before F.linear would save the whole sequence."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x_full = all_gather_sequence(x, ctx.group).to(grad.dtype)  # under autocast grad is bf16, the weight fp32
+        grad_x = reduce_scatter_sequence(grad.matmul(weight.to(grad.dtype)), ctx.group)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_w = grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+        return grad_x, grad_w, grad_2d.sum(0) if ctx.has_bias else None, None
+
+
+def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """Under autocast, the input of a tensor-parallel matmul in the matmul's dtype: autocast would cast it there anyway,
+    and cast before the collective it crosses the wire in bf16, its gradient too (fp32 otherwise)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
+def parallel_linear(x, weight, bias, group, sequence_parallel: bool):
+    """The matmul that enters a tensor-parallel region (a column-parallel layer, the LM head): every rank needs the
+    whole sequence (all-gathered from its shards under sequence parallelism)."""
+    x = to_compute_dtype(x)
+    if sequence_parallel:
+        return _SequenceGatheredLinear.apply(x, weight, bias, group)
+    return F.linear(copy_to_tp(x, group), weight, bias)
+
+
+def leave_tp(x, group, sequence_parallel: bool):
+    """Out of a region whose outputs are partial sums (a row-parallel layer, the vocab-parallel embedding)."""
+    return _ReduceScatterSequence.apply(x, group) if sequence_parallel else reduce_from_tp(x, group)
+
+
 # ---- how a full parameter maps onto its shards --------------------------------------------------------------
 @dataclass(frozen=True)
 class TPSpec:
@@ -90,6 +174,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, group, rank, size, bias=True, chunks=1, device=None):
         super().__init__()
         self.group = group
+        self.sequence_parallel = False
         self.weight = nn.Parameter(torch.empty(out_features // size, in_features, device=device))
         self.weight.tp_spec = TPSpec(0, (out_features, in_features), chunks)
         self.bias = None
@@ -98,7 +183,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.tp_spec = TPSpec(0, (out_features,), chunks)
 
     def forward(self, x):
-        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        return parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
 
 
 class RowParallelLinear(nn.Module):
@@ -107,12 +192,13 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, group, rank, size, device=None):
         super().__init__()
         self.group = group
+        self.sequence_parallel = False
         self.weight = nn.Parameter(torch.empty(out_features, in_features // size, device=device))
         self.weight.tp_spec = TPSpec(1, (out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features, device=device))  # replicated, added once
 
     def forward(self, x):
-        return reduce_from_tp(F.linear(x, self.weight), self.group) + self.bias
+        return leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel) + self.bias
 
 
 def vocab_parallel_weight(vocab_size, padded_vocab, dim, size, device=None) -> nn.Parameter:
@@ -127,6 +213,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size, padded_vocab, dim, group, rank, size, device=None):
         super().__init__()
         self.group = group
+        self.sequence_parallel = False
         per_rank = padded_vocab // size
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
         self.weight = vocab_parallel_weight(vocab_size, padded_vocab, dim, size, device)
@@ -137,7 +224,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = torch.where(outside, 0, ids - self.vocab_start)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.group)
+        return leave_tp(out, self.group, self.sequence_parallel)
 
 
 class VocabParallelHead(nn.Module):
@@ -146,78 +233,11 @@ class VocabParallelHead(nn.Module):
     def __init__(self, weight: nn.Parameter, group):
         super().__init__()
         self.group = group
+        self.sequence_parallel = False
         self.weight = weight
 
     def forward(self, x):
-        return F.linear(copy_to_tp(x, self.group), self.weight)
-
-
-LOSS_CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the loss: 16 MiB per chunk of tokens at most
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from vocab-sharded logits: all-reduces of the max, the target logit and the sum
-    of exps, never the logits themselves. Padded vocab columns (>= vocab_size) are masked out.
-
-    Chunked over tokens: the fp32 temporaries (shifted logits, exps) never exceed `chunk` tokens, and only the logits
-    (already held as the stage output), the max and the sum are saved; the backward recomputes each chunk's softmax.
-    Unchunked, a micro-batch of 8 × 1024 tokens at GPT-2's vocab holds 1.6 GB of fp32 softmax from the loss to its
-    backward (bench/README.md, "The loss in chunks")."""
-
-    @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size, chunk):
-        n_local = logits.shape[-1]
-        n_valid = max(0, min(n_local, vocab_size - vocab_start))
-        flat, tgt = logits.reshape(-1, n_local), target.reshape(-1)
-        n, spans = flat.shape[0], _spans(flat.shape[0], chunk)
-        logits_max = torch.full((n,), float("-inf"), device=logits.device)
-        if n_valid > 0:  # else a shard made only of padding
-            for a, b in spans:
-                logits_max[a:b] = flat[a:b, :n_valid].max(dim=-1)[0].float()
-        logits_max = all_reduce(logits_max, group, dist.ReduceOp.MAX)
-
-        outside = (tgt < vocab_start) | (tgt >= vocab_start + n_local)
-        local_target = torch.where(outside, 0, tgt - vocab_start)
-        sums = torch.empty(2, n, device=logits.device)  # [target logit, sum of exps]: one all-reduce for both
-        for a, b in spans:
-            shifted = _shifted(flat[a:b], logits_max[a:b], n_valid)  # fp32 softmax under mixed precision
-            sums[0, a:b] = shifted.gather(-1, local_target[a:b].unsqueeze(-1)).squeeze(-1).masked_fill(outside[a:b], 0.0)
-            sums[1, a:b] = shifted.exp_().sum(dim=-1)
-        target_logit, sum_exp = all_reduce(sums, group)
-        ctx.save_for_backward(logits, logits_max, sum_exp, local_target, outside)
-        ctx.n_valid, ctx.chunk = n_valid, chunk
-        return (torch.log(sum_exp) - target_logit).view(target.shape)
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        logits, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
-        flat, g = logits.reshape(-1, logits.shape[-1]), grad_loss.reshape(-1)
-        grad = torch.empty_like(flat)
-        for a, b in _spans(flat.shape[0], ctx.chunk):
-            softmax = _shifted(flat[a:b], logits_max[a:b], ctx.n_valid).exp_().div_(sum_exp[a:b].unsqueeze(-1))
-            softmax.scatter_add_(-1, local_target[a:b].unsqueeze(-1), -(~outside[a:b]).unsqueeze(-1).to(softmax.dtype))
-            grad[a:b] = softmax.mul_(g[a:b].unsqueeze(-1))
-        return grad.view_as(logits), None, None, None, None, None
-
-
-def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
-    return [(a, min(a + chunk, n)) for a in range(0, n, max(1, chunk))]
-
-
-def _shifted(logits: torch.Tensor, logits_max: torch.Tensor, n_valid: int) -> torch.Tensor:
-    shifted = logits.float() - logits_max.unsqueeze(-1)
-    if n_valid < shifted.shape[-1]:
-        shifted[:, n_valid:] = float("-inf")
-    return shifted
-
-
-def vocab_parallel_cross_entropy(
-    logits, target, group, vocab_start: int, vocab_size: int, chunk_tokens: int | None = None
-) -> torch.Tensor:
-    """Per-token losses (shape of `target`); `logits` is this rank's vocab slice starting at `vocab_start`.
-    `chunk_tokens`: tokens per chunk (default: LOSS_CHUNK_ELEMENTS fp32 elements of this shard's logits)."""
-    chunk = chunk_tokens or max(1, LOSS_CHUNK_ELEMENTS // logits.shape[-1])
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, chunk)
+        return parallel_linear(x, self.weight, None, self.group, self.sequence_parallel)
 
 
 # ---- dropout RNG ---------------------------------------------------------------------------------------------
@@ -282,6 +302,10 @@ def check_tensor_parallel(cfg, tp: int) -> None:
 
 
 # ---- full (layout-free) values <-> this rank's shards ----------------------------------------------------------
+# What the parallel passes mark on a parameter: its tp split, and (sequence parallelism) that each tp rank holds only
+# its sequence shard's share of a replicated parameter's gradient (the engines sum them over tp).
+PARAM_ATTRIBUTES = ("tp_spec", "sequence_parallel")
+
 def materialize(module: nn.Module, device: torch.device, full_value, rank: int, size: int) -> None:
     """Replace every (meta) parameter of `module` by this rank's shard of `full_value(name, full_shape)`.
 
@@ -298,8 +322,9 @@ def materialize(module: nn.Module, device: torch.device, full_value, rank: int, 
                 full = full_value(name, spec.full_shape if spec else tuple(p.shape))
                 value = shard_tensor(full, spec, rank, size) if spec else full
                 new = nn.Parameter(value.to(device=device, dtype=torch.float32), requires_grad=p.requires_grad)
-                if spec is not None:
-                    new.tp_spec = spec
+                for attr in PARAM_ATTRIBUTES:
+                    if hasattr(p, attr):
+                        setattr(new, attr, getattr(p, attr))
                 memo[id(p)] = new
             mod._parameters[key] = memo[id(p)]
 

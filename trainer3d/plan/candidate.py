@@ -20,9 +20,9 @@ class Precision:
     """Bytes per element of each kind of tensor, and of model state per parameter."""
 
     name: str
-    resid: int  # residual stream: LayerNorm inputs, pipeline sends, the embedding output
-    matmul: int  # matmul inputs/outputs: saved activations, TP forward all-reduces, logits
-    tp_bwd: int  # TP backward all-reduces (gradients w.r.t. LayerNorm outputs)
+    resid: int  # residual stream: LayerNorm inputs, the embedding output
+    matmul: int  # matmul inputs/outputs: saved activations, TP collectives (forward and backward), logits
+    send: int  # pipeline sends (the residual stream crosses stages in the compute dtype) and their gradients
     param: int  # model state per parameter (ZeRO paper: 2 + 2 + K with K = 12 in mixed precision)
     grad: int
     optim: int  # Adam's two moments, plus the fp32 master copy when params are 16-bit
@@ -34,15 +34,15 @@ class Precision:
 
 PRECISIONS = {
     # CPU runs and the tests: everything fp32; Adam keeps exp_avg and exp_avg_sq (4 + 4 + 8 bytes per param).
-    "fp32": Precision("fp32", resid=4, matmul=4, tp_bwd=4, param=4, grad=4, optim=8),
+    "fp32": Precision("fp32", resid=4, matmul=4, send=4, param=4, grad=4, optim=8),
     # trainer3d without DeepSpeed on a GPU: fp32 parameters under torch.autocast(bf16). Matmuls run in bf16 and
-    # save bf16 inputs, but the residual stream (and so LayerNorm inputs, pipeline sends, and the gradients that
-    # the column-parallel layers all-reduce) stays fp32. Same 16 bytes of state per parameter as the ZeRO paper's
-    # mixed precision, split 4 + 4 + 8.
-    "bf16-autocast": Precision("bf16-autocast", resid=4, matmul=2, tp_bwd=4, param=4, grad=4, optim=8),
+    # save bf16 inputs; the residual stream (LayerNorm inputs, the embedding output) stays fp32 inside a stage, but
+    # what crosses the wire is bf16: TP collectives (inputs cast before the collective) and pipeline sends (cast at
+    # the stage boundary). Same 16 bytes of state per parameter as the ZeRO paper's mixed precision, 4 + 4 + 8.
+    "bf16-autocast": Precision("bf16-autocast", resid=4, matmul=2, send=2, param=4, grad=4, optim=8),
     # The ZeRO paper's mixed-precision Adam (DeepSpeed "bf16": {"enabled": true}): 16-bit params and grads,
     # K = 12 bytes of optimizer state (fp32 master + two moments), 16-bit activations throughout.
-    "bf16-mixed": Precision("bf16-mixed", resid=2, matmul=2, tp_bwd=2, param=2, grad=2, optim=12),
+    "bf16-mixed": Precision("bf16-mixed", resid=2, matmul=2, send=2, param=2, grad=2, optim=12),
 }
 
 
@@ -98,6 +98,7 @@ class Candidate:
     offload_optimizer: bool = False
     offload_params: bool = False
     recompute: bool = False  # full activation checkpointing of every block
+    sequence_parallel: bool = False  # --sequence-parallel (tp > 1): activations outside the tp regions split by tp
     # ZeRO-3 keeps parameters smaller than this unpartitioned (DeepSpeed's stage3_param_persistence_threshold)
     zero3_persistence: int | None = None  # None: 10 × hidden (report.zero_buckets)
     zero_bucket_elems: int | None = None  # DeepSpeed reduce_bucket_size; None: hidden² (report.zero_buckets)
@@ -132,6 +133,8 @@ def describe(cand: Candidate) -> str:
         s += "+offload" + ("(opt,param)" if cand.offload_params else "(opt)")
     if cand.recompute:
         s += " +recompute"
+    if cand.sequence_parallel:
+        s += " +sp"
     return s
 
 
@@ -151,6 +154,19 @@ def stage_params(cfg: GPTConfig, tp: int, st: Stage) -> int:
     if st.last:
         n += 2 * h + (0 if st.first else Vp // tp * h)  # ln_f, and the head's copy of wte when not on this module
     return n
+
+
+def replicated_params(cfg: GPTConfig, stages: list[Stage]) -> list[int]:
+    """Sizes of the tp-replicated parameters of a rank's stages (LayerNorms, row-parallel biases, positions): under
+    sequence parallelism their gradients are summed over tp once per step."""
+    h, out = cfg.n_embd, []
+    for s in stages:
+        if s.first:
+            out.append(cfg.n_positions * h)
+        out += [h] * 6 * s.layers  # ln_1, ln_2 (weight, bias), attention and MLP projection biases
+        if s.last:
+            out += [h, h]  # ln_f
+    return out
 
 
 def rank_params(cfg: GPTConfig, tp: int, stages: list[Stage]) -> int:

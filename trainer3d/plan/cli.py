@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print the plans as JSON")
     o.add_argument("--evaluate", default=None, metavar="LAYOUT",
                    help="also estimate one layout, e.g. tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1 "
-                        "(dp follows from the cluster; keys: tp pp schedule v mbs zero offload recompute)")
+                        "(dp follows from the cluster; keys: tp pp schedule v mbs zero offload recompute sp)")
     return p
 
 

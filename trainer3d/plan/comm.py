@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trainer3d.parallel.pipeline import last_stage_pp_rank
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
-from trainer3d.plan.candidate import Candidate, persistent_params, rank_params
+from trainer3d.plan.candidate import Candidate, persistent_params, rank_params, replicated_params
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -53,6 +53,54 @@ def tied_copy_ranks(cand: Candidate) -> tuple[int, int]:
     return 0, last_stage_pp_rank(cand.schedule, cand.pp)
 
 
+def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
+    """The tp group's collectives. Without sequence parallelism: an all-reduce per row-parallel output (forward) and
+    per column-parallel input gradient (backward). With it each all-reduce becomes its two halves, an all-gather and
+    a reduce-scatter, moving the same bytes; and each column-parallel layer, which saved only its input's shard,
+    gathers it again in the backward for its weight gradient (Korthikanti et al. 2022, section 4.2.2)."""
+    h, m, T, P, t = cand.cfg.n_embd, cand.micro_batches, cand.tokens, cand.prec, cand.tp
+    layers = sum(s.layers for s in stages)
+    first, last = any(s.first for s in stages), any(s.last for s in stages)
+    act = T * h * P.matmul  # b·s·h in the matmul dtype: what the tp collectives move
+    out: list[Transfer] = []
+    if not cand.sequence_parallel:
+        out.append(Transfer("tp", "all_reduce", act, 2 * layers * m, t,
+                            "2 per block forward: row-parallel attention and MLP projections (b·s·h)"))
+        out.append(Transfer("tp", "all_reduce", act, 2 * layers * m, t,
+                            "2 per block backward: column-parallel qkv and fc input gradients (b·s·h)"))
+        if first:
+            out.append(Transfer("tp", "all_reduce", T * h * P.resid, m, t,
+                                "vocab-parallel embedding forward: each rank looks up its vocab slice (b·s·h)"))
+        if last:
+            out.append(Transfer("tp", "all_reduce", act, m, t,
+                                "vocab-parallel LM head backward: input gradient of the replicated hidden state (b·s·h)"))
+    else:
+        n_gather = 2 * layers + (1 if last else 0)  # qkv and fc of every block, and the LM head
+        out.append(Transfer("tp", "all_gather", act, n_gather * m, t,
+                            "forward: the sequence gathered into qkv, fc (and the LM head) (b·s·h)"))
+        out.append(Transfer("tp", "reduce_scatter", act, 2 * layers * m, t,
+                            "forward: row-parallel outputs reduce-scattered onto sequence shards (b·s·h)"))
+        out.append(Transfer("tp", "reduce_scatter", act, n_gather * m, t,
+                            "backward: input gradients of qkv, fc (and the LM head) reduce-scattered (b·s·h)"))
+        out.append(Transfer("tp", "all_gather", act, 2 * layers * m, t,
+                            "backward: gradients of the row-parallel outputs gathered (b·s·h)"))
+        out.append(Transfer("tp", "all_gather", act, n_gather * m, t,
+                            "backward: the saved input shards gathered again for the weight gradients (b·s·h)"))
+        if first:
+            out.append(Transfer("tp", "reduce_scatter", T * h * P.resid, m, t,
+                                "vocab-parallel embedding forward: partial lookups reduce-scattered (b·s·h)"))
+            out.append(Transfer("tp", "all_gather", T * h * P.resid, m, t,
+                                "vocab-parallel embedding backward: the output gradient gathered (b·s·h)"))
+        share = cand.dp if cand.zero_stage == 3 else 1  # ZeRO-3 sums each parameter's own dp partition
+        out.append(Transfer("tp", "all_reduce", sum(math.ceil(n / share) for n in replicated_params(cand.cfg, stages)) * 4,
+                            1, t, "once per step: gradients of the LayerNorms, row-parallel biases and positions summed "
+                            "(fp32)"))
+    if last:
+        out.append(Transfer("tp", "all_reduce", T * 4, 3 * m, t,
+                            "vocab-parallel cross-entropy: max, target logit, sum of exps (b·s fp32 each)"))
+    return out
+
+
 def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
     """What one rank at pipeline rank `pp_rank` passes to collectives and sends in one optimizer step (training
     only; evaluation and the first step's shape exchange excluded)."""
@@ -60,30 +108,19 @@ def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
     stages = cand.stages(pp_rank)
     out: list[Transfer] = []
     if cand.tp > 1:
-        layers = sum(s.layers for s in stages)
-        out.append(Transfer("tp", "all_reduce", T * h * P.matmul, 2 * layers * m, cand.tp,
-                            "2 per block forward: row-parallel attention and MLP projections (b·s·h)"))
-        out.append(Transfer("tp", "all_reduce", T * h * P.tp_bwd, 2 * layers * m, cand.tp,
-                            "2 per block backward: column-parallel qkv and fc input gradients (b·s·h)"))
-        if any(s.first for s in stages):
-            out.append(Transfer("tp", "all_reduce", T * h * P.resid, m, cand.tp,
-                                "vocab-parallel embedding forward: each rank looks up its vocab slice (b·s·h)"))
-        if any(s.last for s in stages):
-            out.append(Transfer("tp", "all_reduce", T * h * P.resid, m, cand.tp,
-                                "vocab-parallel LM head backward: input gradient of the replicated hidden state (b·s·h)"))
-            out.append(Transfer("tp", "all_reduce", T * 4, 3 * m, cand.tp,
-                                "vocab-parallel cross-entropy: max, target logit, sum of exps (b·s fp32 each)"))
+        out += tensor_parallel_comm(cand, stages)
     if cand.pp > 1:
         ids = {s.stage_id for s in stages}
         # A boundary between two stages on the same rank (the V's turn) is a function call, not a send.
         fwd = sum(1 for s in stages if not s.last and s.stage_id + 1 not in ids)
         bwd = sum(1 for s in stages if not s.first and s.stage_id - 1 not in ids)
+        sent = T // (cand.tp if cand.sequence_parallel else 1) * h * P.send  # sequence parallelism: a shard
         if fwd:
-            out.append(Transfer("pp", "send", T * h * P.resid, fwd * m, 2,
-                                "activation to the next stage, per micro-batch and boundary (b·s·h)"))
+            out.append(Transfer("pp", "send", sent, fwd * m, 2,
+                                "activation to the next stage, per micro-batch and boundary (b·s·h, /t with SP)"))
         if bwd:
-            out.append(Transfer("pp", "send", T * h * P.resid, bwd * m, 2,
-                                "activation gradient to the previous stage, per micro-batch and boundary (b·s·h)"))
+            out.append(Transfer("pp", "send", sent, bwd * m, 2,
+                                "activation gradient to the previous stage, per micro-batch and boundary (b·s·h, /t with SP)"))
     n_local = rank_params(cfg, cand.tp, stages)
     if cand.dp > 1:
         g = P.grad

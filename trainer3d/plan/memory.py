@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer3d.parallel.tensor_parallel import LOSS_CHUNK_ELEMENTS, padded_vocab_size
+from trainer3d.parallel.cross_entropy import LOSS_CHUNK_ELEMENTS
+from trainer3d.parallel.tensor_parallel import padded_vocab_size
 from trainer3d.plan.candidate import (
     Candidate, Stage, block_params, max_param_tensor, persistent_params, rank_params,
 )
@@ -15,11 +16,17 @@ from trainer3d.plan.candidate import (
 
 def layer_activation_bytes(cand: Candidate) -> float:
     """Bytes one block saves for backward per micro-batch, per token: 4h replicated (two LayerNorm inputs and
-    outputs), 12h/t sharded, flash attention's log-sum-exp and the LayerNorm statistics. No s×s scores
-    (scaled_dot_product_attention never stores them) and no dropout masks (dropout 0)."""
+    outputs) and the LayerNorm statistics, both split by t under sequence parallelism, 12h/t sharded, flash
+    attention's log-sum-exp. No s×s scores (scaled_dot_product_attention never stores them) and no dropout masks
+    (dropout 0)."""
     h, a, t, P = cand.cfg.n_embd, cand.cfg.n_head, cand.tp, cand.prec
-    per_token = 2 * h * P.resid + 2 * h * P.matmul + 12 * h // t * P.matmul + a // t * 4 + 4 * 4
-    return cand.tokens * per_token
+    replicated = (2 * h * P.resid + 2 * h * P.matmul + 4 * 4) / (t if cand.sequence_parallel else 1)
+    return cand.tokens * (replicated + 12 * h // t * P.matmul + a // t * 4)
+
+
+def hidden_tokens(cand: Candidate) -> float:
+    """Tokens of a micro-batch's hidden state on one rank: the sequence shard under sequence parallelism."""
+    return cand.tokens / (cand.tp if cand.sequence_parallel else 1)
 
 
 def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
@@ -27,17 +34,18 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
     PipelineStage keeps until that micro-batch's backward (the hidden state, or the logits on the last stage).
     With recomputation each block keeps only its input."""
     h, T, P, t = cand.cfg.n_embd, cand.tokens, cand.prec, cand.tp
+    Th = hidden_tokens(cand) * h
     Vp = padded_vocab_size(cand.cfg.vocab_size, t)
-    per_layer = T * h * P.resid if cand.recompute else layer_activation_bytes(cand)
+    per_layer = Th * P.resid if cand.recompute else layer_activation_bytes(cand)
     total = st.layers * per_layer
     if st.first:
         total += T * (8 + (9 if t > 1 else 0))  # token ids (int64); under TP also the shard mask and local ids
     if st.last:
-        total += T * (h * P.resid + h * P.matmul + 8)  # ln_f input, head input, the CE's local targets
+        total += Th * (P.resid + P.matmul) + T * 8  # ln_f input, head input (shards under SP), the CE's targets
         total += T * (4 + 4 + 1)  # the CE's max and sum of exps (fp32), its outside-the-shard mask
         total += T * Vp // t * P.matmul  # the logits, held as the stage output until backward (and by the CE)
     else:
-        total += T * h * P.resid  # the stage output, held until backward
+        total += Th * P.send  # the stage output (cast for the wire), held until backward
     return total
 
 
@@ -143,9 +151,9 @@ def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
         ids = {s.stage_id for s in stages}
         for s in stages:
             if not s.first and s.stage_id - 1 not in ids:
-                e.pipeline_buffers += m * T * h * P.resid
+                e.pipeline_buffers += m * hidden_tokens(cand) * h * P.send
             if not s.last and s.stage_id + 1 not in ids:
-                e.pipeline_buffers += m * T * h * P.resid
+                e.pipeline_buffers += m * hidden_tokens(cand) * h * P.send
 
     # activations: in-flight micro-batches × what a micro-batch keeps on this rank
     per_mb = sum(stage_activation_bytes(cand, s) for s in stages)
@@ -164,12 +172,15 @@ def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
     Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
     has_last = any(s.last for s in stages)
     # - the last stage's first backward: the loss's gradient (the logits' shape and dtype) while every activation is
-    #   still held, with one chunk's fp32 softmax (tensor_parallel.LOSS_CHUNK_ELEMENTS) and then the head's weight
+    #   still held, with one chunk's fp32 softmax (cross_entropy.LOSS_CHUNK_ELEMENTS) and then the head's weight
     #   gradient (the largest tensor) on top
     shard = Vp // cand.tp
     t_head = T * shard * P.matmul + max(min(T * shard, LOSS_CHUNK_ELEMENTS) * 4, shard * h * P.grad) if has_last else 0.0
     # - a block's backward: the gradients w.r.t. the GELU output and the fc output (4h/t each) live together
-    t_block = 8 * T * h // cand.tp * P.matmul + T * h * P.resid if any(s.layers for s in stages) else 0.0
+    # (under sequence parallelism a gathering matmul's backward also holds the gathered input and its gradient)
+    t_gather = 2 * T * h * P.matmul if cand.sequence_parallel else 0.0
+    t_block = 8 * T * h // cand.tp * P.matmul + hidden_tokens(cand) * h * P.resid + t_gather \
+        if any(s.layers for s in stages) else 0.0
     t_recompute = layer_activation_bytes(cand) if cand.recompute else 0.0
     t_sched = max(t_head, t_block + t_recompute)
     # After the schedule: the global norm squares the largest gradient (a temporary), and torch's foreach AdamW

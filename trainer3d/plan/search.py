@@ -121,6 +121,7 @@ def enumerate_plans(model: GPTConfig, C: Cluster, global_batch: int, seq_len: in
                                     micro_batch_size=mbs, seq_len=seq_len,
                                     precision="bf16-autocast" if z == 0 else "bf16-mixed",
                                     zero_stage=z, offload_optimizer=off_o, offload_params=off_p, recompute=rc,
+                                    sequence_parallel=tp > 1,  # the same tp bytes, activations /tp: always on
                                 )
                                 mem, host = memory_per_gpu(cand)
                                 if mem > C.usable_bytes:
@@ -152,7 +153,7 @@ def best_distinct(plans: list[Plan], top: int) -> list[Plan]:
 
 def parse_layout(text: str, cfg: GPTConfig, C: Cluster, global_batch: int, seq_len: int) -> Candidate:
     """The candidate of an --evaluate string, e.g. `tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1`."""
-    keys = ("tp", "pp", "schedule", "v", "mbs", "zero", "offload", "recompute")
+    keys = ("tp", "pp", "schedule", "v", "mbs", "zero", "offload", "recompute", "sp")
     items = [item.split("=", 1) for item in text.replace(" ", "").split(",") if item]
     if any(len(kv) != 2 or kv[0] not in keys for kv in items):
         raise ConfigError(f"--evaluate takes key=value pairs from {', '.join(keys)} separated by commas "
@@ -175,6 +176,7 @@ def parse_layout(text: str, cfg: GPTConfig, C: Cluster, global_batch: int, seq_l
         micro_batches=global_batch // (dp * mbs), micro_batch_size=mbs, seq_len=seq_len,
         precision="bf16-autocast" if z == 0 else "bf16-mixed", zero_stage=z,
         offload_optimizer=off in ("opt", "all"), offload_params=off == "all", recompute=kv.get("recompute", "0") in ("1", "true"),
+        sequence_parallel=tp > 1 and kv.get("sp", "1") in ("1", "true"),  # on with tp, as the search has it
     )
 
 

@@ -19,6 +19,7 @@ from trainer3d.model import MODEL_PRESETS, GPTConfig
 from trainer3d.parallel.batch import BatchPlan, plan_batch
 from trainer3d.parallel.compile import check_compiler
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
+from trainer3d.parallel.sequence_parallel import check_sequence_parallel
 from trainer3d.parallel.tensor_parallel import check_tensor_parallel
 from trainer3d.train.profiling import parse_step_range
 from trainer3d.zero.config import DeepSpeedSpec, resolve_deepspeed
@@ -131,6 +132,8 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> RunS
     if mcfg.n_embd % mcfg.n_head:
         raise ConfigError(f"--n-embd {mcfg.n_embd} must be a multiple of --n-head {mcfg.n_head}.")
     check_tensor_parallel(mcfg, layout.tp)
+    if cfg.sequence_parallel:
+        check_sequence_parallel(layout.tp, cfg.seq_len)
     deepspeed = None
     if cfg.deepspeed_config is not None:  # the JSON owns the batch; also checks the JSON itself
         deepspeed = resolve_deepspeed(cfg, layout, mcfg.n_embd)

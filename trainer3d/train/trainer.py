@@ -20,7 +20,7 @@ from trainer3d.model import GPTConfig
 from trainer3d.optim import DynamicLossScale, lr_at
 from trainer3d.parallel.ddp import DDPEngine
 from trainer3d.parallel.parallelize import parallelize
-from trainer3d.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 from trainer3d.train.setup import RunSetup
 from trainer3d.zero.engine import zero_engine_factory
 

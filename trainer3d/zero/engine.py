@@ -20,7 +20,10 @@ import torch.nn as nn
 
 from trainer3d.dist.collectives import all_reduce
 from trainer3d.optim import adam, param_groups, set_lr
-from trainer3d.parallel.engine import DataParallelEngine, counts_in_norm, sum_tied_grads, tied_copies
+from trainer3d.parallel.engine import (
+    DataParallelEngine, counts_in_norm, sequence_parallel_params, sum_sequence_parallel_grads, sum_tied_grads,
+    tied_copies,
+)
 from trainer3d.zero import memory, state
 from trainer3d.zero.config import DeepSpeedSpec
 from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
@@ -87,6 +90,7 @@ class ZeroEngine(DataParallelEngine):
         if grad_scale != 1.0:
             raise ValueError("ZeRO engines take no gradient scale (fp16 is refused for DeepSpeed configs)")
         self.sync_tied_embedding_grads()
+        self.sum_sequence_parallel_grads()
         return self.global_grad_norm()
 
     def skip_step(self, norm: float) -> None:
@@ -122,20 +126,25 @@ class ZeroEngine(DataParallelEngine):
             engine.step()
 
     def sync_tied_embedding_grads(self) -> None:
-        """ZeRO-3 partitions each parameter on its own, so the copies' local partitions are aligned and summed
-        directly; ZeRO-0/1/2 partition a flat group, so the full gradient is assembled, summed and written back."""
+        sum_tied_grads(tied_copies([e.module for e in self.engines]), self.topo.embedding_group, *self._grad_access())
+
+    def sum_sequence_parallel_grads(self) -> None:
+        params = sequence_parallel_params(e.module for e in self.engines)
+        sum_sequence_parallel_grads(params, self.topo.tp_group, *self._grad_access())
+
+    def _grad_access(self):
+        """(read, write) of a gradient after ZeRO's dp reduction, for sums across stages or tp ranks. ZeRO-3
+        partitions each parameter on its own, so copies of a parameter (tied, or on tp peers) have aligned local
+        partitions, summed directly; ZeRO-0/1/2 partition a flat group, so the full gradient is assembled and
+        written back."""
         from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
-        copies = tied_copies([e.module for e in self.engines])
         if self.spec.zero_stage == 3:  # (clone: under NVMe offload the value read lives in a swap buffer that is reused)
-            read = lambda p: grad_shares(p)[0].tensor.float().clone()  # noqa: E731
-            write = z3_set_local_grad
-        else:
-            read = lambda p: safe_get_full_grad(p).float()  # noqa: E731
+            return lambda p: grad_shares(p)[0].tensor.float().clone(), z3_set_local_grad
 
-            def write(p, total):
-                safe_set_full_grad(p, total.to(p.grad.dtype if p.grad is not None else torch.float32))
-        sum_tied_grads(copies, self.topo.embedding_group, read, write)
+        def write(p, total):
+            safe_set_full_grad(p, total.to(p.grad.dtype if p.grad is not None else torch.float32))
+        return lambda p: safe_get_full_grad(p).float(), write
 
     def global_grad_norm(self) -> torch.Tensor:
         """Every rank sums the squares of the gradient elements it owns after the dp reduction (its ZeRO partition,
