@@ -71,6 +71,25 @@ def test_tp_comm_formula_counts_what_the_trainer_sends():
     assert tp == 2 * ((4 * 4 + 2) * T * h * 4 + 3 * T * 4)
 
 
+def test_sequence_parallel_comm_formula():
+    """Each all-reduce becomes an all-gather and a reduce-scatter of the same payload; the gathering matmuls gather
+    their saved shard again in the backward; the replicated gradients are summed once; pipeline sends shrink by tp."""
+    cfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+    base = dict(cfg=cfg, tp=2, pp=2, micro_batches=2, micro_batch_size=4, seq_len=32)
+    plain, sp = Candidate(**base), Candidate(**base, sequence_parallel=True)
+    T, h = 4 * 32, 64
+    for rank, layers in ((0, 2), (1, 2)):
+        def op_bytes(cand, op, group="tp"):
+            return sum(t.payload for t in analytic_comm(cand, rank) if t.group == group and t.op == op)
+
+        first, last = rank == 0, rank == 1
+        gathers = (2 * layers + last) * 2 + 2 * layers + first  # forward + re-gather, backward of row/embedding
+        assert op_bytes(sp, "all_gather") == 2 * gathers * T * h * 4
+        assert op_bytes(sp, "reduce_scatter") == 2 * (4 * layers + last + first) * T * h * 4
+        assert op_bytes(plain, "all_reduce") == 2 * (4 * layers + first + last) * T * h * 4 + last * 2 * 3 * T * 4
+        assert op_bytes(sp, "send", "pp") * 2 == op_bytes(plain, "send", "pp") > 0
+
+
 def test_launch_command_and_ds_config(tmp_path, capsys):
     ds = tmp_path / "ds.json"
     rc = main(["--model", "gpt2-medium", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gib", "16",
@@ -97,6 +116,7 @@ def test_launch_flags_are_the_trainers(tmp_path):
     setup = validate(parse_args(argv), 8)
     layout, plan = setup.layout, setup.plan
     assert (layout.dp, layout.tp, layout.pp, plan.micro_batches, plan.micro_batch_size) == (2, 2, 2, 8, 2)
+    assert setup.cfg.sequence_parallel  # the planner's plans at tp > 1 use it, and say so in the command
 
 
 # ---- memory: estimate against measurement ------------------------------------------------------------------------
