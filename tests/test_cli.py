@@ -128,15 +128,18 @@ def test_bad_flags_get_one_sentence_and_exit_2(tmp_path, monkeypatch, capsys):
     assert not out_dir.exists()  # refused before anything was written
 
 
+def launched_alone(monkeypatch, world_size: int) -> None:
+    """The environment a launcher gives rank 0 of `world_size`, with no peers anywhere: reaching init_process_group
+    would hang, so whatever is refused must be refused before it."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", str(world_size)), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(key, value)
+
+
 def test_launcher_world_size_is_checked_before_any_process_group(monkeypatch, capsys):
-    """WORLD_SIZE=4 from a launcher, with no peers anywhere: reaching init_process_group would hang."""
     from trainer3d.train.loop import main
 
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "1")
+    launched_alone(monkeypatch, 4)
     assert main(BASE + ["--tp", "2", "--pp", "3"]) == 2
     assert "World size 4 is not divisible by tp×pp = 2×3 = 6" in capsys.readouterr().err
 
@@ -226,14 +229,9 @@ def test_compile_without_a_compiler_gets_one_sentence(tmp_path):
 
 
 def test_sequence_parallel_needs_a_sequence_tp_divides(monkeypatch, capsys):
-    """Two processes from a launcher at --tp 2, refused before the rendezvous (which would hang: no peer exists)."""
     from trainer3d.train.loop import main
 
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "1")
+    launched_alone(monkeypatch, 2)
     assert main(BASE + ["--tp", "2", "--sequence-parallel", "--seq-len", "63"]) == 2
     err = capsys.readouterr().err
     assert "trainer3d: error: --sequence-parallel splits --seq-len 63 over --tp 2 ranks; pick a --seq-len divisible " \
