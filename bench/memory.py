@@ -8,6 +8,7 @@ trainer3d/zero.py exists.
 
     python bench/memory.py                 # the README table
     python bench/memory.py --quick         # fewer layouts
+    python bench/memory.py --activations   # per layer, against Korthikanti et al. (bench/activations.py)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def candidate_of(case: Case, zero_stage: int = 0, offload: bool = False):
         virtual_stages=case.virtual_stages, micro_batches=case.micro_batches,
         micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, precision="fp32",
         zero_stage=zero_stage, offload_optimizer=offload, offload_params=offload and zero_stage == 3,
+        sequence_parallel=bool(case.extra.get("sequence_parallel")), recompute=case.extra.get("recompute") == "full",
     )
 
 
@@ -130,6 +132,12 @@ def compare(case: Case, zero_stage: int, offload: bool, measured: list) -> list[
     return rows
 
 
+def label(case: Case) -> str:
+    extra = case.extra
+    return (case.label() + (" SP" if extra.get("sequence_parallel") else "")
+            + (f" recompute={extra['recompute']}" if extra.get("recompute", "none") != "none" else ""))
+
+
 def default_cases(quick: bool = False, zero: bool = True, only_zero: bool = False) -> list[tuple[Case, int, bool]]:
     c = [] if only_zero else [
         Case(**MODEL),
@@ -143,6 +151,9 @@ def default_cases(quick: bool = False, zero: bool = True, only_zero: bool = Fals
         Case(dp=2, pp=2, micro_batches=2, **MODEL),
         Case(pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batches=4, **MODEL),
         Case(pp=4, micro_batches=4, **MODEL),
+        Case(tp=2, extra={"sequence_parallel": True}, **MODEL),
+        Case(tp=2, pp=2, micro_batches=4, extra={"sequence_parallel": True}, **MODEL),
+        Case(tp=2, pp=2, micro_batches=4, extra={"sequence_parallel": True, "recompute": "full"}, **MODEL),
     ]
     if quick:
         c = c[:6]
@@ -166,7 +177,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-zero", action="store_true", help="DDP layouts only")
     ap.add_argument("--only-zero", action="store_true", help="ZeRO layouts only")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--activations", action="store_true",
+                    help="activation memory per layer: recompute none/selective/full, with and without sequence "
+                         "parallelism, against Korthikanti et al. 2022")
     args = ap.parse_args(argv)
+    if args.activations:
+        from bench.activations import main as activations_main
+
+        return activations_main(args.quick)
     cases = default_cases(args.quick, zero=not args.no_zero, only_zero=args.only_zero)
     world = max(c.world for c, _, _ in cases)
     results = run(cases, world)
@@ -179,7 +197,7 @@ def main(argv=None) -> int:
             host = e.offloaded + e.host_buffers
             est_states, est_static, est_peak = e.model_states + e.offloaded, e.static + host, e.peak + host
             rows.append([
-                case.label(), "p{}d{}t{}".format(*r["coords"]),
+                label(case), "p{}d{}t{}".format(*r["coords"]),
                 fmt_bytes(m["params"]), fmt_bytes(m["grads"]), fmt_bytes(m["optimizer"]),
                 fmt_bytes(m.get("offloaded", 0)) if z else "-",
                 f"{ms / est_states:.3f}",
@@ -196,11 +214,11 @@ def main(argv=None) -> int:
     for r in rows:
         by_layout.setdefault(r[0], []).append(r)
     summary = []
-    for label, rs in by_layout.items():
+    for name, rs in by_layout.items():
         col = lambda i: [float(x[i]) for x in rs]  # noqa: E731
         spread = lambda v: f"{min(v):.3f}" if max(v) - min(v) < 5e-4 else f"{min(v):.3f}-{max(v):.3f}"  # noqa: E731
         peak_max = max(rs, key=lambda x: float(x[12]))
-        summary.append([label, len(rs), spread(col(6)), spread(col(9)), peak_max[10], peak_max[11], spread(col(12))])
+        summary.append([name, len(rs), spread(col(6)), spread(col(9)), peak_max[10], peak_max[11], spread(col(12))])
     print(table(summary, ["layout", "ranks", "states/model", "static/model", "peak (worst rank)", "model",
                           "peak/model (all ranks)"]))
     print()
