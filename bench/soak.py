@@ -3,7 +3,8 @@ descriptors sampled from outside (psutil) against the step it has reached (metri
 
 RSS swings by a step's transient buffers (activations, gradients, optimizer scratch) wherever a sample lands; a
 leak shows as a rising floor. So the figure of merit is the least-squares growth, per 1,000 steps, of the floor:
-the minimum RSS of each 100-step window after warm-up, in % of the rank's mean (target < 1%). glibc's dynamic mmap
+the minimum RSS of each 500-step window after warm-up (two checkpoint cycles: see `analyse`), in % of the rank's
+mean (target < 1%). glibc's dynamic mmap
 threshold makes freed tensors stay in the heap in chunks of tens of MiB, which moves that floor between a few
 levels at random; MALLOC_MMAP_THRESHOLD_ is fixed at 128 KiB in the workers, so large tensors are mapped and
 returned to the system when freed, and the floor is what the process really holds.
@@ -36,7 +37,7 @@ from distributed import free_port  # noqa: E402
 
 COMMON = ["--model", "tiny", "--n-layer", "4", "--seq-len", "64", "--global-batch", "8", "--max-steps", "10000000",
           "--eval-every", "100", "--eval-batches", "2", "--save-every", "250", "--keep-last", "1", "--log-every", "500",
-          "--warmup-steps", "10"]
+          "--warmup-steps", "10"]  # (--save-every: SAVE_EVERY below)
 CONFIGS = {
     "DDP (2,1,2)": dict(nproc=4, flags=["--pp", "2"]),
     "ZeRO-3 + offload dp2": dict(nproc=2, flags=["--deepspeed_config", "ZERO3_JSON", "--precision", "fp32"]),
@@ -96,7 +97,15 @@ def slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
 
 
-def analyse(run: dict, warmup_frac: float = 0.25) -> list[dict]:
+SAVE_EVERY = 250  # steps between checkpoints, as in COMMON
+FLOOR_WINDOW = 2 * SAVE_EVERY  # steps: every window spans whole save and evaluation cycles
+
+
+def analyse(run: dict, warmup_frac: float = 0.25, window: int = FLOOR_WINDOW) -> list[dict]:
+    """Per rank after warm-up: the floor (least RSS) of each `window`-step window and its least-squares growth per
+    1,000 steps. A window must span the longest periodic event (a checkpoint save every 250 steps leaves the last
+    stage's ranks ~25 MiB higher for a while): with windows shorter than that, some windows never see the level the
+    rank returns to, and their floors read as growth."""
     rows = []
     for rank in sorted({s[1] for s in run["samples"]}):
         ss = [s for s in run["samples"] if s[1] == rank and s[2] > 0]
@@ -104,8 +113,8 @@ def analyse(run: dict, warmup_frac: float = 0.25) -> list[dict]:
         steady = [s for s in ss if s[2] >= start]
         windows: dict[int, list[int]] = {}
         for s in steady:
-            windows.setdefault(s[2] // 100, []).append(s[3])
-        floor = [(w * 100 + 50, min(v)) for w, v in sorted(windows.items()) if len(v) >= 3]
+            windows.setdefault(s[2] // window, []).append(s[3])
+        floor = [(w * window + window // 2, min(v)) for w, v in sorted(windows.items()) if len(v) >= 3]
         mean = sum(s[3] for s in steady) / len(steady)
         per_1k = slope(floor) * 1000
         rows.append(dict(config=run["name"], rank=rank, steps=f"{int(start)}-{steady[-1][2]}", rss_mib=mean / 2**20,
@@ -143,19 +152,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=15.0, help="per configuration")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "soak.png"))
+    ap.add_argument("--reanalyse", action="store_true", help="only re-read bench/results/soak.json (no runs)")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as work:
-        runs = [soak(name, spec, args.minutes, work) for name, spec in CONFIGS.items()]
+    results = os.path.join(ROOT, "bench", "results", "soak.json")
+    if args.reanalyse:
+        with open(results) as f:
+            runs = json.load(f)["runs"]
+    else:
+        with tempfile.TemporaryDirectory() as work:
+            runs = [soak(name, spec, args.minutes, work) for name, spec in CONFIGS.items()]
     rows = [r for run in runs for r in analyse(run)]
-    print(f"\n{stamp(f'python bench/soak.py --minutes {args.minutes:g}')}\n")
+    for run in runs:  # what the floor reads with 100-step windows, for comparison
+        print(f"{run['name']}: floor growth with 100-step windows: " + ", ".join(
+            f"rank {r['rank']} {r['growth_pct_per_1k_steps']:+.2f}%" for r in analyse(run, window=100)))
+    command = "python bench/soak.py " + ("--reanalyse" if args.reanalyse else f"--minutes {args.minutes:g}")
+    print(f"\n{stamp(command)}\n")
     print(table([[r["config"], r["rank"], r["steps"], f"{r['rss_mib']:.0f}", r["floor_mib"],
                   f"{r['growth_pct_per_1k_steps']:+.2f}%", r["fds"], f"{r['fd_slope_per_1k_steps']:+.2f}"] for r in rows],
-                ["config", "rank", "steps (after warm-up)", "mean RSS MiB", "floor MiB (per 100 steps)",
+                ["config", "rank", "steps (after warm-up)", "mean RSS MiB", f"floor MiB (per {FLOOR_WINDOW} steps)",
                  "floor growth / 1k steps", "fds", "fd slope / 1k"]))
     print("exit codes after SIGTERM: " + ", ".join(f"{run['name']}: {run['exit_code']} at step {run['steps']}" for run in runs))
     plot(runs, args.out)
-    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "results", "soak.json"), "w") as f:
+    os.makedirs(os.path.dirname(results), exist_ok=True)
+    with open(results, "w") as f:
         json.dump({"rows": rows, "runs": [{k: v for k, v in run.items()} for run in runs]}, f)
     print(f"wrote {args.out}")
     return 0
