@@ -61,13 +61,13 @@ def test_killed_rank_fails_the_job(tmp_path):
 
 def test_hung_rank_times_out(tmp_path):
     out = tmp_path / "run"
-    p, wall, log = _torchrun(["--max-steps", "200", "--dist-timeout", "20"], out, fault="hang:rank=1:step=3")
+    p, wall, log = _torchrun(["--max-steps", "200", "--dist-timeout", "10"], out, fault="hang:rank=1:step=3")
     after = _fault_time(out)
     print(f"\n[hung rank] job exited {p.returncode} after {wall:.1f} s in all, {after:.1f} s after the hang "
-          "(20 s --dist-timeout, 5 s for peers' reports, up to 30 s torchrun grace before SIGKILL of the hung rank)")
+          "(10 s --dist-timeout, 5 s for peers' reports, up to 30 s torchrun grace before SIGKILL of the hung rank)")
     assert p.returncode != 0, log[-3000:]
     assert after < BOUND_S and wall < BOUND_S + 60, (wall, after)
-    assert "Timed out waiting 20000ms" in log, log[-3000:]
+    assert "Timed out waiting 10000ms" in log, log[-3000:]
     assert "rank 1 (" in log and "did not report the failure: it died or hangs" in log, log[-3000:]
 
 

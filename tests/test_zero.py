@@ -288,9 +288,10 @@ def world8_cases():
     a, c = layout(2, tp=2, pp=2), layout(2, tp=2, pp=2, schedule="interleaved-1f1b")
     cases = [(a, None)] + [(a, ds_config(s)) for s in (1, 2, 3)] + [(c, None), (c, ds_config(2, "opt")), (c, ds_config(3, "all"))]
     # activation recomputation under ZeRO-3 with CPU offload (checked against the DDP run of the same layout)
-    cases += [(dict(a, recompute=m), ds_config(3, "all")) for m in ("selective", "full")]
-    # sequence parallelism: its tp sum of the LayerNorm, bias and position gradients on ZeRO's partitions
-    return cases + [(dict(a, sequence_parallel=True), ds_config(s, off)) for s, off in ((1, "none"), (3, "all"))]
+    # and sequence parallelism (its tp sum of the LayerNorm, bias and position gradients on ZeRO's partitions)
+    sp = dict(a, sequence_parallel=True)
+    return cases + [(dict(a, recompute="selective"), ds_config(3, "all")), (dict(sp, recompute="full"), ds_config(3, "all")),
+                    (sp, ds_config(1))]
 
 
 def _run(world, cases, timeout):
