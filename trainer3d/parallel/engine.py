@@ -4,7 +4,8 @@ DeepSpeed ZeRO 0-3 (zero/engine.py). The trainer calls only this interface; the 
 
 An engine owns everything between "the schedule has run every micro-batch's backward" and "the weights moved":
 the dp reduction, the tied-embedding sum across the first and last stage, the tp sum of sequence-parallel
-gradients, the global norm, clipping and the optimizer step; and, for checkpoints, each parameter's fp32 value and optimizer state, whole over dp.
+gradients, the global norm, clipping and the optimizer step; and, for checkpoints, each parameter's fp32 value and
+optimizer state, whole over dp.
 
 A training step reads the device once (`read_scalars`, in `DataParallelEngine.step`): the global norm must be on the
 host before the update (a non-finite one skips it: fp16's loss scale backs off), so the step's loss rides along in

@@ -109,7 +109,7 @@ def parallelize(
     schedule = pipeline.build_schedule(
         engine.stage_modules, ids, n_stages, cfg.schedule, plan.micro_batches, loss_fn, topo.pp_group, device,
         shapes=lambda i: pipeline.stage_shapes(
-            i, n_stages, plan.micro_batch_size, cfg.seq_len, mcfg.n_embd, padded // L.tp, compute_dtype, compute_dtype,
+            i, n_stages, plan.micro_batch_size, cfg.seq_len, mcfg.n_embd, padded // L.tp, compute_dtype,
             hidden_seq_len=cfg.seq_len // L.tp if cfg.sequence_parallel else cfg.seq_len,
         ),
         stage_cls=engine.stage_cls,

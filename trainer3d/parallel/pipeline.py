@@ -152,13 +152,13 @@ def send_in_compute_dtype(stage: GPT, dtype: torch.dtype) -> None:
 
 def stage_shapes(
     stage_index: int, n_stages: int, micro_batch_size: int, seq_len: int, d: int, vocab_shard: int,
-    activation_dtype: torch.dtype, logits_dtype: torch.dtype, hidden_seq_len: int | None = None,
+    dtype: torch.dtype, hidden_seq_len: int | None = None,
 ) -> dict:
     """Static input/output examples (on the meta device) for one stage. With them torch never runs its shape
     inference, a forward (and backward) of every stage outside the schedule at the first step and at every
     train/eval switch, which would draw dropout masks, fire DDP's and DeepSpeed's gradient hooks and cost a step's
-    worth of compute. Activations cross stages in `activation_dtype` (the compute dtype: bf16 under autocast too, see
-    send_in_compute_dtype), the last stage emits its logits shard in `logits_dtype`.
+    worth of compute. Activations cross stages, and the last stage emits its logits shard, in `dtype`, the compute
+    dtype (bf16 under autocast too: send_in_compute_dtype).
     Activations are marked requires_grad: torch derives the gradient buffers from these flags, and without them a
     later stage never sends its input gradient back (earlier stages silently get zero gradients).
     `hidden_seq_len`: the sequence length of the hidden states between stages (seq_len / tp under sequence
@@ -168,10 +168,10 @@ def stage_shapes(
     if stage_index == 0:
         inp = torch.empty(micro_batch_size, seq_len, dtype=torch.long, device=meta)
     else:
-        inp = torch.empty(micro_batch_size, hidden_seq_len, d, dtype=activation_dtype, device=meta, requires_grad=True)
+        inp = torch.empty(micro_batch_size, hidden_seq_len, d, dtype=dtype, device=meta, requires_grad=True)
     last = stage_index == n_stages - 1
     out = torch.empty(micro_batch_size, seq_len if last else hidden_seq_len, vocab_shard if last else d,
-                      dtype=logits_dtype if last else activation_dtype, device=meta, requires_grad=True)
+                      dtype=dtype, device=meta, requires_grad=True)
     return {"input_args": (inp,), "output_args": (out,)}
 
 
