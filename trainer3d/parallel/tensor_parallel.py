@@ -3,7 +3,8 @@
 Attention QKV and MLP fc are column-parallel (output dim split, heads split across ranks), attention and MLP
 projections row-parallel (input dim split, one all-reduce after), so each block needs one all-reduce per half
 in forward and one in backward. Embedding and LM head are vocab-parallel and the cross-entropy works on vocab
-shards without ever gathering the logits (cross_entropy.py). Plain tensors (not DTensor) so DDP and DeepSpeed can wrap the result.
+shards without ever gathering the logits (cross_entropy.py). Plain tensors (not DTensor) so DDP and DeepSpeed can
+wrap the result.
 
 Under sequence parallelism (Korthikanti et al. 2022; sequence_parallel.py sets `sequence_parallel` on the layers)
 the activations between the regions are sequence shards: an all-gather of the sequence enters a column-parallel
