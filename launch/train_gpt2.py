@@ -1,23 +1,8 @@
-"""Entry point under every launcher:
-
-    python launch/train_gpt2.py                                   # one process, embedded default
-    torchrun --nproc_per_node 8 launch/train_gpt2.py --tp 2 --pp 2
-    deepspeed --num_gpus 8 launch/train_gpt2.py --tp 2 --pp 2 --deepspeed_config ds_configs/zero1.json
-    srun python launch/train_gpt2.py ...                          # one task per GPU (see launch/slurm/)
-"""
+"""launch/train.py under its original name, which users' scripts and launch/slurm/train_gpt2.sbatch call: every flag
+and every model family (--model llama3.1-8b too) work the same."""
 
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from trainer3d.train.loop import main  # noqa: E402
+import runpy
 
 if __name__ == "__main__":
-    code = main()
-    # Everything is written (checkpoints, metrics, W&B finished) and the process group is gone: skip the interpreter's
-    # teardown, where a native thread of DeepSpeed's ops can still be joinable when its owner is collected and abort
-    # a clean exit (SIGABRT after a ZeRO-3 + CPU offload run saved on SIGTERM, seen once in CI).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), run_name="__main__")

@@ -88,7 +88,7 @@ def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: 
     topo = Topology(L, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
     out = None
     if topo.active:
-        mcfg = cfg.gpt_config(VOCAB)
+        mcfg = cfg.model_config(VOCAB)
         start = prepare(cfg, mcfg, topo)
         trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=start.full_value)
         if loss_scale is not None:  # fp16's dynamic loss scale, driven in fp32 (a power of two: exact)
@@ -607,7 +607,7 @@ def _hf_run(hf_dir, out_dir, batches):
     topo = Topology(L, ranks=[0, 1, 2, 3], last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
     out = None
     if topo.active:
-        mcfg = setup.model_config(50257)
+        mcfg = setup.model_config(HF_VOCAB)
         start = prepare(cfg, mcfg, topo)
         trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=start.full_value)
         apply(start, trainer)
@@ -621,7 +621,7 @@ def _hf_run(hf_dir, out_dir, batches):
 def test_hf_import_train_export(world_results, tmp_path):
     transformers = pytest.importorskip("transformers")
     from trainer3d.export import main as export_main
-    from trainer3d.model import GPT
+    from trainer3d.models.gpt2 import GPT
 
     _, results, model, batches = world_results
 
@@ -663,7 +663,7 @@ def test_full_disk_mid_save(corpus, tmp_path, on_error):
 
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    from trainer3d.model import MODEL_PRESETS
+    from trainer3d.models import MODEL_PRESETS
 
     data, cache = corpus
     mcfg = dataclasses.replace(MODEL_PRESETS["tiny"], n_layer=2, n_embd=64, n_head=2)

@@ -91,7 +91,8 @@ def _cases(tmp):
         (["--tokenizer", str(tmp / "no_tokenizer") + "/"],
          f"--tokenizer {tmp / 'no_tokenizer'}/ does not exist; pass an existing path or a Hugging Face name."),
         (["--init-from-hf", str(tmp / "no_hf")], f"--init-from-hf {tmp / 'no_hf'}: {tmp / 'no_hf' / 'config.json'} "
-                                                 "does not exist; pass a GPT2LMHeadModel save_pretrained directory."),
+                                                 "does not exist; pass a save_pretrained directory (GPT2LMHeadModel or "
+                                                 "LlamaForCausalLM)."),
         (["--resume", str(tmp / "no_ckpt")], f"Checkpoint path {tmp / 'no_ckpt'} does not exist; pass a step_* "
                                              "directory or a run's --out-dir."),
         (["--eval-hellaswag", str(tmp / "no.jsonl")],

@@ -28,7 +28,8 @@ from distributed import run_world
 from trainer3d.data.hellaswag import IGNORE, encode_rows, read_examples, score
 from trainer3d.errors import DataError
 from trainer3d.generate import pick_next_token
-from trainer3d.model import GPT, init_value
+from trainer3d.models import init_value
+from trainer3d.models.gpt2 import GPT
 from trainer3d.train.downstream import sample_generator
 from wandb_reader import read_history
 
@@ -55,7 +56,7 @@ def encode(texts: list[str]) -> list[list[int]]:
 def model_config():
     from trainer3d.config import TrainConfig
 
-    return TrainConfig(model="tiny", n_layer=4, n_head=4, n_embd=EMBD, vocab_size=VOCAB).gpt_config(VOCAB)
+    return TrainConfig(model="tiny", n_layer=4, n_head=4, n_embd=EMBD, vocab_size=VOCAB).model_config(VOCAB)
 
 
 def full_value(name: str, shape: tuple) -> torch.Tensor:
@@ -66,7 +67,7 @@ def full_value(name: str, shape: tuple) -> torch.Tensor:
         return e - e.mean(dim=1, keepdim=True)
     if name == "ln_f.weight":
         return torch.full(shape, 0.5)
-    return init_value(name, shape, model_config(), seed=3)
+    return init_value(model_config(), name, shape, seed=3)
 
 
 def plain_gpt() -> GPT:
@@ -187,7 +188,7 @@ def _layouts(rank: int, world_size: int, path: str, cases: list) -> list:
                         last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
         result = None
         if topo.active:
-            trainer = Trainer(setup, topo, torch.device("cpu"), cfg.gpt_config(VOCAB), full_value=full_value)
+            trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB), full_value=full_value)
             res = hellaswag(trainer, rows, pad_id=0)
             s = SAMPLE
             draw = lambda step: sample(trainer, s["prompt"], s["count"], s["n_tokens"], s["temperature"],  # noqa: E731

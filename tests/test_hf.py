@@ -11,13 +11,20 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from trainer3d.checkpoint.hf import (  # noqa: E402
-    gpt_config_from_hf,
-    hf_config_from_gpt,
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-)
-from trainer3d.model import GPT, GPTConfig, init_value  # noqa: E402
+from trainer3d.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from trainer3d.models import init_value  # noqa: E402
+from trainer3d.models.gpt2 import GPT, GPTConfig  # noqa: E402
+from trainer3d.models.gpt2.hf import GPT2Adapter  # noqa: E402
+
+ADAPTER = GPT2Adapter()
+
+
+def gpt_config_from_hf(hf, dropout=None) -> GPTConfig:
+    return ADAPTER.config_from_hf(hf if isinstance(hf, dict) else hf.to_dict(), dropout)
+
+
+def hf_config_from_gpt(cfg: GPTConfig):
+    return ADAPTER.hf_config(cfg)
 
 TOL = 1e-5
 SMALL = dict(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=1000)
@@ -47,7 +54,7 @@ def _our_model(cfg: GPTConfig, seed: int = 0) -> GPT:
     model = GPT(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # lm_head.weight is wte.weight, listed once
-            p.copy_(init_value(name, p.shape, cfg, seed) + torch.randn_like(p) * 0.02)
+            p.copy_(init_value(cfg, name, p.shape, seed) + torch.randn_like(p) * 0.02)
     return model
 
 

@@ -10,7 +10,7 @@ from trainer3d.parallel import pipeline
 from trainer3d.config import TrainConfig
 from trainer3d.train.setup import validate
 from trainer3d.checkpoint.hf import load_hf_checkpoint
-from trainer3d.model import canonical_name
+from trainer3d.models import canonical_name
 from trainer3d.dist.topology import Topology
 from trainer3d.train.trainer import Trainer
 
@@ -27,8 +27,8 @@ def _logits_at_layouts(rank, world_size, hf_dir, ids):
         layout = setup.layout
         topo = Topology(layout, ranks=list(range(tp * pp)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, pp))
         if topo.active:
-            mcfg = cfg.gpt_config(gcfg.vocab_size)
-            trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=lambda n, s: state[canonical_name(n)])
+            mcfg = cfg.model_config(gcfg.vocab_size)
+            trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=lambda n, s: state[canonical_name(mcfg, n)])
             for m in trainer.engine.stage_modules:
                 m.eval()
             args = (ids,) if trainer.pm.has_first else ()

@@ -64,7 +64,7 @@ def _reads_per_step(rank: int, world_size: int, cases: dict) -> dict:
         cfg = parity_config(n_layer=2, **kw)
         setup = validate(cfg, 1, VOCAB)
         topo = Topology(setup.layout, ranks=[0], last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, 1))
-        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.gpt_config(VOCAB))
+        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB))
         first, second = global_batches(2)
         trainer.train_step(first)
         with count_reads() as calls:

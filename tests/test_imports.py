@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trainer3d"
 # a layer do not matter: entries never overlap except the entry points, listed in the top layer and matched first).
 LAYERS: list[tuple[str, ...]] = [
     ("trainer3d.errors", "trainer3d.fsio", "trainer3d.test_hooks"),  # no imports of the package at all
-    ("trainer3d.model",),  # plain GPT-2: no distributed code
+    ("trainer3d.models",),  # the model families: plain modules, their parallel plans and HF adapters; no distributed code
     ("trainer3d.config", "trainer3d.optim", "trainer3d.generate"),  # the flags; the optimizer's rules; decoding
     ("trainer3d.dist",),  # topology, collectives, failure reports
     ("trainer3d.data",),  # corpus -> tokens -> packed blocks -> dp batches
@@ -153,8 +153,8 @@ def test_the_checker_catches_an_upward_import_and_a_circle(tmp_path):
 
     copy = tmp_path / "trainer3d"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
-    model = copy / "model.py"
+    model = copy / "models" / "interface.py"
     model.write_text(model.read_text() + "\n\ndef _late():\n    from trainer3d.train.trainer import Trainer  # upward\n")
     graph = import_graph(copy)
-    assert "trainer3d.model (layer 1) imports trainer3d.train.trainer (layer 8)" in violations(graph)
-    assert any("trainer3d.model" in c and "trainer3d.train.trainer" in c for c in circles(graph))
+    assert "trainer3d.models.interface (layer 1) imports trainer3d.train.trainer (layer 8)" in violations(graph)
+    assert any("trainer3d.models.interface" in c and "trainer3d.train.trainer" in c for c in circles(graph))

@@ -16,7 +16,7 @@ from trainer3d.config import TrainConfig
 from trainer3d.errors import ConfigError
 
 from trainer3d.train.setup import validate
-from trainer3d.model import MODEL_PRESETS
+from trainer3d.models import MODEL_PRESETS
 from trainer3d.parallel.pipeline import balance_layers, stage_ids
 from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 from trainer3d.parallel.tensor_parallel import TPSpec, padded_vocab_size, shard_tensor, unshard_tensor
@@ -53,6 +53,11 @@ def test_dp_is_inferred_and_bad_world_refused():
         (dict(global_batch_tokens=1000, seq_len=128), 1, "not a multiple of --seq-len"),
         (dict(model="gpt5"), 1, "Unknown --model"),
         (dict(n_embd=100, n_head=3), 1, "must be a multiple of --n-head"),
+        # the Llama family: grouped-query attention under tp, and size flags of one family given to another
+        (dict(model="llama-tiny", tp=4), 4, "must divide the model's 2 key/value heads"),
+        (dict(model="llama-tiny", n_kv_heads=3), 1, "--n-head 4 must be a multiple of --n-kv-heads 3"),
+        (dict(model="llama-tiny", tp=2, ffn_hidden=385), 2, "must divide the model's MLP width of 385"),
+        (dict(model="tiny", n_kv_heads=2), 1, "--n-kv-heads does not apply to the gpt2 model"),
     ],
 )
 def test_impossible_layouts_refused_with_one_sentence(kwargs, world, message):
@@ -82,7 +87,7 @@ def test_cli_refuses_bad_layout_before_any_process_group():
 
 
 def test_balance_charges_the_head_to_the_last_stage():
-    ranges = balance_layers(MODEL_PRESETS["gpt2"], 4)
+    ranges = balance_layers(MODEL_PRESETS["gpt2"], 4, 1024)
     sizes = [len(r) for r in ranges]
     assert sum(sizes) == 12 and sizes[-1] < sizes[0]
     assert [r.start for r in ranges] == sorted(r.start for r in ranges)  # contiguous, in order
@@ -98,11 +103,17 @@ def test_vocab_padding():
 
 def test_shard_unshard_roundtrip_fused_qkv_and_padded_vocab():
     qkv = torch.arange(3 * 8 * 4, dtype=torch.float32).reshape(24, 4)
-    spec = TPSpec(0, (24, 4), chunks=3)
+    spec = TPSpec(0, (24, 4), fused=(8, 8, 8))
     shards = [shard_tensor(qkv, spec, r, 2) for r in range(2)]
     # each rank holds the same heads of q, k and v: rows 0-3 of each 8-row block on rank 0
     assert torch.equal(shards[0][:4], qkv[:4]) and torch.equal(shards[0][4:8], qkv[8:12])
     assert torch.equal(unshard_tensor(shards, spec), qkv)
+    # grouped-query attention: q of 8 rows, k and v of 4 (two kv heads of 2 rows); each rank takes half of each block
+    gqa = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3)
+    gspec = TPSpec(0, (16, 3), fused=(8, 4, 4))
+    gshards = [shard_tensor(gqa, gspec, r, 2) for r in range(2)]
+    assert torch.equal(gshards[1], torch.cat([gqa[4:8], gqa[10:12], gqa[14:16]]))
+    assert torch.equal(unshard_tensor(gshards, gspec), gqa)
     emb = torch.randn(500, 6)
     vspec = TPSpec(0, (500, 6), padded=padded_vocab_size(500, 4))
     vshards = [shard_tensor(emb, vspec, r, 4) for r in range(4)]

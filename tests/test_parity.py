@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from parity import run_layouts
+from parity import LLAMA, run_layouts
 from trainer3d.parallel.pipeline import SCHEDULES
 
 STEPS = 10
@@ -70,9 +70,21 @@ def world4_matrix() -> list[dict]:
     return full_matrix(4) + [case(1, 2, 1, sequence_parallel=True)]
 
 
+def llama_matrix() -> list[dict]:
+    """Llama where its parts meet the parallelism, against the one-process Llama run: grouped-query attention and
+    rotary positions under tp (2 of its 4 kv heads per rank at tp 2, one at tp 4) and sequence parallelism, the fused
+    q|k|v and gate|up under tp, the untied head on the last stage, interleaved and zero-bubble schedules with
+    recomputation (ZeRO-3 + CPU offload: tests/test_zero.py's world 8)."""
+    return [case(1, 2, 1, **LLAMA), case(2, 4, 1, sequence_parallel=True, **LLAMA),
+            case(2, 2, 2, sequence_parallel=True, **LLAMA),
+            case(1, 2, 4, "interleaved-1f1b", recompute="selective", sequence_parallel=True, **LLAMA),
+            case(2, 2, 2, "zbv", recompute="full", **LLAMA), case(2, 1, 4, "dualpipev", **LLAMA)]
+
+
 def label(c: dict) -> str:
     extra = "".join(f" {k}={v}" for k, v in c.items() if k not in ("dp", "tp", "pp", "schedule", "virtual_stages",
-                                                                    "micro_batches"))
+                                                                    "micro_batches", *LLAMA))
+    extra += " llama" if c.get("model") == LLAMA["model"] else ""
     return f"{c['dp']}x{c['tp']}x{c['pp']} {c['schedule']:<16} v={c['virtual_stages']}{extra}"
 
 
@@ -93,8 +105,9 @@ def check(results: list, cases: list[dict]) -> list[str]:
         assert set(params) == set(ref["params"]), f"{c}: parameters missing after gathering"
         dparam = max((params[k] - ref["params"][k]).abs().max().item() for k in params)
         tied_ok = all(torch.equal(head_copies[k], params[k]) for k in head_copies)
-        if c["pp"] > 1 and not head_copies and c["schedule"] not in ("zbv", "dualpipev"):
-            tied_ok = False  # a last stage without the embedding must hold a copy
+        untied = c.get("model") == LLAMA["model"]  # the Llama parity model's head is its own weight: no copy
+        if c["pp"] > 1 and (not head_copies) != untied and c["schedule"] not in ("zbv", "dualpipev"):
+            tied_ok = False  # a last stage without the tied embedding must hold a copy, an untied head none
         table.append(f"{label(c)} loss {rel:.1e} param {dparam:.1e}")
         if rel > 1e-5 or dparam > 1e-4 or not tied_ok:
             failures.append(f"{c}: loss rel diff {rel:.2e}, param abs diff {dparam:.2e}, tied copies equal {tied_ok}")
@@ -109,6 +122,14 @@ def check(results: list, cases: list[dict]) -> list[str]:
 )
 def test_loss_parity(world, matrix):
     results = run_world(world, run_layouts, matrix, STEPS, timeout=900)
+    failures = check(results, matrix)
+    assert not failures, "\n".join(failures)
+
+
+def test_llama_loss_parity():
+    matrix = llama_matrix()
+    results = run_world(8, run_layouts, matrix, STEPS, LLAMA, timeout=900)
+    assert "self_attn.qkv_proj" in " ".join(results[0][0]["params"]) and "lm_head.weight" in results[0][0]["params"]
     failures = check(results, matrix)
     assert not failures, "\n".join(failures)
 

@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from trainer3d.model import MODEL_PRESETS, GPTConfig
+from trainer3d.models import MODEL_PRESETS
+from trainer3d.models.gpt2 import GPTConfig
 from trainer3d.plan.candidate import Candidate, rank_params
 from trainer3d.plan.cli import main
 from trainer3d.plan.cluster import Cluster

@@ -35,7 +35,7 @@ def _overflow(rank, world_size):
     cfg = parity_config(precision="fp16", n_layer=2)
     setup = validate(cfg, 1, VOCAB)
     layout = setup.layout
-    trainer = Trainer(setup, Topology(layout), torch.device("cpu"), cfg.gpt_config(VOCAB))
+    trainer = Trainer(setup, Topology(layout), torch.device("cpu"), cfg.model_config(VOCAB))
     batch = global_batches(1)[0]
     before = {k: v.clone() for k, v in trainer.engine.stage_modules[0].state_dict().items()}
     trainer.loss_scale.scale = 2.0**120  # fp16 overflows: max is 65504

@@ -262,3 +262,34 @@ def test_train_from_shards_resumes_at_another_layout(corpus, tmp_path):
         assert abs(a[step]["loss"] - b[step]["loss"]) <= 1e-5 * abs(a[step]["loss"]), (step, a[step], b[step])
     assert abs(a[20]["val_loss"] - b[20]["val_loss"]) <= 1e-5 * a[20]["val_loss"]
     assert a[20]["loss"] < a[1]["loss"] - 0.5  # it learned something from the shards
+
+
+def big_vocab_tokenizer(directory: Path) -> Path:
+    """A word-level tokenizer of some 70,000 tokens whose corpus words have ids above 65,535 (as Llama 3's 128,256 do)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<unused{i}>": i for i in range(70_000)}
+    vocab.update({w: 70_000 + i for i, w in enumerate(sorted(set(WORDS)))})
+    vocab["<unk>"], vocab["<|end_of_text|>"] = len(vocab), len(vocab) + 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|end_of_text|>").save_pretrained(
+        str(directory))
+    return directory
+
+
+def test_large_vocabulary_is_uint32_in_the_cache_and_in_shards(corpus, tmp_path):
+    """One rule (shards.token_dtype) for both stores: ids above 65,535 survive the data cache and prepared shards."""
+    from trainer3d.data import DataConfig, build_token_blocks
+
+    source, _ = corpus
+    tok = big_vocab_tokenizer(tmp_path / "tok")
+    cached = build_token_blocks(DataConfig(data=str(source), tokenizer=str(tok), cache_dir=str(tmp_path / "c")), 64)
+    prepare(_args(source, tmp_path / "p", tokenizer=tok))
+    shards = build_token_blocks(DataConfig(data=str(tmp_path / "p"), tokenizer=str(tok)), 64)
+    assert cached.stats["dtype"] == "uint32" and read_manifest(tmp_path / "p")["dtype"] == "<u4"
+    for blocks in (cached, shards):
+        ids = np.asarray(blocks.train[:8])
+        assert ids.max() > 65_535 and ids.min() >= 70_000  # every word and EOS sits above uint16's range
+    assert cached.vocab_size == shards.vocab_size == 70_002 + len(set(WORDS))

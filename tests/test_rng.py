@@ -21,7 +21,7 @@ def _dropout_streams(rank, world_size, compile_blocks):
     setup = validate(cfg, world_size, 300)
     layout = setup.layout
     topo = Topology(layout)
-    trainer = Trainer(setup, topo, torch.device("cpu"), cfg.gpt_config(300))
+    trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(300))
     model = trainer.pm.stages[0]
     model.train()
     hidden = {}

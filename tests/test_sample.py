@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from trainer3d.generate import generate, new_token_budget, pick_next_token
-from trainer3d.model import GPT, GPTConfig, KVCache
+from trainer3d.models.attention import KVCache
+from trainer3d.models.gpt2 import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = GPTConfig(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4)

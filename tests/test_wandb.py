@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer3d.train.metrics import flops_per_token
-from trainer3d.model import MODEL_PRESETS
+from trainer3d.models import MODEL_PRESETS
 from trainer3d.train.tracking import resolve_mode
 from wandb_reader import read_config, read_history
 
@@ -150,7 +149,7 @@ def test_flops_per_token_is_megatrons():
         l, h, s, V = cfg.n_layer, cfg.n_embd, 1024, 50257
         cfg = type(cfg)(**{**cfg.__dict__, "vocab_size": V})
         megatron = 72 * l * h * h * (1 + s / (6 * h) + V / (12 * h * l))
-        assert flops_per_token(cfg, s) == pytest.approx(megatron, rel=2e-3)
+        assert cfg.flops_per_token(s) == pytest.approx(megatron, rel=2e-3)
 
 
 def test_config_carries_deepspeed_json(tmp_path):
@@ -164,7 +163,7 @@ def test_config_carries_deepspeed_json(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     cfg = TrainConfig(deepspeed_config=str(tmp_path / "ds.json"), n_layer=2)
     trainer = SimpleNamespace(
-        cfg=cfg, topo=SimpleNamespace(layout=Layout(dp=2, tp=2, pp=2)), mcfg=cfg.gpt_config(50257), device="cpu",
+        cfg=cfg, topo=SimpleNamespace(layout=Layout(dp=2, tp=2, pp=2)), mcfg=cfg.model_config(50257), device="cpu",
         plan=SimpleNamespace(global_batch=8, micro_batches=4, micro_batch_size=1), precision="fp32",
         pm=SimpleNamespace(n_stages=2, layer_ranges=[range(0, 1), range(1, 2)]),
         deepspeed=SimpleNamespace(ds_config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}),

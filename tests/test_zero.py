@@ -28,7 +28,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from distributed import run_world  # noqa: E402
 from ds_ops import nvme_op_available, require_ops  # noqa: E402
-from parity import VOCAB, global_batches, parity_config, train_layout  # noqa: E402
+from parity import LLAMA, VOCAB, global_batches, parity_config, train_layout  # noqa: E402
 from trainer3d.zero import config as deepspeed_config  # noqa: E402
 from trainer3d.zero import ops as zero_ops  # noqa: E402
 from trainer3d.parallel import pipeline  # noqa: E402
@@ -83,6 +83,8 @@ def label(lay: dict, ds: dict | None) -> str:
         name += f" recompute={lay['recompute']}"
     if lay.get("sequence_parallel"):
         name += " sequence-parallel"
+    if lay.get("model") == LLAMA["model"]:
+        name += " llama"
     if ds is None:
         return name + " DDP"
     z = ds["zero_optimization"]
@@ -93,6 +95,8 @@ def label(lay: dict, ds: dict | None) -> str:
 
 # ---- what runs inside the spawned world -------------------------------------------------------------------------
 def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
+    from trainer3d.models import canonical_name
+    from trainer3d.parallel.engine import is_tied_duplicate
     from trainer3d.parallel.parallelize import named_full_params
     from trainer3d.parallel.tensor_parallel import gather_full
     from trainer3d.train.trainer import Trainer
@@ -106,7 +110,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
     result = None
     if topo.active:
         t0 = time.perf_counter()
-        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.gpt_config(VOCAB))
+        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB))
         t_init = time.perf_counter() - t0
         per = plan.global_batch // L.dp
         losses, norms, records = [], [], []
@@ -124,9 +128,10 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
             params[name] = gather_full(zdp.param_value(p), spec, topo.tp_group)
         head_copy = {}
         for m in trainer.pm.stages:
-            if m.lm_head is not None and m.wte is None:
-                w = m.lm_head.weight
-                head_copy["wte.weight"] = gather_full(zdp.param_value(w), w.tp_spec, topo.tp_group)
+            if m.head is not None and is_tied_duplicate(m, m.head.weight):
+                w = m.head.weight
+                head_copy[canonical_name(m.cfg, f"{m.HEAD}.weight")] = gather_full(zdp.param_value(w), w.tp_spec,
+                                                                                 topo.tp_group)
         # the memory formula: this rank's stage parameters, each partitioned on its own over dp (ZeRO-3)
         seen, numel, part = set(), 0, 0
         for e in zdp.engines:
@@ -158,8 +163,19 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
     return result
 
 
+def other_models(cases: list) -> list[dict]:
+    """The model flags of cases that train another model than the default GPT-2 (each needs its own reference)."""
+    out = []
+    for lay, _ in cases:
+        model = {k: lay[k] for k in LLAMA if k in lay}
+        if model and model not in out:
+            out.append(model)
+    return out
+
+
 def run_cases(rank: int, world_size: int, cases: list, steps: int) -> list:
-    """The one-process reference first, then every (layout, ds config or None for DDP) case."""
+    """The one-process reference first, then every (layout, ds config or None for DDP) case, then the one-process
+    reference of each other model the cases train (other_models)."""
     out = [train_layout(world_size, {}, steps)]
     for lay, ds in cases:
         if ds is None:
@@ -169,7 +185,7 @@ def run_cases(rank: int, world_size: int, cases: list, steps: int) -> list:
         else:
             res = train_zero(world_size, lay, ds, steps)
         out.append(res)
-    return out
+    return out + [train_layout(world_size, model, steps) for model in other_models(cases)]
 
 
 # ---- checking -------------------------------------------------------------------------------------------------------
@@ -178,15 +194,19 @@ def rel(a: list[float], b: list[float]) -> float:
 
 
 def check_world(results: list, cases: list) -> tuple[list[str], list[str]]:
-    ref = results[0][0]
-    assert max(ref["grad_norms"]) > 0.5, "clipping (at 0.5) should be active in the reference run"
+    refs = {(): results[0][0]}
+    for j, model in enumerate(other_models(cases)):
+        refs[tuple(model.items())] = results[0][1 + len(cases) + j]
+    assert all(max(r["grad_norms"]) > 0.5 for r in refs.values()), "clipping (at 0.5) should be active in the references"
     ddp_losses: dict[str, list] = {}
     table, failures = [], []
     for i, (lay, ds) in enumerate(cases, start=1):
         per_rank = [r[i] for r in results if r[i] is not None]
         losses = per_rank[0]["losses"]
         name = label(lay, ds)
-        key = f"{lay['dp']}x{lay['tp']}x{lay['pp']} {lay['schedule']}"
+        model = tuple((k, lay[k]) for k in LLAMA if k in lay)
+        ref = refs[model]
+        key = f"{lay['dp']}x{lay['tp']}x{lay['pp']} {lay['schedule']}{' llama' if model else ''}"
         if not all(r["losses"] == losses for r in per_rank):
             failures.append(f"{name}: ranks disagree on the loss")
         if ds is None:
@@ -201,8 +221,8 @@ def check_world(results: list, cases: list) -> tuple[list[str], list[str]]:
             head.update(r.get("head_copy", {}))
         dparam = max((params[k] - ref["params"][k]).abs().max().item() for k in ref["params"])
         tied = max([(head[k] - params[k]).abs().max().item() for k in head] or [0.0])
-        if lay["pp"] > 1 and not head:
-            tied = math.inf  # a last stage without the embedding must hold a copy
+        if lay["pp"] > 1 and not head and not model:
+            tied = math.inf  # a last stage without the (tied GPT-2) embedding must hold a copy
         table.append(
             f"{name:<58} loss vs DDP {vs_ddp:.1e}  vs 1-proc {vs_ref:.1e}  grad_norm {vs_norm:.1e}  "
             f"param {dparam:.1e}  tied {tied:.0e}  init {per_rank[0]['init_s']:.1f}s  step {per_rank[0]['step_s']:.2f}s"
@@ -290,8 +310,11 @@ def world8_cases():
     # activation recomputation under ZeRO-3 with CPU offload (checked against the DDP run of the same layout)
     # and sequence parallelism (its tp sum of the LayerNorm, bias and position gradients on ZeRO's partitions)
     sp = dict(a, sequence_parallel=True)
-    return cases + [(dict(a, recompute="selective"), ds_config(3, "all")), (dict(sp, recompute="full"), ds_config(3, "all")),
-                    (sp, ds_config(1))]
+    cases += [(dict(a, recompute="selective"), ds_config(3, "all")), (dict(sp, recompute="full"), ds_config(3, "all")),
+              (sp, ds_config(1))]
+    # Llama (grouped-query attention, rotary, untied head) under ZeRO-3 with CPU offload, sequence parallelism on
+    llama = dict(sp, **LLAMA)
+    return cases + [(llama, None), (llama, ds_config(3, "all"))]
 
 
 def _run(world, cases, timeout):

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from trainer3d.model import MODEL_PRESETS, GPTConfig
+from trainer3d.models import FAMILIES, MODEL_PRESETS
 
 # torch.distributed.pipelining's schedules by flag name (parallel/pipeline.py maps each to its class)
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
@@ -23,7 +23,9 @@ class TrainConfig:
     n_layer: int | None = None  # overrides of the preset's sizes
     n_head: int | None = None
     n_embd: int | None = None
-    n_positions: int | None = None  # the context (learned positions); default: the preset's
+    n_positions: int | None = None  # the context; default: the preset's
+    n_kv_heads: int | None = None  # Llama family: key/value heads (grouped-query attention)
+    ffn_hidden: int | None = None  # Llama family: SwiGLU's width
     dropout: float = 0.0
     vocab_size: int | None = None  # default: the tokenizer's
     init_from_hf: str | None = None
@@ -95,34 +97,46 @@ class TrainConfig:
             return "bf16" if device_type == "cuda" else "fp32"
         return self.precision
 
-    def gpt_config(self, vocab_size: int, base: GPTConfig | None = None) -> GPTConfig:
-        """The model's shape: the preset (or `base`, a Hugging Face model's config with its own vocabulary) with
-        the size flags applied."""
+    def model_config(self, vocab_size: int, base=None):
+        """The model's config (its family's): the preset (or `base`, the config of weights being loaded, with their own
+        vocabulary) with the size flags applied. A size flag the family has no field for is left to
+        train/setup.py, which refuses it."""
         if base is not None:
             vocab_size = base.vocab_size
         else:
             base = MODEL_PRESETS[self.model]
-        sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd),
-                                   ("n_positions", self.n_positions)) if v}
+        fields = {f.name for f in dataclasses.fields(base)}
+        sizes = {k: getattr(self, k) for k in SIZE_FLAGS if getattr(self, k) and k in fields}
         return dataclasses.replace(base, vocab_size=self.vocab_size or vocab_size, dropout=self.dropout, **sizes)
+
+
+# The flags that size a model: every family has the first four; the rest name fields of some families only.
+SIZE_FLAGS = ("n_layer", "n_head", "n_embd", "n_positions", "n_kv_heads", "ffn_hidden")
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(
         prog="train_gpt2.py",
-        description="Train a GPT-2 at any data × tensor × pipeline layout (python, torchrun, deepspeed or srun).",
+        description="Train a GPT-2 or Llama model at any data × tensor × pipeline layout (python, torchrun, deepspeed "
+                    "or srun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=d.model, choices=list(MODEL_PRESETS))
+    m.add_argument("--model", default=d.model, choices=list(MODEL_PRESETS),
+                   help="a preset of one of the families: " + "; ".join(
+                       f"{name}: {', '.join(n for n, c in MODEL_PRESETS.items() if c.family == name)}" for name in FAMILIES))
     m.add_argument("--n-layer", type=int, default=None, help="override the preset's number of blocks")
     m.add_argument("--n-head", type=int, default=None, help="override the preset's attention heads")
     m.add_argument("--n-embd", type=int, default=None, help="override the preset's width")
-    m.add_argument("--n-positions", type=int, default=None, help="override the preset's context (learned positions)")
+    m.add_argument("--n-positions", type=int, default=None, help="override the preset's context")
+    m.add_argument("--n-kv-heads", type=int, default=None, help="Llama: override the key/value heads (GQA)")
+    m.add_argument("--ffn-hidden", type=int, default=None, help="Llama: override SwiGLU's width")
     m.add_argument("--dropout", type=float, default=d.dropout)
     m.add_argument("--vocab-size", type=int, default=None, help="override the tokenizer's vocabulary size")
-    m.add_argument("--init-from-hf", default=None, help="a GPT2LMHeadModel save_pretrained directory")
+    m.add_argument("--init-from-hf", default=None,
+                   help="a save_pretrained directory (GPT2LMHeadModel or LlamaForCausalLM; sharded or not): its config "
+                   "sets the model, its weights the start; its tokenizer is used unless --tokenizer is given")
     lay = p.add_argument_group("layout (dp is world size / (tp·pp))")
     lay.add_argument("--tp", type=int, default=d.tp)
     lay.add_argument("--pp", type=int, default=d.pp)

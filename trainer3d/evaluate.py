@@ -30,7 +30,7 @@ from trainer3d.dist.failure import run_reported
 from trainer3d.dist.topology import LaunchEnv, Topology, default_device, init_distributed
 from trainer3d.errors import ConfigError, UsageError
 from trainer3d.fsio import write_text_atomic
-from trainer3d.model import MODEL_PRESETS
+from trainer3d.models import MODEL_PRESETS
 from trainer3d.parallel import pipeline
 from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.train.downstream import Downstream, hellaswag
@@ -67,13 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def eval_config(ckpt: Checkpoint, args, world_size: int) -> TrainConfig:
-    """The checkpoint's model and run, at this command's layout; nothing of the run that would touch its files."""
-    run, m = ckpt.meta["config"], ckpt.model_config
+    """The checkpoint's run at this command's layout (the model itself is the checkpoint's config, validate's
+    `base_model`); nothing of the run that would touch its files."""
+    run = ckpt.meta["config"]
     dp = max(1, world_size // max(1, args.tp * args.pp))
     micro_batches = args.micro_batches or default_micro_batches(args.schedule, args.pp)
     return TrainConfig(
         model=run.get("model") if run.get("model") in MODEL_PRESETS else "tiny",
-        n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, n_positions=m.n_positions, vocab_size=m.vocab_size,
         tp=args.tp, pp=args.pp, schedule=args.schedule, virtual_stages=args.virtual_stages,
         micro_batches=args.micro_batches,
         seq_len=args.seq_len or int(run.get("seq_len", 128)),
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     env = LaunchEnv.from_environ()
     try:  # before any process group: the checkpoint's meta.json, the flags, the HellaSwag file, --output
         ckpt = Checkpoint(resolve_checkpoint(args.checkpoint), check=False)
-        setup = validate(eval_config(ckpt, args, env.world_size), env.world_size, ckpt.model_config.vocab_size)
+        setup = validate(eval_config(ckpt, args, env.world_size), env.world_size, base_model=ckpt.model_config)
         check_output(args.output)
     except UsageError as e:
         if env.rank == 0:

@@ -5,13 +5,15 @@
 CKPT is a checkpoint directory (`<out-dir>/checkpoints/step_000123`), a `checkpoints` directory or a run's
 --out-dir (both follow `latest`). The layout-free model files are read directly (any layout saved them), every
 file's sha256 is checked, and OUT is written atomically by hf.save_hf_checkpoint with the tokenizer the run used
-(the bundled GPT-2 BPE unless the run passed --tokenizer), so `GPT2LMHeadModel.from_pretrained(OUT)` and
-`AutoTokenizer.from_pretrained(OUT)` load it.
+(the bundled GPT-2 BPE unless the run passed --tokenizer), so the family's class (`GPT2LMHeadModel`,
+`LlamaForCausalLM`).from_pretrained(OUT) and `AutoTokenizer.from_pretrained(OUT)` load it; config.json carries the
+tokenizer's end- and start-of-text ids.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -32,19 +34,33 @@ DTYPES = {
 
 
 def _tokenizer_dir(name: str | None, scratch: Path) -> tuple[Path | None, str | None]:
-    """(directory to copy, warning) for the tokenizer a run used: None -> the bundled GPT-2 BPE, a folder as is, a
-    Hugging Face name saved from its (offline) cache."""
+    """(directory to copy, warning) for the tokenizer a run used: None -> the bundled GPT-2 BPE, a tokenizer folder as
+    is; a model directory (--init-from-hf's, which holds the tokenizer beside config.json and the weights) or a Hugging
+    Face name: the tokenizer alone, saved from it."""
     if name is None or (name in ("gpt2", "openai-community/gpt2") and not os.path.exists(name)):
         return BUNDLED_TOKENIZER_DIR, None
     if name.lower() == "none":
         return None, None
-    if os.path.isdir(name):
+    if os.path.isdir(name) and not (Path(name) / "config.json").exists():
         return Path(name), None
     try:
         load_tokenizer(name).save_pretrained(str(scratch))
     except (DataError, OSError) as e:
         return None, f"tokenizer {name!r} not exported ({e}); copy its files into the output yourself"
     return scratch, None
+
+
+def _special_ids(tok_dir: Path | None, vocab_size: int) -> dict:
+    """config.json's eos/bos token ids from the tokenizer shipped with the export (generation stops on eos), where
+    the model's vocabulary has them."""
+    if tok_dir is None:
+        return {}
+    try:
+        tok = load_tokenizer(str(tok_dir))
+    except DataError:
+        return {}
+    ids = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id}
+    return {k: v for k, v in ids.items() if v is not None and v < vocab_size}
 
 
 def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -62,8 +78,9 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
         tok_dir, warning = _tokenizer_dir(name, Path(scratch))
         if warning:
             print(f"trainer3d.export: warning: {warning}", file=sys.stderr)
+        ids = _special_ids(tok_dir, mcfg.vocab_size)
         try:
-            save_hf_checkpoint(mcfg, state, out, tokenizer_dir=tok_dir, dtype=dtype, overwrite=overwrite)
+            save_hf_checkpoint(mcfg, state, out, tokenizer_dir=tok_dir, dtype=dtype, overwrite=overwrite, **ids)
         except (OSError, ValueError, TypeError) as e:
             raise CheckpointError(f"could not write {out} ({e}).") from None
     return out
@@ -72,7 +89,8 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m trainer3d.export",
-        description="Write a Hugging Face GPT2LMHeadModel directory from a trainer3d checkpoint (any layout).",
+        description="Write a Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM) from a trainer3d checkpoint "
+                    "(any layout).",
     )
     p.add_argument("checkpoint", help="step_* directory, checkpoints directory, or a run's --out-dir")
     p.add_argument("out", help="output directory (save_pretrained format)")
@@ -86,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"trainer3d.export: error: {e}", file=sys.stderr)
         return 2
-    print(f"trainer3d.export: wrote {out} (GPT2LMHeadModel, {args.dtype})")
+    print(f"trainer3d.export: wrote {out} ({json.loads((out / 'config.json').read_text())['architectures'][0]}, "
+          f"{args.dtype})")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Text generation from a plain GPT: the next-token rule (temperature, top-k), shared by `python -m trainer3d.sample`
+"""Text generation from a plain model (any family): the next-token rule (temperature, top-k), shared by `python -m trainer3d.sample`
 and the samples written during training, and `generate`, the decoding loop over a KV cache.
 
 With the cache a new token runs the model on one position (attending to the cached keys and values) instead of
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer3d.model import GPT, KVCache
+from trainer3d.models import CausalLM
+from trainer3d.models.attention import KVCache
 
 
 def pick_next_token(
@@ -33,13 +34,14 @@ def pick_next_token(
 
 def new_token_budget(prompt_len: int, max_new_tokens: int, n_positions: int) -> int:
     """How many tokens `generate` adds: max_new_tokens, but the sequence (prompt included) never grows past the
-    model's n_positions, since learned positions end there and a KV cache cannot slide a window."""
+    model's n_positions (its context: learned positions end there, rotary ones were trained up to it) and a KV cache
+    cannot slide a window."""
     return max(0, min(max_new_tokens, n_positions - prompt_len))
 
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: CausalLM,
     prompt_ids: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,

@@ -15,7 +15,6 @@ before any weights are read.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -25,12 +24,13 @@ from typing import Callable
 import torch
 
 from trainer3d.checkpoint.format import META, Checkpoint, resolve_checkpoint
-from trainer3d.checkpoint.hf import gpt_config_from_hf, load_hf_checkpoint
+from trainer3d.checkpoint.hf import load_hf_checkpoint, read_hf_config
 from trainer3d.data import load_tokenizer
+from trainer3d.data.tokenizer import has_tokenizer_files
 from trainer3d.errors import CheckpointError, UsageError, first_line
 from trainer3d.export import DTYPES
 from trainer3d.generate import generate, new_token_budget
-from trainer3d.model import GPT, GPTConfig
+from trainer3d.models import CausalLM, plain_model
 
 MAX_SEED = 2**63 - 1
 
@@ -71,17 +71,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--device cuda needs a CUDA GPU and torch sees none; use --device cpu.")
 
 
-def open_source(path: str) -> tuple[GPTConfig, str | None, Callable[[], dict[str, torch.Tensor]]]:
+def open_source(path: str) -> tuple[object, str | None, Callable[[], dict[str, torch.Tensor]]]:
     """(model config, the tokenizer the weights were trained with, a function reading the canonical state dict):
     everything but the weights is read and checked here."""
     p = Path(path)
     if p.is_dir() and (p / "config.json").is_file() and not (p / META).is_file():  # a Hugging Face directory
         try:
-            cfg = gpt_config_from_hf(json.loads((p / "config.json").read_text()), dropout=0.0)
+            cfg = read_hf_config(p, dropout=0.0)[1]
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{p / 'config.json'} cannot be used ({first_line(e)}).") from None
-        tok_files = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
-        tokenizer = str(p) if any((p / f).is_file() for f in tok_files) else None
+        tokenizer = str(p) if has_tokenizer_files(p) else None
 
         def read_hf() -> dict[str, torch.Tensor]:
             try:
@@ -99,7 +98,7 @@ def open_source(path: str) -> tuple[GPTConfig, str | None, Callable[[], dict[str
     return ckpt.model_config, ckpt.meta["config"].get("tokenizer"), read_checkpoint
 
 
-def encode_prompt(tok, prompt: str, cfg: GPTConfig) -> list[int]:
+def encode_prompt(tok, prompt: str, cfg) -> list[int]:
     """The prompt's token ids (the end-of-text token for an empty prompt, as GPT-2 starts a document), checked
     against the model's vocabulary and context."""
     ids = tok.encode(prompt) if prompt else [tok.eos_token_id]
@@ -118,15 +117,12 @@ def encode_prompt(tok, prompt: str, cfg: GPTConfig) -> list[int]:
     return ids
 
 
-def build_model(cfg: GPTConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> GPT:
-    """The plain GPT holding `state` (canonical names: the tied head is `wte.weight`), in eval mode."""
-    with torch.device("meta"):
-        model = GPT(cfg)
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if result.unexpected_keys or set(result.missing_keys) != {"lm_head.weight"}:
-        raise CheckpointError(f"the weights do not fit the model ({result}).")
-    model.lm_head.weight = model.wte.weight
-    return model.to(device=device, dtype=dtype).eval()
+def build_model(cfg, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The family's plain model holding `state` (canonical names), in eval mode."""
+    try:
+        return plain_model(cfg, state, device, dtype)
+    except ValueError as e:
+        raise CheckpointError(f"{first_line(e)}.") from None
 
 
 def main(argv: list[str] | None = None) -> int:

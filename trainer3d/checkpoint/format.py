@@ -2,11 +2,11 @@
 
 On-disk format (one directory per checkpoint, `<out-dir>/checkpoints/step_000123/`):
 
-    meta.json                  step, format version, full config, model shape, layout saved under, loader state,
+    meta.json                  step, format version, full config, model family and shape, layout saved under, loader state,
                                loss-scale state, and for every file: its size, sha256 and tensor names
     model-pp{k}.safetensors    the FULL (tp-unsharded, vocab-unpadded) parameters of pipeline rank k's stages,
-                               under their canonical names (model.canonical_name); the tied embedding once, as
-                               `wte.weight` (a last stage's lm_head copy loads from it)
+                               under their canonical names (models.canonical_name); a tied embedding once, as the
+                               embedding's weight (a last stage's head copy loads from it)
     optim-pp{k}.safetensors    the optimizer state of the same parameters, full, as `<name>.exp_avg`,
                                `<name>.exp_avg_sq`, `<name>.step` (AdamW)
     rng-rank{r}.safetensors    every rank's RNG states (uint8 tensors): restored when the layout is unchanged,
@@ -41,9 +41,8 @@ from typing import Any, Callable
 
 import torch
 
-from trainer3d.checkpoint.hf import expected_shapes
 from trainer3d.errors import CheckpointError, first_line
-from trainer3d.model import GPTConfig, canonical_name
+from trainer3d.models import FAMILIES, canonical_name, canonical_shapes, config_from_dict, shape_diffs
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
 
 FORMAT = "trainer3d-checkpoint"
@@ -51,7 +50,6 @@ FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"  # under --out-dir
 LATEST = "latest"
 META = "meta.json"
-MODEL_SHAPE_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_eps")
 
 
 def step_dir_name(step: int) -> str:
@@ -85,8 +83,9 @@ def sha256_of(path: Path) -> str:
 def sharded_rngs(pm) -> list[ShardedDropoutRNG]:
     out = []
     for m in pm.stages:
-        for block in m.h.values():
-            rng = getattr(block.attn, "sharded_rng", None)
+        attention = m.parallel_plan().attention
+        for block in m.blocks.values():
+            rng = getattr(block.get_submodule(attention), "sharded_rng", None)
             rng = getattr(rng, "inner", rng)
             if isinstance(rng, ShardedDropoutRNG) and all(rng is not r for r in out):
                 out.append(rng)
@@ -189,8 +188,12 @@ class Checkpoint:
             raise CheckpointError(f"{meta_path} lacks {what}; the checkpoint is corrupted.")
         self.meta = meta
         self.step = int(meta["step"])
+        family = meta.get("model_family", "gpt2")  # (checkpoints from before model families hold GPT-2)
+        if family not in FAMILIES:
+            raise CheckpointError(f"{meta_path} holds a {family!r} model, a family this trainer3d does not know; "
+                                  f"known: {', '.join(FAMILIES)}.")
         try:
-            self.model_config = GPTConfig(**meta["model"])
+            self.model_config = config_from_dict(family, meta["model"])
         except TypeError as e:
             raise CheckpointError(f"{meta_path} has an unreadable model config ({first_line(e)}).") from None
         self._handles: dict[str, Any] = {}
@@ -234,7 +237,7 @@ class Checkpoint:
             raise CheckpointError(f"{path} lacks tensor {missing[0]!r} that meta.json lists; the file is corrupted.")
 
     def _check_model(self) -> None:
-        expected = expected_shapes(self.model_config)
+        expected = canonical_shapes(self.model_config)
         missing = sorted(set(expected) - set(self.model_index))
         if missing:
             raise CheckpointError(
@@ -279,20 +282,20 @@ class Checkpoint:
         """The whole canonical state dict (for export; a trainer reads only its own tensors)."""
         return {name: self.model_tensor(name) for name in sorted(self.model_index)}
 
-    def check_model_matches(self, mcfg: GPTConfig) -> None:
+    def check_model_matches(self, mcfg) -> None:
         saved, now = self.model_config, mcfg
         diffs = shape_diffs(saved, now)
         if diffs:
             raise CheckpointError(
                 f"{self.path} holds a different model shape: {', '.join(diffs)}; pass the model flags it was saved "
-                "with (--model/--n-layer/--n-head/--n-embd/--vocab-size) or start a fresh run."
+                "with (--model/--n-layer/--n-head/--n-embd/--vocab-size/...) or start a fresh run."
             )
 
-    def full_value(self, mcfg: GPTConfig) -> Callable[[str, tuple], torch.Tensor]:
+    def full_value(self, mcfg) -> Callable[[str, tuple], torch.Tensor]:
         """The `full_value(name, shape)` hook of build_parallel_model: reads one full tensor at a time."""
 
         def value(name: str, shape: tuple) -> torch.Tensor:
-            canon = canonical_name(name)
+            canon = canonical_name(mcfg, name)
             if canon not in self.model_index:
                 raise CheckpointError(f"{self.path} holds no tensor {canon!r}; the checkpoint is incomplete.")
             t = self.model_tensor(canon)
@@ -307,12 +310,3 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def shape_diffs(stored: GPTConfig, now: GPTConfig) -> list[str]:
-    """The model-shape fields where weights on disk and this run disagree, as 'field=stored (this run: now)'."""
-    return [
-        f"{k}={getattr(stored, k)} (this run: {getattr(now, k)})"
-        for k in MODEL_SHAPE_FIELDS
-        if getattr(stored, k) != getattr(now, k)
-    ]

@@ -1,41 +1,41 @@
-"""Starting a run from a Hugging Face GPT2LMHeadModel directory (--init-from-hf): its shape, checked before any
-process group, and the `full_value` hook that materializes each rank's shards from its weights."""
+"""Starting a run from a Hugging Face directory of any known family (--init-from-hf): its config, checked before any
+process group, and the `full_value` hook that materializes each rank's shards from its weights, one tensor at a time
+(a rank reads only the tensors of its own stages)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from trainer3d.checkpoint.format import shape_diffs
-from trainer3d.checkpoint.hf import CONFIG_NAME, gpt_config_from_hf, load_hf_checkpoint
+from trainer3d.checkpoint.hf import CONFIG_NAME, HFDirectory, read_hf_config
 from trainer3d.errors import CheckpointError, first_line
-from trainer3d.model import GPTConfig, canonical_name
+from trainer3d.models import canonical_name, shape_diffs
 
 
-def hf_model_config(path: str | os.PathLike) -> GPTConfig:
-    """Our GPTConfig from a Hugging Face directory's config.json (shapes only; nothing else is read)."""
+def hf_model_config(path: str | os.PathLike):
+    """Our model config from a Hugging Face directory's config.json (shapes only; nothing else is read)."""
     p = Path(path)
     if not (p / CONFIG_NAME).is_file():
-        raise CheckpointError(
-            f"--init-from-hf {p}: {p / CONFIG_NAME} does not exist; pass a GPT2LMHeadModel save_pretrained directory."
-        )
+        raise CheckpointError(f"--init-from-hf {p}: {p / CONFIG_NAME} does not exist; pass a save_pretrained directory "
+                              "(GPT2LMHeadModel or LlamaForCausalLM).")
     try:
-        return gpt_config_from_hf(json.loads((p / CONFIG_NAME).read_text()), dropout=0.0)
-    except ValueError as e:
+        return read_hf_config(p, dropout=0.0)[1]
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"--init-from-hf {p}: {p / CONFIG_NAME} cannot be used ({first_line(e)}).") from None
 
 
-def hf_full_value(path: str | os.PathLike, mcfg: GPTConfig) -> Callable[[str, tuple], torch.Tensor]:
-    """The `full_value` hook from a Hugging Face GPT2LMHeadModel directory, after checking its shape is `mcfg`'s."""
+def hf_full_value(path: str | os.PathLike, mcfg) -> Callable[[str, tuple], torch.Tensor]:
+    """The `full_value` hook from a Hugging Face directory, after checking that its tensors (headers) fit `mcfg`."""
     try:
-        hcfg, state = load_hf_checkpoint(path, dropout=mcfg.dropout)
+        directory = HFDirectory(path, dropout=mcfg.dropout)
+        diffs = shape_diffs(directory.cfg, mcfg)
+        if not diffs:
+            directory.check()
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"--init-from-hf {path}: {first_line(e)}.") from None
-    diffs = shape_diffs(hcfg, mcfg)
     if diffs:
         raise CheckpointError(
             f"--init-from-hf {path} holds a different model shape: {', '.join(diffs)}; drop the conflicting "
@@ -43,6 +43,6 @@ def hf_full_value(path: str | os.PathLike, mcfg: GPTConfig) -> Callable[[str, tu
         )
 
     def value(name: str, shape: tuple) -> torch.Tensor:
-        return state[canonical_name(name)]
+        return directory.tensor(canonical_name(mcfg, name)).float()
 
     return value

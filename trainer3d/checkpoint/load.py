@@ -27,24 +27,24 @@ from trainer3d.checkpoint.hf_init import hf_full_value
 from trainer3d.dist.collectives import agree_on_error, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import write_text_atomic
-from trainer3d.model import GPTConfig, canonical_name
+from trainer3d.models import canonical_name
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG, shard_tensor
 
 
 def _stage_params(pm) -> list[tuple[str, torch.nn.Parameter, Any]]:
     """(canonical name, parameter, tp spec) of every parameter object this rank holds, the last stage's tied head
-    copy included (as `wte.weight`): what has to be loaded, values and optimizer state alike."""
+    copy included (under the embedding's name): what has to be loaded, values and optimizer state alike."""
     out, seen = [], set()
     for m in pm.stages:
         for name, p in m.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                out.append((canonical_name(name), p, getattr(p, "tp_spec", None)))
+                out.append((canonical_name(m.cfg, name), p, getattr(p, "tp_spec", None)))
     return out
 
 
 # ---- loading into a trainer -------------------------------------------------------------------------------------
-def open_for_resume(resume: str, out_dir: str, mcfg: GPTConfig, topo) -> Checkpoint | None:
+def open_for_resume(resume: str, out_dir: str, mcfg, topo) -> Checkpoint | None:
     """Resolve `--resume` ("latest" = the newest checkpoint of --out-dir, or a path), check it on every rank and
     verify the sha256 of every file (each rank checks a share), agree on the outcome. Returns None for "latest"
     with no checkpoint yet (the run starts fresh; requeued jobs can always pass --resume)."""
@@ -179,7 +179,7 @@ class Start:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def prepare(cfg, mcfg: GPTConfig, topo) -> Start:
+def prepare(cfg, mcfg, topo) -> Start:
     """Before the trainer is built. --resume wins over --init-from-hf. Raises CheckpointError (on every rank alike)
     for any bad input, before anything is trained or written."""
     start = Start()

@@ -24,6 +24,7 @@ from trainer3d.dist.collectives import all_gather_object, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import fsync_path, write_text_atomic
 from trainer3d.optim import lr_at
+from trainer3d.models import config_to_dict
 from trainer3d.parallel.parallelize import named_full_params
 from trainer3d.parallel.tensor_parallel import gather_full
 
@@ -134,7 +135,8 @@ def _commit(trainer, tmp: Path, final: Path, files: dict, loader, keep_last: int
         "format_version": FORMAT_VERSION,
         "step": trainer.step,
         "lr": lr_at(trainer.step, trainer.cfg),
-        "model": dataclasses.asdict(trainer.mcfg),
+        "model_family": trainer.mcfg.family,
+        "model": config_to_dict(trainer.mcfg),
         "config": dataclasses.asdict(trainer.cfg),
         "layout": layout_record(trainer),
         "data_parallel": trainer.engine.describe(),

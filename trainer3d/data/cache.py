@@ -3,7 +3,7 @@ later call and on every other rank.
 
 ``datasets.map`` writes the tokens to ``<cache>/data/<key>/tokens*.arrow``, where ``key`` hashes the corpus
 identity, the tokenizer and the text field. The token stream (EOS appended after every document) is then packed
-into ``seq_len + 1``-token blocks stored as a flat ``uint16`` (``int32`` when the vocabulary needs it) file
+into ``seq_len + 1``-token blocks stored as a flat ``uint16`` (``uint32`` above 65,536 tokens: shards.token_dtype) file
 ``blocks-L<seq_len>.bin`` next to a ``.json`` that is written last and marks the cache entry complete. Both files
 are written to temporary names and renamed, so concurrent builders and readers never see a partial file: the
 trainer builds on each node's local rank 0 first (one builder per node, and several nodes may share the cache),
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trainer3d.data.shards import (
-    TokenWindows, check_tokenizer, looks_prepared, manifest_fingerprint, open_windows, read_manifest,
+    TokenWindows, check_tokenizer, looks_prepared, manifest_fingerprint, open_windows, read_manifest, token_dtype,
 )
 from trainer3d.data.sources import DataConfig, _no_text, _resolve_source, _select_text, _Source
 from trainer3d.data.tokenizer import _tokenizer_identity, load_tokenizer, tokenizer_identity
@@ -47,7 +47,7 @@ FORMAT_VERSION = 1  # bump when the on-disk layout or packing rule changes
 
 @dataclass
 class TokenBlocks:
-    train: np.ndarray | TokenWindows  # [n_train, seq_len + 1], uint16 or int32, memory-mapped
+    train: np.ndarray | TokenWindows  # [n_train, seq_len + 1], uint16 or uint32, memory-mapped
     val: np.ndarray | TokenWindows  # [n_val, seq_len + 1]
     seq_len: int
     vocab_size: int  # len(tokenizer): every id is < vocab_size
@@ -207,7 +207,7 @@ def build_token_blocks(cfg: DataConfig | None, seq_len: int) -> TokenBlocks:
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     tok = load_tokenizer(cfg.tokenizer)
     eos_id, vocab_size = int(tok.eos_token_id), len(tok)
-    dtype = np.dtype(np.uint16 if vocab_size <= 65536 else np.int32)
+    dtype = token_dtype(vocab_size)
     src = _resolve_source(cfg, cache / "hf")
     tok_key = _hash({
         "format": FORMAT_VERSION,

@@ -34,6 +34,8 @@ def shard_name(split: str, index: int) -> str:
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
+    """THE storage type of token ids, for the data cache and prepared shards alike: uint16 while every id fits
+    (GPT-2's 50257), uint32 above 65,536 tokens (Llama 3's 128256)."""
     return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
 
 

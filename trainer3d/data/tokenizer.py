@@ -39,6 +39,14 @@ def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
     return tok
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def has_tokenizer_files(directory: str | os.PathLike) -> bool:
+    """Whether a folder (a Hugging Face model directory, say) ships a tokenizer."""
+    return any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def is_bundled_gpt2(name_or_path: str | None) -> bool:
     return name_or_path is None or (name_or_path in _GPT2_ALIASES and not os.path.exists(name_or_path))
 

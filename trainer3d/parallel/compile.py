@@ -43,12 +43,14 @@ def apply_compile(stage: nn.Module, enabled: bool) -> nn.Module:
     """Compile this stage's blocks in place (their parameters stay where they are)."""
     if not enabled:
         return stage
-    for block in stage.h.values():
+    attention = stage.parallel_plan().attention
+    for block in stage.blocks.values():
         if isinstance(block.forward, Checkpointed):  # --recompute full
             block.forward.fn = torch.compile(block.forward.fn)
             continue
-        if isinstance(block.attn.core, Checkpointed):  # --recompute selective
-            block.attn.core = torch.compiler.disable(block.attn.core)
+        attn = block.get_submodule(attention)
+        if isinstance(attn.core, Checkpointed):  # --recompute selective
+            attn.core = torch.compiler.disable(attn.core)
         block.compile()
     return stage
 

@@ -124,20 +124,24 @@ def unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
 
 
 def tied_copies(stage_modules: list[nn.Module]) -> list[nn.Parameter]:
-    """This rank's copies of the tied embedding: the first stage's wte and the last stage's lm_head weight
-    (the same Parameter when one module holds both). `stage_modules`: plain (unwrapped) stage modules."""
+    """This rank's copies of a tied embedding: the first stage's embedding and the last stage's head weight (the same
+    Parameter when one module holds both); none when the model's head is untied. `stage_modules`: plain (unwrapped)
+    stage modules (models.CausalLM)."""
     out: list[nn.Parameter] = []
     for m in stage_modules:
-        for part in (m.wte, m.lm_head):
+        if not m.cfg.tie_embeddings:
+            continue
+        for part in (m.embedding, m.head):
             if part is not None and not any(part.weight is p for p in out):
                 out.append(part.weight)
     return out
 
 
 def is_tied_duplicate(module: nn.Module, param: nn.Parameter) -> bool:
-    """The last stage's lm_head copy when the embedding lives on another stage: same values as wte, so it is
-    counted once in the gradient norm and saved once in checkpoints."""
-    return module.lm_head is not None and module.wte is None and param is module.lm_head.weight
+    """The last stage's copy of a tied embedding when the embedding lives on another stage: the same values, so it
+    is counted once in the gradient norm and saved once in checkpoints."""
+    return (module.cfg.tie_embeddings and module.head is not None and module.embedding is None
+            and param is module.head.weight)
 
 
 def counts_in_norm(module: nn.Module, param: nn.Parameter, tp_rank: int) -> bool:

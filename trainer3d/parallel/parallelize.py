@@ -1,6 +1,6 @@
 """The one place where parallelism is applied to the plain model, always in this order:
 
-  1. build the plain GPT on the meta device (no memory, any size),
+  1. build the family's plain model on the meta device (no memory, any size),
   2. pipeline: keep only this rank's stage(s),
   3. tensor parallel: swap each stage's layers for their sharded forms (sequence parallelism: the activations
      between them on sequence shards), then activation recomputation around them,
@@ -18,11 +18,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from trainer3d.model import GPT, GPTConfig, canonical_name, init_value
+from trainer3d.models import CausalLM, build_model, canonical_name, init_value
 from trainer3d.parallel import pipeline
 from trainer3d.parallel.batch import BatchPlan
 from trainer3d.parallel.compile import apply_compile
-from trainer3d.parallel.engine import DataParallelEngine
+from trainer3d.parallel.engine import DataParallelEngine, is_tied_duplicate
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
 from trainer3d.parallel.tensor_parallel import (
@@ -35,7 +35,7 @@ EngineFactory = Callable[[list[nn.Module]], DataParallelEngine]
 
 @dataclass
 class ParallelModel:
-    stages: list[GPT]  # this rank's plain stage modules (tp-sharded), in stage order
+    stages: list[CausalLM]  # this rank's plain stage modules (tp-sharded), in stage order
     stage_ids: list[int]
     n_stages: int
     layer_ranges: list[range]  # blocks of every stage, indexed by stage id
@@ -55,7 +55,7 @@ class ParallelModel:
 
 
 def parallelize(
-    mcfg: GPTConfig,
+    mcfg,
     topo,
     device: torch.device,
     cfg,
@@ -65,17 +65,18 @@ def parallelize(
     compute_dtype: torch.dtype,
     full_value: Callable[[str, tuple], torch.Tensor] | None = None,
 ) -> ParallelModel:
-    """`cfg`: the run's TrainConfig (schedule, virtual stages, seed, seq_len); `compute_dtype`: what matmuls run in."""
+    """`mcfg`: the model's config (its family's); `cfg`: the run's TrainConfig (schedule, virtual stages, seed,
+    seq_len); `compute_dtype`: what matmuls run in."""
     L = topo.layout
     # 1. the plain model, shapes only
     with torch.device("meta"):
-        model = GPT(mcfg)
+        model = build_model(mcfg)
 
     # 2. pipeline: this rank's stages
     n_stages = L.pp * pipeline.stages_per_rank(cfg.schedule, cfg.virtual_stages)
-    ranges = pipeline.balance_layers(mcfg, n_stages)
+    ranges = pipeline.balance_layers(mcfg, n_stages, cfg.seq_len)
     ids = pipeline.stage_ids(topo.pp_rank, L.pp, cfg.schedule, cfg.virtual_stages)
-    stages = [pipeline.split_stage(model, ranges[i], first=i == 0, last=i == n_stages - 1) for i in ids]
+    stages = [model.stage(ranges[i], first=i == 0, last=i == n_stages - 1) for i in ids]
 
     # 3. tensor parallel. Dropout on head-sharded attention uses a per-tp-rank stream; everything else uses
     # the default generator, seeded alike on tp peers (seed_rngs).
@@ -92,9 +93,10 @@ def parallelize(
 
     # 4. materialize: values are a function of the parameter's name, never of the layout
     if full_value is None:
-        full_value = lambda name, shape: init_value(name, shape, mcfg, cfg.seed)  # noqa: E731
+        full_value = lambda name, shape: init_value(mcfg, name, shape, cfg.seed)  # noqa: E731
     for s in stages:
         materialize(s, device, full_value, topo.tp_rank, L.tp)
+        s.init_tables(device)
     seed_rngs(cfg.seed, topo)  # the default generator's dropout stream, before anything draws from it
 
     # 5. data parallel
@@ -143,9 +145,8 @@ def named_full_params(pm: ParallelModel) -> dict[str, tuple[nn.Parameter, object
     out = {}
     for m in pm.stages:
         for name, p in m.named_parameters():
-            if name == "lm_head.weight" and m.wte is None:
-                continue
-            out[canonical_name(name)] = (p, getattr(p, "tp_spec", None))
+            if not is_tied_duplicate(m, p):
+                out[canonical_name(m.cfg, name)] = (p, getattr(p, "tp_spec", None))
     return out
 
 

@@ -1,15 +1,14 @@
 """Pipeline parallelism with torch.distributed.pipelining: split the model into contiguous stages, give each
 rank its stage(s), and drive them with one of torch's schedules.
 
-Stages are balanced by forward FLOPs: a transformer block costs ~24·d² per token, the LM head 2·d·V, which
-for GPT-2 124M is worth ~5 blocks, so the last stage gets fewer blocks. With v virtual stages per rank the
+Stages are balanced by forward FLOPs (the family's formulas): a GPT-2 block costs ~24·d² per token, the LM head
+2·d·V, which for GPT-2 124M is worth ~5 blocks, so the last stage gets fewer blocks. With v virtual stages per rank the
 model is cut into pp·v stages; "looped" schedules give rank r stages r, r+pp, r+2pp, ... and the V-shaped
 ones (ZBV, DualPipeV) give it stages r and 2pp-1-r, which puts the first and last stage on rank 0.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from trainer3d.config import SCHEDULE_NAMES
-from trainer3d.model import GPT, GPTConfig
 from trainer3d.errors import LayoutError
+from trainer3d.models.interface import CausalLM
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ def stages_per_rank(schedule: str, virtual_stages: int) -> int:
     return virtual_stages if info.multi_stage else 1
 
 
-def check_pipeline(cfg: GPTConfig, pp: int, schedule: str, virtual_stages: int, micro_batches: int) -> None:
+def check_pipeline(cfg, pp: int, schedule: str, virtual_stages: int, micro_batches: int) -> None:
     """Refuse, before any process group exists, a pipeline the model or the schedule cannot run."""
     if schedule not in SCHEDULES:
         raise LayoutError(f"Unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
@@ -82,22 +81,20 @@ def check_pipeline(cfg: GPTConfig, pp: int, schedule: str, virtual_stages: int, 
         )
 
 
-def stage_cost(cfg: GPTConfig, n_blocks: int, last: bool) -> int:
-    """Forward FLOPs per token of a stage of `n_blocks` blocks, plus the LM head (and its loss) on the last stage;
-    the embedding lookup costs no FLOPs. The one cost model of a stage: balance_layers minimises it and the
-    planner (trainer3d.plan.step_time) paces a pipeline by it."""
-    block_cost = 24 * cfg.n_embd**2 + 4 * cfg.n_positions * cfg.n_embd
-    head_cost = 2 * cfg.n_embd * cfg.vocab_size
-    return n_blocks * block_cost + (head_cost if last else 0)
+def stage_cost(cfg, n_blocks: int, last: bool, seq_len: int) -> float:
+    """Forward FLOPs per token of a stage of `n_blocks` blocks at `seq_len`, plus the LM head (and its loss) on the
+    last stage; the embedding lookup costs no FLOPs. The one cost model of a stage: balance_layers minimises it and
+    the planner (trainer3d.plan.step_time) paces a pipeline by it. `cfg`: a model config (its family's formulas)."""
+    return n_blocks * cfg.layer_flops(seq_len) + (cfg.head_flops() if last else 0)
 
 
-def balance_layers(cfg: GPTConfig, n_stages: int) -> list[range]:
+def balance_layers(cfg, n_stages: int, seq_len: int) -> list[range]:
     """Contiguous block ranges per stage minimising the most expensive stage (`stage_cost`), at least one block
     per stage."""
     L = cfg.n_layer
 
-    def cost(start: int, end: int, stage: int) -> int:
-        return stage_cost(cfg, end - start, stage == n_stages - 1)
+    def cost(start: int, end: int, stage: int) -> float:
+        return stage_cost(cfg, end - start, stage == n_stages - 1, seq_len)
 
     # best[s][i]: the smallest max-cost of splitting blocks [0, i) into stages 0..s-1.
     inf = float("inf")
@@ -129,24 +126,13 @@ def last_stage_pp_rank(schedule: str, pp: int) -> int:
     return 0 if SCHEDULES[schedule].v_shape else pp - 1
 
 
-def split_stage(model: GPT, layers: range, first: bool, last: bool) -> GPT:
-    """A copy of `model` (on the meta device: cheap) that keeps only what one stage owns."""
-    stage = copy.deepcopy(model)
-    stage.h = nn.ModuleDict({str(i): stage.h[str(i)] for i in layers})
-    if not first:
-        stage.wte = stage.wpe = None
-    if not last:
-        stage.ln_f = stage.lm_head = None
-    return stage
-
-
-def send_in_compute_dtype(stage: GPT, dtype: torch.dtype) -> None:
+def send_in_compute_dtype(stage: CausalLM, dtype: torch.dtype) -> None:
     """Under autocast the residual stream is fp32 inside a stage. Cast it to `dtype` (bf16) where it leaves a stage
     and back to fp32 where it enters one, so pipeline sends and their gradients cross the wire in bf16 (half the
     bytes); the residual is rounded to bf16 only at stage boundaries (Megatron keeps it in bf16 throughout)."""
-    if stage.lm_head is None:
+    if stage.head is None:
         stage.register_forward_hook(lambda module, args, out: out.to(dtype))
-    if stage.wte is None:
+    if stage.embedding is None:
         stage.register_forward_pre_hook(lambda module, args: (args[0].float(),) + tuple(args[1:]))
 
 

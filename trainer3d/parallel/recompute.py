@@ -1,7 +1,8 @@
 """Activation recomputation (--recompute): keep less of the forward, recompute it in the backward.
 
   full       each transformer block keeps only its input; the whole block runs again in the backward
-  selective  only the attention core (softmax, dropout, attention over values: Korthikanti et al. 2022), whose
+  selective  only the attention core (softmax, dropout, attention over values: Korthikanti et al. 2022; the module
+             the family's ParallelPlan names as `attention`, its `core`), whose
              activations grow with the sequence squared while its FLOPs are few, is recomputed
 
 torch.utils.checkpoint (non-reentrant) replays the default generator, so replicated dropout masks come out the same.
@@ -17,9 +18,6 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
-
-MODES = ("none", "selective", "full")
-
 
 class _ReplayShardedStream:
     """checkpoint's context_fn: (forward context, recomputation context) for one checkpointed call. Both are plain
@@ -75,12 +73,13 @@ def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
     """Wrap this stage's blocks (full) or their attention cores (selective), in place."""
     if mode == "none":
         return stage
-    for block in stage.h.values():
-        rng = block.attn.sharded_rng
+    attention = stage.parallel_plan().attention
+    for block in stage.blocks.values():
+        attn = block.get_submodule(attention)
         if mode == "full":
-            block.forward = Checkpointed(block.forward, rng)
+            block.forward = Checkpointed(block.forward, attn.sharded_rng)
         elif mode == "selective":
-            block.attn.core = Checkpointed(block.attn.core, rng)
+            attn.core = Checkpointed(attn.core, attn.sharded_rng)
         else:
             raise ValueError(f"unknown recompute mode {mode!r}")
     return stage

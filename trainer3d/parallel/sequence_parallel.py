@@ -6,10 +6,11 @@ Applied to a stage after tensor parallelism, in place:
   - the column-parallel layers and the LM head all-gather the sequence (backward: reduce-scatter) and the
     row-parallel layers and the vocab-parallel embedding reduce-scatter it (backward: all-gather), in place of
     the all-reduces (tensor_parallel.parallel_linear / leave_tp); the gathering matmuls save only the shard;
-  - the position embedding returns the rows of this rank's positions;
-  - dropout on sequence shards draws from the per-tp-rank stream (each shard its own mask), like the head-sharded
-    attention dropout;
-  - every tp-replicated parameter (LayerNorms, row-parallel biases, positions) sees only its shard's tokens, so
+  - a learned position embedding (the family's ParallelPlan.positions) returns the rows of this rank's positions;
+    rotary positions need nothing: attention runs on the gathered sequence;
+  - every nn.Dropout of the stage works on sequence shards and draws from the per-tp-rank stream (each shard its own
+    mask), like the head-sharded attention dropout (inside SDPA: no nn.Dropout);
+  - every tp-replicated parameter (norms, row-parallel biases, positions) sees only its shard's tokens, so
     it is marked `sequence_parallel` and the data-parallel engine sums its gradient over tp before the norm
     (engine.sum_sequence_parallel_grads), which keeps the tp copies identical.
 """
@@ -21,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer3d.errors import LayoutError
-from trainer3d.model import GPT
+from trainer3d.models.interface import CausalLM
 from trainer3d.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, ShardedDropoutRNG, VocabParallelEmbedding, VocabParallelHead,
 )
@@ -44,26 +45,27 @@ class ShardedDropout(nn.Module):
 class ShardedPositions(nn.Module):
     """The position embedding (same parameter, `weight`) returning the rows of this rank's sequence shard."""
 
-    def __init__(self, wpe: nn.Embedding, rank: int, size: int):
+    def __init__(self, positions: nn.Embedding, rank: int, size: int):
         super().__init__()
-        self.weight = wpe.weight
+        self.weight = positions.weight
         self.rank, self.size = rank, size
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return F.embedding(positions.chunk(self.size)[self.rank], self.weight)
 
 
-def apply_sequence_parallel(stage: GPT, rank: int, size: int, rng: ShardedDropoutRNG) -> GPT:
+def apply_sequence_parallel(stage: CausalLM, rank: int, size: int, rng: ShardedDropoutRNG) -> CausalLM:
     """Switch one tensor-parallel stage to sequence shards (see the module docstring), in place."""
     for module in stage.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)):
             module.sequence_parallel = True
-    if stage.wpe is not None:
-        stage.wpe = ShardedPositions(stage.wpe, rank, size)
-        stage.drop = ShardedDropout(stage.drop.p, rng)
-    for block in stage.h.values():
-        block.attn.resid_dropout = ShardedDropout(block.attn.resid_dropout.p, rng)
-        block.mlp.dropout = ShardedDropout(block.mlp.dropout.p, rng)
+    positions = stage.parallel_plan().positions
+    if positions is not None and getattr(stage, positions) is not None:
+        setattr(stage, positions, ShardedPositions(getattr(stage, positions), rank, size))
+    dropouts = [(name, m) for name, m in stage.named_modules() if type(m) is nn.Dropout]
+    for name, m in dropouts:
+        owner, _, attr = name.rpartition(".")
+        setattr(stage.get_submodule(owner), attr, ShardedDropout(m.p, rng))
     for p in stage.parameters():
         if getattr(p, "tp_spec", None) is None:
             p.sequence_parallel = True

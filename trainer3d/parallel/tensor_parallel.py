@@ -1,8 +1,9 @@
 """Megatron-style tensor parallelism (Shoeybi et al. 2019) with plain tensors and explicit collectives.
 
-Attention QKV and MLP fc are column-parallel (output dim split, heads split across ranks), attention and MLP
-projections row-parallel (input dim split, one all-reduce after), so each block needs one all-reduce per half
-in forward and one in backward. Embedding and LM head are vocab-parallel and the cross-entropy works on vocab
+Which linears of a block are column-parallel (output dim split: attention's q|k|v, the MLP's first layer; heads split
+across ranks) and which row-parallel (input dim split, one all-reduce after: the projections back to the residual
+stream) is the model family's ParallelPlan; so each block needs one all-reduce per half in forward and one in
+backward. Embedding and LM head are vocab-parallel and the cross-entropy works on vocab
 shards without ever gathering the logits (cross_entropy.py). Plain tensors (not DTensor) so DDP and DeepSpeed can
 wrap the result.
 
@@ -22,8 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer3d.dist.collectives import all_reduce, group_size
-from trainer3d.errors import LayoutError
-from trainer3d.model import GPT
+from trainer3d.models.interface import CausalLM, ColumnParallel
 
 
 # ---- the two conjugate collectives (Megatron's f and g) ---------------------------------------------------
@@ -143,13 +143,13 @@ def leave_tp(x, group, sequence_parallel: bool):
 # ---- how a full parameter maps onto its shards --------------------------------------------------------------
 @dataclass(frozen=True)
 class TPSpec:
-    """A parameter split along `dim`. `full_shape` is the unsharded, unpadded shape; `chunks` > 1 for the fused
-    q|k|v weight, whose three blocks are split separately so each rank gets whole heads of each; `padded` is the
+    """A parameter split along `dim`. `full_shape` is the unsharded, unpadded shape; `fused`: the sizes of the blocks
+    stacked along `dim` (q|k|v, gate|up), each split separately so each rank gets whole heads of each; `padded` is the
     full length along `dim` after padding (the vocab), filled with zeros."""
 
     dim: int
     full_shape: tuple[int, ...]
-    chunks: int = 1
+    fused: tuple[int, ...] | None = None
     padded: int | None = None
 
 
@@ -158,13 +158,14 @@ def shard_tensor(full: torch.Tensor, spec: TPSpec, rank: int, size: int) -> torc
         pad = list(full.shape)
         pad[spec.dim] = spec.padded - full.shape[spec.dim]
         full = torch.cat([full, full.new_zeros(pad)], dim=spec.dim)
-    blocks = full.chunk(spec.chunks, dim=spec.dim)
+    blocks = full.split(list(spec.fused), dim=spec.dim) if spec.fused else [full]
     return torch.cat([b.chunk(size, dim=spec.dim)[rank] for b in blocks], dim=spec.dim).contiguous()
 
 
 def unshard_tensor(shards: list[torch.Tensor], spec: TPSpec) -> torch.Tensor:
-    per_rank = [s.chunk(spec.chunks, dim=spec.dim) for s in shards]
-    full = torch.cat([torch.cat([p[c] for p in per_rank], dim=spec.dim) for c in range(spec.chunks)], dim=spec.dim)
+    local = [n // len(shards) for n in spec.fused] if spec.fused else [shards[0].shape[spec.dim]]
+    per_rank = [s.split(local, dim=spec.dim) for s in shards]
+    full = torch.cat([torch.cat([p[c] for p in per_rank], dim=spec.dim) for c in range(len(local))], dim=spec.dim)
     return full.narrow(spec.dim, 0, spec.full_shape[spec.dim]).contiguous()
 
 
@@ -172,16 +173,16 @@ def unshard_tensor(shards: list[torch.Tensor], spec: TPSpec) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local; the output stays sharded along its last dim."""
 
-    def __init__(self, in_features, out_features, group, rank, size, bias=True, chunks=1, device=None):
+    def __init__(self, in_features, out_features, group, size, bias=True, fused=None, device=None):
         super().__init__()
         self.group = group
         self.sequence_parallel = False
         self.weight = nn.Parameter(torch.empty(out_features // size, in_features, device=device))
-        self.weight.tp_spec = TPSpec(0, (out_features, in_features), chunks)
+        self.weight.tp_spec = TPSpec(0, (out_features, in_features), fused)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features // size, device=device))
-            self.bias.tp_spec = TPSpec(0, (out_features,), chunks)
+            self.bias.tp_spec = TPSpec(0, (out_features,), fused)
 
     def forward(self, x):
         return parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
@@ -190,16 +191,17 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T) + b; the input arrives sharded along its last dim."""
 
-    def __init__(self, in_features, out_features, group, rank, size, device=None):
+    def __init__(self, in_features, out_features, group, size, bias=True, device=None):
         super().__init__()
         self.group = group
         self.sequence_parallel = False
         self.weight = nn.Parameter(torch.empty(out_features, in_features // size, device=device))
         self.weight.tp_spec = TPSpec(1, (out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device))  # replicated, added once
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None  # replicated, added once
 
     def forward(self, x):
-        return leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel) + self.bias
+        y = leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        return y if self.bias is None else y + self.bias
 
 
 def vocab_parallel_weight(vocab_size, padded_vocab, dim, size, device=None) -> nn.Parameter:
@@ -273,33 +275,36 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return -(-vocab_size // step) * step
 
 
-def apply_tensor_parallel(model: GPT, group, rank: int, size: int, dropout_rng: ShardedDropoutRNG | None) -> GPT:
-    """Swap the plain Linear/Embedding modules of `model` (a pipeline stage, usually on the meta device) for
-    their sharded forms. Applied at tp=1 too: the vocab is then still padded and one code path runs everywhere.
-    A last stage without the embedding gets its own copy of the tied weight (kept in sync by the pipeline)."""
-    cfg = model.cfg
+def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
+                          dropout_rng: ShardedDropoutRNG | None) -> CausalLM:
+    """Swap the linears the model's ParallelPlan names, and its embedding and head, for their sharded forms (`model`
+    is a pipeline stage, usually on the meta device). Applied at tp=1 too: the vocab is then still padded and one code
+    path runs everywhere. A last stage whose tied embedding lives on another stage gets its own copy of the weight
+    (the engines keep the copies in sync)."""
+    cfg, plan = model.cfg, model.parallel_plan()
     dev = next(model.parameters()).device
-    d, V = cfg.n_embd, cfg.vocab_size
-    Vp = padded_vocab_size(V, size)
-    for block in model.h.values():
-        attn, mlp = block.attn, block.mlp
-        attn.c_attn = ColumnParallelLinear(d, 3 * d, group, rank, size, chunks=3, device=dev)
-        attn.c_proj = RowParallelLinear(d, d, group, rank, size, device=dev)
-        mlp.c_fc = ColumnParallelLinear(d, 4 * d, group, rank, size, device=dev)
-        mlp.c_proj = RowParallelLinear(4 * d, d, group, rank, size, device=dev)
+    for block in model.blocks.values():
+        for path, style in plan.linears.items():
+            owner, _, attr = path.rpartition(".")
+            parent = block.get_submodule(owner)
+            old: nn.Linear = getattr(parent, attr)
+            bias = old.bias is not None
+            if isinstance(style, ColumnParallel):
+                new = ColumnParallelLinear(old.in_features, old.out_features, group, size, bias, style.fused, dev)
+            else:
+                new = RowParallelLinear(old.in_features, old.out_features, group, size, bias, dev)
+            setattr(parent, attr, new)
         if dropout_rng is not None:
-            attn.sharded_rng = dropout_rng
-    if model.wte is not None:
-        model.wte = VocabParallelEmbedding(V, Vp, d, group, rank, size, device=dev)
-    if model.lm_head is not None:
-        weight = model.wte.weight if model.wte is not None else vocab_parallel_weight(V, Vp, d, size, dev)
-        model.lm_head = VocabParallelHead(weight, group)
+            block.get_submodule(plan.attention).sharded_rng = dropout_rng
+    V, d = cfg.vocab_size, cfg.n_embd
+    Vp = padded_vocab_size(V, size)
+    if model.embedding is not None:
+        setattr(model, model.EMBEDDING, VocabParallelEmbedding(V, Vp, d, group, rank, size, device=dev))
+    if model.head is not None:
+        tied_here = cfg.tie_embeddings and model.embedding is not None
+        weight = model.embedding.weight if tied_here else vocab_parallel_weight(V, Vp, d, size, dev)
+        setattr(model, model.HEAD, VocabParallelHead(weight, group))
     return model
-
-
-def check_tensor_parallel(cfg, tp: int) -> None:
-    if cfg.n_head % tp:
-        raise LayoutError(f"--tp {tp} must divide the model's {cfg.n_head} attention heads; pick a divisor of {cfg.n_head}.")
 
 
 # ---- full (layout-free) values <-> this rank's shards ----------------------------------------------------------
@@ -310,7 +315,7 @@ PARAM_ATTRIBUTES = ("tp_spec", "sequence_parallel")
 def materialize(module: nn.Module, device: torch.device, full_value, rank: int, size: int) -> None:
     """Replace every (meta) parameter of `module` by this rank's shard of `full_value(name, full_shape)`.
 
-    Parameters shared between modules (the tied wte/lm_head) stay shared. Used for initialisation (full_value
+    Parameters shared between modules (a tied embedding and head) stay shared. Used for initialisation (full_value
     = model.init_value) and for loading layout-free weights (checkpoints, Hugging Face)."""
     memo: dict[int, nn.Parameter] = {}
     for prefix, mod in module.named_modules():

@@ -1,7 +1,8 @@
 """A layout candidate of the planner and what it puts on one pipeline rank: stages and parameter counts.
 
-Pure functions of the model's GPTConfig and the candidate; nothing needs a process group. The stages come from
-trainer3d.parallel.pipeline itself (placement and balancing), so the planner counts what the trainer builds.
+Pure functions of the model's config and the candidate; nothing needs a process group. The stages come from
+trainer3d.parallel.pipeline itself (placement and balancing) and the parameters from the family's ParallelPlan
+(trainer3d.parallel.param_counts), so the planner counts what the trainer builds, for every family.
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from trainer3d.model import GPTConfig
+from trainer3d.parallel.param_counts import local_params
 from trainer3d.parallel.pipeline import balance_layers, stage_ids, stages_per_rank
-from trainer3d.parallel.tensor_parallel import padded_vocab_size
 
 
 # ---- precision ---------------------------------------------------------------------------------------------
@@ -60,20 +60,20 @@ def n_stages(pp: int, schedule: str, virtual_stages: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def balanced_ranges(cfg: GPTConfig, n: int) -> tuple[range, ...]:
+def balanced_ranges(cfg, n: int, seq_len: int) -> tuple[range, ...]:
     """trainer3d.parallel.pipeline.balance_layers, cached: the search asks for the same split many times."""
-    return tuple(balance_layers(cfg, n))
+    return tuple(balance_layers(cfg, n, seq_len))
 
 
-def rank_stages(cfg: GPTConfig, pp: int, schedule: str, virtual_stages: int, pp_rank: int) -> list[Stage]:
+def rank_stages(cfg, pp: int, schedule: str, virtual_stages: int, pp_rank: int, seq_len: int) -> list[Stage]:
     """The stages one pipeline rank owns, exactly as trainer3d.parallel.pipeline places and balances them."""
-    return list(_rank_stages(cfg, pp, schedule, virtual_stages, pp_rank))
+    return list(_rank_stages(cfg, pp, schedule, virtual_stages, pp_rank, seq_len))
 
 
 @lru_cache(maxsize=65536)
-def _rank_stages(cfg: GPTConfig, pp: int, schedule: str, virtual_stages: int, pp_rank: int) -> tuple[Stage, ...]:
+def _rank_stages(cfg, pp: int, schedule: str, virtual_stages: int, pp_rank: int, seq_len: int) -> tuple[Stage, ...]:
     n = n_stages(pp, schedule, virtual_stages)
-    ranges = balanced_ranges(cfg, n)
+    ranges = balanced_ranges(cfg, n, seq_len)
     return tuple(Stage(i, len(ranges[i]), i == 0, i == n - 1) for i in stage_ids(pp_rank, pp, schedule, virtual_stages))
 
 
@@ -84,7 +84,7 @@ class Candidate:
     everything the cost model needs (one pipeline rank at a time). Not trainer3d.dist.topology.Layout, which is
     only the (dp, tp, pp) grid of a running job."""
 
-    cfg: GPTConfig
+    cfg: object  # the model's config (any family's)
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -120,7 +120,7 @@ class Candidate:
         return self.dp * self.micro_batches * self.micro_batch_size
 
     def stages(self, pp_rank: int) -> list[Stage]:
-        return rank_stages(self.cfg, self.pp, self.schedule, self.virtual_stages, pp_rank)
+        return rank_stages(self.cfg, self.pp, self.schedule, self.virtual_stages, pp_rank, self.seq_len)
 
 
 def describe(cand: Candidate) -> str:
@@ -138,47 +138,48 @@ def describe(cand: Candidate) -> str:
     return s
 
 
-# ---- parameters per rank -----------------------------------------------------------------------------------
-def block_params(cfg: GPTConfig, tp: int) -> int:
-    """One block's parameters on one TP rank: column-parallel qkv and fc (weights and biases split), row-parallel
-    projections (weights split, biases replicated), two replicated LayerNorms."""
-    h = cfg.n_embd
-    return (12 * h * h + 7 * h) // tp + 6 * h
+# ---- parameters per rank (parallel/param_counts.py reads them off the family's ParallelPlan) -------------------------
+def block_params(cfg, tp: int) -> int:
+    """One block's parameters on one TP rank: column-parallel layers split whole, row-parallel weights split and their
+    biases replicated, norms replicated."""
+    return local_params(cfg, tp).block_total
 
 
-def stage_params(cfg: GPTConfig, tp: int, st: Stage) -> int:
-    h, Vp = cfg.n_embd, padded_vocab_size(cfg.vocab_size, tp)
-    n = st.layers * block_params(cfg, tp)
+def stage_params(cfg, tp: int, st: Stage) -> int:
+    lp = local_params(cfg, tp)
+    n = st.layers * lp.block_total
     if st.first:
-        n += Vp // tp * h + cfg.n_positions * h  # vocab-parallel wte, replicated wpe
+        n += lp.embedding + sum(lp.first_extra)  # vocab-parallel embedding, replicated positions (GPT-2)
     if st.last:
-        n += 2 * h + (0 if st.first else Vp // tp * h)  # ln_f, and the head's copy of wte when not on this module
+        n += sum(lp.last_extra) + (0 if cfg.tie_embeddings and st.first else lp.head)  # final norm; the head (a
+        # copy of a tied embedding when it lives elsewhere)
     return n
 
 
-def replicated_params(cfg: GPTConfig, stages: list[Stage]) -> list[int]:
-    """Sizes of the tp-replicated parameters of a rank's stages (LayerNorms, row-parallel biases, positions): under
+def replicated_params(cfg, stages: list[Stage]) -> list[int]:
+    """Sizes of the tp-replicated parameters of a rank's stages (norms, row-parallel biases, positions): under
     sequence parallelism their gradients are summed over tp once per step."""
-    h, out = cfg.n_embd, []
+    lp, out = local_params(cfg, 1), []
     for s in stages:
         if s.first:
-            out.append(cfg.n_positions * h)
-        out += [h] * 6 * s.layers  # ln_1, ln_2 (weight, bias), attention and MLP projection biases
+            out += lp.first_extra
+        out += lp.block_replicated * s.layers
         if s.last:
-            out += [h, h]  # ln_f
+            out += lp.last_extra
     return out
 
 
-def rank_params(cfg: GPTConfig, tp: int, stages: list[Stage]) -> int:
+def rank_params(cfg, tp: int, stages: list[Stage]) -> int:
     return sum(stage_params(cfg, tp, s) for s in stages)
 
 
-def max_param_tensor(cfg: GPTConfig, tp: int, stages: list[Stage]) -> int:
-    """Elements of the largest parameter on the rank (the vocab shard of wte, else an MLP weight)."""
-    h = cfg.n_embd
-    biggest = 4 * h * h // tp if any(s.layers for s in stages) else 0
+def max_param_tensor(cfg, tp: int, stages: list[Stage]) -> int:
+    """Elements of the largest parameter on the rank (the vocab shard of the embedding or head, else a block's
+    largest weight)."""
+    lp = local_params(cfg, tp)
+    biggest = max(n for n, _ in lp.block) if any(s.layers for s in stages) else 0
     if any(s.first or s.last for s in stages):
-        biggest = max(biggest, padded_vocab_size(cfg.vocab_size, tp) // tp * h)
+        biggest = max(biggest, lp.embedding)
     return biggest
 
 
@@ -187,14 +188,14 @@ def persistent_params(cand: Candidate, stages: list[Stage]) -> int:
     threshold = 10 * cand.cfg.n_embd if cand.zero3_persistence is None else cand.zero3_persistence
     if threshold <= 0 or cand.zero_stage < 3:
         return 0
-    h, t = cand.cfg.n_embd, cand.tp
+    lp = local_params(cand.cfg, cand.tp)
     small = 0
-    per_block = [3 * h // t, h, 4 * h // t, h, h, h, h, h]  # biases and LayerNorm weights/biases
-    per_block += [3 * h * h // t, h * h // t, 4 * h * h // t, 4 * h * h // t]
     for s in stages:
-        small += s.layers * sum(n for n in per_block if n < threshold)
-        if s.last and 2 * h:
-            small += sum(n for n in (h, h) if n < threshold)
+        small += s.layers * sum(n for n, _ in lp.block if n < threshold)
+        if s.last:
+            small += sum(n for n in lp.last_extra if n < threshold)
+        if s.first:
+            small += sum(n for n in lp.first_extra if n < threshold)
     return small
 
 

@@ -26,13 +26,12 @@ import sys
 from dataclasses import replace
 
 from trainer3d.errors import UsageError
-from trainer3d.model import MODEL_PRESETS, GPTConfig
+from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.plan.candidate import describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
 from trainer3d.plan.report import format_plans, launch_command, plan_deepspeed_config, why
 from trainer3d.plan.search import best_distinct, enumerate_plans, evaluate, parse_layout
 
-# Beyond trainer3d's GPT-2 presets: published GPT-3-family shapes (Brown et al. 2020; Narayanan et al. 2021).
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer3d.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--n-layer", type=int)
     m.add_argument("--n-embd", type=int)
     m.add_argument("--n-head", type=int)
+    m.add_argument("--n-kv-heads", type=int, help="Llama family: key/value heads")
+    m.add_argument("--ffn-hidden", type=int, help="Llama family: SwiGLU's width")
     m.add_argument("--vocab", type=int, default=None)
     m.add_argument("--seq-len", type=int, default=1024)
     c = p.add_argument_group("cluster")
@@ -64,8 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zero-stages", type=int, nargs="+", default=[0, 1, 2, 3])
     s.add_argument("--no-offload", action="store_true")
     s.add_argument("--no-recompute", action="store_true", help="leave out activation checkpointing")
-    s.add_argument("--trainer3d-only", action="store_true",
-                   help="kept for scripts; no effect: trainer3d runs every plan (recomputation is --recompute full)")
     s.add_argument("--max-micro-batch-size", type=int, default=64)
     s.add_argument("--top", type=int, default=5)
     o = p.add_argument_group("output")
@@ -79,30 +78,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(args) -> tuple[str | None, GPTConfig, Cluster, int]:
-    """(model name, model, cluster, global batch in sequences) from the flags."""
+def cluster_from_preset(preset: str, nodes: int, **overrides) -> Cluster:
+    """A cluster of `nodes` nodes of a preset's hardware, any field overridden."""
+    return Cluster(nodes=nodes, **{**CLUSTERS[preset], **overrides})
+
+
+def resolve(args) -> tuple[str | None, object, Cluster, int]:
+    """(model name, model config, cluster, global batch in sequences) from the flags."""
     if args.model in MODEL_PRESETS or args.model is None:
         base = MODEL_PRESETS[args.model or "gpt2"]
     else:
         raise SystemExit(f"plan: unknown --model {args.model!r}; choose one of {', '.join(MODEL_PRESETS)} or give sizes.")
-    cfg = replace(base, n_layer=args.n_layer or base.n_layer, n_embd=args.n_embd or base.n_embd,
-                  n_head=args.n_head or base.n_head, vocab_size=args.vocab or base.vocab_size,
+    sizes = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "n_kv_heads", "ffn_hidden")
+             if getattr(args, k) is not None}
+    unknown = sorted(set(sizes) - set(base.__dataclass_fields__))
+    if unknown:
+        raise SystemExit(f"plan: --{unknown[0].replace('_', '-')} does not size a {base.family} model; drop it.")
+    cfg = replace(base, **sizes, vocab_size=args.vocab or base.vocab_size,
                   n_positions=max(base.n_positions, args.seq_len))
-    if cfg.n_embd % cfg.n_head:
-        raise SystemExit(f"plan: --n-embd {cfg.n_embd} is not a multiple of --n-head {cfg.n_head}.")
-    preset = CLUSTERS.get(args.preset_cluster, CLUSTERS["h100"])
-    val = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
-    C = Cluster(nodes=args.nodes, gpus_per_node=val("gpus_per_node"), gpu_memory_gib=val("gpu_memory_gib"),
-                peak_tflops=val("peak_tflops"), intra_node_gbps=val("intra_node_gbps"),
-                inter_node_gbps=val("inter_node_gbps"), pcie_gbps=args.pcie_gbps, mfu=args.mfu, overlap=args.overlap,
-                host_memory_gib=args.host_memory_gib)
+    try:
+        family_of(cfg).check(cfg, 1)
+    except UsageError as e:
+        raise SystemExit(f"plan: {e}") from None
+    given = {k: getattr(args, k) for k in CLUSTERS["h100"] if getattr(args, k) is not None}
+    C = cluster_from_preset(args.preset_cluster or "h100", args.nodes, **given, pcie_gbps=args.pcie_gbps, mfu=args.mfu,
+                            overlap=args.overlap, host_memory_gib=args.host_memory_gib)
     if args.global_batch_tokens is not None:
         if args.global_batch_tokens % args.seq_len:
             raise SystemExit(f"plan: --global-batch-tokens {args.global_batch_tokens} is not a multiple of --seq-len {args.seq_len}.")
         gb = args.global_batch_tokens // args.seq_len
     else:
         gb = args.global_batch or 8 * C.world
-    return args.model, cfg, C, gb
+    return args.model or "gpt2", cfg, C, gb
 
 
 def main(argv=None) -> int:
@@ -117,7 +124,8 @@ def main(argv=None) -> int:
         cfg, C, gb, args.seq_len, schedules=args.schedules, zero_stages=tuple(args.zero_stages),
         offload=not args.no_offload, recompute=not args.no_recompute, max_micro_batch_size=args.max_micro_batch_size,
     )
-    print(f"model: {name or 'custom'} L{cfg.n_layer} d{cfg.n_embd} h{cfg.n_head} vocab {cfg.vocab_size} "
+    kv = f" kv{cfg.n_kv_heads}" if hasattr(cfg, "n_kv_heads") else ""
+    print(f"model: {name or 'custom'} ({cfg.family}) L{cfg.n_layer} d{cfg.n_embd} h{cfg.n_head}{kv} vocab {cfg.vocab_size} "
           f"({cfg.num_params() / 1e9:.2f}B params), seq {args.seq_len}, global batch {gb} sequences ({gb * args.seq_len:,} tokens)")
     print(f"cluster: {C.nodes} x {C.gpus_per_node} GPUs, {C.gpu_memory_gib:g} GiB ({C.reserve_gib:g} reserved), "
           f"{C.peak_tflops:g} TFLOP/s peak at {C.mfu:.0%} kernel efficiency, {C.intra_node_gbps:g} GB/s in a node, "

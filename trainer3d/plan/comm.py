@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from trainer3d.parallel.pipeline import last_stage_pp_rank
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
+from trainer3d.parallel.param_counts import local_params
 from trainer3d.plan.candidate import Candidate, persistent_params, rank_params, replicated_params
 
 
@@ -60,14 +61,16 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
     gathers it again in the backward for its weight gradient (Korthikanti et al. 2022, section 4.2.2)."""
     h, m, T, P, t = cand.cfg.n_embd, cand.micro_batches, cand.tokens, cand.prec, cand.tp
     layers = sum(s.layers for s in stages)
+    lp = local_params(cand.cfg, t)
+    rows, cols = lp.row_layers * layers, lp.column_layers * layers  # (GPT-2 and Llama: 2 of each per block)
     first, last = any(s.first for s in stages), any(s.last for s in stages)
     act = T * h * P.matmul  # b·s·h in the matmul dtype: what the tp collectives move
     out: list[Transfer] = []
     if not cand.sequence_parallel:
-        out.append(Transfer("tp", "all_reduce", act, 2 * layers * m, t,
-                            "2 per block forward: row-parallel attention and MLP projections (b·s·h)"))
-        out.append(Transfer("tp", "all_reduce", act, 2 * layers * m, t,
-                            "2 per block backward: column-parallel qkv and fc input gradients (b·s·h)"))
+        out.append(Transfer("tp", "all_reduce", act, rows * m, t,
+                            "forward, per row-parallel layer: the attention and MLP output projections (b·s·h)"))
+        out.append(Transfer("tp", "all_reduce", act, cols * m, t,
+                            "backward, per column-parallel layer: the qkv and MLP-input gradients (b·s·h)"))
         if first:
             out.append(Transfer("tp", "all_reduce", T * h * P.resid, m, t,
                                 "vocab-parallel embedding forward: each rank looks up its vocab slice (b·s·h)"))
@@ -75,14 +78,14 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
             out.append(Transfer("tp", "all_reduce", act, m, t,
                                 "vocab-parallel LM head backward: input gradient of the replicated hidden state (b·s·h)"))
     else:
-        n_gather = 2 * layers + (1 if last else 0)  # qkv and fc of every block, and the LM head
+        n_gather = cols + (1 if last else 0)  # qkv and the MLP input of every block, and the LM head
         out.append(Transfer("tp", "all_gather", act, n_gather * m, t,
-                            "forward: the sequence gathered into qkv, fc (and the LM head) (b·s·h)"))
-        out.append(Transfer("tp", "reduce_scatter", act, 2 * layers * m, t,
+                            "forward: the sequence gathered into qkv, the MLP input (and the LM head) (b·s·h)"))
+        out.append(Transfer("tp", "reduce_scatter", act, rows * m, t,
                             "forward: row-parallel outputs reduce-scattered onto sequence shards (b·s·h)"))
         out.append(Transfer("tp", "reduce_scatter", act, n_gather * m, t,
-                            "backward: input gradients of qkv, fc (and the LM head) reduce-scattered (b·s·h)"))
-        out.append(Transfer("tp", "all_gather", act, 2 * layers * m, t,
+                            "backward: input gradients of qkv, the MLP input (and the LM head) reduce-scattered (b·s·h)"))
+        out.append(Transfer("tp", "all_gather", act, rows * m, t,
                             "backward: gradients of the row-parallel outputs gathered (b·s·h)"))
         out.append(Transfer("tp", "all_gather", act, n_gather * m, t,
                             "backward: the saved input shards gathered again for the weight gradients (b·s·h)"))
@@ -93,7 +96,7 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
                                 "vocab-parallel embedding backward: the output gradient gathered (b·s·h)"))
         share = cand.dp if cand.zero_stage == 3 else 1  # ZeRO-3 sums each parameter's own dp partition
         out.append(Transfer("tp", "all_reduce", sum(math.ceil(n / share) for n in replicated_params(cand.cfg, stages)) * 4,
-                            1, t, "once per step: gradients of the LayerNorms, row-parallel biases and positions summed "
+                            1, t, "once per step: gradients of the norms, row-parallel biases and positions summed "
                             "(fp32)"))
     if last:
         out.append(Transfer("tp", "all_reduce", T * 4, 3 * m, t,
@@ -139,16 +142,16 @@ def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
                 out.append(Transfer("dp", "all_gather", partitioned * P.param, 2 * m, cand.dp,
                                     "ZeRO-3: all-gather of the parameters before forward and before backward"))
     first_rank, last_rank = tied_copy_ranks(cand)
-    if cand.pp > 1 and first_rank != last_rank and pp_rank in (first_rank, last_rank):
+    if cfg.tie_embeddings and cand.pp > 1 and first_rank != last_rank and pp_rank in (first_rank, last_rank):
         Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
         shard = Vp // cand.tp * h
         if cand.zero_stage >= 3:
             # the ZeRO engine sums the copies' aligned ZeRO-3 partitions (fp32), not the whole gradient
             out.append(Transfer("embedding", "all_reduce", math.ceil(shard / cand.dp) * 4, 1, 2,
-                                "tied wte/lm_head: the two copies' ZeRO-3 gradient partitions summed"))
+                                "tied embedding/head: the two copies' ZeRO-3 gradient partitions summed"))
         else:
             out.append(Transfer("embedding", "all_reduce", shard * (4 if cand.zero_stage else P.grad), 1, 2,
-                                "tied wte/lm_head: gradient of the two copies summed (first and last stage)"))
+                                "tied embedding/head: gradient of the two copies summed (first and last stage)"))
     # Scalars: one per step, not part of the minimum.
     out.append(Transfer("world", "all_reduce", 4, 1, cand.world, "loss for logging (one fp32 scalar)"))
     if cand.zero_stage:  # the ZeRO engine: every rank sums the squares it owns over the whole world

@@ -15,13 +15,13 @@ from trainer3d.plan.candidate import (
 
 
 def layer_activation_bytes(cand: Candidate) -> float:
-    """Bytes one block saves for backward per micro-batch, per token: 4h replicated (two LayerNorm inputs and
-    outputs) and the LayerNorm statistics, both split by t under sequence parallelism, 12h/t sharded, flash
-    attention's log-sum-exp. No s×s scores (scaled_dot_product_attention never stores them) and no dropout masks
-    (dropout 0)."""
-    h, a, t, P = cand.cfg.n_embd, cand.cfg.n_head, cand.tp, cand.prec
-    replicated = (2 * h * P.resid + 2 * h * P.matmul + 4 * 4) / (t if cand.sequence_parallel else 1)
-    return cand.tokens * (replicated + 12 * h // t * P.matmul + a // t * 4)
+    """Bytes one block saves for backward per micro-batch: per token, the family's LayerActivations (GPT-2: 4h
+    replicated, the two LayerNorms' inputs and outputs, and their statistics, split by t under sequence parallelism;
+    12h/t sharded; flash attention's log-sum-exp). No s×s scores (scaled_dot_product_attention never stores them) and
+    no dropout masks (dropout 0)."""
+    A, t, P = cand.cfg.layer_activations(), cand.tp, cand.prec
+    replicated = (A.resid * P.resid + A.matmul * P.matmul + A.fp32 * 4) / (t if cand.sequence_parallel else 1)
+    return cand.tokens * (replicated + A.sharded_matmul // t * P.matmul + A.sharded_fp32 // t * 4)
 
 
 def hidden_tokens(cand: Candidate) -> float:
@@ -41,7 +41,7 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
     if st.first:
         total += T * (8 + (9 if t > 1 else 0))  # token ids (int64); under TP also the shard mask and local ids
     if st.last:
-        total += Th * (P.resid + P.matmul) + T * 8  # ln_f input, head input (shards under SP), the CE's targets
+        total += Th * (P.resid + P.matmul) + T * 8  # final norm input, head input (shards under SP), the CE's targets
         total += T * (4 + 4 + 1)  # the CE's max and sum of exps (fp32), its outside-the-shard mask
         total += T * Vp // t * P.matmul  # the logits, held as the stage output until backward (and by the CE)
     else:
@@ -176,10 +176,10 @@ def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
     #   gradient (the largest tensor) on top
     shard = Vp // cand.tp
     t_head = T * shard * P.matmul + max(min(T * shard, LOSS_CHUNK_ELEMENTS) * 4, shard * h * P.grad) if has_last else 0.0
-    # - a block's backward: the gradients w.r.t. the GELU output and the fc output (4h/t each) live together
+    # - a block's backward: the gradients w.r.t. the MLP's activation's output and input (GPT-2: 4h/t each) live together
     # (under sequence parallelism a gathering matmul's backward also holds the gathered input and its gradient)
     t_gather = 2 * T * h * P.matmul if cand.sequence_parallel else 0.0
-    t_block = 8 * T * h // cand.tp * P.matmul + hidden_tokens(cand) * h * P.resid + t_gather \
+    t_block = 2 * T * cfg.ffn_hidden // cand.tp * P.matmul + hidden_tokens(cand) * h * P.resid + t_gather \
         if any(s.layers for s in stages) else 0.0
     t_recompute = layer_activation_bytes(cand) if cand.recompute else 0.0
     t_sched = max(t_head, t_block + t_recompute)

@@ -4,17 +4,19 @@ for a plan, and the DeepSpeed JSON it proposes.
 
 from __future__ import annotations
 
-from trainer3d.model import MODEL_PRESETS, GPTConfig
+from trainer3d.config import SIZE_FLAGS
+from trainer3d.models import MODEL_PRESETS
 from trainer3d.plan.candidate import describe, gib
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.search import Plan
 
 
 # ---- DeepSpeed JSON ----------------------------------------------------------------------------------------
-def zero_buckets(hidden: int) -> dict:
+def zero_buckets(cfg) -> dict:
     """DeepSpeed bucket sizes from the hidden size (the rule of HF's and trainer3d/zero/config.py's "auto" values, plus a bound on
     ZeRO-3's live parameters); the memory model charges the reduce bucket and ZeRO-3's working set accordingly."""
-    live = 2 * (12 * hidden * hidden + 13 * hidden)  # two blocks' parameters
+    hidden = cfg.n_embd
+    live = 2 * cfg.block_params()  # two blocks' parameters
     return {
         "reduce_bucket_size": hidden * hidden,
         "allgather_bucket_size": hidden * hidden,
@@ -28,12 +30,11 @@ def zero_buckets(hidden: int) -> dict:
 
 
 def deepspeed_config(zero_stage: int, offload_optimizer: bool, offload_params: bool, micro_batch_size: int,
-                     micro_batches: int, dp: int, precision: str = "bf16-mixed", hidden: int = 1024,
-                     grad_clip: float = 1.0) -> dict:
+                     micro_batches: int, dp: int, cfg, precision: str = "bf16-mixed", grad_clip: float = 1.0) -> dict:
     """The DeepSpeed JSON for a plan, in the form trainer3d's ZeRO path reads (--deepspeed_config): it owns the
     batch (micro × accumulation × dp), ZeRO stage, offload and precision; the optimizer section is optional (AdamW
     with the trainer's flags) and clipping is the trainer's global one."""
-    z: dict = {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True, **zero_buckets(hidden)}
+    z: dict = {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True, **zero_buckets(cfg)}
     if offload_optimizer:
         z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_params:
@@ -52,7 +53,7 @@ def plan_deepspeed_config(p: Plan) -> dict:
     """The DeepSpeed JSON of a ZeRO plan (DeepSpeed's bf16, as the memory model assumes for ZeRO 1-3)."""
     c = p.candidate
     return deepspeed_config(c.zero_stage, c.offload_optimizer, c.offload_params, c.micro_batch_size,
-                            c.micro_batches, c.dp, "bf16-mixed", c.cfg.n_embd)
+                            c.micro_batches, c.dp, c.cfg, "bf16-mixed")
 
 
 # ---- table and reasons -----------------------------------------------------------------------------------------
@@ -83,6 +84,12 @@ def why(p: Plan, best: Plan, rank: int, n_feasible: int, runner_up: Plan | None)
     return text
 
 
+def model_flops_utilization(p: Plan, C: Cluster) -> float:
+    """Model FLOPs (the family's count; a recomputed forward not counted) over the cluster's peak for the step time."""
+    c = p.candidate
+    return c.cfg.flops_per_token(c.seq_len) * c.global_batch * c.seq_len / (p.step_time * C.world * C.peak_tflops * 1e12)
+
+
 def format_plans(shown: list[Plan], C: Cluster) -> str:
     """The table: layout, memory, step time, throughput, MFU and the split of the step time."""
     rows = []
@@ -91,7 +98,7 @@ def format_plans(shown: list[Plan], C: Cluster) -> str:
         total = p.step_time
         br = " ".join(f"{k} {v / total:.0%}" for k, v in p.times.items() if v / total >= 0.005)
         tok = c.global_batch * c.seq_len
-        mfu = c.cfg.flops_per_token(c.seq_len) * tok / (total * C.world * C.peak_tflops * 1e12)
+        mfu = model_flops_utilization(p, C)
         rows.append([str(i + 1), describe(c), f"{gib(p.memory):.1f}", f"{gib(p.host):.1f}" if p.host else "-",
                      f"{total:.3f}", f"{tok / total:,.0f}", f"{mfu:.1%}", br])
     header = ["#", "layout (m = micro-batches x size)", "GiB/GPU", "host GiB/GPU", "step s", "tokens/s", "MFU", "time split"]
@@ -102,15 +109,15 @@ def format_plans(shown: list[Plan], C: Cluster) -> str:
 
 
 # ---- launch -------------------------------------------------------------------------------------------------
-def model_flags(model_name: str | None, cfg: GPTConfig) -> list[str]:
-    """The trainer's model flags: a preset's name, else gpt2 with the sizes overridden."""
-    if model_name in MODEL_PRESETS:
-        base = MODEL_PRESETS[model_name]
-        flags = ["--model", model_name]
-    else:
-        base = MODEL_PRESETS["gpt2"]
-        flags = ["--model", "gpt2", "--n-layer", str(cfg.n_layer), "--n-embd", str(cfg.n_embd),
-                 "--n-head", str(cfg.n_head)]
+def model_flags(model_name: str | None, cfg) -> list[str]:
+    """The trainer's model flags: a preset's name, else the family's first preset with the sizes overridden."""
+    if model_name not in MODEL_PRESETS:
+        model_name = next(name for name, c in MODEL_PRESETS.items() if c.family == cfg.family)
+    base = MODEL_PRESETS[model_name]
+    flags = ["--model", model_name]
+    for field in SIZE_FLAGS:
+        if field != "n_positions" and field in base.__dataclass_fields__ and getattr(cfg, field) != getattr(base, field):
+            flags += ["--" + field.replace("_", "-"), str(getattr(cfg, field))]
     if cfg.vocab_size != base.vocab_size:
         flags += ["--vocab-size", str(cfg.vocab_size)]
     if cfg.n_positions != base.n_positions:

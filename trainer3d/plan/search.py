@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from trainer3d.errors import ConfigError, LayoutError
-from trainer3d.model import GPTConfig
+from trainer3d.models import family_of
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import Cluster
-from trainer3d.plan.memory import estimate_memory
+from trainer3d.plan.memory import MemoryEstimate, estimate_memory
 from trainer3d.plan.step_time import step_times
 
 
@@ -45,16 +45,24 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def representative_ranks(pp: int) -> list[int]:
+    """The first, second, middle, second-to-last and last pipeline ranks: the ranks where embedding, head, buffers
+    and warm-up differ."""
+    return sorted({0, 1 if pp > 1 else 0, pp // 2, max(pp - 2, 0), pp - 1})
+
+
+def worst_rank_memory(cand: Candidate) -> tuple[int, MemoryEstimate]:
+    """The pipeline rank with the highest device peak, and its estimate."""
+    return max(((r, estimate_memory(cand, r)) for r in representative_ranks(cand.pp)), key=lambda re: re[1].peak)
+
+
 def memory_per_gpu(cand: Candidate) -> tuple[float, float]:
-    """(device peak, offloaded bytes) of the worst of the first, second, middle, second-to-last and last
-    pipeline ranks: the ranks where embedding, head, buffers and warm-up differ."""
-    pp = cand.pp
-    ranks = sorted({0, 1 if pp > 1 else 0, pp // 2, max(pp - 2, 0), pp - 1})
-    ests = [estimate_memory(cand, r) for r in ranks]
+    """(device peak, offloaded bytes) of the worst representative pipeline ranks."""
+    ests = [estimate_memory(cand, r) for r in representative_ranks(cand.pp)]
     return max(e.peak for e in ests), max(e.offloaded for e in ests)
 
 
-def enumerate_plans(model: GPTConfig, C: Cluster, global_batch: int, seq_len: int, *, schedules=None,
+def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, schedules=None,
                     zero_stages=(0, 1, 2, 3), offload: bool = True, recompute: bool = True,
                     max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False) -> Search:
     """Every feasible plan, fastest first; offload only where the plan does not fit without it."""
@@ -70,8 +78,10 @@ def enumerate_plans(model: GPTConfig, C: Cluster, global_batch: int, seq_len: in
     plans = []
     cfg = replace(model, n_positions=max(model.n_positions, seq_len))
     for tp in divisors(N):
-        if cfg.n_head % tp:
-            refuse("tp does not divide the attention heads", f"tp{tp}, {cfg.n_head} heads")
+        try:
+            family_of(cfg).check(cfg, tp)
+        except LayoutError as e:
+            refuse("tp does not divide the attention heads", f"tp{tp}: {str(e).split(';')[0]}")
             continue
         if tp > C.gpus_per_node and not allow_tp_across_nodes:
             refuse("tp larger than a node (its all-reduces would cross the network)", f"tp{tp}")
@@ -151,7 +161,7 @@ def best_distinct(plans: list[Plan], top: int) -> list[Plan]:
     return out
 
 
-def parse_layout(text: str, cfg: GPTConfig, C: Cluster, global_batch: int, seq_len: int) -> Candidate:
+def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) -> Candidate:
     """The candidate of an --evaluate string, e.g. `tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1`."""
     keys = ("tp", "pp", "schedule", "v", "mbs", "zero", "offload", "recompute", "sp")
     items = [item.split("=", 1) for item in text.replace(" ", "").split(",") if item]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from trainer3d.model import GPTConfig
 from trainer3d.parallel.pipeline import SCHEDULES, stage_cost
 from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, rank_params
 from trainer3d.plan.cluster import Cluster
@@ -29,11 +28,11 @@ BUBBLE_COEF = {  # idle time per (p-1) micro-batch slots, relative to 1F1B's
 
 
 @lru_cache(maxsize=None)
-def pipeline_pace(cfg: GPTConfig, n: int) -> tuple[float, float]:
+def pipeline_pace(cfg, n: int, seq_len: int) -> tuple[float, float]:
     """(slowest stage's cost, mean stage cost) of trainer3d's balanced split into `n` stages: the slowest stage
     sets the pace of a pipeline."""
-    ranges = balanced_ranges(cfg, n)
-    costs = [stage_cost(cfg, len(r), i == n - 1) for i, r in enumerate(ranges)]
+    ranges = balanced_ranges(cfg, n, seq_len)
+    costs = [stage_cost(cfg, len(r), i == n - 1, seq_len) for i, r in enumerate(ranges)]
     return max(costs), sum(costs) / len(costs)
 
 
@@ -48,7 +47,7 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     model_flops = cand.cfg.flops_per_token(cand.seq_len) * tokens
     hw_flops = model_flops * (4 / 3 if cand.recompute else 1.0)
     peak = C.peak_tflops * 1e12 * C.mfu
-    slow, mean = (pipeline_pace(cand.cfg, n_stages(cand.pp, cand.schedule, cand.virtual_stages))
+    slow, mean = (pipeline_pace(cand.cfg, n_stages(cand.pp, cand.schedule, cand.virtual_stages), cand.seq_len)
                   if cand.pp > 1 else (1.0, 1.0))
     compute = hw_flops / cand.world / peak * (slow / mean)
     t_mb = compute / cand.micro_batches  # one micro-batch through this rank's stages, forward + backward

@@ -21,7 +21,7 @@ from trainer3d.dist.topology import LaunchEnv, Topology, default_device, init_di
 from trainer3d.errors import DataError, UsageError
 from trainer3d.parallel import pipeline
 from trainer3d.train.downstream import Downstream
-from trainer3d.train.metrics import MetricsFile, device_peak_tflops, flops_per_token, peak_memory_bytes
+from trainer3d.train.metrics import MetricsFile, device_peak_tflops, peak_memory_bytes
 from trainer3d.train.profiling import StepProfiler
 from trainer3d.train.setup import validate
 from trainer3d.train.tracking import Tracker
@@ -86,7 +86,7 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
     log = trainer.is_logging_rank
     verbose = log or cfg.verbose
     tokens_per_step = plan.global_batch * cfg.seq_len
-    flops_tok = flops_per_token(trainer.mcfg, cfg.seq_len)
+    flops_tok = trainer.mcfg.flops_per_token(cfg.seq_len)
     peak = device_peak_tflops(trainer.device, trainer.precision, cfg.peak_tflops)
     saver = Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log, cfg.on_save_error)
     metrics = MetricsFile(cfg.out_dir, enabled=log, append=trainer.step > 0)  # resumed: continue the file
@@ -100,7 +100,8 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
             f"[trainer3d] {topo.layout} schedule={cfg.schedule} stages={trainer.pm.n_stages} "
             f"layers/stage={[len(r) for r in trainer.pm.layer_ranges]} micro-batches={plan.micro_batches}×"
             f"{plan.micro_batch_size} global-batch={plan.global_batch} seqs ({tokens_per_step} tokens) "
-            f"model={cfg.model} ({n_params / 1e6:.1f}M params) precision={trainer.precision} device={trainer.device}",
+            f"model={cfg.init_from_hf or cfg.model} ({trainer.mcfg.family}, {n_params / 1e6:.1f}M params) "
+            f"precision={trainer.precision} device={trainer.device}",
             flush=True,
         )
     mem = trainer.engine.memory()  # at start; every step record carries it too (metrics.jsonl)

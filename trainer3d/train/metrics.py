@@ -8,8 +8,6 @@ import resource
 
 import torch
 
-from trainer3d.model import GPTConfig
-
 # Dense peak TFLOP/s per device (vendor datasheets; no sparsity). Matched against torch.cuda.get_device_name() in
 # this order, first substring wins, so the PCIe/NVL variants come before their SXM names ("NVIDIA H100 80GB HBM3"
 # is the SXM part; "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" are slower). "tf32" is the tensor-core fp32 peak,
@@ -41,10 +39,6 @@ def device_peak_tflops(device: torch.device, precision: str, override: float | N
                 return table["tf32"]
             return table.get(precision)
     return None
-
-
-def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
-    return cfg.flops_per_token(seq_len)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -4,23 +4,24 @@ result, `RunSetup`, is what the rest of the run is built from (the DeepSpeed JSO
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer3d.checkpoint.format import resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
-from trainer3d.config import TrainConfig
+from trainer3d.config import SIZE_FLAGS, TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.sources import check_data_path, looks_like_path
 from trainer3d.dist.topology import Layout, device_type, infer_layout
 from trainer3d.errors import ConfigError
-from trainer3d.model import MODEL_PRESETS, GPTConfig
+from trainer3d.data.tokenizer import has_tokenizer_files
+from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.parallel.batch import BatchPlan, plan_batch
 from trainer3d.parallel.compile import check_compiler
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
 from trainer3d.parallel.sequence_parallel import check_sequence_parallel
-from trainer3d.parallel.tensor_parallel import check_tensor_parallel
 from trainer3d.train.profiling import parse_step_range
 from trainer3d.zero.config import DeepSpeedSpec, resolve_deepspeed
 
@@ -31,17 +32,27 @@ class RunSetup:
     layout: Layout
     plan: BatchPlan
     deepspeed: DeepSpeedSpec | None  # None: DDP is the data-parallel engine
-    hf_base: GPTConfig | None = None  # --init-from-hf: the Hugging Face model's shape (and vocabulary)
+    # the config of weights the run starts from, which sets the model and its vocabulary (--init-from-hf: the Hugging
+    # Face model's; trainer3d.evaluate: the checkpoint's); None: the --model preset and the tokenizer's vocabulary
+    base_model: object | None = None
     hellaswag: tuple[Example, ...] | None = None  # --eval-hellaswag: its examples, every line checked
 
-    def model_config(self, vocab_size: int) -> GPTConfig:
-        return self.cfg.gpt_config(vocab_size, base=self.hf_base)
+    def model_config(self, vocab_size: int):
+        """The model's config, given the tokenizer's vocabulary size (which a base model's vocabulary must cover)."""
+        mcfg = self.cfg.model_config(vocab_size, base=self.base_model)
+        if vocab_size > mcfg.vocab_size:
+            raise ConfigError(
+                f"The tokenizer has {vocab_size} tokens but the model's vocabulary is {mcfg.vocab_size}; pass the "
+                "tokenizer the weights were trained with (--tokenizer), or a --vocab-size of at least "
+                f"{vocab_size}.")
+        return mcfg
 
 
 # Every number a flag takes: (field, lowest, highest, highest excluded). None: no bound. Fields that default to
 # None ("not given") are checked only when given.
 RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("n_layer", 1, None, False), ("n_head", 1, None, False), ("n_embd", 1, None, False), ("n_positions", 1, None, False),
+    ("n_kv_heads", 1, None, False), ("ffn_hidden", 1, None, False),
     ("vocab_size", 1, None, False), ("dropout", 0.0, 1.0, True), ("virtual_stages", 1, None, False),
     ("micro_batches", 1, None, False), ("seq_len", 1, None, False), ("global_batch", 1, None, False),
     ("global_batch_tokens", 1, None, False), ("max_steps", 1, None, False), ("min_lr", 0.0, None, False),
@@ -111,7 +122,18 @@ def check_paths(cfg: TrainConfig) -> None:
         resolve_checkpoint(cfg.resume)  # raises one sentence if the path holds no complete checkpoint
 
 
-def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> RunSetup:
+def check_size_flags(cfg: TrainConfig, base) -> None:
+    """A size flag must name a field of the model's family (--n-kv-heads means nothing to GPT-2)."""
+    fields = {f for f in base.__dataclass_fields__}
+    for name in SIZE_FLAGS:
+        if getattr(cfg, name) is not None and name not in fields:
+            raise ConfigError(f"{flag(name)} does not apply to the {base.family} model "
+                              f"({cfg.init_from_hf or '--model ' + cfg.model}); drop it.")
+
+
+def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_model=None) -> RunSetup:
+    """Every check of `cfg` at `world_size` processes. `base_model`: the config of weights the run evaluates
+    (trainer3d.evaluate); --init-from-hf's is read here."""
     check_ranges(cfg)
     check_combinations(cfg)
     check_paths(cfg)
@@ -122,16 +144,18 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> RunS
     if cfg.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full (got {cfg.recompute!r}).")
     layout = infer_layout(world_size, cfg.tp, cfg.pp)
-    hf_base = hf_model_config(cfg.init_from_hf) if cfg.init_from_hf else None
-    mcfg = cfg.gpt_config(vocab_size, base=hf_base)
+    if cfg.init_from_hf:
+        base_model = hf_model_config(cfg.init_from_hf)
+        if cfg.tokenizer is None and has_tokenizer_files(cfg.init_from_hf):  # the weights' own tokenizer
+            cfg = dataclasses.replace(cfg, tokenizer=cfg.init_from_hf)
+    check_size_flags(cfg, base_model or MODEL_PRESETS[cfg.model])
+    mcfg = cfg.model_config(vocab_size, base=base_model)
     if cfg.seq_len > mcfg.n_positions:
         raise ConfigError(
             f"--seq-len {cfg.seq_len} exceeds the model's context of {mcfg.n_positions} positions; "
             f"use --seq-len {mcfg.n_positions} or less."
         )
-    if mcfg.n_embd % mcfg.n_head:
-        raise ConfigError(f"--n-embd {mcfg.n_embd} must be a multiple of --n-head {mcfg.n_head}.")
-    check_tensor_parallel(mcfg, layout.tp)
+    family_of(mcfg).check(mcfg, layout.tp)
     if cfg.sequence_parallel:
         check_sequence_parallel(layout.tp, cfg.seq_len)
     deepspeed = None
@@ -146,4 +170,4 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257) -> RunS
     if cfg.compile:
         check_compiler(device_type())
     hellaswag = tuple(read_examples(cfg.eval_hellaswag, cfg.hellaswag_examples)) if cfg.eval_hellaswag else None
-    return RunSetup(cfg=cfg, layout=layout, plan=plan, deepspeed=deepspeed, hf_base=hf_base, hellaswag=hellaswag)
+    return RunSetup(cfg=cfg, layout=layout, plan=plan, deepspeed=deepspeed, base_model=base_model, hellaswag=hellaswag)

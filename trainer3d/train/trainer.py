@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.dist.collectives import all_reduce
-from trainer3d.model import GPTConfig
 from trainer3d.optim import DynamicLossScale, lr_at
 from trainer3d.parallel.ddp import DDPEngine
 from trainer3d.parallel.parallelize import parallelize
@@ -28,7 +27,7 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 class Trainer:
-    def __init__(self, setup: RunSetup, topo, device: torch.device, mcfg: GPTConfig, full_value=None):
+    def __init__(self, setup: RunSetup, topo, device: torch.device, mcfg, full_value=None):
         cfg = setup.cfg
         self.cfg, self.topo, self.device, self.mcfg, self.plan = cfg, topo, device, mcfg, setup.plan
         self.deepspeed = setup.deepspeed  # the resolved DeepSpeed JSON, or None

@@ -1,0 +1,205 @@
+"""Llama against Hugging Face, trained: a random LlamaForCausalLM trained by transformers in a plain loop and by
+trainer3d (--init-from-hf) on the same batches gives the same loss and gradient norm at every step, in one process
+and at tp 2 × pp 2; and the round trip import -> train at (1, 2, 2) -> save -> export gives a directory that
+LlamaForCausalLM loads with trainer3d's logits, whose greedy generation is `trainer3d.sample --temperature 0`'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from distributed import run_world  # noqa: E402
+from test_llama import hf_llama  # noqa: E402
+from trainer3d.checkpoint.load import apply, prepare  # noqa: E402
+from trainer3d.config import TrainConfig  # noqa: E402
+from trainer3d.dist.topology import Topology  # noqa: E402
+from trainer3d.optim import adam, clip_coefficient, lr_at, param_groups, set_lr  # noqa: E402
+from trainer3d.parallel import pipeline  # noqa: E402
+from trainer3d.train.setup import validate  # noqa: E402
+
+VOCAB, SEQ, GB, STEPS = 1000, 32, 8, 6
+OPTIM = dict(lr=3e-3, warmup_steps=2, max_steps=STEPS, grad_clip=0.5, weight_decay=0.1, precision="fp32", seed=7)
+
+
+def batches(steps: int = STEPS, vocab: int = VOCAB) -> torch.Tensor:
+    """Two random global batches, alternating: something to learn in a few steps."""
+    pair = torch.randint(0, vocab, (2, GB, SEQ + 1), generator=torch.Generator().manual_seed(11))
+    return pair[torch.arange(steps) % 2]
+
+
+def plain_loop(hf, cfg: TrainConfig, data: torch.Tensor) -> tuple[list[float], list[float]]:
+    """transformers' model, trained the way a reader of its docs would: mean token cross-entropy over the batch,
+    global-norm clip, AdamW with decay on matrices only, warmup + cosine (trainer3d.optim's rules)."""
+    hf.train()
+    params = list(hf.parameters())
+    opt = adam(param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    losses, norms = [], []
+    for step, batch in enumerate(data):
+        logits = hf(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
+        assert clip_coefficient(norm, cfg.grad_clip) <= 1.0
+        set_lr(opt, lr_at(step, cfg))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        norms.append(norm)
+    return losses, norms
+
+
+def _train_from_hf(hf_dir: str, tp: int, pp: int, data: torch.Tensor, out_dir: str | None = None) -> dict | None:
+    from trainer3d.checkpoint.save import save_checkpoint
+    from trainer3d.train.trainer import Trainer
+
+    cfg = TrainConfig(init_from_hf=hf_dir, tp=tp, pp=pp, seq_len=SEQ, global_batch=GB, micro_batches=2,
+                      out_dir=out_dir or "runs/unused", **OPTIM)
+    setup = validate(cfg, tp * pp)
+    topo = Topology(setup.layout, ranks=list(range(tp * pp)),
+                    last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, pp))
+    out = None
+    if topo.active:
+        mcfg = setup.model_config(VOCAB)
+        start = prepare(setup.cfg, mcfg, topo)
+        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=start.full_value)
+        apply(start, trainer)
+        records = [trainer.train_step(b) for b in data]
+        out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg}
+        if out_dir is not None:
+            out["path"] = str(save_checkpoint(trainer, out_dir))
+    topo.destroy()
+    return out
+
+
+def _layouts(rank, world_size, hf_dir, data):
+    return {(tp, pp): _train_from_hf(hf_dir, tp, pp, data) for tp, pp in ((1, 1), (2, 2))}
+
+
+def test_trains_like_transformers_in_a_plain_loop(tmp_path):
+    hf = hf_llama(seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    data = batches()
+    ref_losses, ref_norms = plain_loop(hf, TrainConfig(**OPTIM), data)
+    results = run_world(4, _layouts, str(tmp_path / "hf"), data, timeout=600)
+    ours = results[0]
+    print(f"\ntransformers plain loop: losses {[f'{x:.6f}' for x in ref_losses]}")
+    for layout, run in ours.items():
+        assert run["mcfg"].family == "llama" and run["mcfg"].n_kv_heads == 2
+        loss_rel = max(abs(a - b) / b for a, b in zip(run["losses"], ref_losses))
+        norm_rel = max(abs(a - b) / b for a, b in zip(run["norms"], ref_norms))
+        print(f"trainer3d tp,pp={layout}: loss rel diff {loss_rel:.1e}, grad norm rel diff {norm_rel:.1e}")
+        assert loss_rel < 1e-5 and norm_rel < 1e-5, (layout, run["losses"], run["norms"])
+    assert ref_losses[-1] < ref_losses[0] - 0.05  # it trains
+    assert max(ref_norms) > OPTIM["grad_clip"]  # clipping was active
+
+
+def bpe_tokenizer(directory) -> int:
+    """A byte-level BPE with an end-of-text token, trained here on a few sentences; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = ["the king and queen of a small castle were walking in gardens under bright summer skies",
+            "while hungry crows watched from old towers near rivers that ran to distant seas"] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|end_of_text|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end_of_text|>")
+    fast.save_pretrained(str(directory))
+    return len(fast)
+
+
+def _round_trip(rank, world_size, hf_dir, data, out_dir):
+    return _train_from_hf(hf_dir, 2, 2, data, out_dir)
+
+
+def test_import_train_export_generate(tmp_path, capsys):
+    """A tied Llama (the Llama 3.2 shape) with its own tokenizer: import at (1, 2, 2) (the head a copy of the embedding
+    on the last stage), train, save; export; LlamaForCausalLM's logits and greedy text equal trainer3d's."""
+    from trainer3d.checkpoint.format import Checkpoint
+    from trainer3d.export import main as export_main
+    from trainer3d.models import plain_model
+    from trainer3d.sample import main as sample_main
+
+    hf_dir = tmp_path / "hf"
+    hf = hf_llama(tie=True, seed=5)
+    hf.save_pretrained(hf_dir)
+    n_tokens = bpe_tokenizer(hf_dir)  # the directory's tokenizer is the run's unless --tokenizer says otherwise
+    data = batches(4, vocab=n_tokens)
+    results = run_world(4, _round_trip, str(hf_dir), data, str(tmp_path / "run"), timeout=600)
+    run = results[0]
+    assert all(r["losses"] == run["losses"] for r in results)
+    ckpt = Checkpoint(run["path"])
+    assert ckpt.meta["model_family"] == "llama" and ckpt.meta["config"]["tokenizer"] == str(hf_dir)
+    assert "lm_head.weight" not in ckpt.model_index  # tied: stored once, as the embedding
+
+    assert export_main([run["path"], str(tmp_path / "export")]) == 0
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")  # the run's tokenizer, exported with it
+    assert exported.config.tie_word_embeddings and exported.config.eos_token_id == tok.eos_token_id
+    ours = plain_model(ckpt.model_config, ckpt.model_state(), torch.device("cpu"), torch.float32)
+    x = data[0, :, :-1]
+    with torch.no_grad():
+        diff = (ours(x) - exported(x).logits).abs().max().item()
+        before = F.cross_entropy(hf(x).logits.reshape(-1, VOCAB), data[0, :, 1:].reshape(-1)).item()
+        after = F.cross_entropy(exported(x).logits.reshape(-1, VOCAB), data[0, :, 1:].reshape(-1)).item()
+    assert diff < 1e-5, diff
+    assert after < before - 0.05  # it trained
+
+    prompt = "the king and queen"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    greedy = exported.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
+    capsys.readouterr()
+    assert sample_main([run["path"], "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out.split("\n", 1)[1].rstrip("\n")
+    assert printed == tok.decode(greedy[0], skip_special_tokens=True), (printed, greedy)
+
+
+def test_llama_end_to_end_under_torchrun(tmp_path):
+    """The user's commands for a Llama: torchrun at tp 2 × pp 2 with sequence parallelism, HellaSwag and samples at
+    every evaluation, a checkpoint; `trainer3d.evaluate` of it in one process gives the HellaSwag the run logged; the
+    run resumes at (dp 2, tp 2, pp 1) and goes on."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from distributed import free_port
+    from test_hellaswag import REAL_EXAMPLES, write_jsonl
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    hellaswag = write_jsonl(tmp_path / "hellaswag.jsonl", REAL_EXAMPLES)
+    out = tmp_path / "run"
+    common = ["--model", "llama-tiny", "--n-layer", "4", "--seq-len", "32", "--global-batch", "8", "--eval-every", "3",
+              "--eval-batches", "1", "--eval-hellaswag", str(hellaswag), "--sample-every", "3", "--sample-tokens", "4",
+              "--save-every", "3", "--out-dir", str(out), "--log-every", "1"]
+
+    def torchrun(*flags: str, steps: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+               str(free_port()), str(root / "launch" / "train_gpt2.py"), *common, "--max-steps", str(steps), *flags]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420, cwd=str(root))
+        assert p.returncode == 0, p.stderr[-4000:]
+        return p
+
+    first = torchrun("--tp", "2", "--pp", "2", "--sequence-parallel", steps=3)
+    assert "(llama, " in first.stdout and "| sample 1:" in first.stdout
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "hellaswag_acc" in r] == [0, 3]
+    evaluated = tmp_path / "eval.json"
+    p = subprocess.run([sys.executable, "-m", "trainer3d.evaluate", str(out), "--hellaswag", str(hellaswag),
+                        "--output", str(evaluated)], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=str(root))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(evaluated.read_text())["hellaswag_acc_sum"] == records[-1]["hellaswag_acc_sum"]
+    resumed = torchrun("--tp", "2", "--resume", steps=6)
+    assert "resuming from" in resumed.stdout and "layout changed" in resumed.stdout
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 6 and (out / "checkpoints" / "step_000006").is_dir()

@@ -1,0 +1,87 @@
+"""The model families and the one table of presets. A family is a folder (models/<family>/) and one line in FAMILIES;
+everything else in trainer3d reaches a model through these functions and the declarations of interface.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from trainer3d.models import gpt2, llama
+from trainer3d.models.interface import CausalLM, ModelFamily, canonical_name as _canonical_name, shape_fields
+
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY)}
+
+# --model's choices and the planner's: every family's presets by name
+MODEL_PRESETS: dict[str, Any] = {name: cfg for f in FAMILIES.values() for name, cfg in f.presets.items()}
+assert len(MODEL_PRESETS) == sum(len(f.presets) for f in FAMILIES.values()), "two families share a preset name"
+
+
+def family_of(cfg) -> ModelFamily:
+    return FAMILIES[cfg.family]
+
+
+def family_for_hf(model_type: str | None) -> ModelFamily | None:
+    """The family whose Hugging Face adapter reads config.json's `model_type` (None: no family does)."""
+    return next((f for f in FAMILIES.values() if f.hf.model_type == model_type), None)
+
+
+def build_model(cfg) -> CausalLM:
+    return family_of(cfg).build(cfg)
+
+
+def canonical_name(cfg, name: str) -> str:
+    """The layout-free name of a parameter (a tied head's weight is the embedding's)."""
+    return _canonical_name(family_of(cfg).model_cls, cfg, name)
+
+
+def init_value(cfg, name: str, shape: tuple, seed: int) -> torch.Tensor:
+    """The initial value of the full (unsharded) parameter `name`: a pure function of its canonical name and the seed."""
+    return family_of(cfg).init_value(cfg, canonical_name(cfg, name), tuple(shape), seed)
+
+
+def canonical_shapes(cfg) -> dict[str, torch.Size]:
+    """Canonical parameter names and full shapes (built on the meta device, so free); a tied head is not listed."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return {canonical_name(cfg, n): p.shape for n, p in model.named_parameters()}
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(family: str, values: dict):
+    """A family's config from `config_to_dict`'s output (meta.json); TypeError/KeyError on anything else."""
+    return FAMILIES[family].config_cls(**values)
+
+
+def shape_diffs(stored, now) -> list[str]:
+    """Where weights on disk (`stored`) and this run's model (`now`) disagree, as 'field=stored (this run: now)'."""
+    if stored.family != now.family:
+        return [f"family={stored.family} (this run: {now.family})"]
+    return [f"{k}={getattr(stored, k)} (this run: {getattr(now, k)})" for k in shape_fields(stored)
+            if getattr(stored, k) != getattr(now, k)]
+
+
+def plain_model(cfg, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The plain model holding `state` (canonical names), in eval mode on `device` (one process: sampling, tests)."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    missing = set(canonical_shapes(cfg)) ^ set(state)
+    if missing:
+        raise ValueError(f"the weights do not fit the model: {sorted(missing)[:4]} missing or unexpected")
+    for name, _ in list(model.named_parameters()):
+        module, _, key = name.rpartition(".")
+        value = state[canonical_name(cfg, name)].to(device=device, dtype=dtype)
+        model.get_submodule(module)._parameters[key] = torch.nn.Parameter(value, requires_grad=False)
+    if cfg.tie_embeddings:
+        model.head.weight = model.embedding.weight
+    model.init_tables(device)
+    return model.eval()
+
+
+__all__ = ["FAMILIES", "MODEL_PRESETS", "CausalLM", "ModelFamily", "build_model", "canonical_name", "canonical_shapes",
+           "config_from_dict", "config_to_dict", "family_for_hf", "family_of", "init_value", "plain_model",
+           "shape_diffs"]

@@ -1,0 +1,93 @@
+"""Causal self-attention's core and the KV cache, shared by every family: what differs between families is how q, k and
+v are made (projections, rotary positions), not how they are attended.
+
+Grouped-query attention (fewer kv heads than query heads) goes to SDPA as it is (`enable_gqa`): the cache and, under
+tensor parallelism, each rank's k/v hold only the kv heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding, and `length`, the positions already filled.
+
+    Each layer's buffers ([B, kv heads, max_len, head_dim], the dtype and device of its keys) are allocated whole at its
+    first `append`, so decoding never reallocates; the head count comes from the keys, so grouped-query attention
+    stores only its kv heads and a tensor-parallel attention its local ones. The model advances `length` once all
+    layers have appended.
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, h, T, hd] at positions [length, length + T); return this layer's keys and values so far."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} positions is full ({start} used, {k.shape[2]} more)")
+        if layer not in self.k:
+            B, H, _, D = k.shape
+            self.k[layer] = k.new_empty(B, H, self.max_len, D)
+            self.v[layer] = v.new_empty(B, H, self.max_len, D)
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class AttentionCore(nn.Module):
+    """The part of an attention module between its projections: softmax(q k^T / sqrt(d)) v, causal, with dropout on the
+    probabilities. A family's attention module subclasses it and calls `attend`.
+
+    `core` is what selective recomputation recomputes (its activations grow with the sequence squared, its FLOPs are
+    few). Attention probabilities are sharded by head under tensor parallelism and need a per-rank dropout stream;
+    tensor parallelism installs it as `sharded_rng` (one process: the default generator).
+    """
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.attn_dropout_p = dropout
+        self.sharded_rng = contextlib.nullcontext
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache | None,
+               layer: int) -> torch.Tensor:
+        """q [B, Hq, T, hd], k and v [B, Hkv, T, hd] -> [B, T, Hq·hd]."""
+        if kv_cache is None:
+            y = self.core(q, k, v)
+        else:
+            y = self.cached_core(q, *kv_cache.append(layer, k, v))
+        B, _, T, _ = q.shape
+        return y.transpose(1, 2).reshape(B, T, -1)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout_p = self.attn_dropout_p if self.training else 0.0
+        gqa = _gqa(q, k)
+        if dropout_p == 0.0:  # no mask to draw, no stream to switch to (and no graph break under --compile)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        with self.sharded_rng():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
+
+    @staticmethod
+    def cached_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the T newest positions (q) over all S cached ones (k, v), no dropout (inference). SDPA's
+        is_causal aligns the mask top-left, right only for a prefill (T == S); one new token sees every key."""
+        T, S, gqa = q.shape[2], k.shape[2], _gqa(q, k)
+        if T == S:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        if T == 1:
+            return F.scaled_dot_product_attention(q, k, v, **gqa)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query i sits at position S-T+i
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+
+
+def _gqa(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """SDPA's grouped-query flag where the kv heads are fewer (nothing otherwise: multi-head attention's call as it was)."""
+    return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}

@@ -1,0 +1,175 @@
+"""What the rest of trainer3d asks of a model family, and nothing else: parallel/, zero/, checkpoint/, plan/ and train/
+name no parameter of any family; they read these declarations.
+
+A family (models/<family>/) provides:
+  - a config: a frozen dataclass with the shape fields every family has (`vocab_size`, `n_positions` the context,
+    `n_embd`, `n_layer`, `n_head`, `dropout`, `ffn_hidden`, `tie_embeddings`) and its formulas (`num_params`,
+    `flops_per_token`, `layer_flops`, `head_flops`, `layer_activations`), plus fields of its own;
+  - its plain model, a `CausalLM` (no distributed code) declaring which top-level parts the first and the last pipeline
+    stage hold, and its `ParallelPlan` (which linears are column- or row-parallel, where the attention core is);
+  - `init_value`, its Hugging Face adapter (`HFAdapter`), presets and a tensor-parallel check: a `ModelFamily`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping
+
+import torch
+import torch.nn as nn
+
+
+# ---- the parallel plan: declarations that parallel/ interprets --------------------------------------------------------
+@dataclass(frozen=True)
+class ColumnParallel:
+    """An nn.Linear whose output dim is split over tp. `fused`: the sizes of the blocks stacked along the output
+    (q|k|v, gate|up), each split over tp on its own so that every rank holds whole heads of each."""
+
+    fused: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """An nn.Linear whose input dim is split over tp; its output is summed over tp (a bias is replicated)."""
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """`linears`: path inside a block -> style. `attention`: the attention module inside a block; it has `core(q, k,
+    v)` (what selective recomputation wraps) and `sharded_rng` (the per-tp-rank dropout stream of head-sharded
+    attention). `positions`: a learned position embedding of the first stage, looked up per sequence shard under
+    sequence parallelism (None: positions are rotary, inside attention). The token embedding and the head are always
+    vocab-parallel; every other parameter is replicated over tp."""
+
+    linears: Mapping[str, ColumnParallel | RowParallel]
+    attention: str
+    positions: str | None = None
+
+
+# ---- formulas the planner and the metrics read ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerActivations:
+    """Elements one block saves for its backward, per token (Korthikanti et al. 2022's accounting), by dtype and by
+    whether tensor parallelism splits them: `resid` in the residual stream's dtype and `matmul` in the matmul dtype are
+    replicated over tp (split by tp under sequence parallelism); `sharded_matmul` is split by tp; `fp32` replicated
+    statistics (norms), `sharded_fp32` split ones (attention's log-sum-exp per head)."""
+
+    resid: int
+    matmul: int
+    sharded_matmul: int
+    fp32: int
+    sharded_fp32: int
+
+
+# ---- the plain model ------------------------------------------------------------------------------------------------
+class CausalLM(nn.Module):
+    """A family's plain model. Blocks live in a ModuleDict keyed by their global index, so a parameter's name means
+    the same under every layout. A pipeline stage is a copy that keeps some blocks and sets the parts it does not own
+    to None; `forward` must accept a missing embedding (its input is then hidden states) and a missing head (its output
+    is then hidden states), and an optional `kv_cache` (decoding)."""
+
+    BLOCKS: ClassVar[str]  # the ModuleDict of blocks
+    EMBEDDING: ClassVar[str]  # the token embedding (an nn.Embedding, `.weight` [vocab, d])
+    HEAD: ClassVar[str]  # the output projection (an nn.Linear without bias, `.weight` [vocab, d])
+    FIRST_STAGE: ClassVar[tuple[str, ...]]  # every top-level part only the first stage holds (EMBEDDING among them)
+    LAST_STAGE: ClassVar[tuple[str, ...]]  # every top-level part only the last stage holds (HEAD among them)
+
+    cfg: Any
+
+    @property
+    def blocks(self) -> nn.ModuleDict:
+        return getattr(self, self.BLOCKS)
+
+    @property
+    def embedding(self) -> nn.Module | None:
+        return getattr(self, self.EMBEDDING)
+
+    @property
+    def head(self) -> nn.Module | None:
+        return getattr(self, self.HEAD)
+
+    def parallel_plan(self) -> ParallelPlan:
+        raise NotImplementedError
+
+    def stage(self, layers: range, first: bool, last: bool) -> CausalLM:
+        """A copy (cheap on the meta device) that keeps only blocks `layers` and, unless `first`/`last`, none of the
+        first/last stage's parts."""
+        out = copy.deepcopy(self)
+        setattr(out, self.BLOCKS, nn.ModuleDict({str(i): out.blocks[str(i)] for i in layers}))
+        for name in (() if first else self.FIRST_STAGE) + (() if last else self.LAST_STAGE):
+            setattr(out, name, None)
+        return out
+
+    def init_tables(self, device: torch.device) -> None:
+        """Fill the tables that are no parameters (rotary frequencies) on `device`, once the parameters are there: a
+        module built on the meta device has none. They are plain attributes, not buffers, so that no cast of the module
+        (DeepSpeed's bf16 engine, `.to(bfloat16)`) rounds them. The submodules that hold one define `init_tables`."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "init_tables"):
+                m.init_tables(device)
+
+
+# ---- Hugging Face --------------------------------------------------------------------------------------------------
+class HFAdapter:
+    """A family's mapping to and from a Hugging Face `save_pretrained` directory. Canonical names are trainer3d's
+    parameter names (the tied head stored once, as the embedding); HF names are what the directory's files hold.
+    Reading is lazy: `sources` lists the HF tensors one canonical tensor is made of, `from_hf` makes it from them."""
+
+    model_type: str  # config.json's model_type
+    architecture: str  # the transformers class that loads an export, e.g. "LlamaForCausalLM"
+
+    def config_from_hf(self, raw: dict, dropout: float | None) -> Any:
+        """The family's config from config.json's dict; ValueError naming what it cannot represent."""
+        raise NotImplementedError
+
+    def hf_config(self, cfg, dtype: torch.dtype | None, eos_token_id: int | None, bos_token_id: int | None):
+        """The transformers config object for `cfg` (its `to_json_file` writes config.json)."""
+        raise NotImplementedError
+
+    def sources(self, cfg, name: str) -> list[str]:
+        raise NotImplementedError
+
+    def from_hf(self, cfg, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_hf(self, cfg, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def normalize(self, hf_name: str) -> str:
+        """A stored name as `sources` spells it (older files name some tensors differently)."""
+        return hf_name
+
+    def ignored(self, cfg, hf_name: str) -> bool:
+        """HF tensors that are no parameter of ours (old buffers; a tied head's duplicate, checked by `check_extra`)."""
+        return False
+
+    def check_extra(self, cfg, hf_name: str, tensor: torch.Tensor, canonical: Callable[[str], torch.Tensor]) -> None:
+        """Called for each `ignored` tensor with a reader of canonical tensors; raise ValueError if it contradicts them."""
+
+
+# ---- the family ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    config_cls: type
+    model_cls: type  # a CausalLM subclass built from one config
+    presets: Mapping[str, Any]
+    init_value: Callable[[Any, str, tuple, int], torch.Tensor]  # (cfg, canonical name, full shape, seed)
+    check: Callable[[Any, int], None]  # (cfg, tp): a shape the model or tp cannot take -> one sentence (ConfigError)
+    hf: HFAdapter
+
+    def build(self, cfg) -> CausalLM:
+        return self.model_cls(cfg)
+
+
+def canonical_name(model_cls: type, cfg, name: str) -> str:
+    """The layout-free name of a parameter: a tied head's weight is the embedding's."""
+    head, embedding = f"{model_cls.HEAD}.weight", f"{model_cls.EMBEDDING}.weight"
+    return embedding if name == head and cfg.tie_embeddings else name
+
+
+def shape_fields(cfg) -> tuple[str, ...]:
+    """The config fields that make two models' weights interchangeable (everything but the dropout rate)."""
+    return tuple(f.name for f in dataclasses.fields(cfg) if f.name != "dropout")

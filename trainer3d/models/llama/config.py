@@ -1,0 +1,90 @@
+"""Llama 3's shape and formulas (also the dense Qwen/Mistral/DeepSeek shape that shares its parts), and the published
+Llama 3.1/3.2 sizes (Grattafiori et al. 2024; the Hugging Face config.json files), plus a tiny one for CPU runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from trainer3d.models.interface import LayerActivations
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 128256
+    n_positions: int = 131072  # the context (rotary positions have no table; the check on --seq-len reads it)
+    n_embd: int = 4096
+    n_layer: int = 32
+    n_head: int = 32
+    dropout: float = 0.0  # on the attention probabilities (HF's attention_dropout); Llama has no other dropout
+    n_kv_heads: int = 8  # grouped-query attention: query heads share n_head / n_kv_heads key/value heads
+    ffn_hidden: int = 14336  # SwiGLU's width
+    explicit_head_dim: int | None = None  # HF's head_dim where it is not n_embd // n_head (None in Llama 3)
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1's rescaling of the rotary frequencies (rope_type "llama3"); rope_factor None: plain RoPE
+    rope_factor: float | None = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
+    tie_embeddings: bool = False
+
+    family: ClassVar[str] = "llama"
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.n_embd // self.n_head
+
+    @property
+    def q_width(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def block_params(self) -> int:
+        d = self.n_embd
+        return d * (self.q_width + 2 * self.kv_width) + self.q_width * d + 3 * d * self.ffn_hidden + 2 * d
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        d, V = self.n_embd, self.vocab_size
+        n = self.n_layer * self.block_params() + d  # + final RMSNorm
+        if include_embedding:
+            n += V * d * (1 if self.tie_embeddings else 2)
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per matmul parameter (the head included, the embedding lookup excluded) plus
+        attention's QK^T and AV over the query heads, 12·L·(Hq·hd)·T (the Llama 3 paper's and Megatron's count)."""
+        matmul_params = self.n_layer * self.block_params() + self.vocab_size * self.n_embd
+        return 6.0 * matmul_params + 12.0 * self.n_layer * self.q_width * seq_len
+
+    def layer_flops(self, seq_len: int) -> float:
+        return 2 * (self.block_params() - 2 * self.n_embd) + 4 * seq_len * self.q_width
+
+    def head_flops(self) -> float:
+        return 2 * self.n_embd * self.vocab_size
+
+    def layer_activations(self) -> LayerActivations:
+        """Two RMSNorms' inputs (residual dtype) and outputs (matmul inputs) and rstd; SDPA's q and k (after the
+        rotation), v and output, o_proj's input, gate and up, silu(gate) and the product (down's input): by head or by
+        column; the log-sum-exp per query head."""
+        h = self.n_embd
+        attention = 2 * self.q_width + 2 * self.kv_width + self.q_width
+        return LayerActivations(resid=2 * h, matmul=2 * h, sharded_matmul=attention + 4 * self.ffn_hidden, fp32=2,
+                                sharded_fp32=self.n_head)
+
+
+_SHARED = dict(vocab_size=128256, n_positions=131072, rope_theta=500000.0, norm_eps=1e-5)
+PRESETS: dict[str, LlamaConfig] = {
+    # CPU runs and tests: every part of the 3.1 shape (GQA, llama3 rope scaling) at a size two cores train
+    "llama-tiny": LlamaConfig(**_SHARED, n_embd=128, n_layer=4, n_head=4, n_kv_heads=2, ffn_hidden=384),
+    "llama3.2-1b": LlamaConfig(**_SHARED, n_embd=2048, n_layer=16, n_head=32, n_kv_heads=8, ffn_hidden=8192,
+                               rope_factor=32.0, tie_embeddings=True),
+    "llama3.2-3b": LlamaConfig(**_SHARED, n_embd=3072, n_layer=28, n_head=24, n_kv_heads=8, ffn_hidden=8192,
+                               rope_factor=32.0, tie_embeddings=True),
+    "llama3.1-8b": LlamaConfig(**_SHARED, n_embd=4096, n_layer=32, n_head=32, n_kv_heads=8, ffn_hidden=14336),
+    "llama3.1-70b": LlamaConfig(**_SHARED, n_embd=8192, n_layer=80, n_head=64, n_kv_heads=8, ffn_hidden=28672),
+    "llama3.1-405b": LlamaConfig(**_SHARED, n_embd=16384, n_layer=126, n_head=128, n_kv_heads=8, ffn_hidden=53248),
+}
