@@ -43,8 +43,10 @@ def _worker(rank, world_size, port, out_dir, fn, args):
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = ("error", traceback.format_exc())
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        path = os.path.join(out_dir, f"rank{rank}.pkl")
+        with open(path + ".tmp", "wb") as f:  # renamed when whole: the parent reads results while others run
             pickle.dump(result, f)
+        os.replace(path + ".tmp", path)
         if dist.is_initialized():
             dist.destroy_process_group()
     # The result is on disk and the group is gone: skip interpreter teardown, where native threads of DeepSpeed's ops
@@ -66,6 +68,8 @@ def run_world(world_size: int, fn, *args, timeout: float = 300.0) -> list:
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=1.0):
+                if _failed_rank(out_dir, world_size) is not None:
+                    break  # its peers may wait on it in a collective until their own timeout: stop them now
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{world_size}-process world did not finish within {timeout:.0f} s (hang?)")
         except mp.ProcessRaisedException as e:  # pragma: no cover - a rank died before writing its result
@@ -74,14 +78,26 @@ def run_world(world_size: int, fn, *args, timeout: float = 300.0) -> list:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+        failed = _failed_rank(out_dir, world_size)
+        if failed is not None:
+            raise RuntimeError(f"rank {failed[0]} failed:\n{failed[1]}")
         results = []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pkl")
             if not os.path.exists(path):
                 raise RuntimeError(f"rank {rank} exited without a result")
             with open(path, "rb") as f:
+                results.append(pickle.load(f)[1])
+        return results
+
+
+def _failed_rank(out_dir: str, world_size: int) -> tuple[int, str] | None:
+    """The first rank that has reported an error, and its traceback."""
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results.append(value)
-        return results
+                return rank, value
+    return None
