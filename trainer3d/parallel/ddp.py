@@ -114,13 +114,11 @@ class DDPEngine(DataParallelEngine):
     def global_grad_norm(self) -> torch.Tensor:
         """Squares of tp shards and pp stages summed over the model-parallel group, each element counted once;
         DDP has already averaged over dp, so dp needs no reduction. A device scalar (float32), not read here."""
-        squares = [
-            p.grad.detach().float().pow(2).sum()
-            for m in self.stages for p in m.parameters()
-            if p.grad is not None and counts_in_norm(m, p, self.topo.tp_rank)
-        ]
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
-        return all_reduce(total, self.topo.mp_group).sqrt()
+        grads = [p.grad.detach() for m in self.stages for p in m.parameters()
+                 if p.grad is not None and counts_in_norm(m, p, self.topo.tp_rank)]
+        # torch's own norm (clip_grad_norm_'s): no squared copy of each gradient, as a pow(2).sum() makes
+        local = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=self.device)
+        return all_reduce(local.square(), self.topo.mp_group).sqrt()
 
     def param_value(self, param: nn.Parameter) -> torch.Tensor:
         return param.data

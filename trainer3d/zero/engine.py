@@ -167,7 +167,7 @@ class ZeroEngine(DataParallelEngine):
                     continue
                 for share in grad_shares(p):
                     if not (share.dp_replicated and dp_rank != 0):
-                        total += share.tensor.detach().double().pow(2).sum().to(total.device)
+                        total += torch.linalg.vector_norm(share.tensor.detach(), dtype=torch.float64).square().to(total.device)
         return all_reduce(total, self.topo.world_group).sqrt()
 
     # -- checkpoints: state.py turns ZeRO's partitions into whole tensors and back (collective over dp) -------------
