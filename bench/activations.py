@@ -68,7 +68,7 @@ def korthikanti(case: Case, coef: dict, checkpoint_bytes: float = 0.0) -> float:
 def checkpoint_overhead(counter) -> float:
     """Bytes one checkpointed block keeps whatever its size (torch's saved RNG state, our sharded stream's, Python
     bookkeeping): the median over 8 blocks × 4 forwards of a model with 8-wide blocks and one token."""
-    from trainer3d.model import GPT, GPTConfig
+    from trainer3d.models.gpt2 import GPT, GPTConfig
     from trainer3d.parallel.recompute import apply_recompute
     from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
 
@@ -117,7 +117,7 @@ def measure(rank: int, world: int, all_cases: list[Case]) -> list:
                 outputs = []
                 for stage in trainer.pm.stages:  # each kept alive (its graph with it) until all are measured
                     gc.collect()
-                    if stage.wte is not None:
+                    if stage.embedding is not None:
                         x = torch.randint(0, case.vocab, (b, s))
                     else:
                         x = torch.randn(b, hidden_s, h, requires_grad=True)

@@ -70,7 +70,7 @@ def candidate_of(case: Case, zero_stage: int = 0):
     from trainer3d.plan.candidate import Candidate
 
     return Candidate(
-        cfg=case.gpt_config(), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
+        cfg=case.model_config(), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
         virtual_stages=case.virtual_stages, micro_batches=case.micro_batches, micro_batch_size=case.micro_batch_size,
         seq_len=case.seq_len, zero_stage=zero_stage,
         # the trainer's bf16 without DeepSpeed is torch.autocast over fp32 parameters

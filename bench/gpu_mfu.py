@@ -6,14 +6,14 @@
 
 tokens/s is timed over the steps after --warmup (torch.cuda.synchronize before starting and stopping the clock;
 the trainer also synchronizes every step when it reads the loss). MFU = tokens/s × FLOPs per token
-(trainer3d.metrics.flops_per_token: 6 per matmul parameter, LM head included, + attention's 12·L·d·T) /
+(the family config's flops_per_token: 6 per matmul parameter, LM head included, + attention's 12·L·d·T) /
 the device's dense bf16 peak (trainer3d.metrics.PEAK_TFLOPS, or --peak-tflops). Synthetic random tokens: the
 data pipeline is not what is measured. Prints one table row per (model, micro-batch size); with several
 --micro-batch-size values it tries each and skips sizes that run out of memory.
 
 --profile adds, per row, where the GPU time of 3 more steps goes (torch.profiler kernels grouped: matmuls,
 attention, optimizer, elementwise, ...) and how busy the GPU was. --reference eager compile adds rows for the same
-model (trainer3d.model.GPT, vocab padded to 50304) in a bare nanoGPT-style loop (autocast bf16 over fp32 params,
+model (trainer3d.models.gpt2.GPT, vocab padded to 50304) in a bare nanoGPT-style loop (autocast bf16 over fp32 params,
 F.cross_entropy, clip, fused AdamW), eager and under torch.compile: what the trainer's own code costs, and what
 compilation would buy, on the same GPU.
 
@@ -43,7 +43,7 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
     from trainer3d.config import TrainConfig
 
     from trainer3d.train.setup import validate
-    from trainer3d.train.metrics import device_peak_tflops, flops_per_token
+    from trainer3d.train.metrics import device_peak_tflops
     from trainer3d.dist.topology import Topology
     from trainer3d.train.trainer import Trainer
 
@@ -52,7 +52,7 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
                                 world_size=1, device_id=device if device.type == "cuda" else None)
     cfg = TrainConfig(model=model, seq_len=seq_len, global_batch=mbs * grad_accum, micro_batches=grad_accum,
                       precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4)
-    mcfg = cfg.gpt_config(50257)
+    mcfg = cfg.model_config(50257)
     setup = validate(cfg, 1, mcfg.vocab_size)
     layout, plan = setup.layout, setup.plan
     free_memory(device)  # the previous row's Trainer (reference cycles) would count in this row's peak memory
@@ -82,7 +82,7 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
             print(f"profile failed: {type(e).__name__}: {e}", flush=True)
     tokens = steps * plan.global_batch * seq_len
     tps = tokens / dt
-    fpt = flops_per_token(mcfg, seq_len)
+    fpt = mcfg.flops_per_token(seq_len)
     peak = device_peak_tflops(device, trainer.precision, peak_override)
     out = dict(model=model, params=mcfg.num_params(), mbs=mbs, accum=grad_accum, seq=seq_len, steps=steps,
                step_ms=1000 * dt / steps, tps=tps, tflops=tps * fpt / 1e12, peak=peak,
@@ -141,15 +141,16 @@ def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, d
     import torch.nn.functional as F
 
     from trainer3d.config import TrainConfig
-    from trainer3d.train.metrics import device_peak_tflops, flops_per_token
-    from trainer3d.model import GPT, init_value
+    from trainer3d.train.metrics import device_peak_tflops
+    from trainer3d.models import init_value
+    from trainer3d.models.gpt2 import GPT
 
     free_memory(device)
-    mcfg = TrainConfig(model=model, seq_len=seq_len).gpt_config(50304)  # the trainer pads 50257 to 50304 too
+    mcfg = TrainConfig(model=model, seq_len=seq_len).model_config(50304)  # the trainer pads 50257 to 50304 too
     net = GPT(mcfg)
     with torch.no_grad():
         for name, p in net.named_parameters():  # the tied lm_head is listed once, as wte.weight
-            p.copy_(init_value(name, p.shape, mcfg, TrainConfig.seed))
+            p.copy_(init_value(mcfg, name, p.shape, TrainConfig.seed))
         net.wte.weight[50257:].zero_()  # the trainer's padding rows are zeros too
     net = net.to(device)
     params = list(net.parameters())
@@ -193,7 +194,7 @@ def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, d
     sync()
     dt = time.perf_counter() - t0
     tps = steps * mbs * seq_len / dt
-    fpt = flops_per_token(TrainConfig(model=model, seq_len=seq_len).gpt_config(50257), seq_len)
+    fpt = TrainConfig(model=model, seq_len=seq_len).model_config(50257).flops_per_token(seq_len)
     peak = device_peak_tflops(device, "bf16" if device.type == "cuda" else "fp32", peak_override)
     out = dict(model=model, params=mcfg.num_params(), mbs=mbs, accum=1, seq=seq_len, steps=steps,
                step_ms=1000 * dt / steps, tps=tps, tflops=tps * fpt / 1e12, peak=peak,

@@ -69,8 +69,8 @@ class Case:
         kw.update(self.extra)
         return TrainConfig(**kw)
 
-    def gpt_config(self):
-        return self.train_config().gpt_config(self.vocab)
+    def model_config(self):
+        return self.train_config().model_config(self.vocab)
 
 
 def zero_label(ds) -> str:
@@ -103,7 +103,7 @@ def build_trainer(case: Case):
     )
     trainer = None
     if topo.active:
-        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.gpt_config(case.vocab))
+        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(case.vocab))
     return topo, trainer
 
 

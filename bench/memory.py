@@ -35,7 +35,7 @@ def ds_config(stage: int, offload: bool, case: Case) -> dict:
     return deepspeed_config(
         zero_stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
         micro_batch_size=case.micro_batch_size, micro_batches=case.micro_batches, dp=case.dp, precision="fp32",
-        hidden=case.n_embd,
+        cfg=case.model_config(),
     )
 
 
@@ -43,7 +43,7 @@ def candidate_of(case: Case, zero_stage: int = 0, offload: bool = False):
     from trainer3d.plan.candidate import Candidate
 
     return Candidate(
-        cfg=case.gpt_config(), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
+        cfg=case.model_config(), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
         virtual_stages=case.virtual_stages, micro_batches=case.micro_batches,
         micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, precision="fp32",
         zero_stage=zero_stage, offload_optimizer=offload, offload_params=offload and zero_stage == 3,

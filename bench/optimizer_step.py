@@ -30,10 +30,10 @@ IMPLEMENTATIONS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "fo
 
 def gpt2_parameters(seed: int = 0) -> list[torch.nn.Parameter]:
     """The gpt2 preset's parameters (GPT-2's 50257-token vocabulary), with random values and gradients."""
-    from trainer3d.model import GPT, MODEL_PRESETS
+    from trainer3d.models import MODEL_PRESETS, build_model
 
     with torch.device("meta"):
-        shapes = [p.shape for p in GPT(MODEL_PRESETS["gpt2"]).parameters()]
+        shapes = [p.shape for p in build_model(MODEL_PRESETS["gpt2"]).parameters()]
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
     for p in params:

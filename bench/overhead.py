@@ -1,5 +1,5 @@
 """Overhead of the trainer at (1,1,1): Trainer.train_step against a bare nanoGPT-style loop on the same plain
-model (trainer3d.model.GPT, same initial weights), same AdamW settings and parameter groups, same global-norm
+model (trainer3d.models.gpt2.GPT, same initial weights), same AdamW settings and parameter groups, same global-norm
 clipping, same batches, on CPU, one thread each, in one process.
 
 The variants are interleaved step by step, the order rotated every round (A B C, B C A, C A B, ...) so that
@@ -62,7 +62,8 @@ class BareLoop:
     def __init__(self, cfg, mcfg, same_math: bool = False):
         import dataclasses
 
-        from trainer3d.model import GPT, init_value
+        from trainer3d.models import init_value
+        from trainer3d.models.gpt2 import GPT
         from trainer3d.parallel.tensor_parallel import padded_vocab_size
         from trainer3d.optim import lr_at
 
@@ -73,8 +74,8 @@ class BareLoop:
         self.model = GPT(shape_cfg)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                full = init_value(name, tuple(p.shape), mcfg, cfg.seed) if name != "wte.weight" else init_value(
-                    name, (mcfg.vocab_size, mcfg.n_embd), mcfg, cfg.seed)
+                full = init_value(mcfg, name, tuple(p.shape), cfg.seed) if name != "wte.weight" else init_value(
+                    mcfg, name, (mcfg.vocab_size, mcfg.n_embd), cfg.seed)
                 p.zero_()
                 p[: full.shape[0]].copy_(full)
         params = list(self.model.parameters())
@@ -113,7 +114,7 @@ def measure(model: str, seq_len: int, batch: int, pairs: int, warmup: int, n_lay
     torch.set_num_threads(1)
     cfg = TrainConfig(model=model, seq_len=seq_len, global_batch=batch, precision="fp32", max_steps=10**6,
                       warmup_steps=10, n_layer=n_layer, n_embd=n_embd, n_head=n_head)
-    mcfg = cfg.gpt_config(50257)
+    mcfg = cfg.model_config(50257)
     variants = {
         "trainer": make_trainer(cfg, mcfg).train_step,
         "bare": BareLoop(cfg, mcfg).train_step,

@@ -29,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import fmt_bytes, stamp, table, zero_available  # noqa: E402
+from trainer3d.models.gpt2 import GPTConfig  # noqa: E402
 from trainer3d.zero.ops import use_prebuilt_ops  # noqa: E402
 
 SIZES = dict(n_layer=4, n_embd=128, n_head=4, n_positions=256, vocab=50257)
@@ -39,7 +40,7 @@ def ds_json(stage: int, micro: int, offload: bool = False) -> dict:
 
     return deepspeed_config(zero_stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
                             micro_batch_size=micro, micro_batches=1, dp=2, precision="fp32",
-                            hidden=SIZES["n_embd"])
+                            cfg=GPTConfig(n_layer=SIZES["n_layer"], n_embd=SIZES["n_embd"], n_head=SIZES["n_head"]))
 
 
 class HFDeepSpeed:

@@ -27,7 +27,7 @@ RUNS = [("gpt3-1.3b", 2, 2, 2, 8, 1, False), ("gpt3-6.7b", 2, 4, 2, 8, 1, True),
 
 
 def main() -> int:
-    from trainer3d.model import MODEL_PRESETS
+    from trainer3d.models import MODEL_PRESETS
     from trainer3d.plan.candidate import Candidate, gib
     from trainer3d.plan.comm import analytic_comm
     from trainer3d.plan.memory import estimate_memory

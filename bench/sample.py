@@ -32,7 +32,8 @@ import torch  # noqa: E402
 
 from bench.harness import stamp, table  # noqa: E402
 from trainer3d.generate import generate  # noqa: E402
-from trainer3d.model import GPT, MODEL_PRESETS  # noqa: E402
+from trainer3d.models import MODEL_PRESETS
+from trainer3d.models.gpt2 import GPT  # noqa: E402
 
 
 @torch.no_grad()

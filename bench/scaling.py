@@ -80,7 +80,7 @@ def predict(case: Case, tflops: float, gbps: float) -> float:
     from trainer3d.plan.cluster import Cluster
     from trainer3d.plan.step_time import step_times
 
-    cand = Candidate(cfg=case.gpt_config(), dp=case.dp, tp=case.tp, pp=case.pp, micro_batches=case.micro_batches,
+    cand = Candidate(cfg=case.model_config(), dp=case.dp, tp=case.tp, pp=case.pp, micro_batches=case.micro_batches,
                      micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, precision="fp32")
     machine = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=1024, peak_tflops=tflops, intra_node_gbps=gbps,
                       inter_node_gbps=gbps, mfu=1.0)
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                                  tokens_per_s=case.global_batch * case.seq_len / t, case=case))
                 print(f"{mode:6} {family:6} N={n}: {t * 1000:.0f} ms/step", flush=True)
     one = next(r for r in rows if r["world"] == 1 and r["mode"] == "strong")
-    flops = one["case"].gpt_config().flops_per_token(MODEL["seq_len"]) * one["global_batch"] * MODEL["seq_len"]
+    flops = one["case"].model_config().flops_per_token(MODEL["seq_len"]) * one["global_batch"] * MODEL["seq_len"]
     tflops = flops / one["step_s"] / 1e12  # the one-process run's speed is the planner's per-device speed
     for r in rows:
         base = next(b for b in rows if b["mode"] == r["mode"] and b["family"] == r["family"] and b["world"] == 1)
