@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from trainer3d.models import MODEL_PRESETS
 from trainer3d.models.gpt2 import GPTConfig
@@ -25,6 +26,27 @@ from trainer3d.plan.report import launch_command
 from trainer3d.plan.search import enumerate_plans, evaluate, parse_layout
 
 H100 = dict(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, intra_node_gbps=360, inter_node_gbps=50)
+
+
+@pytest.mark.parametrize("name", list(MODEL_PRESETS))
+def test_family_formulas_count_what_the_model_builds(name):
+    """A family's parameter formulas (MFU, balancing, the planner's memory) against the model it builds (meta device),
+    and against the count the planner reads off the ParallelPlan, at tp 1 and tp 2 (whose shards add up)."""
+    import dataclasses
+
+    from trainer3d.models import build_model
+    from trainer3d.parallel.param_counts import local_params
+
+    cfg = MODEL_PRESETS[name]
+    with torch.device("meta"):
+        model = build_model(dataclasses.replace(cfg, n_layer=2))
+    built = sum(p.numel() for p in model.parameters())  # a tied head is one Parameter, counted once
+    assert built == dataclasses.replace(cfg, n_layer=2).num_params()
+    block = sum(p.numel() for p in model.blocks["0"].parameters())
+    assert block == cfg.block_params() == local_params(cfg, 1).block_total
+    if cfg.n_head % 2 == 0 and getattr(cfg, "n_kv_heads", 2) % 2 == 0:
+        halves = local_params(cfg, 2).block
+        assert sum(n * (1 if replicated else 2) for n, replicated in halves) == block
 
 
 def test_175b_does_not_fit_on_one_node_and_says_why():

@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from trainer3d.parallel.param_counts import local_params
 from trainer3d.parallel.pipeline import balance_layers, stage_ids, stages_per_rank
+from trainer3d.zero.config import auto_buckets
 
 
 # ---- precision ---------------------------------------------------------------------------------------------
@@ -100,8 +101,8 @@ class Candidate:
     recompute: bool = False  # full activation checkpointing of every block
     sequence_parallel: bool = False  # --sequence-parallel (tp > 1): activations outside the tp regions split by tp
     # ZeRO-3 keeps parameters smaller than this unpartitioned (DeepSpeed's stage3_param_persistence_threshold)
-    zero3_persistence: int | None = None  # None: 10 × hidden (report.zero_buckets)
-    zero_bucket_elems: int | None = None  # DeepSpeed reduce_bucket_size; None: hidden² (report.zero_buckets)
+    zero3_persistence: int | None = None  # None: the "auto" value (zero.config.auto_buckets)
+    zero_bucket_elems: int | None = None  # DeepSpeed reduce_bucket_size; None: the "auto" value
 
     @property
     def tokens(self) -> int:  # T: tokens per micro-batch
@@ -185,7 +186,9 @@ def max_param_tensor(cfg, tp: int, stages: list[Stage]) -> int:
 
 def persistent_params(cand: Candidate, stages: list[Stage]) -> int:
     """Parameters ZeRO-3 leaves unpartitioned (each tensor below the persistence threshold)."""
-    threshold = 10 * cand.cfg.n_embd if cand.zero3_persistence is None else cand.zero3_persistence
+    threshold = cand.zero3_persistence
+    if threshold is None:
+        threshold = auto_buckets(cand.cfg.n_embd)["stage3_param_persistence_threshold"]
     if threshold <= 0 or cand.zero_stage < 3:
         return 0
     lp = local_params(cand.cfg, cand.tp)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from trainer3d.parallel.cross_entropy import LOSS_CHUNK_ELEMENTS
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
+from trainer3d.zero.config import auto_buckets
 from trainer3d.plan.candidate import (
     Candidate, Stage, block_params, max_param_tensor, persistent_params, rank_params,
 )
@@ -115,7 +116,9 @@ def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
     # Model states (ZeRO paper): stage 1 partitions the optimizer state over dp, stage 2 also the gradients,
     # stage 3 also the parameters. DDP keeps Adam's two moments next to fp32 parameters; DeepSpeed keeps
     # K = 12 bytes per parameter (fp32 master + moments) even in fp32, and an fp32 gradient partition.
-    zero_bucket = cand.zero_bucket_elems if cand.zero_bucket_elems is not None else h * h
+    zero_bucket = cand.zero_bucket_elems
+    if zero_bucket is None:
+        zero_bucket = auto_buckets(h)["reduce_bucket_size"]
     if z == 0:
         e.params, e.grads, e.optimizer = n * P.param, n * P.grad, n * P.optim
         if dp > 1:

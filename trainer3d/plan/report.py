@@ -9,19 +9,16 @@ from trainer3d.models import MODEL_PRESETS
 from trainer3d.plan.candidate import describe, gib
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.search import Plan
+from trainer3d.zero.config import auto_buckets
 
 
 # ---- DeepSpeed JSON ----------------------------------------------------------------------------------------
 def zero_buckets(cfg) -> dict:
-    """DeepSpeed bucket sizes from the hidden size (the rule of HF's and trainer3d/zero/config.py's "auto" values, plus a bound on
-    ZeRO-3's live parameters); the memory model charges the reduce bucket and ZeRO-3's working set accordingly."""
-    hidden = cfg.n_embd
+    """DeepSpeed's "auto" bucket sizes (zero.config.auto_buckets) plus a bound on ZeRO-3's live parameters; the memory
+    model charges the reduce bucket and ZeRO-3's working set accordingly."""
     live = 2 * cfg.block_params()  # two blocks' parameters
     return {
-        "reduce_bucket_size": hidden * hidden,
-        "allgather_bucket_size": hidden * hidden,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-        "stage3_param_persistence_threshold": 10 * hidden,
+        **auto_buckets(cfg.n_embd),
         # DeepSpeed's defaults (1e9) keep every gathered parameter of a small model alive through the step;
         # bounded to two blocks, ZeRO-3's working set is what the memory model charges
         "stage3_max_live_parameters": live,

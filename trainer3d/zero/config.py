@@ -77,6 +77,17 @@ def _as_int(v, key, src):
     return v
 
 
+def auto_buckets(hidden: int) -> dict[str, int]:
+    """DeepSpeed's "auto" bucket sizes and ZeRO-3 persistence threshold from the hidden size (the rule of Hugging
+    Face's DeepSpeed integration); the planner charges the same buffers."""
+    return {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+        "allgather_bucket_size": hidden * hidden,
+    }
+
+
 def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
     """Read cfg.deepspeed_config and fill it from the flags and the layout; raise ConfigError (one sentence
     naming the fix) on anything that contradicts them or cannot work. `n_embd` sizes the "auto" buckets."""
@@ -216,13 +227,7 @@ def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"{src}: zero_optimization.stage must be 0, 1, 2 or 3 (got {stage!r}); fix the JSON.")
-    d = n_embd
-    autos = {
-        "reduce_bucket_size": d * d,
-        "stage3_prefetch_bucket_size": int(0.9 * d * d),
-        "stage3_param_persistence_threshold": 10 * d,
-        "allgather_bucket_size": d * d,
-    }
+    autos = auto_buckets(n_embd)
     for key, value in list(zero.items()):
         if _is_auto(value):
             if key not in autos:
