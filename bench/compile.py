@@ -44,7 +44,6 @@ def build(fields: dict, compile_blocks: bool):
     import torch.distributed as dist
 
     from trainer3d.config import TrainConfig
-    from trainer3d.dist.topology import Topology
     from trainer3d.train.setup import validate
     from trainer3d.train.trainer import Trainer
 
@@ -52,7 +51,7 @@ def build(fields: dict, compile_blocks: bool):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = TrainConfig(**fields, compile=compile_blocks, precision="fp32", max_steps=10**6)
     setup = validate(cfg, 1, VOCAB)
-    return Trainer(setup, Topology(setup.layout), torch.device("cpu"), setup.model_config(VOCAB)), cfg
+    return Trainer(setup, setup.topology(), torch.device("cpu"), setup.model_config(VOCAB)), cfg
 
 
 def measure(name: str, rounds: int) -> list:

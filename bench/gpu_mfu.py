@@ -44,7 +44,6 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
 
     from trainer3d.train.setup import validate
     from trainer3d.train.metrics import device_peak_tflops
-    from trainer3d.dist.topology import Topology
     from trainer3d.train.trainer import Trainer
 
     if not dist.is_initialized():
@@ -54,9 +53,9 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
                       precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4)
     mcfg = cfg.model_config(50257)
     setup = validate(cfg, 1, mcfg.vocab_size)
-    layout, plan = setup.layout, setup.plan
+    plan = setup.plan
     free_memory(device)  # the previous row's Trainer (reference cycles) would count in this row's peak memory
-    trainer = Trainer(setup, Topology(layout), device, mcfg)
+    trainer = Trainer(setup, setup.topology(), device, mcfg)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, mcfg.vocab_size, (plan.global_batch, seq_len + 1), generator=g).to(device)
                for _ in range(4)]

@@ -90,17 +90,12 @@ def zero_available() -> bool:
 
 def build_trainer(case: Case):
     """Collective over the whole world (group creation); returns (topo, trainer or None on idle ranks)."""
-    from trainer3d.parallel import pipeline
     from trainer3d.train.setup import validate
-    from trainer3d.dist.topology import Topology
     from trainer3d.train.trainer import Trainer
 
     cfg = case.train_config()
     setup = validate(cfg, case.world, case.vocab)
-    layout = setup.layout
-    topo = Topology(
-        layout, ranks=list(range(case.world)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp)
-    )
+    topo = setup.topology(list(range(case.world)))
     trainer = None
     if topo.active:
         trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(case.vocab))

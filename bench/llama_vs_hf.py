@@ -55,7 +55,6 @@ def train_config(shape: str):
 def trainer3d_step(shape: str):
     import torch.distributed as dist
 
-    from trainer3d.dist.topology import Topology
     from trainer3d.train.setup import validate
     from trainer3d.train.trainer import Trainer
 
@@ -63,7 +62,7 @@ def trainer3d_step(shape: str):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = train_config(shape)
     setup = validate(cfg, 1)
-    trainer = Trainer(setup, Topology(setup.layout), torch.device("cpu"), setup.model_config(VOCAB))
+    trainer = Trainer(setup, setup.topology(), torch.device("cpu"), setup.model_config(VOCAB))
     return lambda batch: trainer.train_step(batch)["loss"]
 
 

@@ -45,14 +45,12 @@ def make_trainer(cfg, mcfg):
     import torch.distributed as dist
 
     from trainer3d.train.setup import validate
-    from trainer3d.dist.topology import Topology
     from trainer3d.train.trainer import Trainer
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     setup = validate(cfg, 1, mcfg.vocab_size)
-    layout = setup.layout
-    return Trainer(setup, Topology(layout), torch.device("cpu"), mcfg)
+    return Trainer(setup, setup.topology(), torch.device("cpu"), mcfg)
 
 
 class BareLoop:

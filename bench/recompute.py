@@ -32,7 +32,6 @@ def build(mode: str):
     import torch.distributed as dist
 
     from trainer3d.config import TrainConfig
-    from trainer3d.dist.topology import Topology
     from trainer3d.train.setup import validate
     from trainer3d.train.trainer import Trainer
 
@@ -40,7 +39,7 @@ def build(mode: str):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = TrainConfig(**MODEL, recompute=mode, precision="fp32", lr=1e-4, warmup_steps=1, max_steps=10**6)
     setup = validate(cfg, 1, MODEL["vocab_size"])
-    return Trainer(setup, Topology(setup.layout), torch.device("cpu"), setup.model_config(MODEL["vocab_size"]))
+    return Trainer(setup, setup.topology(), torch.device("cpu"), setup.model_config(MODEL["vocab_size"]))
 
 
 def saved_bytes(trainer, batch) -> int:

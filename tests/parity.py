@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from trainer3d.parallel import pipeline
 from trainer3d.config import TrainConfig
 from trainer3d.train.setup import validate
 from trainer3d.models import canonical_name
 from trainer3d.parallel.engine import is_tied_duplicate
 from trainer3d.parallel.parallelize import gather_stage_params
 from trainer3d.parallel.tensor_parallel import gather_full
-from trainer3d.dist.topology import Topology
 from trainer3d.train.trainer import Trainer
 
 VOCAB = 500
@@ -49,7 +47,7 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
     cfg = parity_config(**layout)
     setup = validate(cfg, n, VOCAB)
     cfg_layout, plan = setup.layout, setup.plan
-    topo = Topology(cfg_layout, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
+    topo = setup.topology(list(range(n)))
     result = None
     if topo.active:
         trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB))

@@ -31,7 +31,6 @@ from trainer3d.errors import CheckpointError
 from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.config import TrainConfig
 from trainer3d.train.setup import validate
-from trainer3d.dist.topology import Topology
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB, SEQ, GB, N = 500, 32, 16, 4  # N steps, save, N more
@@ -85,7 +84,7 @@ def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: 
     n = dp * cfg.tp * cfg.pp
     setup = validate(cfg, n, VOCAB)
     L = setup.layout
-    topo = Topology(L, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
+    topo = setup.topology(list(range(n)))
     out = None
     if topo.active:
         mcfg = cfg.model_config(VOCAB)
@@ -603,8 +602,7 @@ def _hf_run(hf_dir, out_dir, batches):
     cfg = TrainConfig(init_from_hf=hf_dir, tp=2, pp=2, seq_len=SEQ, global_batch=4, micro_batches=2,
                       precision="fp32", max_steps=5, warmup_steps=1, lr=1e-3, out_dir=out_dir)
     setup = validate(cfg, 4, 50257)  # the vocabulary (and every size) comes from the HF config.json
-    L = setup.layout
-    topo = Topology(L, ranks=[0, 1, 2, 3], last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
+    topo = setup.topology([0, 1, 2, 3])
     out = None
     if topo.active:
         mcfg = setup.model_config(HF_VOCAB)

@@ -169,8 +169,6 @@ SAMPLE = dict(prompt=[0, 1, 2], n_tokens=20, count=3, temperature=4.0, top_k=10,
 
 def _layouts(rank: int, world_size: int, path: str, cases: list) -> list:
     from trainer3d.config import TrainConfig
-    from trainer3d.dist.topology import Topology
-    from trainer3d.parallel import pipeline
     from trainer3d.train.downstream import hellaswag, sample
     from trainer3d.train.setup import validate
     from trainer3d.train.trainer import Trainer
@@ -184,8 +182,7 @@ def _layouts(rank: int, world_size: int, path: str, cases: list) -> list:
                           global_batch=GLOBAL_BATCH, precision="fp32", seed=SAMPLE["seed"], **case)
         n = dp * cfg.tp * cfg.pp
         setup = validate(cfg, n, VOCAB)
-        topo = Topology(setup.layout, ranks=list(range(n)),
-                        last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
+        topo = setup.topology(list(range(n)))
         result = None
         if topo.active:
             trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB), full_value=full_value)

@@ -6,12 +6,10 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_world
-from trainer3d.parallel import pipeline
 from trainer3d.config import TrainConfig
 from trainer3d.train.setup import validate
 from trainer3d.checkpoint.hf import load_hf_checkpoint
 from trainer3d.models import canonical_name
-from trainer3d.dist.topology import Topology
 from trainer3d.train.trainer import Trainer
 
 
@@ -24,8 +22,7 @@ def _logits_at_layouts(rank, world_size, hf_dir, ids):
             seq_len=ids.shape[1], global_batch=ids.shape[0], micro_batches=2, tp=tp, pp=pp, precision="fp32",
         )
         setup = validate(cfg, tp * pp, gcfg.vocab_size)
-        layout = setup.layout
-        topo = Topology(layout, ranks=list(range(tp * pp)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, pp))
+        topo = setup.topology(list(range(tp * pp)))
         if topo.active:
             mcfg = cfg.model_config(gcfg.vocab_size)
             trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=lambda n, s: state[canonical_name(mcfg, n)])

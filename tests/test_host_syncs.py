@@ -54,8 +54,6 @@ def count_reads():
 
 
 def _reads_per_step(rank: int, world_size: int, cases: dict) -> dict:
-    from trainer3d.dist.topology import Topology
-    from trainer3d.parallel import pipeline
     from trainer3d.train.setup import validate
     from trainer3d.train.trainer import Trainer
 
@@ -63,7 +61,7 @@ def _reads_per_step(rank: int, world_size: int, cases: dict) -> dict:
     for name, kw in cases.items():
         cfg = parity_config(n_layer=2, **kw)
         setup = validate(cfg, 1, VOCAB)
-        topo = Topology(setup.layout, ranks=[0], last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, 1))
+        topo = setup.topology([0])
         trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB))
         first, second = global_batches(2)
         trainer.train_step(first)

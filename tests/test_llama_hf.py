@@ -15,9 +15,7 @@ from distributed import run_world  # noqa: E402
 from test_llama import hf_llama  # noqa: E402
 from trainer3d.checkpoint.load import apply, prepare  # noqa: E402
 from trainer3d.config import TrainConfig  # noqa: E402
-from trainer3d.dist.topology import Topology  # noqa: E402
 from trainer3d.optim import adam, clip_coefficient, lr_at, param_groups, set_lr  # noqa: E402
-from trainer3d.parallel import pipeline  # noqa: E402
 from trainer3d.train.setup import validate  # noqa: E402
 
 VOCAB, SEQ, GB, STEPS = 1000, 32, 8, 6
@@ -58,8 +56,7 @@ def _train_from_hf(hf_dir: str, tp: int, pp: int, data: torch.Tensor, out_dir: s
     cfg = TrainConfig(init_from_hf=hf_dir, tp=tp, pp=pp, seq_len=SEQ, global_batch=GB, micro_batches=2,
                       out_dir=out_dir or "runs/unused", **OPTIM)
     setup = validate(cfg, tp * pp)
-    topo = Topology(setup.layout, ranks=list(range(tp * pp)),
-                    last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, pp))
+    topo = setup.topology(list(range(tp * pp)))
     out = None
     if topo.active:
         mcfg = setup.model_config(VOCAB)

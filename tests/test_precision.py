@@ -10,7 +10,6 @@ import torch
 from distributed import run_world
 from parity import global_batches, parity_config, run_layouts, VOCAB
 from trainer3d.train.setup import validate
-from trainer3d.dist.topology import Topology
 from trainer3d.train.trainer import Trainer
 
 LAYOUTS = [
@@ -34,8 +33,7 @@ def test_mixed_precision_tracks_fp32():
 def _overflow(rank, world_size):
     cfg = parity_config(precision="fp16", n_layer=2)
     setup = validate(cfg, 1, VOCAB)
-    layout = setup.layout
-    trainer = Trainer(setup, Topology(layout), torch.device("cpu"), cfg.model_config(VOCAB))
+    trainer = Trainer(setup, setup.topology(), torch.device("cpu"), cfg.model_config(VOCAB))
     batch = global_batches(1)[0]
     before = {k: v.clone() for k, v in trainer.engine.stage_modules[0].state_dict().items()}
     trainer.loss_scale.scale = 2.0**120  # fp16 overflows: max is 65504

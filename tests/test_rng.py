@@ -11,7 +11,6 @@ import torch
 from distributed import run_world
 from trainer3d.config import TrainConfig
 from trainer3d.train.setup import validate
-from trainer3d.dist.topology import Topology
 from trainer3d.train.trainer import Trainer
 
 
@@ -19,8 +18,7 @@ def _dropout_streams(rank, world_size, compile_blocks):
     cfg = TrainConfig(model="tiny", n_layer=2, vocab_size=300, tp=2, dropout=0.2, seq_len=16, global_batch=2,
                       compile=compile_blocks)
     setup = validate(cfg, world_size, 300)
-    layout = setup.layout
-    topo = Topology(layout)
+    topo = setup.topology()
     trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(300))
     model = trainer.pm.stages[0]
     model.train()

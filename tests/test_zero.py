@@ -31,7 +31,6 @@ from ds_ops import nvme_op_available, require_ops  # noqa: E402
 from parity import LLAMA, VOCAB, global_batches, parity_config, train_layout  # noqa: E402
 from trainer3d.zero import config as deepspeed_config  # noqa: E402
 from trainer3d.zero import ops as zero_ops  # noqa: E402
-from trainer3d.parallel import pipeline  # noqa: E402
 from trainer3d.zero import glue as zero_glue  # noqa: E402
 from trainer3d.config import parse_args  # noqa: E402
 from trainer3d.errors import ConfigError  # noqa: E402
@@ -106,7 +105,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
     cfg = parity_config(**lay, deepspeed_config=copy.deepcopy(ds))
     setup = validate(cfg, n, VOCAB)
     L, plan = setup.layout, setup.plan
-    topo = Topology(L, ranks=list(range(n)), last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, cfg.pp))
+    topo = setup.topology(list(range(n)))
     result = None
     if topo.active:
         t0 = time.perf_counter()

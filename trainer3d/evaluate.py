@@ -27,11 +27,10 @@ from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.load import prepare
 from trainer3d.config import SCHEDULE_NAMES, TrainConfig
 from trainer3d.dist.failure import run_reported
-from trainer3d.dist.topology import LaunchEnv, Topology, default_device, init_distributed
+from trainer3d.dist.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.errors import ConfigError, UsageError
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import MODEL_PRESETS
-from trainer3d.parallel import pipeline
 from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.train.downstream import Downstream, hellaswag
 from trainer3d.train.setup import RunSetup, validate
@@ -124,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     made: list = []  # the Topology, once built (cleanup destroys it when the caller owns the group)
 
     def run() -> None:
-        last_stage = pipeline.last_stage_pp_rank(setup.cfg.schedule, setup.layout.pp)
-        topo = Topology(setup.layout, last_stage_pp_rank=last_stage)
+        topo = setup.topology()
         made.append(topo)
         result, trainer = evaluate(setup, topo, device, ckpt.model_config.vocab_size)
         if trainer.is_logging_rank:

@@ -12,7 +12,6 @@ RNG states come back exactly when the layout and seed are unchanged, and are re-
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -28,6 +27,7 @@ from trainer3d.dist.collectives import agree_on_error, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import canonical_name
+from trainer3d.parallel.parallelize import rng_seeds, seed_rngs
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG, shard_tensor
 
 
@@ -139,19 +139,13 @@ def _restore_rngs(trainer, ckpt: Checkpoint) -> None:
         r.state = ckpt.tensor(f, f"sharded{i}")
 
 
-def _mix(*xs: int) -> int:
-    h = hashlib.sha256(repr(xs).encode()).digest()
-    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
-
-
 def rederive_rngs(trainer, step: int) -> None:
     """Fresh RNG states that follow the dropout contract (default generator identical on tp peers, different over
     dp and pp; the sharded stream different on every rank), as a pure function of (seed, step, coordinates)."""
-    topo, seed = trainer.topo, trainer.cfg.seed
-    torch.manual_seed(_mix(seed, step, topo.pp_rank, topo.dp_rank))
-    for i, r in enumerate(sharded_rngs(trainer.pm)):
-        stream_seed = _mix(seed + 2718, step, topo.pp_rank, topo.dp_rank, topo.tp_rank, i)
-        r.state = ShardedDropoutRNG(stream_seed, trainer.device).state
+    seed_rngs(trainer.cfg.seed, trainer.topo, step)
+    sharded_seed = rng_seeds(trainer.cfg.seed, trainer.topo, step)[1]
+    for r in sharded_rngs(trainer.pm):  # one stream a rank, shared by its stages
+        r.state = ShardedDropoutRNG(sharded_seed, trainer.device).state
 
 
 def trim_metrics(out_dir: str | os.PathLike, step: int) -> None:

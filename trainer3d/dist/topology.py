@@ -163,9 +163,15 @@ class Topology:
     """This rank's coordinates and the groups of each axis. Every rank must construct it (group creation is
     collective over the world), in the same order as every other Topology built in the process."""
 
-    def __init__(self, layout: Layout, ranks: list[int] | None = None, last_stage_pp_rank: int | None = None):
+    def __init__(self, layout: Layout, *, last_stage_pp_rank: int, ranks: list[int] | None = None):
+        """`last_stage_pp_rank`: where the last stage (the loss, a tied head's copy) lives, which the schedule decides;
+        no default, since ranks that disagree on it wait on different collectives. Runs build it through
+        RunSetup.topology, its one owner."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.layout = layout
+        if not 0 <= last_stage_pp_rank < layout.pp:
+            raise LayoutError(f"The last pipeline stage cannot live on pp rank {last_stage_pp_rank} of {layout.pp}.")
+        self.last_stage_pp_rank = last_stage_pp_rank
         # `ranks`: the global ranks this grid lives on (all of them by default); tests run several
         # smaller grids inside one world.
         self.ranks = list(range(layout.world_size)) if ranks is None else list(ranks)
@@ -195,11 +201,9 @@ class Topology:
         self.pp_group = self._build(pp_lines)
         self.mp_group = self._build(mp_lines)
         self.world_group = self._build([list(range(L.world_size))])
-        # The tied embedding's copies live on the first stage (pp rank 0) and the last stage: pp rank pp-1, or
-        # 0 for V-shaped schedules (pipeline.last_stage_pp_rank). One group per (dp, tp).
-        last = L.pp - 1 if last_stage_pp_rank is None else last_stage_pp_rank
+        # A tied embedding's copies live on the first stage (pp rank 0) and the last stage. One group per (dp, tp).
         self.embedding_group = self._build(
-            [sorted({L.rank(0, d, t), L.rank(last, d, t)}) for d in range(L.dp) for t in range(L.tp)]
+            [sorted({L.rank(0, d, t), L.rank(last_stage_pp_rank, d, t)}) for d in range(L.dp) for t in range(L.tp)]
         )
 
     def _build(self, lines: list[list[int]]):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,7 +40,6 @@ class ParallelModel:
     stage_ids: list[int]
     n_stages: int
     layer_ranges: list[range]  # blocks of every stage, indexed by stage id
-    last_stage_pp_rank: int  # where the loss lives (pp-1, or 0 for V-shaped schedules)
     vocab_start: int  # first vocab id of this rank's shard of the logits
     padded_vocab: int
     engine: DataParallelEngine
@@ -80,7 +80,7 @@ def parallelize(
 
     # 3. tensor parallel. Dropout on head-sharded attention uses a per-tp-rank stream; everything else uses
     # the default generator, seeded alike on tp peers (seed_rngs).
-    sharded_rng = ShardedDropoutRNG(sharded_stream_seed(cfg.seed, topo), device)
+    sharded_rng = ShardedDropoutRNG(rng_seeds(cfg.seed, topo)[1], device)
     stages = [apply_tensor_parallel(s, topo.tp_group, topo.tp_rank, L.tp, sharded_rng) for s in stages]
     if cfg.sequence_parallel:  # ... with the activations between the tp regions on sequence shards
         stages = [apply_sequence_parallel(s, topo.tp_rank, L.tp, sharded_rng) for s in stages]
@@ -121,7 +121,6 @@ def parallelize(
         stage_ids=ids,
         n_stages=n_stages,
         layer_ranges=ranges,
-        last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, L.pp),
         vocab_start=topo.tp_rank * (padded // L.tp),
         padded_vocab=padded,
         engine=engine,
@@ -129,14 +128,23 @@ def parallelize(
     )
 
 
-def sharded_stream_seed(seed: int, topo) -> int:
-    return seed + 2718 + 100 * topo.pp_rank + 7919 * topo.dp_rank + topo.tp_rank
+def rng_seeds(seed: int, topo, step: int = 0) -> tuple[int, int]:
+    """The seeds of this rank's two dropout streams at `step` (0 when a run starts; a resume at another layout
+    re-derives both at its step): the default generator's, identical on tp peers (their replicated activations need
+    identical masks) and different over dp and pp; and the sharded stream's (head-sharded attention), different on
+    every rank. A pure function of (seed, step, coordinates)."""
+    pp, dp, tp = topo.pp_rank, topo.dp_rank, topo.tp_rank
+    return _mix(seed, step, pp, dp), _mix(seed + 2718, step, pp, dp, tp)
 
 
-def seed_rngs(seed: int, topo) -> None:
-    """Default generator: identical on tp peers (their replicated activations need identical dropout masks),
-    different across dp replicas and pipeline stages."""
-    torch.manual_seed(seed + 100 * topo.pp_rank + 7919 * topo.dp_rank)
+def seed_rngs(seed: int, topo, step: int = 0) -> None:
+    """Seed the default generator (the replicated activations' dropout stream)."""
+    torch.manual_seed(rng_seeds(seed, topo, step)[0])
+
+
+def _mix(*xs: int) -> int:
+    h = hashlib.sha256(repr(xs).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
 def named_full_params(pm: ParallelModel) -> dict[str, tuple[nn.Parameter, object]]:

@@ -17,9 +17,8 @@ from trainer3d.config import parse_args
 from trainer3d.data import BatchLoader, DataConfig, build_token_blocks, val_batches
 from trainer3d.dist.collectives import agree_on_error
 from trainer3d.dist.failure import Heartbeat, run_reported
-from trainer3d.dist.topology import LaunchEnv, Topology, default_device, init_distributed
+from trainer3d.dist.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.errors import DataError, UsageError
-from trainer3d.parallel import pipeline
 from trainer3d.train.downstream import Downstream
 from trainer3d.train.metrics import MetricsFile, device_peak_tflops, peak_memory_bytes
 from trainer3d.train.profiling import StepProfiler
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     Heartbeat().beat(0)
 
     def train() -> None:
-        topo = Topology(layout, last_stage_pp_rank=pipeline.last_stage_pp_rank(cfg.schedule, layout.pp))
+        topo = setup.topology()
         data_cfg = DataConfig(
             data=cfg.data,
             data_config=cfg.data_config,

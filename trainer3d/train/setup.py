@@ -14,13 +14,13 @@ from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import SIZE_FLAGS, TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.sources import check_data_path, looks_like_path
-from trainer3d.dist.topology import Layout, device_type, infer_layout
+from trainer3d.dist.topology import Layout, Topology, device_type, infer_layout
 from trainer3d.errors import ConfigError
 from trainer3d.data.tokenizer import has_tokenizer_files
 from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.parallel.batch import BatchPlan, plan_batch
 from trainer3d.parallel.compile import check_compiler
-from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
+from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline, last_stage_pp_rank
 from trainer3d.parallel.sequence_parallel import check_sequence_parallel
 from trainer3d.train.profiling import parse_step_range
 from trainer3d.zero.config import DeepSpeedSpec, resolve_deepspeed
@@ -36,6 +36,12 @@ class RunSetup:
     # Face model's; trainer3d.evaluate: the checkpoint's); None: the --model preset and the tokenizer's vocabulary
     base_model: object | None = None
     hellaswag: tuple[Example, ...] | None = None  # --eval-hellaswag: its examples, every line checked
+
+    def topology(self, ranks: list[int] | None = None) -> Topology:
+        """This run's process groups (collective: every rank of the world calls it), with the last stage where the
+        schedule puts it. `ranks`: the global ranks the grid lives on (tests run several grids in one world)."""
+        return Topology(self.layout, last_stage_pp_rank=last_stage_pp_rank(self.cfg.schedule, self.layout.pp),
+                        ranks=ranks)
 
     def model_config(self, vocab_size: int):
         """The model's config, given the tokenizer's vocabulary size (which a base model's vocabulary must cover)."""

@@ -43,7 +43,7 @@ class Trainer:
         )
         self.engine, self.schedule = self.pm.engine, self.pm.schedule
         self.step = 0
-        self.logging_rank = topo.global_rank(self.pm.last_stage_pp_rank, 0, 0)
+        self.logging_rank = topo.global_rank(topo.last_stage_pp_rank, 0, 0)
         self.is_logging_rank = dist.get_rank() == self.logging_rank
         self._reduction = None  # set by forward_only for one pass
 
