@@ -25,8 +25,11 @@ def _cases(tmp):
     bad_hellaswag.write_text(good_line + "\n\n" + json.dumps({"ctx": "A man", "endings": ["runs."] * 4, "label": 4}) + "\n")
     return [
         # numbers
-        (["--lr", "-0.1"], "--lr must be a positive number (got -0.1)."),
-        (["--lr", "0"], "--lr must be a positive number (got 0.0)."),
+        (["--lr", "-0.1"], "--lr must be a positive finite number (got -0.1)."),
+        (["--lr", "0"], "--lr must be a positive finite number (got 0.0)."),
+        (["--lr", "inf"], "--lr must be a positive finite number (got inf)."),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number (got nan)."),
+        (["--grad-clip", "inf"], "--grad-clip must be a finite number (got inf)."),
         (["--dropout", "1.5"], "--dropout must be in [0.0, 1.0) (got 1.5)."),
         (["--dropout", "-0.1"], "--dropout must be in [0.0, 1.0) (got -0.1)."),
         (["--beta1", "1.0"], "--beta1 must be in [0.0, 1.0) (got 1.0)."),
@@ -49,8 +52,8 @@ def _cases(tmp):
         (["--save-every", "-1"], "--save-every must be at least 0 (got -1)."),
         (["--keep-last", "-2"], "--keep-last must be at least 0 (got -2)."),
         (["--seed", "-1"], f"--seed must be in [0, {2**63 - 1}] (got -1)."),
-        (["--peak-tflops", "0"], "--peak-tflops must be a positive number (got 0.0)."),
-        (["--dist-timeout", "0"], "--dist-timeout must be a positive number (got 0.0)."),
+        (["--peak-tflops", "0"], "--peak-tflops must be a positive finite number (got 0.0)."),
+        (["--dist-timeout", "0"], "--dist-timeout must be a positive finite number (got 0.0)."),
         (["--sample-every", "-1"], "--sample-every must be at least 0 (got -1)."),
         (["--sample-count", "0"], "--sample-count must be at least 1 (got 0)."),
         (["--sample-tokens", "0"], "--sample-tokens must be at least 1 (got 0)."),

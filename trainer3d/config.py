@@ -51,6 +51,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # a step whose loss or gradient norm is not finite: stop the run naming it, or skip its update and go on (fp16's
+    # loss scale skips such steps whatever this says: they are how it finds its scale)
+    on_nonfinite: str = "stop"
     precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     seed: int = 1337
     # data
@@ -170,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--beta1", type=float, default=d.beta1)
     o.add_argument("--beta2", type=float, default=d.beta2)
     o.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global-norm clip; 0 disables")
+    o.add_argument(
+        "--on-nonfinite", default=d.on_nonfinite, choices=["stop", "skip"],
+        help="a step whose loss or gradient norm is nan/inf is never applied; then stop the run with one sentence "
+             "naming it (nothing more is saved) or skip it and train on",
+    )
     o.add_argument("--precision", default=d.precision, choices=["auto", "fp32", "bf16", "fp16"])
     o.add_argument("--seed", type=int, default=d.seed)
     da = p.add_argument_group("data")

@@ -22,6 +22,11 @@ class CheckpointError(UsageError):
     """A checkpoint (or Hugging Face directory) that cannot be saved or loaded; the sentence names the file."""
 
 
+class TrainingError(UsageError):
+    """A run that cannot go on as it is (a non-finite loss or gradient norm); the sentence names the step and what to
+    change."""
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (or its type's name), for one-sentence reports."""
     text = str(e).strip().splitlines()

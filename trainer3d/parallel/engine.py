@@ -29,7 +29,7 @@ from trainer3d.optim import clip_coefficient
 @dataclass
 class StepResult:
     grad_norm: float  # global L2 norm of the (dp-averaged, unscaled) gradient, each element counted once
-    stepped: bool  # False: a non-finite norm skipped the update (fp16 only; the loss scale backs off)
+    stepped: bool  # False: a non-finite loss or norm skipped the update
     loss: float  # the `loss` handed to step(), read in the same transfer as the norm
 
 
@@ -59,7 +59,7 @@ class DataParallelEngine:
         only device-to-host transfer, which also brings the norm that decides whether to step and the clip."""
         norm_t = self.reduce_grads(grad_scale)
         norm, loss_value = read_scalars(norm_t, loss)
-        if not math.isfinite(norm):  # the same on every rank: the norm is all-reduced over the world
+        if not (math.isfinite(norm) and math.isfinite(loss_value)):  # alike on every rank: both reduced over the world
             self.skip_step(norm)
             return StepResult(norm, stepped=False, loss=loss_value)
         self.update(lr, clip_coefficient(norm, max_norm))
@@ -71,7 +71,7 @@ class DataParallelEngine:
         raise NotImplementedError
 
     def skip_step(self, norm: float) -> None:
-        """A non-finite norm: leave the weights as they are (the next zero_grad drops the gradients)."""
+        """A non-finite loss or norm: leave the weights as they are (the next zero_grad drops the gradients)."""
 
     def update(self, lr: float, coef: float) -> None:
         """step()'s second half: multiply the gradients by the clip coefficient `coef` (<= 1; on the device, the

@@ -76,7 +76,7 @@ def local_leader_first(env: LaunchEnv, build):
     return result if env.local_rank == 0 else build()
 
 
-def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | None = None) -> list[dict]:
+def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | None = None) -> None:
     """Train to max_steps, logging on one rank: console, progress bar and metrics.jsonl; HellaSwag beside every
     validation and text samples every --sample-every steps (`downstream`)."""
     from tqdm import tqdm
@@ -108,7 +108,6 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
         mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731
         print(f"[trainer3d] rank {dist.get_rank()} memory ({trainer.engine.name}): params {mib('param')}, grads {mib('grad')}, "
               f"optimizer states {mib('optim')}", flush=True)
-    history = []
     if cfg.eval_every and trainer.step == 0:  # the starting point of the validation curve
         val = trainer.evaluate(make_val_batches())
         record0 = {"step": 0, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **downstream.evaluate()}
@@ -119,60 +118,71 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
     # In a log file (SLURM, nohup) a bar redrawn every step is a wall of \r-joined updates: redraw every 30 s there.
     bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=not log, dynamic_ncols=True, unit="step",
                mininterval=0.1 if sys.stderr.isatty() else 30.0)
-    while trainer.step < cfg.max_steps:
-        heartbeat.beat(trainer.step + 1)
-        profiler.start(trainer.step + 1)
-        t0 = time.perf_counter()
-        record = trainer.train_step(loader.next_batch())
-        dt = time.perf_counter() - t0
-        profiler.stop(trainer.step)
-        tps = tokens_per_step / dt
-        record.update(
-            tokens=trainer.step * tokens_per_step,
-            step_time_s=dt,
-            tokens_per_s=tps,
-            tflops_per_device=tps * flops_tok / topo.layout.world_size / 1e12,
-            mfu=(tps * flops_tok / topo.layout.world_size / (peak * 1e12)) if peak else None,
-            peak_mem_bytes=peak_memory_bytes(trainer.device),
-        )
-        last = trainer.step == cfg.max_steps
-        if (cfg.eval_every and trainer.step % cfg.eval_every == 0) or last:
-            val = trainer.evaluate(make_val_batches())
-            record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), **downstream.evaluate())
-        history.append(record)
-        metrics.write(record)
-        tracker.log(record)
-        test_hooks.inject_fault(trainer.step, dist.get_rank())  # test-only (TRAINER3D_FAULT); a no-op otherwise
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-        if log and (trainer.step % cfg.log_every == 0 or last or trainer.step == 1):
-            line = (
-                f"step {trainer.step:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                f"grad_norm {record['grad_norm']:.3f} | {dt * 1000:.0f} ms | {tps:,.0f} tok/s"
+    exit_code = 1  # what W&B records if the loop ends by an exception (a non-finite step, a failed peer)
+    try:
+        while trainer.step < cfg.max_steps:
+            heartbeat.beat(trainer.step + 1)
+            profiler.start(trainer.step + 1)
+            t0 = time.perf_counter()
+            record = trainer.train_step(loader.next_batch())
+            dt = time.perf_counter() - t0
+            profiler.stop(trainer.step)
+            tps = tokens_per_step / dt
+            record.update(
+                tokens=trainer.step * tokens_per_step,
+                step_time_s=dt,
+                tokens_per_s=tps,
+                tflops_per_device=tps * flops_tok / topo.layout.world_size / 1e12,
+                mfu=(tps * flops_tok / topo.layout.world_size / (peak * 1e12)) if peak else None,
+                peak_mem_bytes=peak_memory_bytes(trainer.device),
             )
-            if record.get("mfu") is not None:
-                line += f" | mfu {100 * record['mfu']:.1f}%"
-            line += f" | mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
-            fd = bar.format_dict  # the ETA in the step lines too, for log files: mean step time of this run so far
-            if not last and fd["n"] > fd["initial"]:
-                eta = fd["elapsed"] / (fd["n"] - fd["initial"]) * (cfg.max_steps - trainer.step)
-                line += f" | eta {tqdm.format_interval(eta)}"
-            if "val_loss" in record:
-                line += f" | val_loss {record['val_loss']:.4f}{hellaswag_text(record)}"
-            bar.write(line)
-        if downstream.samples_due(trainer.step, last):  # every rank: one forward pass per token
-            texts = downstream.samples()
-            tracker.log_samples(trainer.step, texts)
-            for i, text in enumerate(texts if log else []):
-                bar.write(f"step {trainer.step:>6} | sample {i}: {json.dumps(text, ensure_ascii=False)}")
-        if saver.after_step():  # checkpoint when due; True after SIGTERM/SIGUSR1: saved, every rank stops here
-            break
-    saver.close()
-    bar.close()
-    metrics.close()
-    profiler.close()
-    tracker.finish()
-    return history
+            last = trainer.step == cfg.max_steps
+            if (cfg.eval_every and trainer.step % cfg.eval_every == 0) or last:
+                val = trainer.evaluate(make_val_batches())
+                record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), **downstream.evaluate())
+            metrics.write(record)
+            tracker.log(record)
+            test_hooks.inject_fault(trainer.step, dist.get_rank())  # test-only (TRAINER3D_FAULT); a no-op otherwise
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            if log and (trainer.step % cfg.log_every == 0 or last or trainer.step == 1):
+                fd = bar.format_dict  # the ETA in the step lines too, for log files: mean step time of this run so far
+                eta = None if last or fd["n"] <= fd["initial"] else \
+                    fd["elapsed"] / (fd["n"] - fd["initial"]) * (cfg.max_steps - trainer.step)
+                bar.write(step_line(record, eta))
+            if downstream.samples_due(trainer.step, last):  # every rank: one forward pass per token
+                texts = downstream.samples()
+                tracker.log_samples(trainer.step, texts)
+                for i, text in enumerate(texts if log else []):
+                    bar.write(f"step {trainer.step:>6} | sample {i}: {json.dumps(text, ensure_ascii=False)}")
+            if saver.after_step():  # checkpoint when due; True after SIGTERM/SIGUSR1: saved, every rank stops here
+                break
+        exit_code = 0
+    finally:
+        bar.close()  # first: an error's sentence then starts on a line of its own
+        saver.close()
+        metrics.close()
+        profiler.close()
+        tracker.finish(exit_code)
+
+
+def step_line(record: dict, eta_s: float | None) -> str:
+    """A step's console line, from its metrics record."""
+    from tqdm import tqdm
+
+    line = (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad_norm {record['grad_norm']:.3f} | {record['step_time_s'] * 1000:.0f} ms | "
+            f"{record['tokens_per_s']:,.0f} tok/s")
+    if record.get("mfu") is not None:
+        line += f" | mfu {100 * record['mfu']:.1f}%"
+    line += f" | mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
+    if record["skipped"]:
+        line += " | skipped (non-finite)"
+    if eta_s is not None:
+        line += f" | eta {tqdm.format_interval(eta_s)}"
+    if "val_loss" in record:
+        line += f" | val_loss {record['val_loss']:.4f}{hellaswag_text(record)}"
+    return line
 
 
 def hellaswag_text(record: dict) -> str:

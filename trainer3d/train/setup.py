@@ -5,6 +5,7 @@ result, `RunSetup`, is what the rest of the run is built from (the DeepSpeed JSO
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,8 @@ def check_ranges(cfg: TrainConfig) -> None:
         value = getattr(cfg, field)
         if value is None:
             continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag(field)} must be a finite number (got {value}).")
         too_high = high is not None and (value >= high if high_excluded else value > high)
         if value < low or too_high:
             if high is None:
@@ -90,8 +93,8 @@ def check_ranges(cfg: TrainConfig) -> None:
             raise ConfigError(f"{flag(field)} must be {need} (got {value}).")
     for field in POSITIVE:
         value = getattr(cfg, field)
-        if value is not None and not value > 0:
-            raise ConfigError(f"{flag(field)} must be a positive number (got {value}).")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{flag(field)} must be a positive finite number (got {value}).")
 
 
 def check_combinations(cfg: TrainConfig) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.dist.collectives import all_reduce
+from trainer3d.errors import TrainingError
 from trainer3d.optim import DynamicLossScale, lr_at
 from trainer3d.parallel.ddp import DDPEngine
 from trainer3d.parallel.parallelize import parallelize
@@ -100,10 +101,16 @@ class Trainer:
         result = self.engine.step(lr, self.cfg.grad_clip, grad_scale, loss=loss)
         if self.loss_scale:
             self.loss_scale.update(result.stepped)
+        elif not result.stepped and self.cfg.on_nonfinite == "stop":
+            raise TrainingError(
+                f"Step {self.step + 1} has a loss of {result.loss} and a gradient norm of {result.grad_norm}, so it was "
+                f"not applied and the run stops with the weights and checkpoints of step {self.step}: lower --lr or "
+                "check the data, then resume (--on-nonfinite skip trains past such steps).")
         self.step += 1
-        record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm}
+        record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                  "skipped": not result.stepped}
         if self.loss_scale:
-            record.update(loss_scale=self.loss_scale.scale, skipped=not result.stepped)
+            record.update(loss_scale=self.loss_scale.scale)
         record.update(self.engine.memory())  # sizes only: no device read
         return record
 

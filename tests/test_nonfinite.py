@@ -1,0 +1,86 @@
+"""A step whose loss or gradient norm is not finite is never applied. By default the run stops with one sentence
+naming the step, on every rank alike (the norm and the loss are reduced over the world, so a NaN on one tp shard
+stops both tp ranks), keeping the weights, the optimizer state and the checkpoints of the step before;
+`--on-nonfinite skip` trains past it. End to end: a diverging run (--lr 1e20) exits 2 with that sentence and its
+last checkpoint is the last finite step's, also under --keep-last 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from distributed import run_world
+from parity import VOCAB, global_batches, parity_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _poisoned_step(rank, world_size, policy: str) -> dict:
+    """Two tp ranks: a step, then NaN in one element of tp rank 1's shard of a block weight, then a step."""
+    from trainer3d.errors import TrainingError
+    from trainer3d.train.setup import validate
+    from trainer3d.train.trainer import Trainer
+
+    cfg = parity_config(n_layer=2, tp=2, on_nonfinite=policy)
+    setup = validate(cfg, 2, VOCAB)
+    trainer = Trainer(setup, setup.topology(), torch.device("cpu"), cfg.model_config(VOCAB))
+    first, second = global_batches(2)
+    trainer.train_step(first)
+    stage = trainer.pm.stages[0]
+    params = dict(stage.named_parameters())
+    sharded = next(p for n, p in params.items() if n.startswith(stage.BLOCKS) and getattr(p, "tp_spec", None))
+    if trainer.topo.tp_rank == 1:
+        with torch.no_grad():
+            sharded.view(-1)[0] = float("nan")
+    before = {n: p.detach().clone() for n, p in params.items()}
+    moments = {n: s["exp_avg"].clone() for n, s in ((n, trainer.engine.optimizer.state[p]) for n, p in params.items())}
+    try:
+        outcome = {"record": trainer.train_step(second)}
+    except TrainingError as e:
+        outcome = {"error": str(e)}
+    same = lambda a, b: torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)  # noqa: E731
+    outcome["weights_unchanged"] = all(same(before[n], p.detach()) for n, p in params.items())
+    outcome["moments_unchanged"] = all(same(moments[n], trainer.engine.optimizer.state[p]["exp_avg"])
+                                       for n, p in params.items())
+    outcome["step"] = trainer.step
+    return outcome
+
+
+def test_a_nan_on_one_shard_stops_every_rank_with_the_same_sentence():
+    results = run_world(2, _poisoned_step, "stop", timeout=240)
+    assert results[0]["error"] == results[1]["error"]
+    assert results[0]["error"].startswith("Step 2 has a loss of nan and a gradient norm of nan, so it was not applied "
+                                          "and the run stops with the weights and checkpoints of step 1")
+    assert all(r["weights_unchanged"] and r["moments_unchanged"] and r["step"] == 1 for r in results)
+
+
+def test_skip_trains_past_a_nonfinite_step():
+    results = run_world(2, _poisoned_step, "skip", timeout=240)
+    for r in results:
+        assert "error" not in r and r["record"]["skipped"] is True and r["step"] == 2
+        assert r["weights_unchanged"] and r["moments_unchanged"]
+
+
+def test_a_diverging_run_exits_2_and_keeps_its_last_finite_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # AdamW's first update moves every weight by about the learning rate: 1e20 overflows the next forward pass
+    cmd = [sys.executable, str(ROOT / "launch" / "train_gpt2.py"), "--model", "tiny", "--n-layer", "2", "--seq-len",
+           "32", "--global-batch", "4", "--lr", "1e20", "--warmup-steps", "0", "--max-steps", "6", "--save-every", "1",
+           "--keep-last", "1", "--out-dir", str(out)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert p.returncode == 2, p.stderr[-3000:]
+    last_line = p.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("trainer3d: error: Step 2 has a loss of nan") and "Traceback" not in p.stderr
+    checkpoints = out / "checkpoints"
+    assert sorted(d.name for d in checkpoints.iterdir() if d.is_dir()) == ["step_000001"]
+    assert (checkpoints / "latest").read_text().strip() == "step_000001"
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]  # the non-finite step is not recorded as trained
