@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer3d.errors", "trainer3d.fsio", "trainer3d.test_hooks"),  # no imports of the package at all
     ("trainer3d.models",),  # the model families: plain modules, their parallel plans and HF adapters; no distributed code
     ("trainer3d.config", "trainer3d.optim", "trainer3d.generate"),  # the flags; the optimizer's rules; decoding
-    ("trainer3d.dist",),  # topology, collectives, failure reports
+    ("trainer3d.distributed",),  # topology, collectives, failure reports
     ("trainer3d.data",),  # corpus -> tokens -> packed blocks -> dp batches
     ("trainer3d.parallel",),  # tensor parallel, pipeline, the data-parallel engine interface + DDP, parallelize
     ("trainer3d.zero",),  # DeepSpeed's engine (implements parallel.engine) and its JSON's rules

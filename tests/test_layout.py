@@ -20,7 +20,7 @@ from trainer3d.models import MODEL_PRESETS
 from trainer3d.parallel.pipeline import balance_layers, stage_ids
 from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 from trainer3d.parallel.tensor_parallel import TPSpec, padded_vocab_size, shard_tensor, unshard_tensor
-from trainer3d.dist.topology import Layout, LayoutError, infer_layout
+from trainer3d.distributed.topology import Layout, LayoutError, infer_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -105,7 +105,7 @@ def _check_trained(cluster, submit_dir, name, job, info, launcher, steps):
 def test_launch_env_reads_srun_steps_not_the_batch_script(monkeypatch):
     """Under srun each task is a rank (SLURM_PROCID of SLURM_STEP_NUM_TASKS); a batch script or salloc shell also
     has SLURM_PROCID=0 and the job's SLURM_NTASKS, but a plain `python` there is one process (no cluster needed)."""
-    from trainer3d.dist.topology import LaunchEnv
+    from trainer3d.distributed.topology import LaunchEnv
 
     for k in list(os.environ):
         if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -156,7 +156,7 @@ def test_config_carries_deepspeed_json(tmp_path):
     from types import SimpleNamespace
 
     from trainer3d.config import TrainConfig
-    from trainer3d.dist.topology import Layout
+    from trainer3d.distributed.topology import Layout
     from trainer3d.train.tracking import run_config
 
     ds = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}}

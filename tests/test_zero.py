@@ -35,7 +35,7 @@ from trainer3d.zero import glue as zero_glue  # noqa: E402
 from trainer3d.config import parse_args  # noqa: E402
 from trainer3d.errors import ConfigError  # noqa: E402
 from trainer3d.train.setup import validate  # noqa: E402
-from trainer3d.dist.topology import Layout, Topology  # noqa: E402
+from trainer3d.distributed.topology import Layout, Topology  # noqa: E402
 
 STEPS = 10
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.load import prepare
 from trainer3d.config import SCHEDULE_NAMES, TrainConfig
-from trainer3d.dist.failure import run_reported
-from trainer3d.dist.topology import LaunchEnv, default_device, init_distributed
+from trainer3d.distributed.failure import run_reported
+from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.errors import ConfigError, UsageError
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import MODEL_PRESETS

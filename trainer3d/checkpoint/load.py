@@ -23,7 +23,7 @@ from trainer3d.checkpoint.format import (
     Checkpoint, checkpoints_root, latest_checkpoint, layout_record, resolve_checkpoint, rng_file, sharded_rngs,
 )
 from trainer3d.checkpoint.hf_init import hf_full_value
-from trainer3d.dist.collectives import agree_on_error, broadcast_object
+from trainer3d.distributed.collectives import agree_on_error, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import canonical_name

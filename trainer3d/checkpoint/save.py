@@ -20,7 +20,7 @@ from trainer3d.checkpoint.format import (
     FORMAT, FORMAT_VERSION, LATEST, META, checkpoints_root, complete_checkpoints, layout_record, model_file, optim_file,
     rng_file, sha256_of, sharded_rngs, step_dir_name,
 )
-from trainer3d.dist.collectives import all_gather_object, broadcast_object
+from trainer3d.distributed.collectives import all_gather_object, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import fsync_path, write_text_atomic
 from trainer3d.optim import lr_at

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.checkpoint.save import save_checkpoint
-from trainer3d.dist.collectives import group_world_size
+from trainer3d.distributed.collectives import group_world_size
 from trainer3d.errors import CheckpointError
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer3d.dist.collectives import all_reduce
+from trainer3d.distributed.collectives import all_reduce
 
 
 LOSS_CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the loss: 16 MiB per chunk of tokens at most

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer3d.dist.collectives import all_reduce, group_size
+from trainer3d.distributed.collectives import all_reduce, group_size
 from trainer3d.optim import adam, adam_step_state, param_groups, set_lr
 from trainer3d.parallel.engine import (
     DataParallelEngine, counts_in_norm, sequence_parallel_params, sum_sequence_parallel_grads, sum_tied_grads,

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from trainer3d.dist.collectives import all_reduce, group_size
+from trainer3d.distributed.collectives import all_reduce, group_size
 from trainer3d.optim import clip_coefficient
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer3d.dist.collectives import all_reduce, group_size
+from trainer3d.distributed.collectives import all_reduce, group_size
 from trainer3d.models.interface import CausalLM, ColumnParallel
 
 

@@ -82,7 +82,7 @@ def _rank_stages(cfg, pp: int, schedule: str, virtual_stages: int, pp_rank: int,
 @dataclass(frozen=True)
 class Candidate:
     """One run the planner considers: model, (dp, tp, pp) grid, schedule, batch split, precision and ZeRO options;
-    everything the cost model needs (one pipeline rank at a time). Not trainer3d.dist.topology.Layout, which is
+    everything the cost model needs (one pipeline rank at a time). Not trainer3d.distributed.topology.Layout, which is
     only the (dp, tp, pp) grid of a running job."""
 
     cfg: object  # the model's config (any family's)

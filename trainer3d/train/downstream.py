@@ -24,7 +24,7 @@ import torch
 
 from trainer3d.data import load_tokenizer, val_batches
 from trainer3d.data.hellaswag import IGNORE, Example, HellaSwagResult, ScoringRows, encode_rows, score
-from trainer3d.dist.collectives import all_reduce
+from trainer3d.distributed.collectives import all_reduce
 from trainer3d.generate import pick_next_token
 
 # make_batch(global row indices) -> (inputs [n, seq_len], targets [n, seq_len]); indices past the rows are padding

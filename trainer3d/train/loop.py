@@ -15,9 +15,9 @@ from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.signals import Checkpointer
 from trainer3d.config import parse_args
 from trainer3d.data import BatchLoader, DataConfig, build_token_blocks, val_batches
-from trainer3d.dist.collectives import agree_on_error
-from trainer3d.dist.failure import Heartbeat, run_reported
-from trainer3d.dist.topology import LaunchEnv, default_device, init_distributed
+from trainer3d.distributed.collectives import agree_on_error
+from trainer3d.distributed.failure import Heartbeat, run_reported
+from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.errors import DataError, UsageError
 from trainer3d.train.downstream import Downstream
 from trainer3d.train.metrics import MetricsFile, device_peak_tflops, peak_memory_bytes

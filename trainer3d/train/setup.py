@@ -15,7 +15,7 @@ from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import SIZE_FLAGS, TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.sources import check_data_path, looks_like_path
-from trainer3d.dist.topology import Layout, Topology, device_type, infer_layout
+from trainer3d.distributed.topology import Layout, Topology, device_type, infer_layout
 from trainer3d.errors import ConfigError
 from trainer3d.data.tokenizer import has_tokenizer_files
 from trainer3d.models import MODEL_PRESETS, family_of

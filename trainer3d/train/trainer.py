@@ -15,7 +15,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from trainer3d.dist.collectives import all_reduce
+from trainer3d.distributed.collectives import all_reduce
 from trainer3d.errors import TrainingError
 from trainer3d.optim import DynamicLossScale, lr_at
 from trainer3d.parallel.ddp import DDPEngine

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from trainer3d.dist.collectives import all_reduce
+from trainer3d.distributed.collectives import all_reduce
 from trainer3d.optim import adam, param_groups, set_lr
 from trainer3d.parallel.engine import (
     DataParallelEngine, counts_in_norm, sequence_parallel_params, sum_sequence_parallel_grads, sum_tied_grads,
