@@ -160,10 +160,12 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
         exit_code = 0
     finally:
         bar.close()  # first: an error's sentence then starts on a line of its own
-        saver.close()
         metrics.close()
         profiler.close()
         tracker.finish(exit_code)
+    # After a normal end only: on an error the SIGTERM handler stays, so that the launcher's SIGTERM to the survivors
+    # of a dead rank waits until the failure is reported (dist.failure.run_reported)
+    saver.close()
 
 
 def step_line(record: dict, eta_s: float | None) -> str:
