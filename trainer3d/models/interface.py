@@ -93,6 +93,15 @@ class CausalLM(nn.Module):
     def parallel_plan(self) -> ParallelPlan:
         raise NotImplementedError
 
+    def run_blocks(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """This stage's blocks in order. Decoding (`kv_cache`): each block appends its keys and values under its global
+        index, and the cache advances by the new positions once all have."""
+        for name, block in self.blocks.items():
+            x = block(x) if kv_cache is None else block(x, kv_cache, int(name))
+        if kv_cache is not None:
+            kv_cache.length += x.shape[1]
+        return x
+
     def stage(self, layers: range, first: bool, last: bool) -> CausalLM:
         """A copy (cheap on the meta device) that keeps only blocks `layers` and, unless `first`/`last`, none of the
         first/last stage's parts."""

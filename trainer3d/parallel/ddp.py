@@ -8,7 +8,6 @@ flat-bucket all-reduce after the schedule, with the same arithmetic as DDP (sum,
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -27,18 +26,12 @@ from trainer3d.parallel.pipeline import SCHEDULES
 def wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:
     if group_size(dp_group) == 1:
         return module
-    # Expected with find_unused_parameters (below): every parameter is used; the flag is there for buckets.
-    warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified")
-    return DistributedDataParallel(
-        module,
-        process_group=dp_group,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        # The pipeline stage runs every forward under no_sync and arms the reducer by hand before the last
-        # backward, so DDP's forward never gets to rebuild its buckets and its first-iteration bookkeeping
-        # overflows (reducer.cpp "rebuilt parameter indices size"). With find_unused_parameters the reducer
-        # does not rebuild buckets at all; the graph walk it costs is small next to a stage's backward.
-        find_unused_parameters=True,
-    )
+    # Every parameter is used in every forward, so no find_unused_parameters (its graph walk each step). torch's
+    # PipelineStage runs forwards under no_sync and arms the reducer before the last backward; DDP's forward still
+    # rebuilds its buckets in the next step's first forward (_pre_forward calls _rebuild_buckets whatever no_sync
+    # says), from the gradient order the first step's armed backward recorded.
+    return DistributedDataParallel(module, process_group=dp_group,
+                                   device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def all_reduce_grads(params: list[nn.Parameter], dp_group, bucket_elems: int = 25_000_000) -> None:

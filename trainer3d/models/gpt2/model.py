@@ -90,10 +90,7 @@ class GPT(CausalLM):
         if self.wte is not None:  # first stage: x holds token ids
             positions = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.drop(self.wte(x) + self.wpe(positions))
-        for name, block in self.h.items():
-            x = block(x) if kv_cache is None else block(x, kv_cache, int(name))
-        if kv_cache is not None:
-            kv_cache.length += x.shape[1]
+        x = self.run_blocks(x, kv_cache)
         if self.lm_head is not None:  # last stage: x becomes logits (a vocab shard under TP)
             x = self.lm_head(self.ln_f(x))
         return x

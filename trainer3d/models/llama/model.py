@@ -152,10 +152,7 @@ class Llama(CausalLM):
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         if self.embed_tokens is not None:  # first stage: x holds token ids
             x = self.embed_tokens(x)
-        for name, block in self.layers.items():
-            x = block(x) if kv_cache is None else block(x, kv_cache, int(name))
-        if kv_cache is not None:
-            kv_cache.length += x.shape[1]
+        x = self.run_blocks(x, kv_cache)
         if self.lm_head is not None:  # last stage: x becomes logits (a vocab shard under TP)
             x = self.lm_head(self.norm(x))
         return x
