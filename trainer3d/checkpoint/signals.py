@@ -6,18 +6,16 @@ from __future__ import annotations
 import signal
 import time
 
-import torch
-import torch.distributed as dist
 
 from trainer3d.checkpoint.save import save_checkpoint
-from trainer3d.distributed.collectives import group_world_size
 from trainer3d.errors import CheckpointError
 
 
 class Checkpointer:
     """Owned by train.run: saves every --save-every steps (and at the end), and turns SIGTERM / SIGUSR1 (what SLURM
-    sends before preemption or the time limit) into: finish the current step, agree on stopping (all-reduce MAX of
-    the flag over the world, so every rank stops at the same step), save, exit cleanly."""
+    sends before preemption or the time limit) into: finish the current step, agree on stopping (the flag is summed
+    over the world inside the step's loss all-reduce: Trainer.train_step(stop_requested=...), so every rank stops at
+    the same step without a collective or a host read of its own), save, exit cleanly."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -38,17 +36,15 @@ class Checkpointer:
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
 
-    def _stop_agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=self.trainer.device)
-        group = self.trainer.topo.world_group
-        if group_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+    @property
+    def stop_requested(self) -> bool:
+        """A signal reached this rank (what it hands to the next Trainer.train_step)."""
+        return self.received is not None
 
-    def after_step(self) -> bool:
-        """Call after every optimizer step on every rank; True means stop now (a checkpoint has been saved)."""
+    def after_step(self, stop: bool) -> bool:
+        """Call after every optimizer step on every rank with the step's agreement on stopping (the record's "stop",
+        alike on every rank); True means stop now (a checkpoint has been saved)."""
         t = self.trainer
-        stop = self._stop_agreed()
         due = self.save_every > 0 and (t.step % self.save_every == 0 or t.step >= t.cfg.max_steps)
         if due or stop:
             t0 = time.perf_counter()

@@ -31,6 +31,7 @@ class StepResult:
     grad_norm: float  # global L2 norm of the (dp-averaged, unscaled) gradient, each element counted once
     stepped: bool  # False: a non-finite loss or norm skipped the update
     loss: float  # the `loss` handed to step(), read in the same transfer as the norm
+    stop: bool = False  # the `stop` handed to step() was positive: some rank asked the run to stop after this step
 
 
 class DataParallelEngine:
@@ -52,18 +53,21 @@ class DataParallelEngine:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
-    def step(self, lr: float, max_norm: float, grad_scale: float = 1.0, *, loss: torch.Tensor) -> StepResult:
+    def step(self, lr: float, max_norm: float, grad_scale: float = 1.0, *, loss: torch.Tensor,
+             stop: torch.Tensor | None = None) -> StepResult:
         """After the schedule's backward: reduce over dp, sum the tied embedding, multiply gradients by
         `grad_scale` (fp16's 1/loss-scale), take the global norm, clip to `max_norm` (0: off), step at `lr`.
-        `loss`: the step's loss, a device scalar not yet read: it comes back as StepResult.loss from the step's
-        only device-to-host transfer, which also brings the norm that decides whether to step and the clip."""
+        `loss` (and `stop`, the world's count of stop requests): device scalars not yet read; they come back in
+        StepResult from the step's only device-to-host transfer, which also brings the norm that decides whether to
+        step and the clip."""
         norm_t = self.reduce_grads(grad_scale)
-        norm, loss_value = read_scalars(norm_t, loss)
+        norm, loss_value, *requests = read_scalars(norm_t, loss, *(() if stop is None else (stop,)))
+        stop_agreed = bool(requests and requests[0] > 0)
         if not (math.isfinite(norm) and math.isfinite(loss_value)):  # alike on every rank: both reduced over the world
             self.skip_step(norm)
-            return StepResult(norm, stepped=False, loss=loss_value)
+            return StepResult(norm, stepped=False, loss=loss_value, stop=stop_agreed)
         self.update(lr, clip_coefficient(norm, max_norm))
-        return StepResult(norm, stepped=True, loss=loss_value)
+        return StepResult(norm, stepped=True, loss=loss_value, stop=stop_agreed)
 
     def reduce_grads(self, grad_scale: float) -> torch.Tensor:
         """step()'s first half, without reading the device: reduce over dp, sum the tied embedding and the

@@ -124,7 +124,8 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
             heartbeat.beat(trainer.step + 1)
             profiler.start(trainer.step + 1)
             t0 = time.perf_counter()
-            record = trainer.train_step(loader.next_batch())
+            record = trainer.train_step(loader.next_batch(), stop_requested=saver.stop_requested)
+            stop = record.pop("stop")  # every rank's signals, agreed in the step's own all-reduce
             dt = time.perf_counter() - t0
             profiler.stop(trainer.step)
             tps = tokens_per_step / dt
@@ -155,7 +156,7 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
                 tracker.log_samples(trainer.step, texts)
                 for i, text in enumerate(texts if log else []):
                     bar.write(f"step {trainer.step:>6} | sample {i}: {json.dumps(text, ensure_ascii=False)}")
-            if saver.after_step():  # checkpoint when due; True after SIGTERM/SIGUSR1: saved, every rank stops here
+            if saver.after_step(stop):  # checkpoint when due; True after SIGTERM/SIGUSR1: saved, every rank stops here
                 break
         exit_code = 0
     finally:

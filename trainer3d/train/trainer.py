@@ -79,26 +79,30 @@ class Trainer:
                     self.schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
         return losses
 
-    def _run_schedule(self, batch: torch.Tensor, train: bool) -> torch.Tensor:
+    def _run_schedule(self, batch: torch.Tensor, train: bool, stop_requested: bool = False):
         """Run the pipeline over this rank's share of the global batch; return the global mean loss, a float64
-        device scalar on every rank (not read here)."""
+        device scalar on every rank, and the world's count of stop requests (`stop_requested` summed in the same
+        all-reduce, so agreeing on a stop costs no collective of its own); neither is read here."""
         losses = self._schedule_pass(batch[:, :-1], batch[:, 1:], train)
         # One rank per dp replica (last stage, tp rank 0) contributes its replica's mean; the world sums.
-        local = torch.zeros((), device=self.device)
+        local = torch.zeros(2, device=self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
-            local = torch.stack([x.detach().float() for x in losses]).sum() / scale
-        return all_reduce(local, self.topo.world_group).double() / self.topo.layout.dp
+            local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
+        local[1] = float(stop_requested)
+        total = all_reduce(local, self.topo.world_group).double()
+        return total[0] / self.topo.layout.dp, total[1]
 
-    def train_step(self, batch: torch.Tensor) -> dict:
+    def train_step(self, batch: torch.Tensor, stop_requested: bool = False) -> dict:
         """One optimizer step on this dp rank's rows of the global batch ([local_batch, seq_len + 1]); one
-        device-to-host read (the engine's, for the norm and the loss together)."""
+        device-to-host read (the engine's, for the norm, the loss and the stop requests together).
+        `stop_requested`: this rank was asked to stop (SIGTERM); the record's "stop" says whether any rank was."""
         self.engine.train()
         self.engine.zero_grad()
-        loss = self._run_schedule(batch, train=True)
+        loss, stop = self._run_schedule(batch, train=True, stop_requested=stop_requested)
         lr = lr_at(self.step, self.cfg)
         grad_scale = 1.0 / self.loss_scale.scale if self.loss_scale else 1.0
-        result = self.engine.step(lr, self.cfg.grad_clip, grad_scale, loss=loss)
+        result = self.engine.step(lr, self.cfg.grad_clip, grad_scale, loss=loss, stop=stop)
         if self.loss_scale:
             self.loss_scale.update(result.stepped)
         elif not result.stepped and self.cfg.on_nonfinite == "stop":
@@ -108,7 +112,7 @@ class Trainer:
                 "check the data, then resume (--on-nonfinite skip trains past such steps).")
         self.step += 1
         record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                  "skipped": not result.stepped}
+                  "skipped": not result.stepped, "stop": result.stop}
         if self.loss_scale:
             record.update(loss_scale=self.loss_scale.scale)
         record.update(self.engine.memory())  # sizes only: no device read
@@ -129,6 +133,6 @@ class Trainer:
 
     def evaluate(self, batches) -> float:
         self.engine.train(False)
-        losses = [self._run_schedule(b, train=False) for b in batches]
+        losses = [self._run_schedule(b, train=False)[0] for b in batches]
         values = torch.stack(losses).tolist() if losses else []  # one device read for the whole evaluation
         return sum(values) / max(1, len(values))
