@@ -76,7 +76,8 @@ class TrainConfig:
     # output
     out_dir: str = "runs/default"
     # checkpoints (trainer3d/checkpoint/)
-    save_every: int = 0  # steps between checkpoints under <out-dir>/checkpoints (also saved at the end); 0: never
+    save_every: int = 0  # steps between checkpoints under <out-dir>/checkpoints; 0: none on the way
+    final_save: bool = True  # a checkpoint at max_steps, so that sample/export/--resume have something to read
     keep_last: int = 0  # complete checkpoints to keep (older ones pruned after each save); 0: all
     on_save_error: str = "continue"  # a save that fails (e.g. a full disk): keep training, or stop the run
     resume: str | None = None  # "latest" (the newest in --out-dir; fresh start if none) or a checkpoint path
@@ -211,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     ds_.add_argument("--sample-top-k", type=int, default=d.sample_top_k, help="sample among the K likeliest; 0: all")
     out = p.add_argument_group("output")
     out.add_argument("--out-dir", default=d.out_dir)
-    out.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (and at the end); 0: off")
+    out.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps; 0: none on the way")
+    out.add_argument("--no-final-save", dest="final_save", action="store_false",
+                     help="no checkpoint at the end of the run (by default the last step is saved)")
     out.add_argument("--keep-last", type=int, default=d.keep_last, help="keep the newest K checkpoints; 0: all")
     out.add_argument(
         "--on-save-error", default=d.on_save_error, choices=["continue", "stop"],

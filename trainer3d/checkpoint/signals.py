@@ -25,6 +25,7 @@ class Checkpointer:
         self.save_every, self.keep_last, self.log = save_every, keep_last, log
         self.on_error = on_error  # a failed save (full disk, ...): "continue" training, or "stop" the run
         self.received: int | None = None
+        self.last_saved = None  # the path of this run's newest checkpoint
         self.stopped_by: str | None = None
         self._previous = {}
         try:
@@ -45,7 +46,7 @@ class Checkpointer:
         """Call after every optimizer step on every rank with the step's agreement on stopping (the record's "stop",
         alike on every rank); True means stop now (a checkpoint has been saved)."""
         t = self.trainer
-        due = self.save_every > 0 and (t.step % self.save_every == 0 or t.step >= t.cfg.max_steps)
+        due = (self.save_every > 0 and t.step % self.save_every == 0) or (t.cfg.final_save and t.step >= t.cfg.max_steps)
         if due or stop:
             t0 = time.perf_counter()
             try:
@@ -56,6 +57,7 @@ class Checkpointer:
                 if self.log:
                     _write(f"[trainer3d] warning: {e} Training goes on; the next save will try again.")
                 return False
+            self.last_saved = path
             if self.log:
                 _write(f"[trainer3d] saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
         if stop:

@@ -20,7 +20,7 @@ from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.errors import DataError, UsageError
 from trainer3d.train.downstream import Downstream
-from trainer3d.train.metrics import MetricsFile, device_peak_tflops, peak_memory_bytes
+from trainer3d.train.metrics import MetricsFile, RunSummary, device_peak_tflops, peak_memory_bytes
 from trainer3d.train.profiling import StepProfiler
 from trainer3d.train.setup import validate
 from trainer3d.train.tracking import Tracker
@@ -108,10 +108,12 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
         mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731
         print(f"[trainer3d] rank {dist.get_rank()} memory ({trainer.engine.name}): params {mib('param')}, grads {mib('grad')}, "
               f"optimizer states {mib('optim')}", flush=True)
+    summary = RunSummary(trainer.step)
     if cfg.eval_every and trainer.step == 0:  # the starting point of the validation curve
         val = trainer.evaluate(make_val_batches())
         record0 = {"step": 0, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **downstream.evaluate()}
         metrics.write(record0)
+        summary.observe(record0)
         tracker.log(record0)
         if log:
             print(f"step      0 | val_loss {val:.4f}{hellaswag_text(record0)}", flush=True)
@@ -142,6 +144,7 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
                 val = trainer.evaluate(make_val_batches())
                 record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), **downstream.evaluate())
             metrics.write(record)
+            summary.observe(record)
             tracker.log(record)
             test_hooks.inject_fault(trainer.step, dist.get_rank())  # test-only (TRAINER3D_FAULT); a no-op otherwise
             bar.update(1)
@@ -167,6 +170,8 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
     # After a normal end only: on an error the SIGTERM handler stays, so that the launcher's SIGTERM to the survivors
     # of a dead rank waits until the failure is reported (dist.failure.run_reported)
     saver.close()
+    for line in summary.lines(cfg.out_dir, saver.last_saved) if log else []:
+        print(line, flush=True)
 
 
 def step_line(record: dict, eta_s: float | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
 
 import torch
 
@@ -67,3 +68,38 @@ class MetricsFile:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+class RunSummary:
+    """What a run ends with on the console: steps and time, the losses, where its files are, and the commands that
+    read them next (sample, export, resume)."""
+
+    def __init__(self, start_step: int):
+        self.start_step, self.t0 = start_step, time.perf_counter()
+        self.last: dict = {}
+        self.best_val: tuple[float, int] | None = None  # (val_loss, step)
+
+    def observe(self, record: dict) -> None:
+        if "loss" in record:
+            self.last = record
+        if "val_loss" in record and (self.best_val is None or record["val_loss"] < self.best_val[0]):
+            self.best_val = (record["val_loss"], record["step"])
+
+    def lines(self, out_dir: str, checkpoint) -> list[str]:
+        if not self.last:
+            return []
+        step, elapsed = self.last["step"], time.perf_counter() - self.t0
+        took = f"{elapsed:.0f} s" if elapsed < 120 else f"{elapsed / 60:.1f} min"
+        text = (f"[trainer3d] trained steps {self.start_step + 1}-{step} in {took} "
+                f"({self.last['tokens']:,} tokens seen); final loss {self.last['loss']:.4f}")
+        if "val_loss" in self.last:
+            text += f", val_loss {self.last['val_loss']:.4f}"
+        if self.best_val is not None:
+            text += f" (best {self.best_val[0]:.4f} at step {self.best_val[1]})"
+        out = [text, f"[trainer3d] metrics: {os.path.join(out_dir, 'metrics.jsonl')}"]
+        if checkpoint is None:
+            return out + ["[trainer3d] no checkpoint was saved (--no-final-save and no --save-every)"]
+        return out + [f"[trainer3d] checkpoint: {checkpoint}",
+                      f"[trainer3d] next: python -m trainer3d.sample {out_dir} --prompt \"...\"   |   "
+                      f"python -m trainer3d.export {checkpoint} {os.path.join(out_dir, 'hf')}   |   the same command "
+                      f"with --resume and a larger --max-steps"]

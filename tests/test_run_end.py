@@ -1,0 +1,54 @@
+"""How a run ends, as a new user meets it: a checkpoint at the last step by default (so the commands the README names
+next have something to read), and a summary naming the steps, the losses, the files and those commands; the printed
+sample command works as printed. `--no-final-save` saves nothing and says so."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--model", "tiny", "--n-layer", "2", "--seq-len", "32", "--global-batch", "4", "--max-steps", "3",
+         "--eval-every", "2"]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def _train(out: Path, *flags: str) -> list[str]:
+    cmd = [sys.executable, str(ROOT / "launch" / "train_gpt2.py"), *SMALL, "--out-dir", str(out), *flags]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [line for line in p.stdout.splitlines() if line.startswith("[trainer3d] ")]
+
+
+def test_a_run_ends_with_a_checkpoint_and_says_what_to_do_next(tmp_path):
+    out = tmp_path / "run"
+    lines = _train(out)
+    assert (out / "checkpoints" / "step_000003").is_dir()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    summary = lines[-4:]
+    assert summary[0].startswith("[trainer3d] trained steps 1-3 in ") and "(384 tokens seen); final loss " in summary[0]
+    assert "val_loss " in summary[0] and "(best " in summary[0]
+    assert summary[1] == f"[trainer3d] metrics: {out / 'metrics.jsonl'}"
+    assert summary[2] == f"[trainer3d] checkpoint: {out / 'checkpoints' / 'step_000003'}"
+    sample_cmd = summary[3].removeprefix("[trainer3d] next: ").split("   |   ")[0]
+    assert sample_cmd.startswith("python -m trainer3d.sample ")
+    argv = shlex.split(sample_cmd)[1:] + ["--max-new-tokens", "3", "--temperature", "0"]
+    p = subprocess.run([sys.executable, *argv], env=_env(), capture_output=True, text=True, timeout=300,
+                       cwd=str(ROOT))
+    assert p.returncode == 0 and p.stdout.strip(), p.stderr[-2000:]
+
+
+def test_no_final_save_saves_nothing_and_says_so(tmp_path):
+    out = tmp_path / "run"
+    lines = _train(out, "--no-final-save")
+    assert not (out / "checkpoints").exists()
+    assert lines[-1] == "[trainer3d] no checkpoint was saved (--no-final-save and no --save-every)"
