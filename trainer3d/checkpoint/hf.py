@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from trainer3d.fsio import fsync_path
-from trainer3d.models import canonical_shapes, family_for_hf, family_of
+from trainer3d.models import FAMILIES, canonical_shapes, family_for_hf, family_of
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -51,8 +51,6 @@ def read_hf_config(path: str | os.PathLike, dropout: float | None = None):
     model_type = raw.get("model_type", "gpt2")  # GPT-2 files from before model_type was written
     family = family_for_hf(model_type)
     if family is None:
-        from trainer3d.models import FAMILIES
-
         known = ", ".join(repr(f.hf.model_type) for f in FAMILIES.values())
         raise ValueError(f"{config_file}: model_type {model_type!r} is no family trainer3d trains (known: {known})")
     try:

@@ -31,7 +31,7 @@ class StepResult:
     grad_norm: float  # global L2 norm of the (dp-averaged, unscaled) gradient, each element counted once
     stepped: bool  # False: a non-finite loss or norm skipped the update
     loss: float  # the `loss` handed to step(), read in the same transfer as the norm
-    stop: bool = False  # the `stop` handed to step() was positive: some rank asked the run to stop after this step
+    stop: bool  # the `stop` handed to step() was positive: some rank asked the run to stop after this step
 
 
 class DataParallelEngine:
@@ -54,15 +54,15 @@ class DataParallelEngine:
         raise NotImplementedError
 
     def step(self, lr: float, max_norm: float, grad_scale: float = 1.0, *, loss: torch.Tensor,
-             stop: torch.Tensor | None = None) -> StepResult:
+             stop: torch.Tensor) -> StepResult:
         """After the schedule's backward: reduce over dp, sum the tied embedding, multiply gradients by
         `grad_scale` (fp16's 1/loss-scale), take the global norm, clip to `max_norm` (0: off), step at `lr`.
         `loss` (and `stop`, the world's count of stop requests): device scalars not yet read; they come back in
         StepResult from the step's only device-to-host transfer, which also brings the norm that decides whether to
         step and the clip."""
         norm_t = self.reduce_grads(grad_scale)
-        norm, loss_value, *requests = read_scalars(norm_t, loss, *(() if stop is None else (stop,)))
-        stop_agreed = bool(requests and requests[0] > 0)
+        norm, loss_value, stop_requests = read_scalars(norm_t, loss, stop)
+        stop_agreed = stop_requests > 0
         if not (math.isfinite(norm) and math.isfinite(loss_value)):  # alike on every rank: both reduced over the world
             self.skip_step(norm)
             return StepResult(norm, stepped=False, loss=loss_value, stop=stop_agreed)

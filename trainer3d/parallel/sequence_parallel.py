@@ -64,8 +64,7 @@ def apply_sequence_parallel(stage: CausalLM, rank: int, size: int, rng: ShardedD
         setattr(stage, positions, ShardedPositions(getattr(stage, positions), rank, size))
     dropouts = [(name, m) for name, m in stage.named_modules() if type(m) is nn.Dropout]
     for name, m in dropouts:
-        owner, _, attr = name.rpartition(".")
-        setattr(stage.get_submodule(owner), attr, ShardedDropout(m.p, rng))
+        stage.set_submodule(name, ShardedDropout(m.p, rng))
     for p in stage.parameters():
         if getattr(p, "tp_spec", None) is None:
             p.sequence_parallel = True

@@ -285,15 +285,13 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
     dev = next(model.parameters()).device
     for block in model.blocks.values():
         for path, style in plan.linears.items():
-            owner, _, attr = path.rpartition(".")
-            parent = block.get_submodule(owner)
-            old: nn.Linear = getattr(parent, attr)
+            old: nn.Linear = block.get_submodule(path)
             bias = old.bias is not None
             if isinstance(style, ColumnParallel):
                 new = ColumnParallelLinear(old.in_features, old.out_features, group, size, bias, style.fused, dev)
             else:
                 new = RowParallelLinear(old.in_features, old.out_features, group, size, bias, dev)
-            setattr(parent, attr, new)
+            block.set_submodule(path, new)
         if dropout_rng is not None:
             block.get_submodule(plan.attention).sharded_rng = dropout_rng
     V, d = cfg.vocab_size, cfg.n_embd

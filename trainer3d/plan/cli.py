@@ -25,6 +25,7 @@ import json
 import sys
 from dataclasses import replace
 
+from trainer3d.config import SIZE_FLAGS
 from trainer3d.errors import UsageError
 from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.plan.candidate import describe, gib
@@ -89,8 +90,7 @@ def resolve(args) -> tuple[str | None, object, Cluster, int]:
         base = MODEL_PRESETS[args.model or "gpt2"]
     else:
         raise SystemExit(f"plan: unknown --model {args.model!r}; choose one of {', '.join(MODEL_PRESETS)} or give sizes.")
-    sizes = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "n_kv_heads", "ffn_hidden")
-             if getattr(args, k) is not None}
+    sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k, None) is not None}  # (no --n-positions here)
     unknown = sorted(set(sizes) - set(base.__dataclass_fields__))
     if unknown:
         raise SystemExit(f"plan: --{unknown[0].replace('_', '-')} does not size a {base.family} model; drop it.")
