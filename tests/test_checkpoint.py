@@ -34,6 +34,9 @@ from trainer3d.train.setup import validate
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB, SEQ, GB, N = 500, 32, 16, 4  # N steps, save, N more
+SHARD0 = "shard-rank00000.safetensors"
+V1_CHECKPOINT = REPO / "tests" / "assets" / "checkpoint_v1_step2"
+V1_MODEL = dict(n_layer=2, n_embd=32, n_head=2)  # its model (and VOCAB, SEQ, the rest of _cfg)
 
 
 def _rows(n: int = 40) -> np.ndarray:
@@ -89,7 +92,7 @@ def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: 
     if topo.active:
         mcfg = cfg.model_config(VOCAB)
         start = prepare(cfg, mcfg, topo)
-        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=start.full_value)
+        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
         if loss_scale is not None:  # fp16's dynamic loss scale, driven in fp32 (a power of two: exact)
             trainer.loss_scale = DynamicLossScale(init=loss_scale, growth_interval=3)
         loader = BatchLoader(_rows(), GB, topo.dp_rank, L.dp, cfg.seed)
@@ -135,6 +138,8 @@ def _world_scenarios(rank, world_size, tmp, hf_dir, hf_batches):
     # reshard: the (2,2,2) 1F1B checkpoint resumed at other layouts and schedules
     for i, layout in enumerate(RESHARD):
         r[f"reshard{i}"] = _run(layout, tmp / "b", N, resume=str(tmp / "b" / "checkpoints" / "step_000004"))
+    # a format-1 checkpoint (tests/assets), resumed at (2,2,2)
+    r["v1"] = _run(dict(L222, **V1_MODEL), tmp / "v1", 1, resume=str(V1_CHECKPOINT))
     # Hugging Face weights imported at (1,2,2) (ranks 0-3), trained, saved (test_hf_import_train_export)
     r["hf"] = _hf_run(hf_dir, str(tmp / "hf_run"), hf_batches)
     return r
@@ -224,24 +229,48 @@ def test_reshard_resume(world_results, i):
 
 
 def test_checkpoint_layout_on_disk(world_results):
-    """Layout-free files: full tensors under canonical names, one model/optim file per pipeline rank, `latest`."""
+    """Layout-free pieces: every rank writes one file, each element of every parameter and Adam moment is stored
+    once, the ranks' shares are about equal, and whole tensors read back unpadded and unsharded."""
+    from trainer3d.checkpoint.pieces import parse_key
+
     tmp, *_ = world_results
     ckpt = Checkpoint(resolve_checkpoint(tmp / "b"))
     assert ckpt.path.name == "step_000004"
     assert (tmp / "b" / "checkpoints" / "latest").read_text().strip() == "step_000004"
-    assert sorted(ckpt.meta["files"])[:4] == ["model-pp0.safetensors", "model-pp1.safetensors",
-                                              "optim-pp0.safetensors", "optim-pp1.safetensors"]
-    assert len([f for f in ckpt.meta["files"] if f.startswith("rng-")]) == 8
+    assert sorted(ckpt.meta["files"]) == [f"shard-rank{r:05d}.safetensors" for r in range(8)]
+    assert ckpt.meta["format_version"] == 2 and ckpt.meta["optimizer_step"] == N
     assert ckpt.meta["layout"] == {"dp": 2, "tp": 2, "pp": 2, "world_size": 8, "schedule": "1f1b",
                                    "virtual_stages": 1, "device": "cpu"}
     assert ckpt.meta["loader"]["position"] == 32 and ckpt.meta["loader"]["epoch"] == 1  # 2 steps an epoch
+    stored = {kind: 0 for kind in ("param", "exp_avg", "exp_avg_sq")}
+    per_file = []
+    for info in ckpt.meta["files"].values():
+        pieces = [parse_key(k) for k in info["tensors"] if not k.startswith("rng.")]
+        for kind, _, _, size in pieces:
+            stored[kind] += int(np.prod(size))
+        per_file.append(sum(int(np.prod(size)) for *_, size in pieces))
+    n_params = ckpt.model_config.num_params()
+    assert stored == {"param": n_params, "exp_avg": n_params, "exp_avg_sq": n_params}  # once each, tied head not
+    assert max(per_file) <= 1.25 * sum(per_file) / 8, per_file  # each rank writes about 1/world
     wte = ckpt.model_tensor("wte.weight")
     assert wte.shape == (VOCAB, 64)  # unpadded (the tp=2 shards were padded to 256 rows each)
     assert ckpt.model_tensor("h.0.attn.c_attn.weight").shape == (192, 64)  # unsharded over tp
-    assert "lm_head.weight" not in ckpt.model_index
-    assert ckpt.tensor(ckpt.optim_index["wte.weight.exp_avg"], "wte.weight.exp_avg").shape == (VOCAB, 64)
+    assert ("param", "lm_head.weight") not in ckpt.pieces
     ckpt.verify_files()
     assert not list((tmp / "b" / "checkpoints").glob("*.tmp-*"))
+
+
+def test_format1_checkpoint_still_loads(world_results):
+    """A checkpoint of on-disk format 1 (tests/assets: whole tensors, written by 3586fc7 at tp 2) resumes at
+    (2,2,2): every parameter, Adam moment and step exactly as stored, read straight from its files."""
+    from safetensors.torch import load_file
+
+    tmp, results, *_ = world_results
+    loaded = _merged(results, "v1", "state_start")[2]
+    stored = load_file(V1_CHECKPOINT / "model-pp0.safetensors") | load_file(V1_CHECKPOINT / "optim-pp0.safetensors")
+    assert set(loaded) == set(stored)
+    bad = [k for k in stored if not torch.equal(loaded[k], stored[k].float())]
+    assert not bad, f"format-1 checkpoint loaded differently: {bad[:5]}"
 
 
 # ---- DeepSpeed ZeRO: the same format, so any ZeRO stage (or DDP) resumes any checkpoint --------------------------
@@ -530,20 +559,33 @@ def test_bad_inputs(corpus, tmp_path, monkeypatch, capsys):
 
     def drop_tensor(d):
         meta = json.loads((d / "meta.json").read_text())
-        meta["files"]["model-pp0.safetensors"]["tensors"].append("h.9.mlp.c_fc.weight")
+        meta["files"]["shard-rank00000.safetensors"]["tensors"].append("param/h.9.mlp.c_fc.weight@0,0+4,4")
+        (d / "meta.json").write_text(json.dumps(meta))
+
+    def drop_piece(d):  # a file and meta.json that agree, but half a tensor is gone: the coverage check finds it
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(d / SHARD0)
+        key = next(k for k in tensors if k.startswith("param/h.0.mlp.c_fc.weight@"))
+        half = tensors.pop(key)[:128]
+        tensors[key.replace("@0,0+256,64", "@0,0+128,64")] = half.clone()
+        save_file(tensors, d / SHARD0)
+        meta = json.loads((d / "meta.json").read_text())
+        info = meta["files"][SHARD0]
+        info.update(bytes=(d / SHARD0).stat().st_size, tensors=sorted(tensors))
         (d / "meta.json").write_text(json.dumps(meta))
 
     cases = {
         "missing path": (tmp_path / "nope", "does not exist"),
         "no meta.json": (broken("nometa", lambda d: (d / "meta.json").unlink()), "meta.json does not exist"),
         "bad meta.json": (broken("badmeta", lambda d: (d / "meta.json").write_text("{not json")), "is not valid JSON"),
-        "missing file": (broken("nofile", lambda d: (d / "optim-pp0.safetensors").unlink()),
-                         "optim-pp0.safetensors is missing"),
-        "truncated": (broken("trunc", lambda d: truncate(d / "model-pp0.safetensors")), "truncated"),
-        "garbage": (broken("garbage", lambda d: (d / "model-pp0.safetensors").write_bytes(
-            b"x" * (d / "model-pp0.safetensors").stat().st_size)), "cannot be read as safetensors"),
-        "flipped byte": (broken("flip", lambda d: flip(d / "model-pp0.safetensors")), "does not match the sha256"),
-        "missing tensor": (broken("notensor", drop_tensor), "lacks tensor 'h.9.mlp.c_fc.weight'"),
+        "missing file": (broken("nofile", lambda d: (d / SHARD0).unlink()), f"{SHARD0} is missing"),
+        "truncated": (broken("trunc", lambda d: truncate(d / SHARD0)), "truncated"),
+        "garbage": (broken("garbage", lambda d: (d / SHARD0).write_bytes(b"x" * (d / SHARD0).stat().st_size)),
+                    "cannot be read as safetensors"),
+        "flipped byte": (broken("flip", lambda d: flip(d / SHARD0)), "does not match the sha256"),
+        "missing tensor": (broken("notensor", drop_tensor), r"lacks tensor 'param/h\.9\.mlp\.c_fc\.weight@0,0\+4,4'"),
+        "missing piece": (broken("nopiece", drop_piece), "the pieces of 'h.0.mlp.c_fc.weight' hold 8192 of its 16384 elements"),
     }
     for what, (path, message) in cases.items():
         with pytest.raises(CheckpointError, match=message):
@@ -607,7 +649,7 @@ def _hf_run(hf_dir, out_dir, batches):
     if topo.active:
         mcfg = setup.model_config(HF_VOCAB)
         start = prepare(cfg, mcfg, topo)
-        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=start.full_value)
+        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
         apply(start, trainer)
         losses = [trainer.train_step(b)["loss"] for b in batches]
         path = save_checkpoint(trainer, out_dir)
@@ -650,6 +692,22 @@ def test_hf_import_train_export(world_results, tmp_path):
     assert hf_loss(exported, batches[0]) < hf_loss(model, batches[0])  # it trained
     gen = exported.generate(ids[:1, :8], max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert gen.shape == (1, 13)
+
+    # streamed into size-limited files with Hugging Face's index (save_pretrained's max_shard_size): the same model
+    assert export_main([r["path"], str(tmp_path / "sharded"), "--max-shard-size", "40KB", "--tokenizer", "none"]) == 0
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and not (tmp_path / "sharded" / "model.safetensors").exists()
+    sizes = {f: (tmp_path / "sharded" / f).stat().st_size for f in files}
+    assert index["metadata"]["total_size"] <= sum(sizes.values())
+    from safetensors import safe_open
+    for f in files:  # at most 40 kB of tensors a file, unless one tensor alone is bigger (as transformers does)
+        with safe_open(str(tmp_path / "sharded" / f), "pt") as h:
+            nbytes = [h.get_slice(k).get_shape() for k in h.keys()]
+            assert len(nbytes) == 1 or sum(4 * int(np.prod(x)) for x in nbytes) <= 40_000, (f, nbytes)
+    sharded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "sharded").eval()
+    with torch.no_grad():
+        assert torch.equal(sharded(ids).logits, exported(ids).logits)
 
 
 @pytest.mark.parametrize("on_error", ["stop", "continue"])

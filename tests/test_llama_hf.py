@@ -61,7 +61,7 @@ def _train_from_hf(hf_dir: str, tp: int, pp: int, data: torch.Tensor, out_dir: s
     if topo.active:
         mcfg = setup.model_config(VOCAB)
         start = prepare(setup.cfg, mcfg, topo)
-        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=start.full_value)
+        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
         apply(start, trainer)
         records = [trainer.train_step(b) for b in data]
         out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg}

@@ -80,6 +80,7 @@ class TrainConfig:
     final_save: bool = True  # a checkpoint at max_steps, so that sample/export/--resume have something to read
     keep_last: int = 0  # complete checkpoints to keep (older ones pruned after each save); 0: all
     on_save_error: str = "continue"  # a save that fails (e.g. a full disk): keep training, or stop the run
+    async_save: bool = False  # write periodic checkpoints in the background while training goes on
     resume: str | None = None  # "latest" (the newest in --out-dir; fresh start if none) or a checkpoint path
     log_every: int = 25
     peak_tflops: float | None = None  # per device, for MFU; known GPUs are recognised
@@ -216,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--no-final-save", dest="final_save", action="store_false",
                      help="no checkpoint at the end of the run (by default the last step is saved)")
     out.add_argument("--keep-last", type=int, default=d.keep_last, help="keep the newest K checkpoints; 0: all")
+    out.add_argument("--async-save", action="store_true",
+                     help="write --save-every checkpoints in the background: a step waits only while the state is "
+                          "copied to host memory")
     out.add_argument(
         "--on-save-error", default=d.on_save_error, choices=["continue", "stop"],
         help="a failed save (e.g. a full disk) leaves the previous checkpoint intact; then keep training or stop",

@@ -99,7 +99,7 @@ def evaluate(setup: RunSetup, topo, device, vocab_size: int):
     """The Trainer on the checkpoint's weights, then HellaSwag; (result, trainer)."""
     mcfg = setup.model_config(vocab_size)
     start = prepare(setup.cfg, mcfg, topo)  # the checkpoint checked on every rank, its sha256 verified
-    trainer = Trainer(setup, topo, device, mcfg, full_value=start.full_value)
+    trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value)
     trainer.step = start.checkpoint.step
     start.checkpoint.close()
     downstream = Downstream(trainer, setup.hellaswag)

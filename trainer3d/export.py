@@ -1,10 +1,11 @@
 """Export a trainer3d checkpoint as a Hugging Face `save_pretrained` directory, without any process group:
 
     python -m trainer3d.export CKPT OUT [--dtype float32|bfloat16|float16] [--tokenizer DIR|none] [--overwrite]
+                                        [--max-shard-size 5GB]
 
 CKPT is a checkpoint directory (`<out-dir>/checkpoints/step_000123`), a `checkpoints` directory or a run's
---out-dir (both follow `latest`). The layout-free model files are read directly (any layout saved them), every
-file's sha256 is checked, and OUT is written atomically by hf.save_hf_checkpoint with the tokenizer the run used
+--out-dir (both follow `latest`). The layout-free pieces are read directly (any layout saved them), tensor by
+tensor, every file's sha256 is checked, and OUT is written atomically by hf.save_hf_checkpoint with the tokenizer the run used
 (the bundled GPT-2 BPE unless the run passed --tokenizer), so the family's class (`GPT2LMHeadModel`,
 `LlamaForCausalLM`).from_pretrained(OUT) and `AutoTokenizer.from_pretrained(OUT)` load it; config.json carries the
 tokenizer's end- and start-of-text ids.
@@ -17,12 +18,14 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
-from trainer3d.checkpoint.hf import save_hf_checkpoint
+from trainer3d.checkpoint.hf import parse_size, save_hf_checkpoint
+from trainer3d.models import canonical_shapes
 from trainer3d.data import BUNDLED_TOKENIZER_DIR, load_tokenizer
 from trainer3d.errors import CheckpointError, DataError
 
@@ -63,16 +66,33 @@ def _special_ids(tok_dir: Path | None, vocab_size: int) -> dict:
     return {k: v for k, v in ids.items() if v is not None and v < vocab_size}
 
 
+class CheckpointWeights(Mapping):
+    """A checkpoint's canonical parameters as a mapping that reads each whole tensor only when asked for it (from
+    every piece that holds a part of it), so an export holds one output file's tensors at a time."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt, self.names = ckpt, list(canonical_shapes(ckpt.model_config))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.ckpt.model_tensor(name)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-           tokenizer: str | None = "run", overwrite: bool = False) -> Path:
+           tokenizer: str | None = "run", overwrite: bool = False, max_shard_size: int | str = "5GB") -> Path:
     """Write `out_dir` from a checkpoint; `tokenizer`: "run" (what the run used), a folder, or "none"."""
     ckpt = Checkpoint(resolve_checkpoint(ckpt_path))
-    ckpt.verify_files([f for f in ckpt.meta["files"] if f.startswith("model-")])
+    ckpt.verify_files([f for f in ckpt.meta["files"] if not f.startswith(("optim-", "rng-"))])  # (format 1's)
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists; pass --overwrite to replace it or choose another directory.")
     mcfg = ckpt.model_config
-    state = ckpt.model_state()
+    state = CheckpointWeights(ckpt)
     name = ckpt.meta["config"].get("tokenizer") if tokenizer == "run" else tokenizer
     with tempfile.TemporaryDirectory() as scratch:
         tok_dir, warning = _tokenizer_dir(name, Path(scratch))
@@ -80,7 +100,8 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
             print(f"trainer3d.export: warning: {warning}", file=sys.stderr)
         ids = _special_ids(tok_dir, mcfg.vocab_size)
         try:
-            save_hf_checkpoint(mcfg, state, out, tokenizer_dir=tok_dir, dtype=dtype, overwrite=overwrite, **ids)
+            save_hf_checkpoint(mcfg, state, out, tokenizer_dir=tok_dir, dtype=dtype, overwrite=overwrite,
+                               max_shard_size=max_shard_size, **ids)
         except (OSError, ValueError, TypeError) as e:
             raise CheckpointError(f"could not write {out} ({e}).") from None
     return out
@@ -98,9 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default="run",
                    help="tokenizer folder to copy, 'none', or 'run' (default: the one the run used)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest weights file, as Hugging Face spells it (5GB, 500MiB, bytes); bigger models are "
+                        "split into model-0000k-of-0000n.safetensors with model.safetensors.index.json")
     args = p.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, DTYPES[args.dtype], args.tokenizer, args.overwrite)
+        parse_size(args.max_shard_size)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        out = export(args.checkpoint, args.out, DTYPES[args.dtype], args.tokenizer, args.overwrite,
+                     args.max_shard_size)
     except CheckpointError as e:
         print(f"trainer3d.export: error: {e}", file=sys.stderr)
         return 2

@@ -1,24 +1,27 @@
-"""Checkpoints that survive anything: layout-free on disk, atomic, safe to load, saved on SLURM's signals.
+"""Checkpoints that survive anything: layout-free on disk, written in parallel by every rank, atomic, safe to load,
+saved on SLURM's signals.
 
-On-disk format (one directory per checkpoint, `<out-dir>/checkpoints/step_000123/`):
+On-disk format 2 (one directory per checkpoint, `<out-dir>/checkpoints/step_000123/`):
 
-    meta.json                  step, format version, full config, model family and shape, layout saved under, loader state,
-                               loss-scale state, and for every file: its size, sha256 and tensor names
-    model-pp{k}.safetensors    the FULL (tp-unsharded, vocab-unpadded) parameters of pipeline rank k's stages,
-                               under their canonical names (models.canonical_name); a tied embedding once, as the
-                               embedding's weight (a last stage's head copy loads from it)
-    optim-pp{k}.safetensors    the optimizer state of the same parameters, full, as `<name>.exp_avg`,
-                               `<name>.exp_avg_sq`, `<name>.step` (AdamW)
-    rng-rank{r}.safetensors    every rank's RNG states (uint8 tensors): restored when the layout is unchanged,
-                               re-derived from (seed, step) otherwise
+    meta.json                    step, format version, full config, model family and shape, layout saved under, loader
+                                 state, loss-scale state, Adam's step, and for every file: its size, sha256 and keys
+    shard-rank{r}.safetensors    rank r's pieces: for each parameter (canonical name: models.canonical_name; a tied
+                                 embedding once, as the embedding) its fp32 value and AdamW moments, as
+                                 `param/<name>@<offsets>+<sizes>`, `exp_avg/...`, `exp_avg_sq/...`: the block of the
+                                 full, tp-unsharded, vocab-unpadded tensor at those global offsets (pieces.py); and the
+                                 rank's RNG states (`rng.cpu`, `rng.sharded0`, ...)
 
-Every data-parallel engine (parallel/engine.py: `param_value`, `optimizer_state_of`, `load_param_states`)
-hands over the fp32 master value and Adam moments from their dp partitions and scatter them back on load, so the
-files are the same whatever engine owned the dp axis.
+Which pieces a rank writes: its tp shard of each tensor, and of that a 1/dp slice along dim 0 (a tensor replicated
+over tp too is sliced over dp×tp), so every element is written once, by one rank, and each rank writes about
+1/world of the state, in parallel with the others. Every data-parallel engine hands over a parameter's fp32 value and
+Adam moments (parallel/engine.py: `param_value`, `optimizer_state_of`), one tensor at a time, so the files are the
+same whatever engine owned the dp axis, and no rank holds more than its share plus one tensor.
 
-Because every tensor is stored whole under a layout-free name, any (dp, tp, pp, schedule) loads any checkpoint:
-each rank opens the files lazily (`safe_open`) and reads and shards only the tensors of its own stages. Writes are
-parallel over pipeline ranks ((dp 0, tp 0) of each writes its stages' files) and no rank holds the whole model.
+Any (dp, tp, pp, schedule, engine) loads any checkpoint: a rank computes where its own shard lies in each full
+tensor and reads only the pieces, and within them only the byte ranges (safetensors slices), that overlap it.
+
+Format 1 (whole tensors in `model-pp{k}` / `optim-pp{k}.safetensors`, RNG states in `rng-rank{r}.safetensors`) is
+still loaded: each of its tensors is read as one piece that covers it all.
 
 Atomicity: every rank writes into `step_000123.tmp-<random>/`; then rank 0 checks that every expected file is
 there with the size its writer reported, writes meta.json, fsyncs, renames the directory to `step_000123` and
@@ -27,7 +30,7 @@ the previous checkpoint loadable and `latest` naming a complete one; leftover `.
 and removed by the next successful save, which is also when `--keep-last` prunes older checkpoints.
 
 Loading reads JSON and safetensors only: nothing is ever unpickled. Every problem (missing path, no meta.json,
-missing or truncated or corrupted file, missing tensor, another model shape) raises a CheckpointError whose
+missing or truncated or corrupted file, missing piece, another model shape) raises a CheckpointError whose
 message is one sentence naming the file and why, on every rank alike, before anything is trained or written.
 """
 
@@ -35,18 +38,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from trainer3d.checkpoint.pieces import KINDS, Piece, parse_key, read_local, tp_boxes
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.models import FAMILIES, canonical_name, canonical_shapes, config_from_dict, shape_diffs
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
 
 FORMAT = "trainer3d-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+RNG_PREFIX = "rng."  # a shard file's RNG-state keys
 CHECKPOINTS = "checkpoints"  # under --out-dir
 LATEST = "latest"
 META = "meta.json"
@@ -56,15 +62,11 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def model_file(pp_rank: int) -> str:
-    return f"model-pp{pp_rank}.safetensors"
+def shard_file(rank: int) -> str:
+    return f"shard-rank{rank:05d}.safetensors"
 
 
-def optim_file(pp_rank: int) -> str:
-    return f"optim-pp{pp_rank}.safetensors"
-
-
-def rng_file(rank: int) -> str:
+def v1_rng_file(rank: int) -> str:  # format 1
     return f"rng-rank{rank:05d}.safetensors"
 
 
@@ -196,13 +198,41 @@ class Checkpoint:
             self.model_config = config_from_dict(family, meta["model"])
         except TypeError as e:
             raise CheckpointError(f"{meta_path} has an unreadable model config ({first_line(e)}).") from None
+        self.version = int(meta.get("format_version", 1))
         self._handles: dict[str, Any] = {}
-        self.model_index = {t: f for f, info in files.items() if f.startswith("model-") for t in info["tensors"]}
-        self.optim_index = {t: f for f, info in files.items() if f.startswith("optim-") for t in info["tensors"]}
+        self.bytes_read = 0  # of tensor data, by this process (the benches report it)
+        self.pieces = self._index_pieces(files)  # (kind, canonical name) -> its pieces
         if check:
             for name, info in files.items():
                 self._check_file(name, info)
-            self._check_model()
+            self._check_pieces()
+
+    def _index_pieces(self, files: dict) -> dict[tuple[str, str], list[Piece]]:
+        out: dict[tuple[str, str], list[Piece]] = {}
+        if self.version >= 2:
+            for file, info in files.items():
+                for key in info["tensors"]:
+                    if key.startswith(RNG_PREFIX):
+                        continue
+                    try:
+                        kind, name, start, size = parse_key(key)
+                    except ValueError:
+                        raise CheckpointError(f"{self.path / META} lists {key!r} in {file}, which is no piece of a "
+                                              "tensor; the checkpoint is corrupted.") from None
+                    out.setdefault((kind, name), []).append(Piece(file, key, start, size))
+            return out
+        shapes = canonical_shapes(self.model_config)  # format 1: whole tensors, one piece each
+        self._v1_step = None
+        for file, info in files.items():
+            for key in info["tensors"]:
+                kind, name = "param", key
+                if file.startswith("optim-"):
+                    name, _, kind = key.rpartition(".")
+                if kind in KINDS and name in shapes:
+                    out.setdefault((kind, name), []).append(Piece(file, key, (0,) * len(shapes[name]), shapes[name]))
+                elif kind == "step":
+                    self._v1_step = (file, key)
+        return out
 
     def _open(self, name: str):
         from safetensors import safe_open
@@ -236,29 +266,28 @@ class Checkpoint:
             path = self.path / name
             raise CheckpointError(f"{path} lacks tensor {missing[0]!r} that meta.json lists; the file is corrupted.")
 
-    def _check_model(self) -> None:
-        expected = canonical_shapes(self.model_config)
-        missing = sorted(set(expected) - set(self.model_index))
-        if missing:
-            raise CheckpointError(
-                f"{self.path} holds no tensor {missing[0]!r} in any model-pp*.safetensors; the checkpoint is "
-                "incomplete."
-            )
-        for name, shape in expected.items():
-            f = self.model_index[name]
-            got = tuple(self._handle(f).get_slice(name).get_shape())
-            if got != tuple(shape):
-                raise CheckpointError(
-                    f"{self.path / f}: tensor {name!r} has shape {got} but the model in meta.json needs {tuple(shape)}."
-                )
-        if self.meta.get("has_optimizer_state"):
-            for name in expected:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if f"{name}.{key}" not in self.optim_index:
-                        raise CheckpointError(
-                            f"{self.path} holds no optimizer tensor '{name}.{key}' in any optim-pp*.safetensors; the "
-                            "checkpoint is incomplete."
-                        )
+    def _check_pieces(self) -> None:
+        """Every element of every tensor the model needs (and of its Adam moments, if saved) is in exactly one piece,
+        and every piece has the shape its key says (headers only)."""
+        kinds = KINDS if self.meta.get("has_optimizer_state") else KINDS[:1]
+        for name, shape in sorted(canonical_shapes(self.model_config).items()):
+            for kind in kinds:
+                pieces = self.pieces.get((kind, name))
+                what = name if kind == "param" else f"{name}.{kind}"
+                if not pieces:
+                    raise CheckpointError(f"{self.path} holds no tensor {what!r}; the checkpoint is incomplete.")
+                covered = 0
+                for p in pieces:
+                    got = tuple(self._handle(p.file).get_slice(p.key).get_shape())
+                    inside = len(p.start) == len(shape) and all(
+                        0 <= a and a + n <= s for a, n, s in zip(p.start, p.size, shape))
+                    if got != p.size or not inside:
+                        raise CheckpointError(f"{self.path / p.file}: tensor {p.key!r} has shape {got}, which does not "
+                                              f"fit {what!r} of shape {tuple(shape)} in the model in meta.json.")
+                    covered += math.prod(p.size)
+                if covered != math.prod(shape):
+                    raise CheckpointError(f"{self.path}: the pieces of {what!r} hold {covered} of its "
+                                          f"{math.prod(shape)} elements; the checkpoint is incomplete.")
 
     def verify_files(self, names: list[str] | None = None) -> None:
         """Check the sha256 of the given files (default: all) against meta.json."""
@@ -268,19 +297,56 @@ class Checkpoint:
             if sha256_of(path) != self.meta["files"][name].get("sha256"):
                 raise CheckpointError(f"{path} does not match the sha256 in meta.json; the file is corrupted.")
 
-    def tensor(self, file: str, name: str) -> torch.Tensor:
-        handle = self._handle(file)
+    def _read(self, file: str, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
         try:
-            return handle.get_tensor(name)
+            t = self._handle(file).get_slice(key)[slices]
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{self.path / file}: cannot read tensor {name!r} ({first_line(e)}).") from None
+            raise CheckpointError(f"{self.path / file}: cannot read tensor {key!r} ({first_line(e)}).") from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def _pieces_of(self, kind: str, name: str) -> list[Piece]:
+        pieces = self.pieces.get((kind, name))
+        if not pieces:
+            what = name if kind == "param" else f"{name}.{kind}"
+            raise CheckpointError(f"{self.path} holds no tensor {what!r}; the checkpoint is incomplete.")
+        return pieces
+
+    def local_tensor(self, kind: str, name: str, spec, local_shape: tuple[int, ...], tp_rank: int, tp: int):
+        """This tp rank's shard (TPSpec `spec`; None: the whole tensor) of a saved tensor, in fp32, reading only the
+        byte ranges it overlaps."""
+        boxes = tp_boxes(spec, tuple(local_shape), tp_rank, tp)
+        try:
+            return read_local(self._pieces_of(kind, name), boxes, tuple(local_shape), self._read)
+        except LookupError as e:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is incomplete ({e}).") from None
 
     def model_tensor(self, name: str) -> torch.Tensor:
-        return self.tensor(self.model_index[name], name)
+        """One whole canonical parameter, in fp32."""
+        shape = tuple(canonical_shapes(self.model_config)[name])
+        return self.local_tensor("param", name, None, shape, 0, 1)
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        """The whole canonical state dict (for export; a trainer reads only its own tensors)."""
-        return {name: self.model_tensor(name) for name in sorted(self.model_index)}
+        """The whole canonical state dict (for small models: sample.py; export.py streams tensor by tensor)."""
+        return {name: self.model_tensor(name) for name in canonical_shapes(self.model_config)}
+
+    @property
+    def optimizer_step(self) -> int | None:
+        """Adam's step count when saved (None: saved before the first step, without optimizer state)."""
+        if not self.meta.get("has_optimizer_state"):
+            return None
+        if self.version >= 2:
+            return int(self.meta["optimizer_step"])
+        file, key = self._v1_step
+        return int(self._handle(file).get_tensor(key).item())
+
+    def rng_state(self, rank: int, key: str) -> torch.Tensor:
+        """Rank `rank`'s saved RNG state `key` ("cpu", "cuda", "sharded0", ...)."""
+        if self.version >= 2:
+            return self._read(shard_file(rank), RNG_PREFIX + key, (slice(None),))
+        return self._read(v1_rng_file(rank), key, (slice(None),))
 
     def check_model_matches(self, mcfg) -> None:
         saved, now = self.model_config, mcfg
@@ -291,20 +357,12 @@ class Checkpoint:
                 "with (--model/--n-layer/--n-head/--n-embd/--vocab-size/...) or start a fresh run."
             )
 
-    def full_value(self, mcfg) -> Callable[[str, tuple], torch.Tensor]:
-        """The `full_value(name, shape)` hook of build_parallel_model: reads one full tensor at a time."""
+    def shard_value(self, mcfg):
+        """The `shard_value` hook of build_parallel_model (parallel/tensor_parallel.materialize): each parameter's tp
+        shard, read from the pieces it overlaps."""
 
-        def value(name: str, shape: tuple) -> torch.Tensor:
-            canon = canonical_name(mcfg, name)
-            if canon not in self.model_index:
-                raise CheckpointError(f"{self.path} holds no tensor {canon!r}; the checkpoint is incomplete.")
-            t = self.model_tensor(canon)
-            if tuple(t.shape) != tuple(shape):
-                raise CheckpointError(
-                    f"{self.path / self.model_index[canon]}: tensor {canon!r} has shape {tuple(t.shape)}, the model "
-                    f"needs {tuple(shape)}."
-                )
-            return t.float()
+        def value(name: str, spec, local_shape: tuple, tp_rank: int, tp: int) -> torch.Tensor:
+            return self.local_tensor("param", canonical_name(mcfg, name), spec, local_shape, tp_rank, tp)
 
         return value
 

@@ -5,7 +5,8 @@ adapter (models/<family>/hf.py: config mapping, names, fused weights, transposes
       .check()                   every tensor our model needs is there with its shape, nothing unexpected (headers only)
       .tensor(name)              one canonical tensor, read from the files that hold its parts
     load_hf_checkpoint(path)     (config, canonical state dict), checked
-    save_hf_checkpoint(cfg, state, out_dir, tokenizer_dir=None, ...)   loadable by the family's `from_pretrained`
+    save_hf_checkpoint(cfg, state, out_dir, tokenizer_dir=None, ..., max_shard_size="5GB")   loadable by the
+                                 family's `from_pretrained`; written one size-limited file at a time
 
 Weights come from model.safetensors, a sharded model.safetensors.index.json (each tensor read from its shard alone,
 `safe_open`), or a legacy pytorch_model.bin (read with `torch.load(weights_only=True)`); nothing is ever unpickled.
@@ -179,45 +180,116 @@ def load_hf_checkpoint(path: str | os.PathLike, dropout: float | None = None,
 
 
 # ------------------------------------------------------------------------------------------------ saving
-def canonical_to_hf(state: Mapping[str, torch.Tensor], cfg, dtype: torch.dtype = torch.float32) -> dict:
-    """The HF state dict (tied head omitted) from a canonical one. Also accepts our module's own state_dict: a tied
-    head's key is dropped if it equals the embedding."""
+def _checked_keys(state: Mapping[str, torch.Tensor], cfg) -> list[str]:
+    """The canonical names of `state` (a tied head equal to the embedding dropped: our module's own state_dict), in
+    the model's order; ValueError naming what is missing or unexpected. Reads no tensor but a tied head."""
     family = family_of(cfg)
     expected = canonical_shapes(cfg)
-    state = dict(state)
+    names = set(state)
     head, embedding = f"{family.model_cls.HEAD}.weight", f"{family.model_cls.EMBEDDING}.weight"
-    if cfg.tie_embeddings and head in state:
-        tied = state.pop(head)
-        if embedding in state and (tied.shape != state[embedding].shape or not torch.equal(tied, state[embedding])):
+    if cfg.tie_embeddings and head in names:
+        tied = state[head]
+        if embedding in names and (tied.shape != state[embedding].shape or not torch.equal(tied, state[embedding])):
             raise ValueError(f"state dict: {head!r} differs from {embedding!r}; the config ties them")
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        names.discard(head)
+    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
     if missing or unexpected:
         parts = ([f"missing tensors {_abbrev(missing)}"] if missing else []) + \
                 ([f"unexpected tensors {_abbrev(unexpected)}"] if unexpected else [])
         raise ValueError("state dict: " + "; ".join(parts))
+    return [n for n in expected if n in names]
+
+
+def _to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One canonical tensor as its Hugging Face tensors, checked against the config."""
+    expected = tuple(canonical_shapes(cfg)[name])
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"state dict: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected} for the "
+                         "config")
+    if not tensor.is_floating_point():
+        raise TypeError(f"state dict: tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
+    tensor = tensor.detach().to(device="cpu", dtype=dtype)
+    # (contiguous clones: safetensors refuses tensors that share storage)
+    return {k: v.contiguous().clone() for k, v in family_of(cfg).hf.to_hf(cfg, name, tensor).items()}
+
+
+def canonical_to_hf(state: Mapping[str, torch.Tensor], cfg, dtype: torch.dtype = torch.float32) -> dict:
+    """The HF state dict (tied head omitted) from a canonical one, or from our module's own state_dict."""
     out = {}
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise ValueError(f"state dict: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(expected[name])} for the config")
-        if not tensor.is_floating_point():
-            raise TypeError(f"state dict: tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
-        tensor = tensor.detach().to(device="cpu", dtype=dtype)
-        for hf_name, part in family.hf.to_hf(cfg, name, tensor).items():
-            out[hf_name] = part.contiguous().clone()  # safetensors refuses tensors that share storage
+    for name in _checked_keys(state, cfg):
+        out.update(_to_hf(cfg, name, state[name], dtype))
     return out
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from Hugging Face's `max_shard_size` spelling: an int, or "5GB" (10^9), "500MiB" (2^20), "10KB"..."""
+    if isinstance(size, int):
+        return size
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    text = str(size).strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * units[unit])
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"max_shard_size {size!r} is not a size (an int, or a number with B, KB, MB, GB, MiB, GiB)")
+
+
+def plan_shards(cfg, names: list[str], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+    """Canonical tensors grouped into files of at most `max_bytes` of Hugging Face tensors each, in order (a tensor
+    bigger than that gets a file of its own), as `save_pretrained(max_shard_size=...)` does."""
+    adapter, itemsize = family_of(cfg).hf, torch.empty((), dtype=dtype).element_size()
+    shapes = canonical_shapes(cfg)
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        parts = adapter.to_hf(cfg, name, torch.empty(shapes[name], device="meta"))
+        size = sum(t.numel() for t in parts.values()) * itemsize
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def write_hf_weights(cfg, state: Mapping[str, torch.Tensor], out: Path, dtype: torch.dtype,
+                     max_shard_size: int | str = "5GB") -> list[str]:
+    """The weights of `state` into `out`, one size-limited file at a time (`model.safetensors`, or
+    `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`): only one file's tensors are in memory at
+    a time, read from `state` (which may read them lazily, as a checkpoint does). Returns the files written."""
+    from safetensors.torch import save_file
+
+    names = _checked_keys(state, cfg)
+    shards = plan_shards(cfg, names, dtype, parse_size(max_shard_size))
+    files = [SAFE_WEIGHTS_NAME] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file, shard in zip(files, shards):
+        tensors = {}
+        for name in shard:
+            tensors.update(_to_hf(cfg, name, state[name], dtype))
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        files.append(SAFE_WEIGHTS_INDEX_NAME)
+    return files
 
 
 def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
                        tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
                        overwrite: bool = False, eos_token_id: int | None = None,
-                       bos_token_id: int | None = None) -> Path:
+                       bos_token_id: int | None = None, max_shard_size: int | str = "5GB") -> Path:
     """Write `out_dir` so that the family's transformers class (`GPT2LMHeadModel`, `LlamaForCausalLM`) loads it with
     `from_pretrained`. `state` is canonical (or our module's state_dict), tensors of any float dtype on any device,
-    saved as `dtype`. Every file under `tokenizer_dir` is copied alongside. Built under a temporary name next to
-    `out_dir` and renamed into place; an existing `out_dir` is an error unless `overwrite` (replaced, also by rename)."""
-    from safetensors.torch import save_file
-
+    saved as `dtype`; a lazy mapping is read one file's tensors at a time (write_hf_weights). Every file under
+    `tokenizer_dir` is copied alongside. Built under a temporary name next to `out_dir` and renamed into place; an
+    existing `out_dir` is an error unless `overwrite` (replaced, also by rename)."""
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists (pass overwrite=True to replace it)")
@@ -226,13 +298,14 @@ def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os
         tok = Path(tokenizer_dir)
         if not tok.is_dir():
             raise FileNotFoundError(f"tokenizer directory {tok} does not exist")
-        clash = sorted(p.name for p in tok.iterdir() if p.name in (CONFIG_NAME, SAFE_WEIGHTS_NAME))
+        clash = sorted(p.name for p in tok.iterdir() if p.name in (CONFIG_NAME, SAFE_WEIGHTS_NAME,
+                                                                   SAFE_WEIGHTS_INDEX_NAME))
         if clash:
             raise ValueError(f"tokenizer directory {tok} contains {clash}, which would clobber the model files")
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a float dtype, got {dtype}")
-
-    hf_state = canonical_to_hf(state, cfg, dtype=dtype)  # validates before anything touches the disk
+    _checked_keys(state, cfg)  # before anything touches the disk (shapes are checked as each tensor is read)
+    parse_size(max_shard_size)
     hf_config = family_of(cfg).hf.hf_config(cfg, dtype, eos_token_id, bos_token_id)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -242,7 +315,7 @@ def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os
         if tok is not None:
             shutil.copytree(tok, tmp, dirs_exist_ok=True)
         hf_config.to_json_file(str(tmp / CONFIG_NAME))
-        save_file(hf_state, str(tmp / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        write_hf_weights(cfg, state, tmp, dtype, max_shard_size)
         for file in tmp.rglob("*"):
             if file.is_file():
                 fsync_path(file)

@@ -1,5 +1,5 @@
 """Starting a run from a Hugging Face directory of any known family (--init-from-hf): its config, checked before any
-process group, and the `full_value` hook that materializes each rank's shards from its weights, one tensor at a time
+process group, and the `shard_value` hook that materializes each rank's shards from its weights, one tensor at a time
 (a rank reads only the tensors of its own stages)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 from typing import Callable
 
-import torch
 
 from trainer3d.checkpoint.hf import CONFIG_NAME, HFDirectory, read_hf_config
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.models import canonical_name, shape_diffs
+from trainer3d.parallel.tensor_parallel import from_full
 
 
 def hf_model_config(path: str | os.PathLike):
@@ -27,8 +27,8 @@ def hf_model_config(path: str | os.PathLike):
         raise CheckpointError(f"--init-from-hf {p}: {p / CONFIG_NAME} cannot be used ({first_line(e)}).") from None
 
 
-def hf_full_value(path: str | os.PathLike, mcfg) -> Callable[[str, tuple], torch.Tensor]:
-    """The `full_value` hook from a Hugging Face directory, after checking that its tensors (headers) fit `mcfg`."""
+def hf_shard_value(path: str | os.PathLike, mcfg) -> Callable:
+    """The `shard_value` hook (parallel/tensor_parallel.materialize) from a Hugging Face directory, after checking that its tensors (headers) fit `mcfg`."""
     try:
         directory = HFDirectory(path, dropout=mcfg.dropout)
         diffs = shape_diffs(directory.cfg, mcfg)
@@ -42,7 +42,4 @@ def hf_full_value(path: str | os.PathLike, mcfg) -> Callable[[str, tuple], torch
             "--n-layer/--n-head/--n-embd/--vocab-size flags (the model's shape comes from its config.json)."
         )
 
-    def value(name: str, shape: tuple) -> torch.Tensor:
-        return directory.tensor(canonical_name(mcfg, name)).float()
-
-    return value
+    return from_full(lambda name, shape: directory.tensor(canonical_name(mcfg, name)).float())

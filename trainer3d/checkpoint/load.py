@@ -2,7 +2,7 @@
 does with them:
 
     prepare(cfg, mcfg, topo)        before the trainer is built: --resume / --init-from-hf checked on every rank,
-                                    and the `full_value` hook that materializes each rank's shards from the weights
+                                    and the `shard_value` hook that materializes each rank's shards from the weights
     apply(start, trainer, loader)   after: optimizer state (through the trainer's hooks, so DDP and every ZeRO stage
                                     alike), step, data position, loss scale and RNG states
 
@@ -20,15 +20,16 @@ from typing import Any, Callable
 import torch
 
 from trainer3d.checkpoint.format import (
-    Checkpoint, checkpoints_root, latest_checkpoint, layout_record, resolve_checkpoint, rng_file, sharded_rngs,
+    Checkpoint, checkpoints_root, latest_checkpoint, layout_record, resolve_checkpoint, sharded_rngs,
 )
-from trainer3d.checkpoint.hf_init import hf_full_value
+from trainer3d.checkpoint.hf_init import hf_shard_value
 from trainer3d.distributed.collectives import agree_on_error, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import write_text_atomic
-from trainer3d.models import canonical_name
+from trainer3d.models import canonical_name, canonical_shapes
 from trainer3d.parallel.parallelize import rng_seeds, seed_rngs
-from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG, shard_tensor
+from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
+from trainer3d.checkpoint.pieces import KINDS, local_shape
 
 
 def _stage_params(pm) -> list[tuple[str, torch.nn.Parameter, Any]]:
@@ -81,24 +82,25 @@ def open_for_resume(resume: str, out_dir: str, mcfg, topo) -> Checkpoint | None:
 
 def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     """Load optimizer state, step, loss scale, data position and RNG states into a trainer built with
-    `full_value=ckpt.full_value(mcfg)`. Returns notes for the log."""
+    `shard_value=ckpt.shard_value(mcfg)`. Returns notes for the log."""
     notes = []
     topo, meta = trainer.topo, ckpt.meta
     trainer.step = ckpt.step
-    by_param: dict[str, dict[str, tuple[str, str]]] = {}  # name -> {state key: (file, tensor)}
-    for t, f in ckpt.optim_index.items():
-        base, _, key = t.rpartition(".")
-        by_param.setdefault(base, {})[key] = (f, t)
+    adam_step = ckpt.optimizer_step
+    tp_rank, tp = topo.tp_rank, topo.layout.tp
     items = []
+    full_shapes = canonical_shapes(trainer.mcfg)
     for name, p, spec in _stage_params(trainer.pm):
-        if meta.get("has_optimizer_state") and name not in by_param:
-            raise CheckpointError(f"{ckpt.path} holds no optimizer state for {name!r}; the checkpoint is incomplete.")
+        shape = local_shape(spec, full_shapes[name], tp)  # (not p.shape: ZeRO-3 partitions the parameter)
 
-        def read_state(name=name, spec=spec):
-            return {key: _local_shard(ckpt.tensor(f, t), spec, topo) for key, (f, t) in by_param.get(name, {}).items()}
+        def read_state(name=name, spec=spec, shape=shape):
+            if adam_step is None:
+                return {}
+            state = {k: ckpt.local_tensor(k, name, spec, shape, tp_rank, tp) for k in KINDS[1:]}  # the moments
+            return dict(state, step=torch.tensor(float(adam_step)))
 
-        def read_value(name=name, spec=spec):
-            return _local_shard(ckpt.model_tensor(name), spec, topo)
+        def read_value(name=name, spec=spec, shape=shape):
+            return ckpt.local_tensor("param", name, spec, shape, tp_rank, tp)
 
         items.append((p, read_state, read_value))
     # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)
@@ -123,20 +125,13 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     return notes
 
 
-def _local_shard(full: torch.Tensor, spec, topo) -> torch.Tensor:
-    """This tp rank's shard of a full tensor stored in a checkpoint (unchanged if it is not sharded like `spec`)."""
-    if spec is not None and tuple(full.shape) == tuple(spec.full_shape):
-        return shard_tensor(full, spec, topo.tp_rank, topo.layout.tp)
-    return full
-
-
 def _restore_rngs(trainer, ckpt: Checkpoint) -> None:
-    f = rng_file(trainer.topo.rank)
-    torch.set_rng_state(ckpt.tensor(f, "cpu"))
+    rank = trainer.topo.rank
+    torch.set_rng_state(ckpt.rng_state(rank, "cpu"))
     if trainer.device.type == "cuda":
-        torch.cuda.set_rng_state(ckpt.tensor(f, "cuda"), trainer.device)
+        torch.cuda.set_rng_state(ckpt.rng_state(rank, "cuda"), trainer.device)
     for i, r in enumerate(sharded_rngs(trainer.pm)):
-        r.state = ckpt.tensor(f, f"sharded{i}")
+        r.state = ckpt.rng_state(rank, f"sharded{i}")
 
 
 def rederive_rngs(trainer, step: int) -> None:
@@ -169,7 +164,7 @@ class Start:
     """How a run starts: from a checkpoint, from Hugging Face weights, or from the seed (both None)."""
 
     checkpoint: Checkpoint | None = None
-    full_value: Callable[[str, tuple], torch.Tensor] | None = None  # for Trainer(..., full_value=)
+    shard_value: Callable | None = None  # for Trainer(..., shard_value=)
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -179,7 +174,7 @@ def prepare(cfg, mcfg, topo) -> Start:
     start = Start()
     ckpt = open_for_resume(cfg.resume, cfg.out_dir, mcfg, topo) if cfg.resume else None
     if ckpt is not None:
-        start.checkpoint, start.full_value = ckpt, ckpt.full_value(mcfg)
+        start.checkpoint, start.shard_value = ckpt, ckpt.shard_value(mcfg)
         start.notes.append(f"resuming from {ckpt.path} (step {ckpt.step})")
         if cfg.init_from_hf:
             start.notes.append(f"--init-from-hf {cfg.init_from_hf} ignored: the checkpoint's weights are used")
@@ -187,7 +182,7 @@ def prepare(cfg, mcfg, topo) -> Start:
     if cfg.resume:
         start.notes.append(f"--resume: no checkpoint in {checkpoints_root(cfg.out_dir)} yet; starting from scratch")
     if cfg.init_from_hf:
-        start.full_value = hf_full_value(cfg.init_from_hf, mcfg)
+        start.shard_value = hf_shard_value(cfg.init_from_hf, mcfg)
         start.notes.append(f"initialised from the Hugging Face weights in {cfg.init_from_hf}")
     return start
 

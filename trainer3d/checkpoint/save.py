@@ -1,7 +1,8 @@
-"""Saving a checkpoint: every rank writes its part into a temporary directory (parallel over pipeline ranks: the
-(dp 0, tp 0) rank of each writes its stages' files, gathered over tp; no rank holds the whole model), then rank 0
-verifies every file, writes meta.json and renames the directory into place. A crash at any point leaves the previous
-checkpoint and `latest` intact (format.py describes the files)."""
+"""Saving a checkpoint in two halves: `take_snapshot` copies this rank's share of the state (its pieces: format.py)
+to host memory; `write_snapshot` has every rank write its own file into a temporary directory, in parallel, then
+rank 0 verifies every file, writes meta.json and renames the directory into place. A crash at any point leaves the
+previous checkpoint and `latest` intact. `save_checkpoint` runs both; async_save.py runs the second in the
+background."""
 
 from __future__ import annotations
 
@@ -11,22 +12,23 @@ import os
 import secrets
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from trainer3d import test_hooks
 from trainer3d.checkpoint.format import (
-    FORMAT, FORMAT_VERSION, LATEST, META, checkpoints_root, complete_checkpoints, layout_record, model_file, optim_file,
-    rng_file, sha256_of, sharded_rngs, step_dir_name,
+    FORMAT, FORMAT_VERSION, LATEST, META, RNG_PREFIX, checkpoints_root, complete_checkpoints, layout_record,
+    sha256_of, shard_file, sharded_rngs, step_dir_name,
 )
+from trainer3d.checkpoint.pieces import KINDS, piece_key, slice_boxes, tp_boxes
 from trainer3d.distributed.collectives import all_gather_object, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import fsync_path, write_text_atomic
 from trainer3d.optim import lr_at
 from trainer3d.models import config_to_dict
 from trainer3d.parallel.parallelize import named_full_params
-from trainer3d.parallel.tensor_parallel import gather_full
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> dict:
@@ -37,100 +39,113 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     return {"bytes": path.stat().st_size, "sha256": sha256_of(path), "tensors": sorted(tensors)}
 
 
-def _write_rank_files(trainer, tmp: Path, step: int) -> dict:
-    """This rank's part of a save; returns {file name: {bytes, sha256, tensors}} for the files it wrote.
-    Collective over the tp group (gathers) on dp replica 0; every rank asks the trainer for its optimizer state
-    in the same order (a ZeRO engine gathers over dp there)."""
-    topo = trainer.topo
-    gather = topo.dp_rank == 0
-    writer = gather and topo.tp_rank == 0
-    model_t: dict[str, torch.Tensor] = {}
-    optim_t: dict[str, torch.Tensor] = {}
+def rank_pieces(trainer) -> tuple[dict[str, torch.Tensor], int | None]:
+    """This rank's pieces of every parameter and AdamW moment (its tp shard, and of that the slice its dp rank, and
+    its tp rank for a tp-replicated tensor, writes: format.py) and its RNG states, copied to host memory; and Adam's
+    step (None before the first). Under ZeRO every rank asks the engine for every parameter in the same order (a
+    collective over dp that assembles one tensor at a time); the rank keeps only its pieces, so it holds its share
+    plus one tensor."""
+    topo, L = trainer.topo, trainer.topo.layout
+    pieces: dict[str, torch.Tensor] = {}
+    adam_step = None
     for name, (p, spec) in named_full_params(trainer.pm).items():
-        local = trainer.engine.param_value(p)  # (collective over dp under ZeRO, as is the optimizer state)
+        value = trainer.engine.param_value(p)
         state = trainer.engine.optimizer_state_of(p)
-        if not gather:
-            continue
-        full = gather_full(local, spec, topo.tp_group)
-        if writer:
-            model_t[name] = full.cpu()
-        for key in sorted(state):
-            value = state[key]
-            sharded_like_param = spec is not None and tuple(value.shape) == tuple(local.shape)
-            full = gather_full(value, spec, topo.tp_group) if sharded_like_param else value.detach().clone()
-            if writer:
-                optim_t[f"{name}.{key}"] = full.cpu()
-    report = {}
-    meta = {"format": "pt", "trainer3d": FORMAT, "step": str(step)}
-    if writer:
-        report[model_file(topo.pp_rank)] = _save_safetensors(model_t, tmp / model_file(topo.pp_rank), meta)
-        del model_t
-        test_hooks.pause_mid_save(step, tmp)
-        report[optim_file(topo.pp_rank)] = _save_safetensors(optim_t, tmp / optim_file(topo.pp_rank), meta)
-    rng = {"cpu": torch.get_rng_state()}
+        if "step" in state:
+            adam_step = int(state["step"])
+        shape = tuple(value.shape)
+        index, count = (topo.dp_rank, L.dp) if spec is not None else (topo.dp_rank * L.tp + topo.tp_rank, L.dp * L.tp)
+        mine = slice_boxes(tp_boxes(spec, shape, topo.tp_rank, L.tp), shape, index, count)
+        for kind, t in [("param", value)] + [(k, state[k]) for k in KINDS[1:] if k in state]:
+            for b in mine:
+                part = t[tuple(slice(o, o + s) for o, s in zip(b.local, b.size))]
+                pieces[piece_key(kind, name, b.start, b.size)] = part.detach().to("cpu", torch.float32).clone(
+                    memory_format=torch.contiguous_format)  # a copy: a view would keep the whole tensor alive
+        del value, state
+    pieces[RNG_PREFIX + "cpu"] = torch.get_rng_state()
     if trainer.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
+        pieces[RNG_PREFIX + "cuda"] = torch.cuda.get_rng_state(trainer.device)
     for i, r in enumerate(sharded_rngs(trainer.pm)):
-        rng[f"sharded{i}"] = r.state.clone().cpu()
-    report[rng_file(topo.rank)] = _save_safetensors(rng, tmp / rng_file(topo.rank), meta)
-    return report
+        pieces[f"{RNG_PREFIX}sharded{i}"] = r.state.clone().cpu()
+    return pieces, adam_step
 
 
+@dataclass
+class Snapshot:
+    """A save, taken: this rank's pieces in host memory, and on rank 0 everything meta.json says but the files.
+    Writing it (write_snapshot) needs nothing from the trainer, so it can run while training goes on."""
+
+    step: int
+    final: Path
+    tmp: Path
+    pieces: dict[str, torch.Tensor]
+    adam_step: int | None
+    meta: dict | None  # rank 0's; None elsewhere
+    world_size: int
+    keep_last: int
+
+
+def take_snapshot(trainer, out_dir: str | os.PathLike, loader=None, keep_last: int = 0) -> Snapshot:
+    """Copy this rank's part of the state to host memory (collective over the trainer's world, and over dp under
+    ZeRO); the step's files are then written by write_snapshot."""
+    topo = trainer.topo
+    final = checkpoints_root(out_dir) / step_dir_name(trainer.step)
+    tmp_name = f"{final.name}.tmp-{secrets.token_hex(4)}" if topo.rank == 0 else None
+    tmp = final.parent / broadcast_object(tmp_name, topo.global_rank(0, 0, 0), topo.world_group)
+    pieces, adam_step = rank_pieces(trainer)
+    return Snapshot(trainer.step, final, tmp, pieces, adam_step, _meta(trainer, loader) if topo.rank == 0 else None,
+                    topo.layout.world_size, keep_last)
+
+
+def write_snapshot(snap: Snapshot, rank: int, group, root0: int) -> Path:
+    """Every rank writes its file into the temporary directory; rank 0 verifies them all, writes meta.json and renames
+    the directory into place. Collective over `group`. Raises CheckpointError on every rank if any rank failed,
+    leaving the previous checkpoints and `latest` untouched."""
+    report, error = {}, None
+    try:
+        snap.tmp.mkdir(parents=True, exist_ok=True)
+        name = shard_file(rank)
+        report = {name: _save_safetensors(snap.pieces, snap.tmp / name, {"format": "pt", "trainer3d": FORMAT})}
+        test_hooks.pause_mid_save(snap.step, snap.tmp)
+    except Exception as e:  # noqa: BLE001 - gathered so every rank raises, none hangs
+        error = f"rank {rank} could not write its file into {snap.tmp} ({type(e).__name__}: {first_line(e)})"
+    snap.pieces = {}
+    gathered = all_gather_object((report, snap.adam_step, error), group)
+    errors = [e for *_, e in gathered if e]
+    status = None
+    if rank == 0:
+        try:
+            if errors:
+                shutil.rmtree(snap.tmp, ignore_errors=True)
+            else:
+                files = {}
+                for r, _, _ in gathered:
+                    files.update(r)
+                steps = {s for _, s, _ in gathered if s is not None}
+                _commit(snap, files, steps.pop() if len(steps) == 1 else None)
+        except Exception as e:  # noqa: BLE001
+            status = f"could not complete checkpoint {snap.final} ({type(e).__name__}: {first_line(e)})"
+    if errors:
+        raise CheckpointError(f"Saving checkpoint {snap.final} failed: {errors[0]}; the previous checkpoint is "
+                              "untouched.")
+    status = broadcast_object(status, root0, group)
+    if status:
+        raise CheckpointError(f"Saving failed: {status}; the previous checkpoint is untouched.")
+    return snap.final
 
 
 def save_checkpoint(trainer, out_dir: str | os.PathLike, loader=None, keep_last: int = 0) -> Path:
     """Save `trainer` (and the data loader's position) as `<out_dir>/checkpoints/step_<step>`; collective over the
-    trainer's world group. Returns the checkpoint directory. Raises CheckpointError on every rank if any rank
-    failed, leaving the previous checkpoints and `latest` untouched."""
+    trainer's world group. Returns the checkpoint directory."""
     topo = trainer.topo
-    group = topo.world_group
-    root0 = topo.global_rank(0, 0, 0)
-    step = trainer.step
-    root = checkpoints_root(out_dir)
-    final = root / step_dir_name(step)
-    tmp_name = broadcast_object(f"{final.name}.tmp-{secrets.token_hex(4)}" if topo.rank == 0 else None, root0, group)
-    tmp = root / tmp_name
-
-    report, error = {}, None
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        report = _write_rank_files(trainer, tmp, step)
-    except Exception as e:  # noqa: BLE001 - gathered so every rank raises, none hangs
-        error = f"rank {topo.rank} could not write its files into {tmp} ({type(e).__name__}: {first_line(e)})"
-    gathered = all_gather_object((report, error), group)
-    errors = [e for _, e in gathered if e]
-    status = None
-    if topo.rank == 0:
-        try:
-            if errors:
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                files = {}
-                for r, _ in gathered:
-                    files.update(r)
-                _commit(trainer, tmp, final, files, loader, keep_last)
-        except Exception as e:  # noqa: BLE001
-            status = f"could not complete checkpoint {final} ({type(e).__name__}: {first_line(e)})"
-    if errors:
-        raise CheckpointError(f"Saving checkpoint {final} failed: {errors[0]}; the previous checkpoint is untouched.")
-    status = broadcast_object(status, root0, group)
-    if status:
-        raise CheckpointError(f"Saving failed: {status}; the previous checkpoint is untouched.")
-    return final
+    snap = take_snapshot(trainer, out_dir, loader, keep_last)
+    return write_snapshot(snap, topo.rank, topo.world_group, topo.global_rank(0, 0, 0))
 
 
-def _commit(trainer, tmp: Path, final: Path, files: dict, loader, keep_last: int) -> None:
-    """Rank 0: verify, write meta.json, rename into place, point `latest` at it, prune."""
-    L = trainer.topo.layout
-    expected = [f(k) for k in range(L.pp) for f in (model_file, optim_file)]
-    expected += [rng_file(r) for r in range(L.world_size)]
-    for name in expected:
-        path = tmp / name
-        if name not in files or not path.is_file() or path.stat().st_size != files[name]["bytes"]:
-            raise CheckpointError(f"{path} is missing or incomplete after every rank reported success")
+def _meta(trainer, loader) -> dict:
+    """What meta.json records besides the files, as of now (the files may be written later)."""
     ls = trainer.loss_scale
-
-    meta = {
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "step": trainer.step,
@@ -143,11 +158,20 @@ def _commit(trainer, tmp: Path, final: Path, files: dict, loader, keep_last: int
         "precision": trainer.precision,
         "loader": loader.state_dict() if loader is not None else None,
         "loss_scale": None if ls is None else {k: v for k, v in vars(ls).items()},
-        "has_optimizer_state": any(files[optim_file(k)]["tensors"] for k in range(L.pp)),
-        "files": {name: files[name] for name in expected},
         "torch_version": torch.__version__,
-        "saved_at": time.time(),
     }
+
+
+def _commit(snap: Snapshot, files: dict, adam_step: int | None) -> None:
+    """Rank 0: verify, write meta.json, rename into place, point `latest` at it, prune."""
+    tmp, final = snap.tmp, snap.final
+    expected = [shard_file(r) for r in range(snap.world_size)]
+    for name in expected:
+        path = tmp / name
+        if name not in files or not path.is_file() or path.stat().st_size != files[name]["bytes"]:
+            raise CheckpointError(f"{path} is missing or incomplete after every rank reported success")
+    meta = dict(snap.meta, optimizer_step=adam_step, has_optimizer_state=adam_step is not None,
+                files={name: files[name] for name in expected}, saved_at=time.time())
     with open(tmp / META, "w") as f:
         json.dump(meta, f, indent=1, default=_json_default)
         f.flush()
@@ -164,7 +188,7 @@ def _commit(trainer, tmp: Path, final: Path, files: dict, loader, keep_last: int
     write_text_atomic(root / LATEST, final.name + "\n")
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
-    _prune(root, final, keep_last)
+    _prune(root, final, snap.keep_last)
 
 
 def _json_default(obj):

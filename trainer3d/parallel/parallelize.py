@@ -27,7 +27,7 @@ from trainer3d.parallel.engine import DataParallelEngine, is_tied_duplicate
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
 from trainer3d.parallel.tensor_parallel import (
-    ShardedDropoutRNG, apply_tensor_parallel, gather_full, materialize, padded_vocab_size,
+    ShardedDropoutRNG, apply_tensor_parallel, from_full, gather_full, materialize, padded_vocab_size,
 )
 
 # engine_factory(stages) -> the data-parallel engine over this rank's materialized stage modules
@@ -63,10 +63,11 @@ def parallelize(
     engine_factory: EngineFactory,
     loss_fn: Callable,
     compute_dtype: torch.dtype,
-    full_value: Callable[[str, tuple], torch.Tensor] | None = None,
+    shard_value: Callable | None = None,
 ) -> ParallelModel:
     """`mcfg`: the model's config (its family's); `cfg`: the run's TrainConfig (schedule, virtual stages, seed,
-    seq_len); `compute_dtype`: what matmuls run in."""
+    seq_len); `compute_dtype`: what matmuls run in; `shard_value`: the materialize hook (default: the
+    initialisation)."""
     L = topo.layout
     # 1. the plain model, shapes only
     with torch.device("meta"):
@@ -92,10 +93,10 @@ def parallelize(
     stages = [apply_compile(s, cfg.compile) for s in stages]
 
     # 4. materialize: values are a function of the parameter's name, never of the layout
-    if full_value is None:
-        full_value = lambda name, shape: init_value(mcfg, name, shape, cfg.seed)  # noqa: E731
+    if shard_value is None:
+        shard_value = from_full(lambda name, shape: init_value(mcfg, name, shape, cfg.seed))
     for s in stages:
-        materialize(s, device, full_value, topo.tp_rank, L.tp)
+        materialize(s, device, shard_value, topo.tp_rank, L.tp)
         s.init_tables(device)
     seed_rngs(cfg.seed, topo)  # the default generator's dropout stream, before anything draws from it
 

@@ -310,27 +310,36 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
 # its sequence shard's share of a replicated parameter's gradient (the engines sum them over tp).
 PARAM_ATTRIBUTES = ("tp_spec", "sequence_parallel")
 
-def materialize(module: nn.Module, device: torch.device, full_value, rank: int, size: int) -> None:
-    """Replace every (meta) parameter of `module` by this rank's shard of `full_value(name, full_shape)`.
-
-    Parameters shared between modules (a tied embedding and head) stay shared. Used for initialisation (full_value
-    = model.init_value) and for loading layout-free weights (checkpoints, Hugging Face)."""
+def materialize(module: nn.Module, device: torch.device, shard_value, rank: int, size: int) -> None:
+    """Replace every (meta) parameter of `module` by `shard_value(name, tp_spec, local_shape, rank, size)`: this
+    rank's shard of the parameter's layout-free value (a checkpoint reads only the shard; `from_full` makes one from
+    a function of full tensors, such as the initialisation). Parameters shared between modules (a tied embedding and
+    head) stay shared."""
     memo: dict[int, nn.Parameter] = {}
     for prefix, mod in module.named_modules():
         for key, p in list(mod._parameters.items()):
             if p is None:
                 continue
             if id(p) not in memo:
-                spec = getattr(p, "tp_spec", None)
                 name = f"{prefix}.{key}" if prefix else key
-                full = full_value(name, spec.full_shape if spec else tuple(p.shape))
-                value = shard_tensor(full, spec, rank, size) if spec else full
+                value = shard_value(name, getattr(p, "tp_spec", None), tuple(p.shape), rank, size)
                 new = nn.Parameter(value.to(device=device, dtype=torch.float32), requires_grad=p.requires_grad)
                 for attr in PARAM_ATTRIBUTES:
                     if hasattr(p, attr):
                         setattr(new, attr, getattr(p, attr))
                 memo[id(p)] = new
             mod._parameters[key] = memo[id(p)]
+
+
+def from_full(full_value):
+    """A `shard_value` hook (materialize) from `full_value(name, full_shape)`, which returns whole tensors."""
+
+    def shard_value(name, spec, local_shape, rank, size):
+        if spec is None:
+            return full_value(name, tuple(local_shape))
+        return shard_tensor(full_value(name, spec.full_shape), spec, rank, size)
+
+    return shard_value
 
 
 def gather_full(t: torch.Tensor, spec: TPSpec | None, group) -> torch.Tensor:

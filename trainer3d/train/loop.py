@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks = local_leader_first(env, lambda: build_token_blocks(data_cfg, cfg.seq_len))
         mcfg = setup.model_config(blocks.vocab_size)
         start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
-        trainer = Trainer(setup, topo, device, mcfg, full_value=start.full_value)
+        trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value)
         loader = BatchLoader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
@@ -87,7 +87,8 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
     tokens_per_step = plan.global_batch * cfg.seq_len
     flops_tok = trainer.mcfg.flops_per_token(cfg.seq_len)
     peak = device_peak_tflops(trainer.device, trainer.precision, cfg.peak_tflops)
-    saver = Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log, cfg.on_save_error)
+    saver = Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log, cfg.on_save_error,
+                         cfg.async_save)
     metrics = MetricsFile(cfg.out_dir, enabled=log, append=trainer.step > 0)  # resumed: continue the file
     tracker = Tracker(trainer)  # W&B, on the logging rank only
     profiler = StepProfiler(cfg.profile_steps, cfg.max_steps, cfg.out_dir, dist.get_rank(), trainer.device)

@@ -28,7 +28,7 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 class Trainer:
-    def __init__(self, setup: RunSetup, topo, device: torch.device, mcfg, full_value=None):
+    def __init__(self, setup: RunSetup, topo, device: torch.device, mcfg, shard_value=None):
         cfg = setup.cfg
         self.cfg, self.topo, self.device, self.mcfg, self.plan = cfg, topo, device, mcfg, setup.plan
         self.deepspeed = setup.deepspeed  # the resolved DeepSpeed JSON, or None
@@ -40,7 +40,7 @@ class Trainer:
             engine_factory = lambda stages: DDPEngine(stages, topo, device, cfg)  # noqa: E731
         self.pm = parallelize(
             mcfg, topo, device, cfg, setup.plan, engine_factory, self._loss_fn, COMPUTE_DTYPES[self.precision],
-            full_value=full_value,
+            shard_value=shard_value,
         )
         self.engine, self.schedule = self.pm.engine, self.pm.schedule
         self.step = 0

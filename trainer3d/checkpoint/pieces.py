@@ -1,0 +1,135 @@
+"""Where a rank's tensors lie in the full (layout-free) tensors, as boxes of global offsets, and reading any box back
+from the pieces that cover it. This is the arithmetic of the sharded checkpoint (format.py): each rank writes the
+part of every tensor it owns as pieces named `<kind>/<name>@<offsets>+<sizes>`, and a loader reads only the pieces,
+and within them only the byte ranges (safetensors slices), that overlap the box it needs.
+
+Written by hand because torch.distributed.checkpoint's planner, which does the same, keeps its index in a pickled
+`.metadata` file (we never unpickle on load) and knows nothing of fused, padded tensor-parallel shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")  # a parameter's fp32 value and its AdamW moments, pieced alike
+
+
+@dataclass(frozen=True)
+class Box:
+    """A block of a local tensor (`local` offsets) and where it lies in the full tensor (`start`), `size` long."""
+
+    local: tuple[int, ...]
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= s
+        return n
+
+
+def _at(t: tuple[int, ...], dim: int, value: int) -> tuple[int, ...]:
+    return t[:dim] + (value,) + t[dim + 1:]
+
+
+def tp_boxes(spec, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Box]:
+    """Where this tp rank's shard of a parameter (TPSpec `spec`, None: replicated) lies in the full, unpadded tensor:
+    one box, or one per fused block (q|k|v, gate|up), the vocabulary's padding rows left out."""
+    zeros = (0,) * len(local_shape)
+    if spec is None:
+        return [Box(zeros, zeros, tuple(local_shape))]
+    d, real = spec.dim, spec.full_shape[spec.dim]
+    blocks = list(spec.fused) if spec.fused else [spec.padded or real]
+    boxes, local_at, block_at = [], 0, 0
+    for block in blocks:
+        per_rank = block // tp
+        start = block_at + tp_rank * per_rank
+        length = max(0, min(per_rank, real - start))
+        if length:
+            boxes.append(Box(_at(zeros, d, local_at), _at(zeros, d, start), _at(tuple(local_shape), d, length)))
+        local_at += per_rank
+        block_at += block
+    return boxes
+
+
+def local_shape(spec, full_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape of a tp rank's shard of a tensor of `full_shape` (TPSpec `spec`; None: replicated)."""
+    if spec is None:
+        return tuple(full_shape)
+    total = sum(spec.fused) if spec.fused else (spec.padded or spec.full_shape[spec.dim])
+    return _at(tuple(spec.full_shape), spec.dim, total // tp)
+
+
+def slice_boxes(boxes: list[Box], local_shape: tuple[int, ...], index: int, count: int) -> list[Box]:
+    """The part of `boxes` in the `index`-th of `count` balanced slices of the local tensor along dim 0: how the
+    replicas of a tensor (over dp, and over tp when it is not sharded) split the writing between them."""
+    n = local_shape[0]
+    lo, hi = n * index // count, n * (index + 1) // count
+    out = []
+    for b in boxes:
+        a, e = max(lo, b.local[0]), min(hi, b.local[0] + b.size[0])
+        if a < e:
+            shift = a - b.local[0]
+            out.append(Box(_at(b.local, 0, a), _at(b.start, 0, b.start[0] + shift), _at(b.size, 0, e - a)))
+    return out
+
+
+def piece_key(kind: str, name: str, start: tuple[int, ...], size: tuple[int, ...]) -> str:
+    return f"{kind}/{name}@{','.join(map(str, start))}+{','.join(map(str, size))}"
+
+
+def parse_key(key: str) -> tuple[str, str, tuple[int, ...], tuple[int, ...]]:
+    """(kind, name, start, size) of a piece key; ValueError if it is not one."""
+    head, _, where = key.rpartition("@")
+    kind, _, name = head.partition("/")
+    start, _, size = where.partition("+")
+    to_ints = lambda s: tuple(int(x) for x in s.split(",")) if s else ()  # noqa: E731
+    if kind not in KINDS or not name or len(to_ints(start)) != len(to_ints(size)):
+        raise ValueError(f"{key!r} is not a checkpoint piece key")
+    return kind, name, to_ints(start), to_ints(size)
+
+
+@dataclass(frozen=True)
+class Piece:
+    file: str
+    key: str
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+def read_region(pieces: list[Piece], start: tuple[int, ...], size: tuple[int, ...],
+                read: Callable[[str, str, tuple[slice, ...]], torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+    """The block [start, start+size) of a full tensor, assembled from the pieces that overlap it; `read(file, key,
+    slices)` reads one slice of one stored piece (only those bytes). Raises LookupError naming the first element
+    no piece covers."""
+    out = torch.empty(size, dtype=dtype)
+    covered = 0
+    for p in pieces:
+        lo = [max(a, b) for a, b in zip(start, p.start)]
+        hi = [min(a + s, b + t) for a, s, b, t in zip(start, size, p.start, p.size)]
+        if any(h <= l for l, h in zip(lo, hi)):
+            continue
+        src = tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, p.start))
+        dst = tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, start))
+        out[dst] = read(p.file, p.key, src).to(dtype)
+        n = 1
+        for l, h in zip(lo, hi):
+            n *= h - l
+        covered += n
+    if covered != out.numel():  # pieces never overlap (each is written once), so a shortfall is a hole
+        raise LookupError(f"the pieces cover {covered} of the {out.numel()} elements at {start}+{size}")
+    return out
+
+
+def read_local(pieces: list[Piece], boxes: list[Box], local_shape: tuple[int, ...], read, dtype=torch.float32):
+    """A rank's local tensor (zeros where no box reaches: the vocabulary's padding rows) from the boxes it covers."""
+    out = torch.zeros(local_shape, dtype=dtype)
+    for b in boxes:
+        dst = tuple(slice(o, o + s) for o, s in zip(b.local, b.size))
+        out[dst] = read_region(pieces, b.start, b.size, read, dtype)
+    return out
