@@ -474,6 +474,41 @@ def test_kill_mid_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
     assert Checkpoint(root / "step_000003").meta["loader"]["position"] == 12
 
 
+def test_async_save_trains_on_while_writing_and_a_kill_keeps_the_previous(corpus, tmp_path, monkeypatch):
+    """--async-save: the save of step 4 is held in the middle of writing (its file written, the commit not run), and
+    training goes on meanwhile (steps 5 and 6 are logged). A SIGKILL then leaves step 2 and `latest` intact. A
+    resumed async run ends with every periodic checkpoint complete and the final one as `latest`."""
+    data, cache = corpus
+    out = tmp_path / "run"
+    args = TINY + ["--data", str(data), "--out-dir", str(out), "--save-every", "2", "--max-steps", "100", "--async-save"]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "launch" / "train_gpt2.py"), *args],
+        env=_env(cache, TRAINER3D_TEST_PAUSE_SAVE_AT_STEP="4"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    root = out / "checkpoints"
+    try:
+        _wait_for(lambda: list(root.glob("step_000004.tmp-*/PAUSED")), 180, proc, "the save of step 4 to start")
+        _wait_for(lambda: 6 in _metrics_steps(out), 120, proc, "training to go on past step 4 while it is written")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (root / "latest").read_text().strip() == "step_000002"
+    assert not (root / "step_000004").exists()
+    Checkpoint(latest_checkpoint(out)).verify_files()
+    resume = ["--max-steps", "7", "--save-every", "2", "--async-save", "--resume"]
+    assert _main_in_process(monkeypatch, cache, args[:-5] + resume) == 0
+    assert sorted(d.name for d in root.iterdir()) == ["latest", "step_000002", "step_000004", "step_000006",
+                                                      "step_000007"]
+    assert (root / "latest").read_text().strip() == "step_000007"
+    for step in (4, 6, 7):
+        ckpt = Checkpoint(root / f"step_{step:06d}")
+        ckpt.verify_files()
+        assert ckpt.step == step and ckpt.optimizer_step == step
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
