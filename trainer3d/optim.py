@@ -23,9 +23,10 @@ def param_groups(params, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (linear weights, embeddings), none on biases and LayerNorm gains; empty groups
     dropped (a ZeRO engine refuses them)."""
     params = list(params)
+    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731 - a ZeRO-3 partition keeps its real shape there
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if ndim(p) >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
 

@@ -314,12 +314,13 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} holds no tensor {what!r}; the checkpoint is incomplete.")
         return pieces
 
-    def local_tensor(self, kind: str, name: str, spec, local_shape: tuple[int, ...], tp_rank: int, tp: int):
+    def local_tensor(self, kind: str, name: str, spec, local_shape: tuple[int, ...], tp_rank: int, tp: int,
+                     flat: tuple[int, int] | None = None):
         """This tp rank's shard (TPSpec `spec`; None: the whole tensor) of a saved tensor, in fp32, reading only the
-        byte ranges it overlaps."""
+        byte ranges it overlaps; `flat` = (start, numel): only that range of the flattened shard."""
         boxes = tp_boxes(spec, tuple(local_shape), tp_rank, tp)
         try:
-            return read_local(self._pieces_of(kind, name), boxes, tuple(local_shape), self._read)
+            return read_local(self._pieces_of(kind, name), boxes, tuple(local_shape), self._read, flat=flat)
         except LookupError as e:
             raise CheckpointError(f"{self.path}: tensor {name!r} is incomplete ({e}).") from None
 

@@ -93,14 +93,14 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     for name, p, spec in _stage_params(trainer.pm):
         shape = local_shape(spec, full_shapes[name], tp)  # (not p.shape: ZeRO-3 partitions the parameter)
 
-        def read_state(name=name, spec=spec, shape=shape):
+        def read_state(flat=None, name=name, spec=spec, shape=shape):
             if adam_step is None:
                 return {}
-            state = {k: ckpt.local_tensor(k, name, spec, shape, tp_rank, tp) for k in KINDS[1:]}  # the moments
+            state = {k: ckpt.local_tensor(k, name, spec, shape, tp_rank, tp, flat) for k in KINDS[1:]}  # moments
             return dict(state, step=torch.tensor(float(adam_step)))
 
-        def read_value(name=name, spec=spec, shape=shape):
-            return ckpt.local_tensor("param", name, spec, shape, tp_rank, tp)
+        def read_value(flat=None, name=name, spec=spec, shape=shape):
+            return ckpt.local_tensor("param", name, spec, shape, tp_rank, tp, flat)
 
         items.append((p, read_state, read_value))
     # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)

@@ -9,6 +9,7 @@ Written by hand because torch.distributed.checkpoint's planner, which does the s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,7 +70,11 @@ def slice_boxes(boxes: list[Box], local_shape: tuple[int, ...], index: int, coun
     """The part of `boxes` in the `index`-th of `count` balanced slices of the local tensor along dim 0: how the
     replicas of a tensor (over dp, and over tp when it is not sharded) split the writing between them."""
     n = local_shape[0]
-    lo, hi = n * index // count, n * (index + 1) // count
+    return rows_of(boxes, n * index // count, n * (index + 1) // count)
+
+
+def rows_of(boxes: list[Box], lo: int, hi: int) -> list[Box]:
+    """The part of `boxes` in rows [lo, hi) (dim 0) of the local tensor."""
     out = []
     for b in boxes:
         a, e = max(lo, b.local[0]), min(hi, b.local[0] + b.size[0])
@@ -126,10 +131,18 @@ def read_region(pieces: list[Piece], start: tuple[int, ...], size: tuple[int, ..
     return out
 
 
-def read_local(pieces: list[Piece], boxes: list[Box], local_shape: tuple[int, ...], read, dtype=torch.float32):
-    """A rank's local tensor (zeros where no box reaches: the vocabulary's padding rows) from the boxes it covers."""
-    out = torch.zeros(local_shape, dtype=dtype)
-    for b in boxes:
-        dst = tuple(slice(o, o + s) for o, s in zip(b.local, b.size))
+def read_local(pieces: list[Piece], boxes: list[Box], local_shape: tuple[int, ...], read, dtype=torch.float32,
+               flat: tuple[int, int] | None = None) -> torch.Tensor:
+    """A rank's local tensor (zeros where no box reaches: the vocabulary's padding rows) from the boxes it covers;
+    with `flat` = (start, numel), only that range of the flattened tensor (a ZeRO-3 partition), reading only the
+    rows it spans."""
+    row = math.prod(local_shape[1:])
+    lo, hi = (0, local_shape[0]) if flat is None else (flat[0] // row, -(-(flat[0] + flat[1]) // row))
+    out = torch.zeros((hi - lo,) + tuple(local_shape[1:]), dtype=dtype)
+    for b in rows_of(boxes, lo, hi):
+        dst = (slice(b.local[0] - lo, b.local[0] - lo + b.size[0]),) + tuple(
+            slice(o, o + s) for o, s in zip(b.local[1:], b.size[1:]))
         out[dst] = read_region(pieces, b.start, b.size, read, dtype)
-    return out
+    if flat is None:
+        return out
+    return out.reshape(-1).narrow(0, flat[0] - lo * row, flat[1])

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from trainer3d.distributed.collectives import all_reduce, group_size
 from trainer3d.optim import clip_coefficient
+from trainer3d.parallel.tensor_parallel import materialize
 
 
 @dataclass
@@ -94,7 +95,8 @@ class DataParallelEngine:
 
     def load_param_states(self, items: Iterable[tuple[nn.Parameter, Callable, Callable]]) -> None:
         """(parameter, read_state, read_value) per parameter: the readers read lazily, so an engine reads only what
-        it must (DDP built its parameters from these values already and never reads them twice)."""
+        it must (DDP built its parameters from these values already and never reads them twice); each takes
+        `flat=(start, numel)` to read only that range of the flattened tp shard (a ZeRO-3 partition)."""
         raise NotImplementedError
 
     def memory(self) -> dict:
@@ -105,6 +107,18 @@ class DataParallelEngine:
     def describe(self) -> dict:
         """What owned the dp axis, for meta.json (informational: any engine loads any checkpoint)."""
         raise NotImplementedError
+
+
+class EngineFactory:
+    """Builds the data-parallel engine over a rank's stage modules (`build`), and materializes the stages'
+    parameters the way that engine keeps them (`materialize`): whole, by default; ZeRO-3 partitions each parameter
+    as soon as it exists, so that no rank ever holds more than its partition plus one parameter."""
+
+    def __init__(self, build: Callable[[list[nn.Module]], DataParallelEngine]):
+        self.build = build
+
+    def materialize(self, module: nn.Module, device: torch.device, shard_value, tp_rank: int, tp: int) -> None:
+        materialize(module, device, shard_value, tp_rank, tp)
 
 
 def read_scalars(*scalars: torch.Tensor) -> list[float]:

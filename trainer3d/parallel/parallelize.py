@@ -23,15 +23,12 @@ from trainer3d.models import CausalLM, build_model, canonical_name, init_value
 from trainer3d.parallel import pipeline
 from trainer3d.parallel.batch import BatchPlan
 from trainer3d.parallel.compile import apply_compile
-from trainer3d.parallel.engine import DataParallelEngine, is_tied_duplicate
+from trainer3d.parallel.engine import DataParallelEngine, EngineFactory, is_tied_duplicate
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
 from trainer3d.parallel.tensor_parallel import (
-    ShardedDropoutRNG, apply_tensor_parallel, from_full, gather_full, materialize, padded_vocab_size,
+    ShardedDropoutRNG, apply_tensor_parallel, from_full, gather_full, padded_vocab_size,
 )
-
-# engine_factory(stages) -> the data-parallel engine over this rank's materialized stage modules
-EngineFactory = Callable[[list[nn.Module]], DataParallelEngine]
 
 
 @dataclass
@@ -96,12 +93,12 @@ def parallelize(
     if shard_value is None:
         shard_value = from_full(lambda name, shape: init_value(mcfg, name, shape, cfg.seed))
     for s in stages:
-        materialize(s, device, shard_value, topo.tp_rank, L.tp)
+        engine_factory.materialize(s, device, shard_value, topo.tp_rank, L.tp)
         s.init_tables(device)
     seed_rngs(cfg.seed, topo)  # the default generator's dropout stream, before anything draws from it
 
     # 5. data parallel
-    engine = engine_factory(stages)
+    engine = engine_factory.build(stages)
 
     # 6. the schedule over the engine's stage modules; stage boundaries in the compute dtype (under autocast the
     # residual stream is fp32 inside a stage and is cast for the wire)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -310,17 +311,21 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
 # its sequence shard's share of a replicated parameter's gradient (the engines sum them over tp).
 PARAM_ATTRIBUTES = ("tp_spec", "sequence_parallel")
 
-def materialize(module: nn.Module, device: torch.device, shard_value, rank: int, size: int) -> None:
+def materialize(module: nn.Module, device: torch.device, shard_value, rank: int, size: int,
+                after_module: Callable[[nn.Module], None] | None = None) -> None:
     """Replace every (meta) parameter of `module` by `shard_value(name, tp_spec, local_shape, rank, size)`: this
     rank's shard of the parameter's layout-free value (a checkpoint reads only the shard; `from_full` makes one from
     a function of full tensors, such as the initialisation). Parameters shared between modules (a tied embedding and
-    head) stay shared."""
+    head) stay shared. `after_module(m)`: called as soon as a module's own new parameters exist (ZeRO-3 partitions
+    them there)."""
     memo: dict[int, nn.Parameter] = {}
     for prefix, mod in module.named_modules():
+        created = False
         for key, p in list(mod._parameters.items()):
             if p is None:
                 continue
             if id(p) not in memo:
+                created = True
                 name = f"{prefix}.{key}" if prefix else key
                 value = shard_value(name, getattr(p, "tp_spec", None), tuple(p.shape), rank, size)
                 new = nn.Parameter(value.to(device=device, dtype=torch.float32), requires_grad=p.requires_grad)
@@ -329,6 +334,8 @@ def materialize(module: nn.Module, device: torch.device, shard_value, rank: int,
                         setattr(new, attr, getattr(p, attr))
                 memo[id(p)] = new
             mod._parameters[key] = memo[id(p)]
+        if created and after_module is not None:
+            after_module(mod)
 
 
 def from_full(full_value):

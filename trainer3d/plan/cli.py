@@ -31,7 +31,16 @@ from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.plan.candidate import describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
 from trainer3d.plan.report import format_plans, launch_command, plan_deepspeed_config, why
-from trainer3d.plan.search import best_distinct, enumerate_plans, evaluate, parse_layout
+from trainer3d.plan.search import best_distinct, enumerate_plans, evaluate, parse_layout, representative_ranks
+from trainer3d.plan.state_memory import worst_state_memory
+
+def state_line(p, label: str) -> str:
+    """The model state outside a step, for a plan's worst pipeline rank (plan/state_memory.py)."""
+    s = worst_state_memory(p.candidate, representative_ranks(p.candidate.pp))
+    return (f"{label}: model state outside the step, worst rank (GiB): start-up {gib(s.startup_device):.1f} on the GPU; a save "
+            f"writes {gib(s.save_written):.2f} and adds {gib(s.save_host):.2f} of host memory; a resume reads "
+            f"{gib(s.resume_read):.1f}")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer3d.plan", description=__doc__,
@@ -146,6 +155,7 @@ def main(argv=None) -> int:
         for i, p in enumerate(shown):
             note = f" [{'; '.join(p.notes)}]" if p.notes else ""
             print(f"#{i + 1}: {why(p, shown[0], i, len(search.plans), runner_up)}{note}")
+        print(state_line(shown[0], "\n#1"))
         print(f"\nrefused {sum(search.refused.values())} candidates:")
         for reason, n in sorted(search.refused.items(), key=lambda kv: -kv[1]):
             print(f"  {n:>7} {reason} (e.g. {search.examples[reason]})")
@@ -156,6 +166,7 @@ def main(argv=None) -> int:
         print(format_plans([ev], C))
         print(f"  {why(ev, shown[0], 1, len(search.plans), None)}; {faster} feasible plans are estimated faster"
               + (f" [{'; '.join(ev.notes)}]" if ev.notes else ""))
+        print(state_line(ev, "  evaluated"))
     pick = shown[min(max(args.pick, 1), len(shown)) - 1]
     if args.write_ds_config:
         if pick.candidate.zero_stage == 0:

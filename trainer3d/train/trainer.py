@@ -19,6 +19,7 @@ from trainer3d.distributed.collectives import all_reduce
 from trainer3d.errors import TrainingError
 from trainer3d.optim import DynamicLossScale, lr_at
 from trainer3d.parallel.ddp import DDPEngine
+from trainer3d.parallel.engine import EngineFactory
 from trainer3d.parallel.parallelize import parallelize
 from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 from trainer3d.train.setup import RunSetup
@@ -37,7 +38,7 @@ class Trainer:
         if setup.deepspeed is not None:  # the data-parallel engine: chosen here, once
             engine_factory = zero_engine_factory(setup.deepspeed, topo, device, verbose=cfg.verbose)
         else:
-            engine_factory = lambda stages: DDPEngine(stages, topo, device, cfg)  # noqa: E731
+            engine_factory = EngineFactory(lambda stages: DDPEngine(stages, topo, device, cfg))
         self.pm = parallelize(
             mcfg, topo, device, cfg, setup.plan, engine_factory, self._loss_fn, COMPUTE_DTYPES[self.precision],
             shard_value=shard_value,

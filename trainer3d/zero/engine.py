@@ -21,9 +21,10 @@ import torch.nn as nn
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.optim import adam, param_groups, set_lr
 from trainer3d.parallel.engine import (
-    DataParallelEngine, counts_in_norm, sequence_parallel_params, sum_sequence_parallel_grads, sum_tied_grads,
+    DataParallelEngine, EngineFactory, counts_in_norm, sequence_parallel_params, sum_sequence_parallel_grads, sum_tied_grads,
     tied_copies,
 )
+from trainer3d.parallel.tensor_parallel import materialize
 from trainer3d.zero import memory, state
 from trainer3d.zero.config import DeepSpeedSpec
 from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
@@ -38,22 +39,11 @@ class ZeroEngine(DataParallelEngine):
     casts_module = True  # DeepSpeed holds the stage in bf16 (its "bf16" section); no autocast
 
     def __init__(self, spec: DeepSpeedSpec, stages: list[nn.Module], topo, device: torch.device, verbose: bool = False):
-        check_deepspeed_version()
-        if "TORCH_EXTENSIONS_DIR" not in os.environ and os.path.isdir(default_extensions_dir()):
-            use_prebuilt_ops()  # what `python -m trainer3d.zero --build-ops` built for this checkout
+        prepare_deepspeed(topo, device, verbose)
         import deepspeed
-        from deepspeed.utils import logger as ds_logger
 
         self.spec, self.stages, self.topo, self.device = spec, stages, topo, device
         self.name = f"ZeRO-{spec.zero_stage}"
-        check_glue()
-        if not verbose:
-            ds_logger.setLevel(logging.WARNING)
-        # DeepSpeed 0.19 calls torch.distributed functions that torch 2.13 marks deprecated, on every step.
-        warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
-        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
-        patch_zero3_trace_check(topo.dp_group)
         mpu = TopologyMPU(topo)
         # Every rank builds its engines in stage order: ZeRO-3's init has world-group barriers that pair up so.
         self.engines = []
@@ -195,5 +185,66 @@ def _has_loss_scale(opt) -> bool:
     return isinstance(opt, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3))
 
 
-def zero_engine_factory(spec: DeepSpeedSpec, topo, device: torch.device, verbose: bool = False):
-    return lambda stages: ZeroEngine(spec, stages, topo, device, verbose=verbose)
+def prepare_deepspeed(topo, device: torch.device, verbose: bool) -> None:
+    """Everything DeepSpeed needs before it touches a parameter (idempotent): the version and glue checks, the
+    prebuilt ops, its view of the process groups, quiet logs."""
+    check_deepspeed_version()
+    if "TORCH_EXTENSIONS_DIR" not in os.environ and os.path.isdir(default_extensions_dir()):
+        use_prebuilt_ops()  # what `python -m trainer3d.zero --build-ops` built for this checkout
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    check_glue()
+    if not verbose:
+        ds_logger.setLevel(logging.WARNING)
+    # DeepSpeed 0.19 calls torch.distributed functions that torch 2.13 marks deprecated, on every step.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
+    os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+    patch_zero3_trace_check(topo.dp_group)
+
+
+class ZeroEngineFactory(EngineFactory):
+    """Builds the ZeroEngine; under ZeRO-3 it also partitions every parameter over dp the moment it is materialized
+    (DeepSpeed's zero.Init, with the arguments deepspeed.initialize would use), so that start-up never holds more
+    than this rank's partitions plus one module's parameters, where materializing the whole stage first needed the
+    stage's full fp32 copy on every rank. zero.Init broadcasts each parameter from dp rank 0, so only that rank
+    reads (or initializes) values. deepspeed.initialize then finds the parameters partitioned already."""
+
+    def __init__(self, spec: DeepSpeedSpec, topo, device: torch.device, verbose: bool = False):
+        super().__init__(lambda stages: ZeroEngine(spec, stages, topo, device, verbose=verbose))
+        self.spec, self.topo, self.device, self.verbose = spec, topo, device, verbose
+
+    def materialize(self, module: nn.Module, device: torch.device, shard_value, tp_rank: int, tp: int) -> None:
+        if self.spec.zero_stage < 3:
+            return super().materialize(module, device, shard_value, tp_rank, tp)
+        prepare_deepspeed(self.topo, self.device, self.verbose)
+        if self.topo.dp_rank != 0:  # zero.Init broadcasts each parameter from dp rank 0: nothing to read or compute
+            shard_value = lambda name, spec, local_shape, rank, size: torch.empty(local_shape)  # noqa: E731
+        materialize(module, device, shard_value, tp_rank, tp, after_module=self._partitioner())
+
+    def _partitioner(self):
+        import deepspeed
+
+        ds = self.spec.ds_config
+        offload = ds["zero_optimization"].get("offload_param") or {}
+        remote = offload.get("device", "none")
+        kw = dict(
+            data_parallel_group=self.topo.dp_group, mpu=TopologyMPU(self.topo),
+            dtype=torch.bfloat16 if (ds.get("bf16") or {}).get("enabled") else torch.float32,
+            remote_device=None if remote in (None, "none") else remote, pin_memory=bool(offload.get("pin_memory")),
+        )
+
+        def partition(module: nn.Module) -> None:
+            own = nn.Module()  # just the module's own parameters (its children may not exist yet)
+            for name, p in module.named_parameters(recurse=False):
+                p.data = p.data.to(kw["dtype"])  # what deepspeed.initialize casts before it partitions
+                own.register_parameter(name, p)
+            init = deepspeed.zero.Init(module=own, config_dict_or_path=copy.deepcopy(ds), **kw)
+            kw["param_swapper"] = init.param_swapper  # NVMe: one swapper for the stage, as one Init would have
+
+        return partition
+
+
+def zero_engine_factory(spec: DeepSpeedSpec, topo, device: torch.device, verbose: bool = False) -> ZeroEngineFactory:
+    return ZeroEngineFactory(spec, topo, device, verbose)

@@ -11,6 +11,7 @@ stage over the dp group (docs/zero.md explains each and the measurements behind 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 
@@ -46,11 +47,15 @@ def check_glue() -> None:
         (Stage3, "_constant_buffered_norm2", "ZeRO-3 offload gradient norms"),
         (Stage3, "_optimizer_states_and_gradient_swap_in", "checkpoint loading under NVMe optimizer offload"),
         (Stage3, "_optimizer_states_and_gradient_swap_out", "checkpoint loading under NVMe optimizer offload"),
-        (Stage3, "_get_param_partition_rank", "checkpoint loading under NVMe optimizer offload"),
+        (Stage3, "_get_param_partition_rank", "checkpoint loading: a ZeRO-3 rank reads only its partition"),
+        (tensor_fragment, "safe_set_local_fp32_param", "checkpoint loading: a ZeRO-3 rank reads only its partition"),
+        (tensor_fragment, "safe_set_local_optimizer_state", "checkpoint loading: a ZeRO-3 rank reads only its partition"),
         (Stage12, "loss_scale", "clipping through the loss scale (ZeRO-1/2)"),
         (Stage3, "loss_scale", "clipping through the loss scale (ZeRO-3)"),
     ]
     missing = [f"{getattr(obj, '__name__', obj)}.{name} ({what})" for obj, name, what in needs if not hasattr(obj, name)]
+    if "lp_fragment_address" not in {f.name for f in dataclasses.fields(tensor_fragment.tensor_fragment)}:
+        missing.append("tensor_fragment.lp_fragment_address (checkpoint loading: a ZeRO-1/2 rank reads only its fragment)")
     src = inspect.getsource(DeepSpeedEngine)  # DeepSpeedEngine.backward itself is an nvtx wrapper
     src = src[src.find("    def backward(") :]
     src = src[: src.find("\n    def ", 1)]

@@ -80,13 +80,13 @@ def _load_swapped_states(engine_of: dict, items) -> None:
             opt._optimizer_states_and_gradient_swap_in(group)
         master = opt.fp32_partitioned_groups_flat[group]
         for engine, p, read_state, read_value, offset, numel in members:
-            start = numel * opt._get_param_partition_rank(p)
-            master.data.narrow(0, offset, numel).copy_(read_value().reshape(-1).narrow(0, start, numel))
-            state = read_state()
+            flat = (numel * opt._get_param_partition_rank(p), numel)  # this rank's partition only
+            master.data.narrow(0, offset, numel).copy_(read_value(flat=flat))
+            state = read_state(flat=flat)
             if state:
                 adam = _new_adam_state(opt.optimizer, master, int(state["step"].item()))
                 for key in ADAM_MOMENTS:
-                    adam[key].narrow(0, offset, numel).copy_(state[key].reshape(-1).narrow(0, start, numel))
+                    adam[key].narrow(0, offset, numel).copy_(state[key])
         if swap:
             opt._optimizer_states_and_gradient_swap_out(group)
 
@@ -155,35 +155,84 @@ def optimizer_state_of(engine, p: nn.Parameter) -> dict[str, torch.Tensor]:
 def load_param_states(engine_of: dict, items) -> None:
     """Write a checkpoint's fp32 values and AdamW states into this rank's partitions. `items`: (parameter,
     read_state, read_value), the readers returning the tp shard (full over dp) of the Adam state (`step`,
-    `exp_avg`, `exp_avg_sq`; {} if saved before the first step) and of the fp32 value. The value goes into ZeRO's
-    master copy: the module, built from the same value, holds it only in bf16 under bf16. `engine_of`: id of a
-    parameter -> the engine that owns it."""
+    `exp_avg`, `exp_avg_sq`; {} if saved before the first step) and of the fp32 value, or with `flat=(start,
+    numel)` only that range of it: a ZeRO-3 rank reads only its own partition. The value goes into ZeRO's master
+    copy: the module, built from the same value, holds it only in bf16 under bf16. `engine_of`: id of a parameter
+    -> the engine that owns it."""
     swapped = [item for item in items if _swaps_optimizer(engine_of[id(item[0])])]
     with_state: set[int] = set()  # engines whose Adam state exists (created once per engine, not per parameter)
     for p, read_state, read_value in items:
         engine = engine_of[id(p)]
         if _swaps_optimizer(engine):
             continue
-        state = read_state()
+        if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition only
+            start, numel, size = _partition(engine, p)
+            state = {k: _padded(v, size) if k in ADAM_MOMENTS else v
+                     for k, v in read_state(flat=(start, numel)).items()}
+            value = _padded(read_value(flat=(start, numel)), size)
+        elif hasattr(p, "_hp_mapping"):  # ZeRO-1/2: read only this rank's fragment, set through the full setter
+            flat, shape = _fragment(p), _full_shape(p)
+            state = {k: _placed(v, flat, shape) if k in ADAM_MOMENTS else v for k, v in read_state(flat=flat).items()}
+            value = _placed(read_value(flat=flat), flat, shape)
+        else:
+            state, value = read_state(), read_value()
         if state and id(engine) not in with_state:
             _create_optimizer_state(engine, int(state["step"].item()))
             with_state.add(id(engine))
-        _load_param_state(engine, p, state, read_value())
+        _load_param_state(engine, p, state, value)
     if swapped:
         _load_swapped_states(engine_of, swapped)
 
 
-def _load_param_state(engine, p: nn.Parameter, state: dict[str, torch.Tensor], value: torch.Tensor) -> None:
-    """One parameter of an engine whose Adam state exists (if `state` is not empty)."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+def _partition(engine, p: nn.Parameter) -> tuple[int, int, int]:
+    """(start, numel, size) of this rank's ZeRO-3 partition of `p` in its flattened tp shard: partitions are equal
+    slices in dp-rank order, the last one padded up to `size`."""
+    size = p.ds_tensor.ds_numel
+    start = size * engine.optimizer._get_param_partition_rank(p)
+    return start, max(0, min(size, p.ds_numel - start)), size
 
+
+def _fragment(p: nn.Parameter) -> tuple[int, int]:
+    """(start, numel) of the fragment of `p` whose fp32 master and moments this rank's ZeRO-1/2 partition holds
+    (DeepSpeed's per-parameter mapping; none: (0, 0))."""
+    mapping = p._hp_mapping
+    if mapping is None:
+        return 0, 0
+    address = mapping.lp_fragment_address
+    return address.start, address.numel
+
+
+def _placed(fragment: torch.Tensor, flat: tuple[int, int], shape) -> torch.Tensor:
+    """A full-shaped tensor holding `fragment` at `flat` (zeros elsewhere: safe_set_full_* reads only the fragment)."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    out.view(-1).narrow(0, flat[0], flat[1]).copy_(fragment)
+    return out
+
+
+def _padded(flat: torch.Tensor, size: int) -> torch.Tensor:
+    out = torch.zeros(size, dtype=torch.float32)
+    out[: flat.numel()] = flat
+    return out
+
+
+def _load_param_state(engine, p: nn.Parameter, state: dict[str, torch.Tensor], value: torch.Tensor) -> None:
+    """One parameter of an engine whose Adam state exists (if `state` is not empty); a ZeRO-3 parameter's `value`
+    and moments are its partition, any other's the whole tp shard."""
+    from deepspeed.utils import (
+        safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
+
+    local = hasattr(p, "ds_id")
+    set_value = safe_set_local_fp32_param if local else safe_set_full_fp32_param
+    set_state = safe_set_local_optimizer_state if local else safe_set_full_optimizer_state
     if _partitioned(p):
-        safe_set_full_fp32_param(p, value.to(torch.float32))
+        set_value(p, value.to(torch.float32))
     if not state:
         return
     if _partitioned(p):
         for key in ADAM_MOMENTS:
-            safe_set_full_optimizer_state(p, state[key].to(torch.float32), key)
+            set_state(p, state[key].to(torch.float32), key)
     else:
         base, _ = _base_optimizer_and_masters(engine)
         base.state[p] = {k: adam_step_state(v, p, base) if k == "step" else v.to(p.device, torch.float32)
