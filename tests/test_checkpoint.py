@@ -251,7 +251,15 @@ def test_checkpoint_layout_on_disk(world_results):
         per_file.append(sum(int(np.prod(size)) for *_, size in pieces))
     n_params = ckpt.model_config.num_params()
     assert stored == {"param": n_params, "exp_avg": n_params, "exp_avg_sq": n_params}  # once each, tied head not
-    assert max(per_file) <= 1.25 * sum(per_file) / 8, per_file  # each rank writes about 1/world
+    # each rank writes what the planner's arithmetic says it does (plan/state_memory.py; it counts the vocabulary's
+    # padding rows, which are not stored: < 2% here); ranks of a stage alike
+    from trainer3d.plan.candidate import Candidate
+    from trainer3d.plan.state_memory import state_memory
+
+    cand = Candidate(cfg=ckpt.model_config, dp=2, tp=2, pp=2, micro_batches=2, seq_len=SEQ)
+    for rank, elements in enumerate(per_file):
+        planned = state_memory(cand, rank // 4).save_written
+        assert 0.98 <= planned / (4 * elements) <= 1.02, (rank, planned, 4 * elements)
     wte = ckpt.model_tensor("wte.weight")
     assert wte.shape == (VOCAB, 64)  # unpadded (the tp=2 shards were padded to 256 rows each)
     assert ckpt.model_tensor("h.0.attn.c_attn.weight").shape == (192, 64)  # unsharded over tp

@@ -37,7 +37,8 @@ from trainer3d.plan.state_memory import worst_state_memory
 def state_line(p, label: str) -> str:
     """The model state outside a step, for a plan's worst pipeline rank (plan/state_memory.py)."""
     s = worst_state_memory(p.candidate, representative_ranks(p.candidate.pp))
-    return (f"{label}: model state outside the step, worst rank (GiB): start-up {gib(s.startup_device):.1f} on the GPU; a save "
+    return (f"{label}: model state outside the step, worst rank (GiB): start-up {gib(s.startup_device):.1f} on the GPU "
+            f"(+{gib(s.startup_host):.1f} on the host for the largest tensor's initial value); a save "
             f"writes {gib(s.save_written):.2f} and adds {gib(s.save_host):.2f} of host memory; a resume reads "
             f"{gib(s.resume_read):.1f}")
 
