@@ -40,20 +40,21 @@ def zero3_offload(case: Case) -> dict:
     return ds_config(3, True, case)
 
 
-def _rss() -> int:
+def _status_bytes(field: str) -> int:
+    """A memory line of /proc/self/status (VmRSS: resident now, VmHWM: its peak), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _rss() -> int:
+    return _status_bytes("VmRSS")
 
 
 def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmHWM")
 
 
 def _reset_hwm() -> None:

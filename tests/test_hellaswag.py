@@ -29,6 +29,7 @@ from trainer3d.data.hellaswag import IGNORE, encode_rows, read_examples, score
 from trainer3d.errors import DataError
 from trainer3d.generate import pick_next_token
 from trainer3d.models import init_value
+from trainer3d.parallel.tensor_parallel import from_full
 from trainer3d.models.gpt2 import GPT
 from trainer3d.train.downstream import sample_generator
 from wandb_reader import read_history
@@ -185,7 +186,8 @@ def _layouts(rank: int, world_size: int, path: str, cases: list) -> list:
         topo = setup.topology(list(range(n)))
         result = None
         if topo.active:
-            trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB), full_value=full_value)
+            trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB),
+                              shard_value=from_full(full_value))
             res = hellaswag(trainer, rows, pad_id=0)
             s = SAMPLE
             draw = lambda step: sample(trainer, s["prompt"], s["count"], s["n_tokens"], s["temperature"],  # noqa: E731

@@ -10,6 +10,7 @@ from trainer3d.config import TrainConfig
 from trainer3d.train.setup import validate
 from trainer3d.checkpoint.hf import load_hf_checkpoint
 from trainer3d.models import canonical_name
+from trainer3d.parallel.tensor_parallel import from_full
 from trainer3d.train.trainer import Trainer
 
 
@@ -25,7 +26,8 @@ def _logits_at_layouts(rank, world_size, hf_dir, ids):
         topo = setup.topology(list(range(tp * pp)))
         if topo.active:
             mcfg = cfg.model_config(gcfg.vocab_size)
-            trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, full_value=lambda n, s: state[canonical_name(mcfg, n)])
+            trainer = Trainer(setup, topo, torch.device("cpu"), mcfg,
+                              shard_value=from_full(lambda n, s: state[canonical_name(mcfg, n)]))
             for m in trainer.engine.stage_modules:
                 m.eval()
             args = (ids,) if trainer.pm.has_first else ()

@@ -132,7 +132,7 @@ def test_import_train_export_generate(tmp_path, capsys):
     assert all(r["losses"] == run["losses"] for r in results)
     ckpt = Checkpoint(run["path"])
     assert ckpt.meta["model_family"] == "llama" and ckpt.meta["config"]["tokenizer"] == str(hf_dir)
-    assert "lm_head.weight" not in ckpt.model_index  # tied: stored once, as the embedding
+    assert ("param", "lm_head.weight") not in ckpt.pieces  # tied: stored once, as the embedding
 
     assert export_main([run["path"], str(tmp_path / "export")]) == 0
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export").eval()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim.optimizer import _default_to_fused_or_foreach
+
+from trainer3d.private_api import require
 
 
 def lr_at(step: int, cfg) -> float:
@@ -40,6 +41,9 @@ def adam(params, lr: float, betas: tuple[float, float], eps: float, decoupled: b
     here."""
     params = list(params)
     tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+    require("optim.py")
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
     fused, foreach = _default_to_fused_or_foreach(tensors, differentiable=False, use_fused=True)  # torch's own test
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     return cls(params, lr=lr, betas=betas, eps=eps, fused=fused or None, foreach=foreach if not fused else None)

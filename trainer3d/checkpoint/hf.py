@@ -4,6 +4,7 @@ adapter (models/<family>/hf.py: config mapping, names, fused weights, transposes
     HFDirectory(path)            config.json -> the family and our config; its tensors indexed, read lazily
       .check()                   every tensor our model needs is there with its shape, nothing unexpected (headers only)
       .tensor(name)              one canonical tensor, read from the files that hold its parts
+      .shard(name, spec, ...)    a tp rank's shard of one, reading only the byte ranges it overlaps
     load_hf_checkpoint(path)     (config, canonical state dict), checked
     save_hf_checkpoint(cfg, state, out_dir, tokenizer_dir=None, ..., max_shard_size="5GB")   loadable by the
                                  family's `from_pretrained`; written one size-limited file at a time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from trainer3d.checkpoint.pieces import Piece, read_local, tp_boxes
 from trainer3d.fsio import fsync_path
 from trainer3d.models import FAMILIES, canonical_shapes, family_for_hf, family_of
 
@@ -74,6 +76,8 @@ class HFDirectory:
                                     f"{', '.join(WEIGHT_FILES)}")
         self._handles: dict[Path, object] = {}
         self._bins: dict[Path, dict] = {}
+        self._transposed: dict[str, bool] = {}
+        self.bytes_read = 0  # tensor bytes read by shard()
         self.index = self._build_index()  # HF name (normalized) -> (file, name in the file)
 
     # -- the files ---------------------------------------------------------------------------------------------------
@@ -159,6 +163,32 @@ class HFDirectory:
         """The canonical tensor `name`, in the stored dtype."""
         parts = [self.hf_tensor(s) for s in self.adapter.sources(self.cfg, name)]
         return self.adapter.from_hf(self.cfg, name, parts).contiguous()
+
+    # -- a rank's shard of a canonical tensor, reading only its byte ranges -------------------------------------------
+    def shard(self, name: str, spec, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> torch.Tensor:
+        """This tp rank's shard (TPSpec `spec`; None: whole) of the canonical tensor `name`, in fp32: each HF tensor
+        it is made of is a piece of it (checkpoint/pieces.py), and only the blocks the shard overlaps are read."""
+        boxes = tp_boxes(spec, tuple(local_shape), tp_rank, tp)
+        return read_local(self._pieces(name), boxes, tuple(local_shape), self._read_block)
+
+    def _pieces(self, name: str) -> list[Piece]:
+        out, row = [], 0
+        for part in self.adapter.parts(self.cfg, name):
+            shape = self._hf_shape(part.name)
+            size = tuple(reversed(shape)) if part.transposed else shape
+            self._transposed[part.name] = part.transposed
+            out.append(Piece(part.name, part.name, (row,) + (0,) * (len(size) - 1), size))
+            row += size[0]
+        return out
+
+    def _read_block(self, hf_name: str, _key: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        file, key = self.index[hf_name]
+        transposed = self._transposed[hf_name]
+        if transposed:
+            slices = slices[::-1]
+        t = self._bin(file)[key][slices] if file.suffix == ".bin" else self._safe(file).get_slice(key)[slices]
+        self.bytes_read += t.numel() * t.element_size()
+        return t.t() if transposed else t
 
     def state(self, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
         out = {name: self.tensor(name) for name in canonical_shapes(self.cfg)}

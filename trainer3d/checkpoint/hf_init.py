@@ -1,6 +1,6 @@
 """Starting a run from a Hugging Face directory of any known family (--init-from-hf): its config, checked before any
-process group, and the `shard_value` hook that materializes each rank's shards from its weights, one tensor at a time
-(a rank reads only the tensors of its own stages)."""
+process group, and the `shard_value` hook that materializes each rank's shards from its weights, reading only the
+byte ranges of its own shard of its own stages' tensors."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import torch
 
 from trainer3d.checkpoint.hf import CONFIG_NAME, HFDirectory, read_hf_config
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.models import canonical_name, shape_diffs
-from trainer3d.parallel.tensor_parallel import from_full
 
 
 def hf_model_config(path: str | os.PathLike):
@@ -27,8 +27,8 @@ def hf_model_config(path: str | os.PathLike):
         raise CheckpointError(f"--init-from-hf {p}: {p / CONFIG_NAME} cannot be used ({first_line(e)}).") from None
 
 
-def hf_shard_value(path: str | os.PathLike, mcfg) -> Callable:
-    """The `shard_value` hook (parallel/tensor_parallel.materialize) from a Hugging Face directory, after checking that its tensors (headers) fit `mcfg`."""
+def open_hf(path: str | os.PathLike, mcfg) -> HFDirectory:
+    """A Hugging Face directory whose tensors (headers) are checked to fit `mcfg`; CheckpointError otherwise."""
     try:
         directory = HFDirectory(path, dropout=mcfg.dropout)
         diffs = shape_diffs(directory.cfg, mcfg)
@@ -41,5 +41,13 @@ def hf_shard_value(path: str | os.PathLike, mcfg) -> Callable:
             f"--init-from-hf {path} holds a different model shape: {', '.join(diffs)}; drop the conflicting "
             "--n-layer/--n-head/--n-embd/--vocab-size flags (the model's shape comes from its config.json)."
         )
+    return directory
 
-    return from_full(lambda name, shape: directory.tensor(canonical_name(mcfg, name)).float())
+
+def hf_shard_value(directory: HFDirectory, mcfg) -> Callable:
+    """The `shard_value` hook (parallel/tensor_parallel.materialize) that reads each rank's shards from `directory`."""
+
+    def shard_value(name: str, spec, local_shape: tuple, tp_rank: int, tp: int) -> torch.Tensor:
+        return directory.shard(canonical_name(mcfg, name), spec, tuple(local_shape), tp_rank, tp)
+
+    return shard_value

@@ -22,7 +22,7 @@ import torch
 from trainer3d.checkpoint.format import (
     Checkpoint, checkpoints_root, latest_checkpoint, layout_record, resolve_checkpoint, sharded_rngs,
 )
-from trainer3d.checkpoint.hf_init import hf_shard_value
+from trainer3d.checkpoint.hf_init import hf_shard_value, open_hf
 from trainer3d.distributed.collectives import agree_on_error, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import write_text_atomic
@@ -165,6 +165,7 @@ class Start:
 
     checkpoint: Checkpoint | None = None
     shard_value: Callable | None = None  # for Trainer(..., shard_value=)
+    source: Any = None  # what shard_value reads (a Checkpoint or an HFDirectory; both count their bytes_read)
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -174,7 +175,8 @@ def prepare(cfg, mcfg, topo) -> Start:
     start = Start()
     ckpt = open_for_resume(cfg.resume, cfg.out_dir, mcfg, topo) if cfg.resume else None
     if ckpt is not None:
-        start.checkpoint, start.shard_value = ckpt, ckpt.shard_value(mcfg)
+        start.checkpoint = start.source = ckpt
+        start.shard_value = ckpt.shard_value(mcfg)
         start.notes.append(f"resuming from {ckpt.path} (step {ckpt.step})")
         if cfg.init_from_hf:
             start.notes.append(f"--init-from-hf {cfg.init_from_hf} ignored: the checkpoint's weights are used")
@@ -182,7 +184,8 @@ def prepare(cfg, mcfg, topo) -> Start:
     if cfg.resume:
         start.notes.append(f"--resume: no checkpoint in {checkpoints_root(cfg.out_dir)} yet; starting from scratch")
     if cfg.init_from_hf:
-        start.shard_value = hf_shard_value(cfg.init_from_hf, mcfg)
+        start.source = open_hf(cfg.init_from_hf, mcfg)
+        start.shard_value = hf_shard_value(start.source, mcfg)
         start.notes.append(f"initialised from the Hugging Face weights in {cfg.init_from_hf}")
     return start
 

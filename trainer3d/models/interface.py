@@ -121,10 +121,21 @@ class CausalLM(nn.Module):
 
 
 # ---- Hugging Face --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HFPart:
+    """One Hugging Face tensor that a canonical tensor is made of: `rows` of it along dim 0 (None: the whole tensor,
+    its only part), in order, stored transposed (GPT-2's Conv1D weights) or not."""
+
+    name: str
+    rows: int | None = None
+    transposed: bool = False
+
+
 class HFAdapter:
     """A family's mapping to and from a Hugging Face `save_pretrained` directory. Canonical names are trainer3d's
     parameter names (the tied head stored once, as the embedding); HF names are what the directory's files hold.
-    Reading is lazy: `sources` lists the HF tensors one canonical tensor is made of, `from_hf` makes it from them."""
+    A family declares, per canonical tensor, the HF tensors it is made of (`parts`: stacked along dim 0, each maybe
+    transposed); conversion both ways and the reading of any block of a canonical tensor follow from that."""
 
     model_type: str  # config.json's model_type
     architecture: str  # the transformers class that loads an export, e.g. "LlamaForCausalLM"
@@ -137,14 +148,20 @@ class HFAdapter:
         """The transformers config object for `cfg` (its `to_json_file` writes config.json)."""
         raise NotImplementedError
 
-    def sources(self, cfg, name: str) -> list[str]:
+    def parts(self, cfg, name: str) -> list[HFPart]:
         raise NotImplementedError
+
+    def sources(self, cfg, name: str) -> list[str]:
+        return [p.name for p in self.parts(cfg, name)]
 
     def from_hf(self, cfg, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
+        parts = [t.t() if p.transposed else t for p, t in zip(self.parts(cfg, name), tensors)]
+        return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0].contiguous()
 
     def to_hf(self, cfg, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        parts = self.parts(cfg, name)
+        chunks = tensor.split([p.rows for p in parts], dim=0) if len(parts) > 1 else [tensor]
+        return {p.name: c.t() if p.transposed else c for p, c in zip(parts, chunks)}
 
     def normalize(self, hf_name: str) -> str:
         """A stored name as `sources` spells it (older files name some tensors differently)."""

@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from trainer3d.errors import ConfigError
 from trainer3d.parallel.recompute import Checkpointed
+from trainer3d.private_api import require
 
 
 def apply_compile(stage: nn.Module, enabled: bool) -> nn.Module:
@@ -59,6 +60,7 @@ def check_compiler(device_type: str) -> None:
     """--compile needs what inductor builds kernels with: triton on CUDA; on CPU the C++ compiler inductor itself
     looks for (torch._inductor.config.cpp.cxx: $CXX, else g++) and Python's headers; and dynamo must support this
     Python. One sentence naming the fix."""
+    require("parallel/compile.py", ConfigError)
     from torch._dynamo.eval_frame import check_if_dynamo_supported
 
     try:

@@ -21,6 +21,7 @@ from trainer3d.parallel.engine import (
     tied_copies, unique_parameters,
 )
 from trainer3d.parallel.pipeline import SCHEDULES
+from trainer3d.private_api import require
 
 
 def wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:
@@ -44,11 +45,11 @@ def all_reduce_grads(params: list[nn.Parameter], dp_group, bucket_elems: int = 2
     for i, g in enumerate(grads):
         bucket.append(g)
         if sum(b.numel() for b in bucket) >= bucket_elems or i == len(grads) - 1:
-            flat = torch._utils._flatten_dense_tensors(bucket)
+            flat = torch.cat([b.reshape(-1) for b in bucket])
             dist.all_reduce(flat, group=dp_group)
             flat.div_(n)
-            for b, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                b.copy_(reduced)
+            for b, reduced in zip(bucket, flat.split([b.numel() for b in bucket])):
+                b.copy_(reduced.view_as(b))
             bucket = []
 
 
@@ -70,6 +71,7 @@ class DDPEngine(DataParallelEngine):
     name = "DDP"
 
     def __init__(self, stages: list[nn.Module], topo, device: torch.device, cfg):
+        require("parallel/ddp.py")
         self.stages, self.topo, self.device = stages, topo, device
         self.hooks_reduce = not SCHEDULES[cfg.schedule].split_backward  # DDP's hooks see every gradient
         self.wrapped = [wrap_ddp(s, topo.dp_group, device) for s in stages] if self.hooks_reduce else list(stages)

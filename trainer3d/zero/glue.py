@@ -11,59 +11,29 @@ stage over the dp group (docs/zero.md explains each and the measurements behind 
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import inspect
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
+from trainer3d.private_api import WRITTEN_FOR, require
+
 
 def check_glue() -> None:
-    """Fail loudly, naming the piece, if this DeepSpeed moved an internal the glue uses."""
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    """Fail loudly, naming the piece, if this DeepSpeed moved an internal the glue uses (the table:
+    trainer3d/private_api.py; and DeepSpeedEngine.backward's own steps, which glue 3 reproduces)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Stage12
 
-    tensor_fragment = importlib.import_module("deepspeed.utils.tensor_fragment")
-
-    needs = [
-        (ppc, "assert_ints_same_as_other_ranks", "glue 2 (ZeRO-3 trace check over dp)"),
-        (DeepSpeedEngine, "_backward_prologue", "glue 3 (backward bracketing)"),
-        (DeepSpeedEngine, "_backward_epilogue", "glue 3 (backward bracketing)"),
-        (DeepSpeedEngine, "set_gradient_accumulation_boundary", "glue 3 (backward bracketing)"),
-        (ZeROOptimizer, "clear_backward_seen_flag", "glue 3 (backward bracketing)"),
-        (tensor_fragment.tensor_fragment, "get_lp_grad_fragment", "ZeRO-1/2 gradient fragments (norm, clip)"),
-        (tensor_fragment, "safe_get_local_grad", "ZeRO-3 local gradients (tied embedding, norm, clip)"),
-        (tensor_fragment, "safe_set_local_grad", "ZeRO-3 local gradients (tied embedding, norm, clip)"),
-        (tensor_fragment, "safe_get_full_grad", "ZeRO-0/1/2 tied embedding"),
-        (tensor_fragment, "safe_set_full_grad", "ZeRO-0/1/2 tied embedding"),
-        (Stage3, "_get_fp32_grad_state_partition", "ZeRO-3 tied embedding with NVMe-swapped parameters"),
-        (Stage3, "_swappable_optimizer_subgroup", "ZeRO-3 tied embedding with NVMe-swapped parameters"),
-        (Stage3, "_writeback_swap_state", "ZeRO-3 tied embedding with NVMe-swapped parameters"),
-        (Stage3, "_constant_buffered_norm2", "ZeRO-3 offload gradient norms"),
-        (Stage3, "_optimizer_states_and_gradient_swap_in", "checkpoint loading under NVMe optimizer offload"),
-        (Stage3, "_optimizer_states_and_gradient_swap_out", "checkpoint loading under NVMe optimizer offload"),
-        (Stage3, "_get_param_partition_rank", "checkpoint loading: a ZeRO-3 rank reads only its partition"),
-        (tensor_fragment, "safe_set_local_fp32_param", "checkpoint loading: a ZeRO-3 rank reads only its partition"),
-        (tensor_fragment, "safe_set_local_optimizer_state", "checkpoint loading: a ZeRO-3 rank reads only its partition"),
-        (Stage12, "loss_scale", "clipping through the loss scale (ZeRO-1/2)"),
-        (Stage3, "loss_scale", "clipping through the loss scale (ZeRO-3)"),
-    ]
-    missing = [f"{getattr(obj, '__name__', obj)}.{name} ({what})" for obj, name, what in needs if not hasattr(obj, name)]
-    if "lp_fragment_address" not in {f.name for f in dataclasses.fields(tensor_fragment.tensor_fragment)}:
-        missing.append("tensor_fragment.lp_fragment_address (checkpoint loading: a ZeRO-1/2 rank reads only its fragment)")
+    require("zero/")
     src = inspect.getsource(DeepSpeedEngine)  # DeepSpeedEngine.backward itself is an nvtx wrapper
     src = src[src.find("    def backward(") :]
     src = src[: src.find("\n    def ", 1)]
-    for marker in ("_running_engine_backward_lock", "_running_engine_backward_count", "_backward_epilogue()"):
-        if marker not in src:
-            missing.append(f"DeepSpeedEngine.backward no longer uses {marker} (glue 3)")
+    missing = [m for m in ("_running_engine_backward_lock", "_running_engine_backward_count", "_backward_epilogue()")
+               if m not in src]
     if missing:
-        raise RuntimeError("trainer3d/zero/glue.py does not fit this DeepSpeed: missing " + "; ".join(missing))
+        raise RuntimeError(f"trainer3d/zero/glue.py does not fit this DeepSpeed: DeepSpeedEngine.backward no longer "
+                           f"uses {', '.join(missing)} (glue 3); it was written for {WRITTEN_FOR}.")
 
 
 # ---- 1. mpu ----------------------------------------------------------------------------------------------------

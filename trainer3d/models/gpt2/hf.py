@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from trainer3d.models.gpt2.config import GPTConfig
-from trainer3d.models.interface import HFAdapter
+from trainer3d.models.interface import HFAdapter, HFPart
 
 # Activations that are GELU with the tanh approximation, i.e. what MLP.forward computes.
 SUPPORTED_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh")
@@ -95,15 +95,8 @@ class GPT2Adapter(HFAdapter):
             else eos_token_id, eos_token_id=eos_token_id, architectures=[self.architecture], **kwargs,
         )
 
-    def sources(self, cfg: GPTConfig, name: str) -> list[str]:
-        return ["transformer." + name]
-
-    def from_hf(self, cfg: GPTConfig, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        (t,) = tensors
-        return t.t().contiguous() if name.endswith(_CONV1D_SUFFIXES) else t
-
-    def to_hf(self, cfg: GPTConfig, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"transformer." + name: tensor.t() if name.endswith(_CONV1D_SUFFIXES) else tensor}
+    def parts(self, cfg: GPTConfig, name: str) -> list[HFPart]:
+        return [HFPart("transformer." + name, transposed=name.endswith(_CONV1D_SUFFIXES))]
 
     def normalize(self, hf_name: str) -> str:
         """Older hub checkpoints are saved from GPT2Model: no `transformer.` prefix."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from trainer3d.models.interface import HFAdapter
+from trainer3d.models.interface import HFAdapter, HFPart
 from trainer3d.models.llama.config import LlamaConfig
 
 _QKV, _GATE_UP = "self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"
@@ -95,21 +95,11 @@ class LlamaAdapter(HFAdapter):
             return [base + "gate_proj.weight", base + "up_proj.weight"], [cfg.ffn_hidden, cfg.ffn_hidden]
         return None
 
-    def sources(self, cfg: LlamaConfig, name: str) -> list[str]:
+    def parts(self, cfg: LlamaConfig, name: str) -> list[HFPart]:
         split = self._split(cfg, name)
         if split is not None:
-            return split[0]
-        return [name if name == "lm_head.weight" else "model." + name]
-
-    def from_hf(self, cfg: LlamaConfig, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
-
-    def to_hf(self, cfg: LlamaConfig, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        split = self._split(cfg, name)
-        if split is None:
-            return {self.sources(cfg, name)[0]: tensor}
-        names, rows = split
-        return dict(zip(names, tensor.split(rows, dim=0)))
+            return [HFPart(n, rows) for n, rows in zip(*split)]
+        return [HFPart(name if name == "lm_head.weight" else "model." + name)]
 
     def ignored(self, cfg: LlamaConfig, hf_name: str) -> bool:
         return (hf_name == "lm_head.weight" and cfg.tie_embeddings) or hf_name.endswith(_DROPPED_BUFFER_SUFFIXES)

@@ -1,0 +1,122 @@
+"""Every private name of torch and DeepSpeed that trainer3d relies on, in one table, and the check that fails with one
+sentence when an installed version no longer has one. Each user calls `require(<its module>)` before it relies on
+them (zero/glue.check_glue, parallel/compile.check_compiler); tests/test_private_api.py checks the whole table
+against the installed versions and that the package uses no private name the table does not list, so a new torch or
+DeepSpeed fails loudly there and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from dataclasses import dataclass
+
+# What the table was written and checked against (torch: CI's pin and the GPU image's; DeepSpeed: the pin).
+WRITTEN_FOR = "torch 2.11-2.13 and DeepSpeed 0.19"
+
+
+@dataclass(frozen=True)
+class Private:
+    """`path`: a module, then attributes (`kind` "attr"); a dataclass and one of its fields ("field"); or a module
+    whose source must still set an attribute of that name on objects it creates ("set", for attributes DeepSpeed
+    puts on parameters and optimizers at run time). `user`: the trainer3d module relying on it."""
+
+    path: str
+    user: str
+    why: str
+    kind: str = "attr"
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition(".")[2]
+
+
+_Z = "deepspeed.runtime.zero"
+_S3 = f"{_Z}.stage3.DeepSpeedZeroOptimizer_Stage3"
+_S12 = f"{_Z}.stage_1_and_2.DeepSpeedZeroOptimizer"
+_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
+_FRAGMENT = "deepspeed.utils.tensor_fragment.tensor_fragment"
+
+PRIVATE: tuple[Private, ...] = (
+    # torch
+    Private("torch.optim.optimizer._default_to_fused_or_foreach", "optim.py", "AdamW fused where torch has it"),
+    Private("torch._foreach_mul_", "parallel/ddp.py", "scale every gradient in one kernel"),
+    Private("torch._dynamo.eval_frame.check_if_dynamo_supported", "parallel/compile.py", "--compile's check"),
+    Private("torch.utils._triton.has_triton", "parallel/compile.py", "--compile's check on CUDA"),
+    Private("torch._inductor.config.cpp", "parallel/compile.py", "--compile's C++ compiler check on CPU"),
+    Private("torch._inductor.cpp_builder.get_cpp_compiler", "parallel/compile.py", "--compile's check on CPU"),
+    # DeepSpeed: the glue under torch's pipeline schedules (docs/zero.md)
+    Private(f"{_Z}.partitioned_param_coordinator.assert_ints_same_as_other_ranks", "zero/glue.py",
+            "ZeRO-3's trace check over dp only"),
+    Private(f"{_ENGINE}._backward_prologue", "zero/glue.py", "backward bracketing"),
+    Private(f"{_ENGINE}._backward_epilogue", "zero/glue.py", "backward bracketing"),
+    Private("deepspeed.runtime.engine._running_engine_backward", "zero/glue.py", "backward bracketing", "set"),
+    Private("deepspeed.runtime.engine._running_engine_backward_lock", "zero/glue.py", "backward bracketing", "set"),
+    Private("deepspeed.runtime.engine._running_engine_backward_count", "zero/glue.py", "backward bracketing", "set"),
+    Private(f"{_S12}.loss_scale", "zero/engine.py", "clipping through the loss scale (ZeRO-1/2)"),
+    Private(f"{_S3}.loss_scale", "zero/engine.py", "clipping through the loss scale (ZeRO-3)"),
+    # DeepSpeed: gradients, norms and the tied embedding
+    Private(f"{_FRAGMENT}.get_lp_grad_fragment", "zero/grads.py", "ZeRO-1/2 gradient fragments"),
+    Private(f"{_FRAGMENT}.lp_fragment_address", "zero/grads.py, zero/state.py", "a ZeRO-1/2 fragment's place",
+            "field"),
+    Private(f"{_Z}.stage_1_and_2._hp_mapping", "zero/grads.py, zero/state.py", "ZeRO-1/2 parameter fragments", "set"),
+    Private("deepspeed.runtime.bf16_optimizer._index_in_param_group", "zero/grads.py", "ZeRO-1/2 gradient fragments",
+            "set"),
+    Private(f"{_Z}.stage3._z3_optimizer", "zero/grads.py", "ZeRO-3 local gradients", "set"),
+    Private(f"{_S3}._get_fp32_grad_state_partition", "zero/grads.py", "tied embedding with NVMe-swapped parameters"),
+    Private(f"{_S3}._swappable_optimizer_subgroup", "zero/grads.py, zero/state.py", "NVMe-swapped sub-groups"),
+    Private(f"{_S3}._writeback_swap_state", "zero/grads.py", "tied embedding with NVMe-swapped parameters"),
+    Private(f"{_S3}._constant_buffered_norm2", "zero/grads.py", "ZeRO-3 offload gradient norms"),
+    # DeepSpeed: checkpoint state
+    Private(f"{_S3}._optimizer_states_and_gradient_swap_in", "zero/state.py", "loading under NVMe optimizer offload"),
+    Private(f"{_S3}._optimizer_states_and_gradient_swap_out", "zero/state.py", "loading under NVMe optimizer offload"),
+    Private(f"{_S3}._get_param_partition_rank", "zero/state.py", "a ZeRO-3 rank reads only its partition"),
+    Private(f"{_S12}._lazy_init_hp_params_optimizer_state", "zero/state.py", "re-linking ZeRO-1/2's Adam views"),
+    Private(f"{_Z}.stage_1_and_2._hp_optimizer_states_linked", "zero/state.py", "re-linking ZeRO-1/2's Adam views",
+            "set"),
+)
+
+
+def _resolve(path: str):
+    """The object a dotted path names: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def present(entry: Private) -> bool:
+    owner, _, name = entry.path.rpartition(".")
+    try:
+        if entry.kind == "attr":
+            _resolve(entry.path)
+        elif entry.kind == "field":
+            return name in {f.name for f in dataclasses.fields(_resolve(owner))}
+        else:  # "set": the module's source still assigns or reads the attribute
+            return f".{name}" in inspect.getsource(_resolve(owner))
+        return True
+    except (ImportError, AttributeError, TypeError, OSError):
+        return False
+
+
+def missing(user: str | None = None) -> list[Private]:
+    """The entries (of one trainer3d module, or all) this installation lacks."""
+    return [e for e in PRIVATE if (user is None or user in e.user) and not present(e)]
+
+
+def require(user: str, error: type[Exception] = RuntimeError) -> None:
+    """Raise `error`, one sentence, if this torch or DeepSpeed lacks a private name `user` relies on."""
+    gone = missing(user)
+    if gone:
+        names = "; ".join(f"{e.path} ({e.why})" for e in gone)
+        raise error(
+            f"trainer3d/{user} relies on private names this installation lacks: {names}; it was written for "
+            f"{WRITTEN_FOR}: install those, or update trainer3d/private_api.py and its users."
+        )
