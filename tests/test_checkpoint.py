@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+import fault_plugin
 from distributed import free_port, run_world
 from trainer3d.parallel import pipeline
 from trainer3d.checkpoint.format import Checkpoint, latest_checkpoint, resolve_checkpoint
@@ -341,12 +342,16 @@ def test_zero_exact_resume(zero_results, key):
 def test_zero3_resume_reads_each_element_once(zero_results):
     """A DDP checkpoint resumed under ZeRO-3 at (4,2,1): dp rank 0 of each tp rank reads the values its shard is
     built from (zero.Init broadcasts them), and every rank only its partition of the fp32 master and the two moments,
-    so the world reads each element of the model once for the values and once for each of the three states, and a
-    rank other than dp 0 reads 12 bytes a parameter of its 1/(dp·tp) share."""
+    so the world reads each element of every tp shard once for the values and once for each of the three states
+    (4 + 12 bytes; a tensor replicated over tp is in both tp ranks' shards), and a rank other than dp 0 reads 12 bytes
+    a parameter of its 1/(dp·tp) share."""
+    from trainer3d.plan.candidate import Stage, replicated_params
+
     tmp, results = zero_results
     runs = [r["ddp_to_z3"] for r in results if r["ddp_to_z3"] is not None]
-    n = Checkpoint(resolve_checkpoint(tmp / "ddp")).model_config.num_params()
-    assert len(runs) == 8 and sum(r["bytes_read"] for r in runs) == 16 * n
+    mcfg = Checkpoint(resolve_checkpoint(tmp / "ddp")).model_config
+    n, replicated = mcfg.num_params(), sum(replicated_params(mcfg, [Stage(0, mcfg.n_layer, True, True)]))
+    assert len(runs) == 8 and sum(r["bytes_read"] for r in runs) == 16 * (n + replicated)  # tp 2: one more copy
     others = [r["bytes_read"] for r in runs if r["dp_rank"] != 0]
     assert max(others) <= 1.1 * 12 * n / 8, (others, 12 * n / 8)
 
@@ -436,7 +441,7 @@ def corpus(tmp_path_factory):
 
 def _env(cache, **extra):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", TRAINER3D_CACHE=str(cache), PYTHONPATH=str(REPO), TQDM_DISABLE="1", **extra)
+    env.update(OMP_NUM_THREADS="1", TRAINER3D_CACHE=str(cache), TQDM_DISABLE="1", **fault_plugin.env(**extra))
     return env
 
 

@@ -1,7 +1,7 @@
 """A rank that dies or hangs never leaves the others waiting forever, and torchrun restarts resume.
 
 Real jobs under `torchrun --nproc_per_node 2` (tiny model, tp=2 so the ranks talk every step). Faults are
-injected with the test-only TRAINER3D_FAULT hook (topology.inject_fault): `kill` SIGKILLs the rank after a step,
+injected with TRAINER3D_FAULT through tests/fault_plugin.py (loaded by TRAINER3D_PLUGINS): `kill` SIGKILLs the rank after a step,
 `hang` makes it sleep forever. Each test reports its measured times (pytest -s shows them).
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import fault_plugin
 from distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ def _torchrun(args: list[str], out: Path, fault: str | None = None, max_restarts
            if not k.startswith(("WANDB_", "TRAINER3D_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if fault:
-        env["TRAINER3D_FAULT"] = fault
+        env.update(fault_plugin.env(TRAINER3D_FAULT=fault))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
            str(max_restarts), "--master-port", str(free_port()), ENTRY, *TINY, "--tp", "2", "--out-dir", str(out),
            *args]
@@ -75,8 +76,8 @@ def test_peers_name_a_rank_that_failed_on_its_own(tmp_path):
     """Without torchrun (plain processes, as under `srun` or a hand-made launch) nobody tears the job down: rank 1
     raises, rank 0 waits --dist-timeout, then names rank 1 and its error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_", "SLURM_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE="2", TRAINER3D_FAULT="raise:rank=1:step=3")
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               **fault_plugin.env(TRAINER3D_FAULT="raise:rank=1:step=3"))
     cmd = [sys.executable, ENTRY, *TINY, "--tp", "2", "--out-dir", str(tmp_path / "run"), "--max-steps", "200",
            "--dist-timeout", "15"]
     t0 = time.monotonic()

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from distributed import free_port
+import fault_plugin
 from trainer3d.data.prepare import build_parser, prepare
 from trainer3d.data.shards import TokenWindows, open_windows, read_manifest
 from trainer3d.errors import DataError
@@ -119,7 +120,8 @@ def test_killed_prepare_resumes_to_the_same_bytes(corpus, tmp_path):
     source, _ = corpus
     straight = _run_prepare(source, tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
-    proc = _run_prepare(source, tmp_path / "killed", {"TRAINER3D_TEST_PAUSE_PREPARE_AFTER_SHARDS": "3"}, wait=False)
+    proc = _run_prepare(source, tmp_path / "killed", fault_plugin.env(TRAINER3D_TEST_PAUSE_PREPARE_AFTER_SHARDS="3"),
+                        wait=False)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "killed" / "PAUSED").exists():

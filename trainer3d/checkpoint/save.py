@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from trainer3d import test_hooks
 from trainer3d.checkpoint.format import (
     FORMAT, FORMAT_VERSION, LATEST, META, RNG_PREFIX, checkpoints_root, complete_checkpoints, layout_record,
     sha256_of, shard_file, sharded_rngs, step_dir_name,
@@ -75,7 +74,6 @@ class Snapshot:
     """A save, taken: this rank's pieces in host memory, and on rank 0 everything meta.json says but the files.
     Writing it (write_snapshot) needs nothing from the trainer, so it can run while training goes on."""
 
-    step: int
     final: Path
     tmp: Path
     pieces: dict[str, torch.Tensor]
@@ -93,7 +91,7 @@ def take_snapshot(trainer, out_dir: str | os.PathLike, loader=None, keep_last: i
     tmp_name = f"{final.name}.tmp-{secrets.token_hex(4)}" if topo.rank == 0 else None
     tmp = final.parent / broadcast_object(tmp_name, topo.global_rank(0, 0, 0), topo.world_group)
     pieces, adam_step = rank_pieces(trainer)
-    return Snapshot(trainer.step, final, tmp, pieces, adam_step, _meta(trainer, loader) if topo.rank == 0 else None,
+    return Snapshot(final, tmp, pieces, adam_step, _meta(trainer, loader) if topo.rank == 0 else None,
                     topo.layout.world_size, keep_last)
 
 
@@ -106,7 +104,6 @@ def write_snapshot(snap: Snapshot, rank: int, group, root0: int) -> Path:
         snap.tmp.mkdir(parents=True, exist_ok=True)
         name = shard_file(rank)
         report = {name: _save_safetensors(snap.pieces, snap.tmp / name, {"format": "pt", "trainer3d": FORMAT})}
-        test_hooks.pause_mid_save(snap.step, snap.tmp)
     except Exception as e:  # noqa: BLE001 - gathered so every rank raises, none hangs
         error = f"rank {rank} could not write its file into {snap.tmp} ({type(e).__name__}: {first_line(e)})"
     snap.pieces = {}

@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from trainer3d import test_hooks
 from trainer3d.data.cache import default_cache_dir
 from trainer3d.data.shards import FORMAT, MANIFEST, VERSION, read_manifest, shard_name, token_dtype
 from trainer3d.data.sources import DataConfig, stream_documents
 from trainer3d.data.tokenizer import BUNDLED_TOKENIZER_DIR, is_bundled_gpt2, load_tokenizer, tokenizer_identity
+from trainer3d.plugins import load_plugins
 from trainer3d.errors import DataError, UsageError
 from trainer3d.fsio import replace_durably, temp_name, write_text_atomic
 
@@ -188,7 +188,6 @@ class ShardWriter:
         write_text_atomic(self.out / MANIFEST, json.dumps(self.m, indent=1))
         if not complete:
             self.buffer = np.empty(self._capacity(), dtype=self.dtype)
-            test_hooks.pause_after_shard(len(self.m["shards"]["val"]) + len(self.m["shards"]["train"]), self.out)
 
 
 def _advance(cursor: tuple[int, int], lengths: np.ndarray, consumed: int) -> tuple[int, int]:
@@ -320,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.source == "shakespeare":
         args.source = None
     try:
+        load_plugins()  # TRAINER3D_PLUGINS, first of all
         for flag, low in (("num_proc", 1), ("shard_tokens", 1), ("val_tokens", 1), ("max_tokens", 2)):
             value = getattr(args, flag)
             if value is not None and value < low:

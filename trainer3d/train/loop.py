@@ -10,7 +10,6 @@ import time
 
 import torch.distributed as dist
 
-from trainer3d import test_hooks
 from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.signals import Checkpointer
 from trainer3d.config import parse_args
@@ -18,6 +17,7 @@ from trainer3d.data import BatchLoader, DataConfig, build_token_blocks, val_batc
 from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
+from trainer3d.plugins import load_plugins
 from trainer3d.errors import DataError, UsageError
 from trainer3d.train.downstream import Downstream
 from trainer3d.train.metrics import MetricsFile, RunSummary, device_peak_tflops, peak_memory_bytes
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     env = LaunchEnv.from_environ()
     try:
+        load_plugins()  # TRAINER3D_PLUGINS, first of all
         setup = validate(cfg, env.world_size)  # before any process group: bad input fails here
     except UsageError as e:
         if env.rank == 0:
@@ -147,7 +148,6 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
             metrics.write(record)
             summary.observe(record)
             tracker.log(record)
-            test_hooks.inject_fault(trainer.step, dist.get_rank())  # test-only (TRAINER3D_FAULT); a no-op otherwise
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
             if log and (trainer.step % cfg.log_every == 0 or last or trainer.step == 1):
