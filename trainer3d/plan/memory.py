@@ -106,16 +106,21 @@ class MemoryEstimate:
 
 
 def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
-    """Device memory of one rank at pipeline rank `pp_rank`."""
-    P, cfg, h, T, m = cand.prec, cand.cfg, cand.cfg.n_embd, cand.tokens, cand.micro_batches
+    """Device memory of one rank at pipeline rank `pp_rank`: what it holds through the step, then the step's peak."""
     stages = cand.stages(pp_rank)
-    n = rank_params(cfg, cand.tp, stages)
-    e = MemoryEstimate(n_params=n)
-    z, dp = cand.zero_stage, cand.dp
+    e = MemoryEstimate(n_params=rank_params(cand.cfg, cand.tp, stages))
+    _model_states(e, cand, stages)
+    _pipeline_buffers(e, cand, stages)
+    _step_peak(e, cand, pp_rank, stages)
+    return e
 
-    # Model states (ZeRO paper): stage 1 partitions the optimizer state over dp, stage 2 also the gradients,
-    # stage 3 also the parameters. DDP keeps Adam's two moments next to fp32 parameters; DeepSpeed keeps
-    # K = 12 bytes per parameter (fp32 master + moments) even in fp32, and an fp32 gradient partition.
+
+def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> None:
+    """Model states (ZeRO paper): stage 1 partitions the optimizer state over dp, stage 2 also the gradients,
+    stage 3 also the parameters. DDP keeps Adam's two moments next to fp32 parameters; DeepSpeed keeps
+    K = 12 bytes per parameter (fp32 master + moments) even in fp32, and an fp32 gradient partition."""
+    P, cfg, h, n = cand.prec, cand.cfg, cand.cfg.n_embd, e.n_params
+    z, dp = cand.zero_stage, cand.dp
     zero_bucket = cand.zero_bucket_elems
     if zero_bucket is None:
         zero_bucket = auto_buckets(h)["reduce_bucket_size"]
@@ -123,41 +128,52 @@ def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
         e.params, e.grads, e.optimizer = n * P.param, n * P.grad, n * P.optim
         if dp > 1:
             e.ddp_buckets = n * P.grad  # DDP's flat buckets are a second copy of the gradients
-    else:
-        e.params = n * P.param / (dp if z >= 3 else 1)
-        e.grads = n * 4 / dp
-        e.optimizer = n * 12 / dp
-        largest = max_param_tensor(cfg, cand.tp, stages)
-        if cand.offload_optimizer:  # ZeRO-Offload: master, moments and the fp32 gradient partition on the host
-            e.offloaded += e.optimizer + e.grads
-            e.optimizer = e.grads = 0.0
-            if z < 3:
-                # DeepSpeed's staging buffers (stage_1_and_2.py): a 16-bit copy of the parameter partition and a
-                # largest-parameter gradient buffer on the host, the same gradient buffer and the gradient
-                # partition on the device
-                e.host_buffers += n / dp * P.param + largest * P.grad
-                e.zero_buffers += largest * P.grad + n / dp * P.grad
-        if cand.offload_params and z >= 3:
-            e.offloaded += e.params
-            e.params = 0.0
-        if z >= 3:
-            e.params += persistent_params(cand, stages) * P.param  # small tensors ZeRO-3 never partitions
-            # working set: at most two blocks' parameters gathered (stage3_max_live_parameters, as the planner
-            # writes it), plus the largest tensor, which is gathered whole whatever the bound
-            e.zero_buffers += (min(n, 2 * block_params(cfg, cand.tp)) + largest) * P.param
-        if dp > 1:
-            e.zero_buffers += min(zero_bucket, n) * P.grad  # DeepSpeed's reduce (ipg) bucket
+        return
+    e.params = n * P.param / (dp if z >= 3 else 1)
+    e.grads = n * 4 / dp
+    e.optimizer = n * 12 / dp
+    largest = max_param_tensor(cfg, cand.tp, stages)
+    if cand.offload_optimizer:  # ZeRO-Offload: master, moments and the fp32 gradient partition on the host
+        e.offloaded += e.optimizer + e.grads
+        e.optimizer = e.grads = 0.0
+        if z < 3:
+            # DeepSpeed's staging buffers (stage_1_and_2.py): a 16-bit copy of the parameter partition and a
+            # largest-parameter gradient buffer on the host, the same gradient buffer and the gradient
+            # partition on the device
+            e.host_buffers += n / dp * P.param + largest * P.grad
+            e.zero_buffers += largest * P.grad + n / dp * P.grad
+    if cand.offload_params and z >= 3:
+        e.offloaded += e.params
+        e.params = 0.0
+    if z >= 3:
+        e.params += persistent_params(cand, stages) * P.param  # small tensors ZeRO-3 never partitions
+        # working set: at most two blocks' parameters gathered (stage3_max_live_parameters, as the planner
+        # writes it), plus the largest tensor, which is gathered whole whatever the bound
+        e.zero_buffers += (min(n, 2 * block_params(cfg, cand.tp)) + largest) * P.param
+    if dp > 1:
+        e.zero_buffers += min(zero_bucket, n) * P.grad  # DeepSpeed's reduce (ipg) bucket
 
-    # pipeline receive buffers: torch's PipelineStage allocates one per micro-batch, for the activation on every
-    # non-first stage and for its gradient on every non-last stage
-    if cand.pp > 1:
-        ids = {s.stage_id for s in stages}
-        for s in stages:
-            if not s.first and s.stage_id - 1 not in ids:
-                e.pipeline_buffers += m * hidden_tokens(cand) * h * P.send
-            if not s.last and s.stage_id + 1 not in ids:
-                e.pipeline_buffers += m * hidden_tokens(cand) * h * P.send
 
+def _pipeline_buffers(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> None:
+    """torch's PipelineStage allocates one receive buffer per micro-batch, for the activation on every non-first
+    stage and for its gradient on every non-last stage."""
+    if cand.pp == 1:
+        return
+    per_buffer = cand.micro_batches * hidden_tokens(cand) * cand.cfg.n_embd * cand.prec.send
+    ids = {s.stage_id for s in stages}
+    for s in stages:
+        if not s.first and s.stage_id - 1 not in ids:
+            e.pipeline_buffers += per_buffer
+        if not s.last and s.stage_id + 1 not in ids:
+            e.pipeline_buffers += per_buffer
+
+
+def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[Stage]) -> None:
+    """Activations of the micro-batches in flight, the largest transient on top of them (during the schedule or the
+    optimizer step), and the peak over what the rank holds through the step."""
+    P, cfg, h, T, m, n, z = cand.prec, cand.cfg, cand.cfg.n_embd, cand.tokens, cand.micro_batches, e.n_params, \
+        cand.zero_stage
+    dp = cand.dp
     # activations: in-flight micro-batches × what a micro-batch keeps on this rank
     per_mb = sum(stage_activation_bytes(cand, s) for s in stages)
     k = inflight_microbatches(cand, pp_rank)
@@ -196,4 +212,3 @@ def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
     # held through the step: params, optimizer state, buffers, and (ZeRO) the gradient partition
     base = e.params + e.optimizer + e.ddp_buckets + e.zero_buffers + e.pipeline_buffers + (e.grads if z else 0.0)
     e.peak = base + max(sched_peak, opt_peak)
-    return e
