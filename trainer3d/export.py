@@ -25,7 +25,6 @@ import torch
 
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.hf import parse_size, save_hf_checkpoint
-from trainer3d.models import canonical_shapes
 from trainer3d.data import BUNDLED_TOKENIZER_DIR, load_tokenizer
 from trainer3d.errors import CheckpointError, DataError
 
@@ -71,7 +70,7 @@ class CheckpointWeights(Mapping):
     every piece that holds a part of it), so an export holds one output file's tensors at a time."""
 
     def __init__(self, ckpt: Checkpoint):
-        self.ckpt, self.names = ckpt, list(canonical_shapes(ckpt.model_config))
+        self.ckpt, self.names = ckpt, list(ckpt.shapes)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.ckpt.model_tensor(name)

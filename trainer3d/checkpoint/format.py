@@ -70,6 +70,11 @@ def v1_rng_file(rank: int) -> str:  # format 1
     return f"rng-rank{rank:05d}.safetensors"
 
 
+def _label(kind: str, name: str) -> str:
+    """How messages name a saved tensor: a parameter by its canonical name, an Adam moment as `<name>.<kind>`."""
+    return name if kind == "param" else f"{name}.{kind}"
+
+
 def checkpoints_root(out_dir: str | os.PathLike) -> Path:
     return Path(out_dir) / CHECKPOINTS
 
@@ -199,6 +204,7 @@ class Checkpoint:
         except TypeError as e:
             raise CheckpointError(f"{meta_path} has an unreadable model config ({first_line(e)}).") from None
         self.version = int(meta.get("format_version", 1))
+        self.shapes = canonical_shapes(self.model_config)  # name -> full shape (building it costs ~1 s at 405B)
         self._handles: dict[str, Any] = {}
         self.bytes_read = 0  # of tensor data, by this process (the benches report it)
         self.pieces = self._index_pieces(files)  # (kind, canonical name) -> its pieces
@@ -221,7 +227,7 @@ class Checkpoint:
                                               "tensor; the checkpoint is corrupted.") from None
                     out.setdefault((kind, name), []).append(Piece(file, key, start, size))
             return out
-        shapes = canonical_shapes(self.model_config)  # format 1: whole tensors, one piece each
+        shapes = self.shapes  # format 1: whole tensors, one piece each
         self._v1_step = None
         for file, info in files.items():
             for key in info["tensors"]:
@@ -270,14 +276,11 @@ class Checkpoint:
         """Every element of every tensor the model needs (and of its Adam moments, if saved) is in exactly one piece,
         and every piece has the shape its key says (headers only)."""
         kinds = KINDS if self.meta.get("has_optimizer_state") else KINDS[:1]
-        for name, shape in sorted(canonical_shapes(self.model_config).items()):
+        for name, shape in sorted(self.shapes.items()):
             for kind in kinds:
-                pieces = self.pieces.get((kind, name))
-                what = name if kind == "param" else f"{name}.{kind}"
-                if not pieces:
-                    raise CheckpointError(f"{self.path} holds no tensor {what!r}; the checkpoint is incomplete.")
+                what = _label(kind, name)
                 covered = 0
-                for p in pieces:
+                for p in self._pieces_of(kind, name):
                     got = tuple(self._handle(p.file).get_slice(p.key).get_shape())
                     inside = len(p.start) == len(shape) and all(
                         0 <= a and a + n <= s for a, n, s in zip(p.start, p.size, shape))
@@ -310,8 +313,7 @@ class Checkpoint:
     def _pieces_of(self, kind: str, name: str) -> list[Piece]:
         pieces = self.pieces.get((kind, name))
         if not pieces:
-            what = name if kind == "param" else f"{name}.{kind}"
-            raise CheckpointError(f"{self.path} holds no tensor {what!r}; the checkpoint is incomplete.")
+            raise CheckpointError(f"{self.path} holds no tensor {_label(kind, name)!r}; the checkpoint is incomplete.")
         return pieces
 
     def local_tensor(self, kind: str, name: str, spec, local_shape: tuple[int, ...], tp_rank: int, tp: int,
@@ -326,12 +328,11 @@ class Checkpoint:
 
     def model_tensor(self, name: str) -> torch.Tensor:
         """One whole canonical parameter, in fp32."""
-        shape = tuple(canonical_shapes(self.model_config)[name])
-        return self.local_tensor("param", name, None, shape, 0, 1)
+        return self.local_tensor("param", name, None, tuple(self.shapes[name]), 0, 1)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The whole canonical state dict (for small models: sample.py; export.py streams tensor by tensor)."""
-        return {name: self.model_tensor(name) for name in canonical_shapes(self.model_config)}
+        return {name: self.model_tensor(name) for name in self.shapes}
 
     @property
     def optimizer_step(self) -> int | None:

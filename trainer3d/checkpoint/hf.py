@@ -210,9 +210,10 @@ def load_hf_checkpoint(path: str | os.PathLike, dropout: float | None = None,
 
 
 # ------------------------------------------------------------------------------------------------ saving
-def _checked_keys(state: Mapping[str, torch.Tensor], cfg) -> list[str]:
+def _checked_keys(state: Mapping[str, torch.Tensor], cfg) -> dict[str, torch.Size]:
     """The canonical names of `state` (a tied head equal to the embedding dropped: our module's own state_dict), in
-    the model's order; ValueError naming what is missing or unexpected. Reads no tensor but a tied head."""
+    the model's order, with the shapes the config gives them; ValueError naming what is missing or unexpected. Reads
+    no tensor but a tied head."""
     family = family_of(cfg)
     expected = canonical_shapes(cfg)
     names = set(state)
@@ -227,12 +228,12 @@ def _checked_keys(state: Mapping[str, torch.Tensor], cfg) -> list[str]:
         parts = ([f"missing tensors {_abbrev(missing)}"] if missing else []) + \
                 ([f"unexpected tensors {_abbrev(unexpected)}"] if unexpected else [])
         raise ValueError("state dict: " + "; ".join(parts))
-    return [n for n in expected if n in names]
+    return {n: shape for n, shape in expected.items() if n in names}
 
 
-def _to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One canonical tensor as its Hugging Face tensors, checked against the config."""
-    expected = tuple(canonical_shapes(cfg)[name])
+def _to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype, shape) -> dict[str, torch.Tensor]:
+    """One canonical tensor as its Hugging Face tensors, checked against the `shape` the config gives it."""
+    expected = tuple(shape)
     if tuple(tensor.shape) != expected:
         raise ValueError(f"state dict: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected} for the "
                          "config")
@@ -246,8 +247,8 @@ def _to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> dict[str
 def canonical_to_hf(state: Mapping[str, torch.Tensor], cfg, dtype: torch.dtype = torch.float32) -> dict:
     """The HF state dict (tied head omitted) from a canonical one, or from our module's own state_dict."""
     out = {}
-    for name in _checked_keys(state, cfg):
-        out.update(_to_hf(cfg, name, state[name], dtype))
+    for name, shape in _checked_keys(state, cfg).items():
+        out.update(_to_hf(cfg, name, state[name], dtype, shape))
     return out
 
 
@@ -266,15 +267,14 @@ def parse_size(size: int | str) -> int:
     raise ValueError(f"max_shard_size {size!r} is not a size (an int, or a number with B, KB, MB, GB, MiB, GiB)")
 
 
-def plan_shards(cfg, names: list[str], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
-    """Canonical tensors grouped into files of at most `max_bytes` of Hugging Face tensors each, in order (a tensor
-    bigger than that gets a file of its own), as `save_pretrained(max_shard_size=...)` does."""
+def plan_shards(cfg, shapes: Mapping[str, torch.Size], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+    """Canonical tensors (name -> shape) grouped into files of at most `max_bytes` of Hugging Face tensors each, in
+    order (a tensor bigger than that gets a file of its own), as `save_pretrained(max_shard_size=...)` does."""
     adapter, itemsize = family_of(cfg).hf, torch.empty((), dtype=dtype).element_size()
-    shapes = canonical_shapes(cfg)
     shards: list[list[str]] = [[]]
     used = 0
-    for name in names:
-        parts = adapter.to_hf(cfg, name, torch.empty(shapes[name], device="meta"))
+    for name, shape in shapes.items():
+        parts = adapter.to_hf(cfg, name, torch.empty(shape, device="meta"))
         size = sum(t.numel() for t in parts.values()) * itemsize
         if shards[-1] and used + size > max_bytes:
             shards.append([])
@@ -284,22 +284,22 @@ def plan_shards(cfg, names: list[str], dtype: torch.dtype, max_bytes: int) -> li
     return shards
 
 
-def write_hf_weights(cfg, state: Mapping[str, torch.Tensor], out: Path, dtype: torch.dtype,
-                     max_shard_size: int | str = "5GB") -> list[str]:
-    """The weights of `state` into `out`, one size-limited file at a time (`model.safetensors`, or
-    `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`): only one file's tensors are in memory at
-    a time, read from `state` (which may read them lazily, as a checkpoint does). Returns the files written."""
+def write_hf_weights(cfg, state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size], out: Path,
+                     dtype: torch.dtype, max_bytes: int) -> list[str]:
+    """The weights of `state` (its checked names and shapes: `_checked_keys`) into `out`, in files of at most
+    `max_bytes` (`model.safetensors`, or `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`): only
+    one file's tensors are in memory at a time, read from `state` (which may read them lazily, as a checkpoint
+    does). Returns the files written."""
     from safetensors.torch import save_file
 
-    names = _checked_keys(state, cfg)
-    shards = plan_shards(cfg, names, dtype, parse_size(max_shard_size))
+    shards = plan_shards(cfg, shapes, dtype, max_bytes)
     files = [SAFE_WEIGHTS_NAME] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, total = {}, 0
     for file, shard in zip(files, shards):
         tensors = {}
         for name in shard:
-            tensors.update(_to_hf(cfg, name, state[name], dtype))
+            tensors.update(_to_hf(cfg, name, state[name], dtype, shapes[name]))
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update({k: file for k in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -334,8 +334,8 @@ def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os
             raise ValueError(f"tokenizer directory {tok} contains {clash}, which would clobber the model files")
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a float dtype, got {dtype}")
-    _checked_keys(state, cfg)  # before anything touches the disk (shapes are checked as each tensor is read)
-    parse_size(max_shard_size)
+    shapes = _checked_keys(state, cfg)  # before anything touches the disk (each tensor's shape: as it is read)
+    max_bytes = parse_size(max_shard_size)
     hf_config = family_of(cfg).hf.hf_config(cfg, dtype, eos_token_id, bos_token_id)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -345,7 +345,7 @@ def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os
         if tok is not None:
             shutil.copytree(tok, tmp, dirs_exist_ok=True)
         hf_config.to_json_file(str(tmp / CONFIG_NAME))
-        write_hf_weights(cfg, state, tmp, dtype, max_shard_size)
+        write_hf_weights(cfg, state, shapes, tmp, dtype, max_bytes)
         for file in tmp.rglob("*"):
             if file.is_file():
                 fsync_path(file)

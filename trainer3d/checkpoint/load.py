@@ -26,7 +26,7 @@ from trainer3d.checkpoint.hf_init import hf_shard_value, open_hf
 from trainer3d.distributed.collectives import agree_on_error, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import write_text_atomic
-from trainer3d.models import canonical_name, canonical_shapes
+from trainer3d.models import canonical_name
 from trainer3d.parallel.parallelize import rng_seeds, seed_rngs
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
 from trainer3d.checkpoint.pieces import KINDS, local_shape
@@ -89,9 +89,8 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     adam_step = ckpt.optimizer_step
     tp_rank, tp = topo.tp_rank, topo.layout.tp
     items = []
-    full_shapes = canonical_shapes(trainer.mcfg)
     for name, p, spec in _stage_params(trainer.pm):
-        shape = local_shape(spec, full_shapes[name], tp)  # (not p.shape: ZeRO-3 partitions the parameter)
+        shape = local_shape(spec, ckpt.shapes[name], tp)  # (not p.shape: ZeRO-3 partitions the parameter)
 
         def read_state(flat=None, name=name, spec=spec, shape=shape):
             if adam_step is None:
