@@ -33,9 +33,13 @@ def parity_config(**layout) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def global_batches(steps: int) -> torch.Tensor:
+def global_batches(steps: int, boundary: int | None = None) -> torch.Tensor:
+    """Random tokens; with `boundary`, about one token in 7 is that token, so rows pack documents of a few tokens."""
     g = torch.Generator().manual_seed(99)
-    return torch.randint(0, VOCAB, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
+    batches = torch.randint(0, VOCAB, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
+    if boundary is not None:
+        batches[batches % 7 == 3] = boundary
+    return batches
 
 
 def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
@@ -43,17 +47,18 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
     Returns, on active ranks: the per-step losses, and on tp rank 0 of dp replica 0 the full values of its
     stages' parameters (plus the last stage's copy of the tied embedding)."""
     layout = dict(layout)
-    n = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
+    boundary = layout.pop("boundary", None)  # the token opening a document (document masking), also in the data
+    n = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.pop("dp", 1)
     cfg = parity_config(**layout)
     setup = validate(cfg, n, VOCAB)
     cfg_layout, plan = setup.layout, setup.plan
     topo = setup.topology(list(range(n)))
     result = None
     if topo.active:
-        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB))
+        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB), boundary=boundary)
         per = plan.global_batch // cfg_layout.dp
         losses, norms = [], []
-        for batch in global_batches(steps):
+        for batch in global_batches(steps, boundary):
             rec = trainer.train_step(batch[topo.dp_rank * per : (topo.dp_rank + 1) * per])
             losses.append(rec["loss"])
             norms.append(rec["grad_norm"])

@@ -78,6 +78,8 @@ def layout(dp=2, tp=1, pp=1, schedule="1f1b"):
 
 def label(lay: dict, ds: dict | None) -> str:
     name = f"{lay['dp']}x{lay['tp']}x{lay['pp']} {lay['schedule']}"
+    if lay.get("cp", 1) > 1:
+        name += f" cp={lay['cp']}"
     if lay.get("recompute", "none") != "none":
         name += f" recompute={lay['recompute']}"
     if lay.get("sequence_parallel"):
@@ -101,7 +103,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
     from trainer3d.train.trainer import Trainer
 
     lay = dict(lay)
-    n = lay.get("tp", 1) * lay.get("pp", 1) * lay.pop("dp", 1)
+    n = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1) * lay.pop("dp", 1)
     cfg = parity_config(**lay, deepspeed_config=copy.deepcopy(ds))
     setup = validate(cfg, n, VOCAB)
     L, plan = setup.layout, setup.plan
@@ -131,7 +133,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
                 w = m.head.weight
                 head_copy[canonical_name(m.cfg, f"{m.HEAD}.weight")] = gather_full(zdp.param_value(w), w.tp_spec,
                                                                                  topo.tp_group)
-        # the memory formula: this rank's stage parameters, each partitioned on its own over dp (ZeRO-3)
+        # the memory formula: this rank's stage parameters, each partitioned on its own over dp×cp (ZeRO-3)
         seen, numel, part = set(), 0, 0
         for e in zdp.engines:
             for p in e.module.parameters():
@@ -139,7 +141,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
                     seen.add(id(p))
                     full = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                     numel += full
-                    part += -(-full // L.dp)
+                    part += -(-full // L.dp_cp)
         mem = {k: v for k, v in records[-1].items() if k.endswith("_bytes")}
         nvme = (ds["zero_optimization"].get("offload_optimizer") or {}).get("nvme_path")
         swapped = {"optimizer": 0, "params": 0}  # ZeRO-Infinity: this rank's swap files (.../<kind>/rank<r>/)
@@ -205,7 +207,7 @@ def check_world(results: list, cases: list) -> tuple[list[str], list[str]]:
         name = label(lay, ds)
         model = tuple((k, lay[k]) for k in LLAMA if k in lay)
         ref = refs[model]
-        key = f"{lay['dp']}x{lay['tp']}x{lay['pp']} {lay['schedule']}{' llama' if model else ''}"
+        key = f"{lay['dp']}x{lay['tp']}x{lay['pp']} cp{lay.get('cp', 1)} {lay['schedule']}{' llama' if model else ''}"
         if not all(r["losses"] == losses for r in per_rank):
             failures.append(f"{name}: ranks disagree on the loss")
         if ds is None:
@@ -300,6 +302,11 @@ def world4_cases():
     cases += [(a, None)] + [(a, ds_config(s)) for s in (1, 2, 3)]
     cases += [(b, None)] + [(b, ds_config(s)) for s in (1, 2, 3)] + [(b, ds_config(2, "opt"))]
     cases += [(c, None), (c, ds_config(1)), (c, ds_config(3, "all"))]
+    # context parallelism: gradients reduced and ZeRO's partitions cut over dp×cp (4 ranks), and cp with a pipeline
+    d = dict(layout(2), cp=2)
+    cases += [(d, None), (d, ds_config(2)), (d, ds_config(3, "all"))]
+    e = dict(layout(1, pp=2), cp=2)
+    cases += [(e, None), (e, ds_config(3, "all"))]
     return cases
 
 

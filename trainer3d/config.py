@@ -32,6 +32,7 @@ class TrainConfig:
     # layout
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (parallel/context_parallel.py)
     schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (every block)
@@ -42,6 +43,8 @@ class TrainConfig:
     seq_len: int = 128
     global_batch: int = 8  # sequences per optimizer step, over all dp ranks and micro-batches
     global_batch_tokens: int | None = None  # alternative to --global-batch: tokens per step (GPT-2: 524288)
+    document_mask: bool = False  # tokens attend only within their own document of a packed row
+    reset_position_ids: bool = False  # positions restart at each document of a packed row
     # optimizer and schedule
     max_steps: int = 300
     lr: float = 1e-3
@@ -142,9 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--init-from-hf", default=None,
                    help="a save_pretrained directory (GPT2LMHeadModel or LlamaForCausalLM; sharded or not): its config "
                    "sets the model, its weights the start; its tokenizer is used unless --tokenizer is given")
-    lay = p.add_argument_group("layout (dp is world size / (tp·pp))")
+    lay = p.add_argument_group("layout (dp is world size / (tp·cp·pp))")
     lay.add_argument("--tp", type=int, default=d.tp)
     lay.add_argument("--pp", type=int, default=d.pp)
+    lay.add_argument(
+        "--cp", type=int, default=d.cp,
+        help="context parallelism: split each sequence over cp ranks (two chunks each, balanced for the causal mask); "
+        "attention all-gathers keys and values over them. For long sequences (--seq-len divisible by 2·cp)",
+    )
     lay.add_argument("--schedule", default=d.schedule, choices=SCHEDULE_NAMES)
     lay.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank (interleaved)")
     lay.add_argument(
@@ -166,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seq-len", type=int, default=d.seq_len)
     b.add_argument("--global-batch", type=int, default=d.global_batch, help="sequences per optimizer step")
     b.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per step, e.g. 524288")
+    b.add_argument(
+        "--document-mask", action="store_true",
+        help="packed rows hold several documents, each opened by the end-of-text token: attend only within one's own "
+        "document (flex_attention on CUDA, SDPA with a mask on CPU)",
+    )
+    b.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart at each document's first token (Megatron-LM's flag)")
     o = p.add_argument_group("optimization")
     o.add_argument("--max-steps", type=int, default=d.max_steps)
     o.add_argument("--lr", type=float, default=d.lr)

@@ -53,7 +53,9 @@ def rank_pieces(trainer) -> tuple[dict[str, torch.Tensor], int | None]:
         if "step" in state:
             adam_step = int(state["step"])
         shape = tuple(value.shape)
-        index, count = (topo.dp_rank, L.dp) if spec is not None else (topo.dp_rank * L.tp + topo.tp_rank, L.dp * L.tp)
+        # every rank of a dp×cp line holds the same values: each writes its 1/(dp·cp) slice
+        index, count = ((topo.dp_cp_rank, L.dp_cp) if spec is not None
+                        else (topo.dp_cp_rank * L.tp + topo.tp_rank, L.dp_cp * L.tp))
         mine = slice_boxes(tp_boxes(spec, shape, topo.tp_rank, L.tp), shape, index, count)
         for kind, t in [("param", value)] + [(k, state[k]) for k in KINDS[1:] if k in state]:
             for b in mine:

@@ -1,8 +1,10 @@
-"""World size -> (pp, dp, tp) grid and the process groups of each axis.
+"""World size -> (pp, dp, cp, tp) grid and the process groups of each axis.
 
-tp varies fastest (adjacent ranks share a node: TP's all-reduces are the heaviest and most frequent), then dp,
-then pp outermost: rank = (pp_rank * dp + dp_rank) * tp + tp_rank. This is Megatron's order and DeepSpeed's
-`['pipe', 'data', 'model']`. Groups are built once; everything else asks the Topology.
+tp varies fastest (adjacent ranks share a node: TP's all-reduces are the heaviest and most frequent), then cp
+(context parallelism: attention's key/value exchange, the next heaviest), then dp, then pp outermost:
+rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. This is Megatron-LM's order (tp-cp-dp-pp) and, at
+cp 1, DeepSpeed's `['pipe', 'data', 'model']`. The ranks of one dp×cp line hold the same parameters: gradients are
+reduced, and ZeRO partitions, over it (`dp_cp_group`). Groups are built once; everything else asks the Topology.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -17,36 +20,49 @@ import torch.distributed as dist
 from trainer3d.errors import LayoutError
 
 
+class Coords(NamedTuple):
+    pp: int
+    dp: int
+    tp: int
+    cp: int = 0
+
+
 @dataclass(frozen=True)
 class Layout:
     dp: int
     tp: int
     pp: int
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a global rank."""
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same parameters (one per dp replica and context shard)."""
+        return self.dp * self.cp
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def coords(self, rank: int) -> Coords:
+        return Coords(pp=rank // (self.dp * self.cp * self.tp), dp=(rank // (self.cp * self.tp)) % self.dp,
+                      tp=rank % self.tp, cp=(rank // self.tp) % self.cp)
+
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def __str__(self) -> str:
-        return f"dp{self.dp}×tp{self.tp}×pp{self.pp}"
+        return f"dp{self.dp}×tp{self.tp}×pp{self.pp}" + (f"×cp{self.cp}" if self.cp > 1 else "")
 
 
-def infer_layout(world_size: int, tp: int, pp: int) -> Layout:
-    if tp < 1 or pp < 1:
-        raise LayoutError(f"--tp and --pp must be at least 1 (got tp={tp}, pp={pp}).")
-    if world_size % (tp * pp):
+def infer_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> Layout:
+    if tp < 1 or pp < 1 or cp < 1:
+        raise LayoutError(f"--tp, --pp and --cp must be at least 1 (got tp={tp}, pp={pp}, cp={cp}).")
+    if world_size % (tp * pp * cp):
         raise LayoutError(
-            f"World size {world_size} is not divisible by tp×pp = {tp}×{pp} = {tp * pp}; "
-            f"launch a multiple of {tp * pp} processes or change --tp/--pp."
+            f"World size {world_size} is not divisible by tp×cp×pp = {tp}×{cp}×{pp} = {tp * cp * pp}; "
+            f"launch a multiple of {tp * cp * pp} processes or change --tp/--cp/--pp."
         )
-    return Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
+    return Layout(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
 
 
 @dataclass(frozen=True)
@@ -180,30 +196,31 @@ class Topology:
         global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.active = global_rank in self.ranks
         self.rank = self.ranks.index(global_rank) if self.active else -1
-        self.pp_rank, self.dp_rank, self.tp_rank = layout.coords(max(self.rank, 0))
+        self.pp_rank, self.dp_rank, self.tp_rank, self.cp_rank = layout.coords(max(self.rank, 0))
+        self.dp_cp_rank = self.dp_rank * layout.cp + self.cp_rank
         L = layout
+        every = [(p, d, c, t) for p in range(L.pp) for d in range(L.dp) for c in range(L.cp) for t in range(L.tp)]
 
-        def lines(fixed_axes) -> list[list[int]]:
-            # Every line of the grid along one axis, as global ranks.
-            out = []
-            for a in range(fixed_axes[0]):
-                for b in range(fixed_axes[1]):
-                    out.append(fixed_axes[2](a, b))
-            return out
+        def lines(key) -> list[list[int]]:
+            # The grid's lines along the axes `key` leaves free: ranks whose key(p, d, c, t) agree, in rank order.
+            out: dict = {}
+            for p, d, c, t in every:
+                out.setdefault(key(p, d, c, t), []).append(L.rank(p, d, t, c))
+            return list(out.values())
 
-        tp_lines = lines((L.pp, L.dp, lambda p, d: [L.rank(p, d, t) for t in range(L.tp)]))
-        dp_lines = lines((L.pp, L.tp, lambda p, t: [L.rank(p, d, t) for d in range(L.dp)]))
-        pp_lines = lines((L.dp, L.tp, lambda d, t: [L.rank(p, d, t) for p in range(L.pp)]))
-        # Model-parallel group (all tp and pp peers of one dp replica): where the grad norm is summed.
-        mp_lines = [[L.rank(p, d, t) for p in range(L.pp) for t in range(L.tp)] for d in range(L.dp)]
-        self.tp_group = self._build(tp_lines)
-        self.dp_group = self._build(dp_lines)
-        self.pp_group = self._build(pp_lines)
-        self.mp_group = self._build(mp_lines)
+        self.tp_group = self._build(lines(lambda p, d, c, t: (p, d, c)))
+        self.dp_group = self._build(lines(lambda p, d, c, t: (p, c, t)))
+        # Without context parallelism (cp 1) there is no cp group and dp×cp is dp.
+        self.cp_group = self._build(lines(lambda p, d, c, t: (p, d, t))) if L.cp > 1 else None
+        self.dp_cp_group = self._build(lines(lambda p, d, c, t: (p, t))) if L.cp > 1 else self.dp_group
+        self.pp_group = self._build(lines(lambda p, d, c, t: (d, c, t)))
+        # Model-parallel group (all tp and pp peers of one dp replica and context shard): where the grad norm is summed.
+        self.mp_group = self._build(lines(lambda p, d, c, t: (d, c)))
         self.world_group = self._build([list(range(L.world_size))])
-        # A tied embedding's copies live on the first stage (pp rank 0) and the last stage. One group per (dp, tp).
+        # A tied embedding's copies live on the first stage (pp rank 0) and the last stage. One group per (dp, cp, tp).
         self.embedding_group = self._build(
-            [sorted({L.rank(0, d, t), L.rank(last_stage_pp_rank, d, t)}) for d in range(L.dp) for t in range(L.tp)]
+            [sorted({L.rank(0, d, t, c), L.rank(last_stage_pp_rank, d, t, c)})
+             for d in range(L.dp) for c in range(L.cp) for t in range(L.tp)]
         )
 
     def _build(self, lines: list[list[int]]):
@@ -216,13 +233,15 @@ class Topology:
                 mine = group
         return mine
 
-    def global_rank(self, pp: int, dp: int, tp: int) -> int:
-        return self.ranks[self.layout.rank(pp, dp, tp)]
+    def global_rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return self.ranks[self.layout.rank(pp, dp, tp, cp)]
 
     def destroy(self) -> None:
-        for g in {self.tp_group, self.dp_group, self.pp_group, self.mp_group, self.world_group, self.embedding_group}:
-            if g is not None:
-                dist.destroy_process_group(g)
+        groups = (self.tp_group, self.cp_group, self.dp_group, self.dp_cp_group, self.pp_group, self.mp_group,
+                  self.world_group, self.embedding_group)
+        for g in {g for g in groups if g is not None}:
+            dist.destroy_process_group(g)
 
     def __repr__(self) -> str:
-        return f"Topology({self.layout}, rank={self.rank}, pp={self.pp_rank}, dp={self.dp_rank}, tp={self.tp_rank})"
+        return (f"Topology({self.layout}, rank={self.rank}, pp={self.pp_rank}, dp={self.dp_rank}, cp={self.cp_rank}, "
+                f"tp={self.tp_rank})")

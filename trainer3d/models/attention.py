@@ -43,19 +43,32 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """The attention kernel of a whole sequence: q [B, Hq, T, hd], k and v [B, Hkv, T, hd], causal."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa(q, k))
+
+
+def contiguous_positions(start: int, T: int, device: torch.device) -> torch.Tensor:
+    """The positions of T tokens that continue a sequence at `start`."""
+    return torch.arange(start, start + T, device=device)
+
+
 class AttentionCore(nn.Module):
     """The part of an attention module between its projections: softmax(q k^T / sqrt(d)) v, causal, with dropout on the
     probabilities. A family's attention module subclasses it and calls `attend`.
 
     `core` is what selective recomputation recomputes (its activations grow with the sequence squared, its FLOPs are
     few). Attention probabilities are sharded by head under tensor parallelism and need a per-rank dropout stream;
-    tensor parallelism installs it as `sharded_rng` (one process: the default generator).
+    tensor parallelism installs it as `sharded_rng` (one process: the default generator). `kernel(q, k, v, dropout_p)`
+    is the attention itself: context parallelism and document masking install theirs
+    (parallel/context_parallel.py).
     """
 
     def __init__(self, dropout: float):
         super().__init__()
         self.attn_dropout_p = dropout
         self.sharded_rng = contextlib.nullcontext
+        self.kernel = causal_attention
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache | None,
                layer: int) -> torch.Tensor:
@@ -69,25 +82,24 @@ class AttentionCore(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout_p = self.attn_dropout_p if self.training else 0.0
-        gqa = _gqa(q, k)
         if dropout_p == 0.0:  # no mask to draw, no stream to switch to (and no graph break under --compile)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+            return self.kernel(q, k, v, 0.0)
         with self.sharded_rng():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
+            return self.kernel(q, k, v, dropout_p)
 
     @staticmethod
     def cached_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the T newest positions (q) over all S cached ones (k, v), no dropout (inference). SDPA's
         is_causal aligns the mask top-left, right only for a prefill (T == S); one new token sees every key."""
-        T, S, gqa = q.shape[2], k.shape[2], _gqa(q, k)
+        T, S, flags = q.shape[2], k.shape[2], gqa(q, k)
         if T == S:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **flags)
         if T == 1:
-            return F.scaled_dot_product_attention(q, k, v, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, **flags)
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query i sits at position S-T+i
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **flags)
 
 
-def _gqa(q: torch.Tensor, k: torch.Tensor) -> dict:
+def gqa(q: torch.Tensor, k: torch.Tensor) -> dict:
     """SDPA's grouped-query flag where the kv heads are fewer (nothing otherwise: multi-head attention's call as it was)."""
     return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}

@@ -74,7 +74,7 @@ class DDPEngine(DataParallelEngine):
         require("parallel/ddp.py")
         self.stages, self.topo, self.device = stages, topo, device
         self.hooks_reduce = not SCHEDULES[cfg.schedule].split_backward  # DDP's hooks see every gradient
-        self.wrapped = [wrap_ddp(s, topo.dp_group, device) for s in stages] if self.hooks_reduce else list(stages)
+        self.wrapped = [wrap_ddp(s, topo.dp_cp_group, device) for s in stages] if self.hooks_reduce else list(stages)
         self.params = unique_parameters(stages)
         self.sequence_parallel = sequence_parallel_params(stages)
         groups = param_groups(self.params, cfg.weight_decay)
@@ -89,7 +89,7 @@ class DDPEngine(DataParallelEngine):
 
     def reduce_grads(self, grad_scale: float) -> torch.Tensor:
         if not self.hooks_reduce:
-            all_reduce_grads(self.params, self.topo.dp_group)
+            all_reduce_grads(self.params, self.topo.dp_cp_group)
         sum_tied_grads(tied_copies(self.stages), self.topo.embedding_group, lambda p: p.grad, _set_grad)
         sum_sequence_parallel_grads(self.sequence_parallel, self.topo.tp_group, _grad_or_zeros, _set_grad)
         if grad_scale != 1.0:

@@ -3,7 +3,8 @@
   1. build the family's plain model on the meta device (no memory, any size),
   2. pipeline: keep only this rank's stage(s),
   3. tensor parallel: swap each stage's layers for their sharded forms (sequence parallelism: the activations
-     between them on sequence shards), then activation recomputation around them,
+     between them on sequence shards), context parallelism and document masking (the attention and the positions of
+     this rank's tokens), then activation recomputation around them,
      then compile: torch.compile on each block, in place (--compile),
   4. materialize this rank's shards with layout-independent values (init, checkpoint or HF weights),
   5. data parallel: hand the stages to the data-parallel engine (DDP, or DeepSpeed ZeRO: zero/engine.py),
@@ -23,6 +24,7 @@ from trainer3d.models import CausalLM, build_model, canonical_name, init_value
 from trainer3d.parallel import pipeline
 from trainer3d.parallel.batch import BatchPlan
 from trainer3d.parallel.compile import apply_compile
+from trainer3d.parallel.context_parallel import SequenceLayout, apply_context_parallel
 from trainer3d.parallel.engine import DataParallelEngine, EngineFactory, is_tied_duplicate
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
@@ -41,6 +43,7 @@ class ParallelModel:
     padded_vocab: int
     engine: DataParallelEngine
     schedule: object  # a torch.distributed.pipelining schedule
+    sequence: SequenceLayout | None = None  # --cp > 1, --document-mask or --reset-position-ids: this rank's tokens
 
     @property
     def has_first(self) -> bool:
@@ -61,10 +64,11 @@ def parallelize(
     loss_fn: Callable,
     compute_dtype: torch.dtype,
     shard_value: Callable | None = None,
+    boundary: int | None = None,
 ) -> ParallelModel:
     """`mcfg`: the model's config (its family's); `cfg`: the run's TrainConfig (schedule, virtual stages, seed,
-    seq_len); `compute_dtype`: what matmuls run in; `shard_value`: the materialize hook (default: the
-    initialisation)."""
+    seq_len, cp, document masking); `compute_dtype`: what matmuls run in; `shard_value`: the materialize hook (default:
+    the initialisation); `boundary`: the token that opens a document (--document-mask, --reset-position-ids)."""
     L = topo.layout
     # 1. the plain model, shapes only
     with torch.device("meta"):
@@ -82,6 +86,11 @@ def parallelize(
     stages = [apply_tensor_parallel(s, topo.tp_group, topo.tp_rank, L.tp, sharded_rng) for s in stages]
     if cfg.sequence_parallel:  # ... with the activations between the tp regions on sequence shards
         stages = [apply_sequence_parallel(s, topo.tp_rank, L.tp, sharded_rng) for s in stages]
+    sequence = None
+    if L.cp > 1 or cfg.document_mask or cfg.reset_position_ids:  # ... and this rank's tokens of each sequence
+        sequence = SequenceLayout(cfg.seq_len, topo.cp_group, topo.cp_rank, L.cp, device, boundary=boundary,
+                                  document_mask=cfg.document_mask, reset_position_ids=cfg.reset_position_ids)
+        stages = [apply_context_parallel(s, sequence) for s in stages]
 
     # 3b. activation recomputation, around the tensor-parallel layers (their collectives run again in the backward)
     stages = [apply_recompute(s, cfg.recompute) for s in stages]
@@ -106,13 +115,15 @@ def parallelize(
         for s in stages:
             pipeline.send_in_compute_dtype(s, compute_dtype)
     padded = padded_vocab_size(mcfg.vocab_size, L.tp)
+    local_seq_len = cfg.seq_len // L.cp  # this rank's tokens of a sequence
     schedule = pipeline.build_schedule(
         engine.stage_modules, ids, n_stages, cfg.schedule, plan.micro_batches, loss_fn, topo.pp_group, device,
         shapes=lambda i: pipeline.stage_shapes(
-            i, n_stages, plan.micro_batch_size, cfg.seq_len, mcfg.n_embd, padded // L.tp, compute_dtype,
-            hidden_seq_len=cfg.seq_len // L.tp if cfg.sequence_parallel else cfg.seq_len,
+            i, n_stages, plan.micro_batch_size, local_seq_len, mcfg.n_embd, padded // L.tp, compute_dtype,
+            hidden_seq_len=local_seq_len // L.tp if cfg.sequence_parallel else local_seq_len,
         ),
         stage_cls=engine.stage_cls,
+        sequence=sequence,
     )
     return ParallelModel(
         stages=stages,
@@ -123,15 +134,16 @@ def parallelize(
         padded_vocab=padded,
         engine=engine,
         schedule=schedule,
+        sequence=sequence,
     )
 
 
 def rng_seeds(seed: int, topo, step: int = 0) -> tuple[int, int]:
     """The seeds of this rank's two dropout streams at `step` (0 when a run starts; a resume at another layout
     re-derives both at its step): the default generator's, identical on tp peers (their replicated activations need
-    identical masks) and different over dp and pp; and the sharded stream's (head-sharded attention), different on
+    identical masks) and different over dp, cp and pp; and the sharded stream's (head-sharded attention), different on
     every rank. A pure function of (seed, step, coordinates)."""
-    pp, dp, tp = topo.pp_rank, topo.dp_rank, topo.tp_rank
+    pp, dp, tp = topo.pp_rank, topo.dp_cp_rank, topo.tp_rank  # context shards hold different tokens, as replicas do
     return _mix(seed, step, pp, dp), _mix(seed + 2718, step, pp, dp, tp)
 
 

@@ -172,12 +172,16 @@ def build_schedule(
     device: torch.device,
     shapes: Callable[[int], dict],
     stage_cls: type = PipelineStage,
+    sequence=None,
 ):
     """`shapes(stage_index)`: stage_shapes of each stage; `stage_cls`: zero/glue.py's ZeroPipelineStage (DeepSpeed
-    engines as submodules) or torch's PipelineStage."""
+    engines as submodules) or torch's PipelineStage; `sequence`: the rank's SequenceLayout, told which micro-batch
+    each forward and backward runs (parallel/context_parallel.py)."""
     info = SCHEDULES[schedule]
     if info.v_shape:
         stage_cls = _forward_only_safe(stage_cls)
+    if sequence is not None:
+        stage_cls = _telling_micro_batch(stage_cls, sequence)
     stages = [stage_cls(m, i, n_stages, device, group=pp_group, **shapes(i)) for m, i in zip(stage_modules, ids)]
     # scale_grads=False: the loss is already divided by the number of micro-batches (see train/trainer.py), so the
     # gradient means the same thing at every layout.
@@ -201,3 +205,18 @@ class _NoGradientHandoffWithoutBackward:
 
 def _forward_only_safe(stage_cls: type) -> type:
     return type(stage_cls.__name__, (_NoGradientHandoffWithoutBackward, stage_cls), {})
+
+
+def _telling_micro_batch(stage_cls: type, sequence) -> type:
+    """A stage class that sets `sequence.micro_batch` before each forward and backward of a micro-batch: document
+    masks and positions depend on the micro-batch's rows, and a recomputation in the backward must see the same ones
+    as its forward did (the schedule interleaves micro-batches)."""
+
+    def run_as(method):
+        def run(self, chunk_id, *args, **kwargs):
+            sequence.micro_batch = chunk_id
+            return getattr(stage_cls, method)(self, chunk_id, *args, **kwargs)
+        return run
+
+    methods = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+    return type(stage_cls.__name__, (stage_cls,), {m: run_as(m) for m in methods})

@@ -51,7 +51,7 @@ class ShardedPositions(nn.Module):
         self.rank, self.size = rank, size
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return F.embedding(positions.chunk(self.size)[self.rank], self.weight)
+        return F.embedding(positions.chunk(self.size, dim=-1)[self.rank], self.weight)
 
 
 def apply_sequence_parallel(stage: CausalLM, rank: int, size: int, rng: ShardedDropoutRNG) -> CausalLM:

@@ -21,6 +21,7 @@ from trainer3d.data.tokenizer import has_tokenizer_files
 from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.parallel.batch import BatchPlan, plan_batch
 from trainer3d.parallel.compile import check_compiler
+from trainer3d.parallel.context_parallel import check_context_parallel
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline, last_stage_pp_rank
 from trainer3d.parallel.sequence_parallel import check_sequence_parallel
 from trainer3d.train.profiling import parse_step_range
@@ -152,7 +153,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         raise ConfigError(f"--precision must be auto, fp32, bf16 or fp16 (got {cfg.precision!r}).")
     if cfg.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full (got {cfg.recompute!r}).")
-    layout = infer_layout(world_size, cfg.tp, cfg.pp)
+    layout = infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp)
     if cfg.init_from_hf:
         base_model = hf_model_config(cfg.init_from_hf)
         if cfg.tokenizer is None and has_tokenizer_files(cfg.init_from_hf):  # the weights' own tokenizer
@@ -165,6 +166,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
             f"use --seq-len {mcfg.n_positions} or less."
         )
     family_of(mcfg).check(mcfg, layout.tp)
+    check_context_parallel(layout.cp, cfg.seq_len, layout.tp, cfg.sequence_parallel)
     if cfg.sequence_parallel:
         check_sequence_parallel(layout.tp, cfg.seq_len)
     deepspeed = None

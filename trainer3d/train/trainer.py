@@ -29,8 +29,14 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 class Trainer:
-    def __init__(self, setup: RunSetup, topo, device: torch.device, mcfg, shard_value=None):
+    def __init__(self, setup: RunSetup, topo, device: torch.device, mcfg, shard_value=None,
+                 boundary: int | None = None):
+        """`boundary`: the token that opens a document (the tokenizer's end-of-text), which --document-mask and
+        --reset-position-ids need."""
         cfg = setup.cfg
+        if (cfg.document_mask or cfg.reset_position_ids) and boundary is None:
+            raise TrainingError("--document-mask and --reset-position-ids need the end-of-text token that separates "
+                                "documents, and this run's data names none.")
         self.cfg, self.topo, self.device, self.mcfg, self.plan = cfg, topo, device, mcfg, setup.plan
         self.deepspeed = setup.deepspeed  # the resolved DeepSpeed JSON, or None
         self.precision = cfg.resolved_precision(device.type)
@@ -41,7 +47,7 @@ class Trainer:
             engine_factory = EngineFactory(lambda stages: DDPEngine(stages, topo, device, cfg))
         self.pm = parallelize(
             mcfg, topo, device, cfg, setup.plan, engine_factory, self._loss_fn, COMPUTE_DTYPES[self.precision],
-            shard_value=shard_value,
+            shard_value=shard_value, boundary=boundary,
         )
         self.engine, self.schedule = self.pm.engine, self.pm.schedule
         self.step = 0
@@ -67,8 +73,13 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[self.precision])
 
     def _schedule_pass(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> list[torch.Tensor]:
-        """One run of the pipeline schedule over this dp rank's rows; what the loss function returned for each
-        micro-batch on the last stage's ranks, [] elsewhere."""
+        """One run of the pipeline schedule over this dp rank's rows (whole sequences: under context parallelism
+        this rank takes its tokens of them); what the loss function returned for each micro-batch on the last stage's
+        ranks, [] elsewhere."""
+        sequence = self.pm.sequence
+        if sequence is not None:
+            sequence.begin_pass(inputs, self.plan.micro_batches)
+            inputs, targets = sequence.split(inputs), sequence.split(targets)
         args = (inputs.to(self.device, non_blocking=True).contiguous(),) if self.pm.has_first else ()
         kwargs = {"target": targets.to(self.device, non_blocking=True).contiguous()} if self.pm.has_last else {}
         losses: list[torch.Tensor] = []
@@ -85,14 +96,15 @@ class Trainer:
         device scalar on every rank, and the world's count of stop requests (`stop_requested` summed in the same
         all-reduce, so agreeing on a stop costs no collective of its own); neither is read here."""
         losses = self._schedule_pass(batch[:, :-1], batch[:, 1:], train)
-        # One rank per dp replica (last stage, tp rank 0) contributes its replica's mean; the world sums.
+        # One rank per dp replica and context shard (last stage, tp rank 0) contributes its tokens' mean (every shard
+        # holds as many tokens); the world sums.
         local = torch.zeros(2, device=self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
             local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
         local[1] = float(stop_requested)
         total = all_reduce(local, self.topo.world_group).double()
-        return total[0] / self.topo.layout.dp, total[1]
+        return total[0] / self.topo.layout.dp_cp, total[1]
 
     def train_step(self, batch: torch.Tensor, stop_requested: bool = False) -> dict:
         """One optimizer step on this dp rank's rows of the global batch ([local_batch, seq_len + 1]); one

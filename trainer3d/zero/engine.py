@@ -143,7 +143,7 @@ class ZeroEngine(DataParallelEngine):
         clipping reads), so nothing is copied back from CPU or swapped in from NVMe for it. A device scalar
         (float64), not read here."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        tp_rank, dp_rank = self.topo.tp_rank, self.topo.dp_rank
+        tp_rank, dp_rank = self.topo.tp_rank, self.topo.dp_cp_rank
         for e in self.engines:
             module, opt = e.module, e.optimizer
             norms = getattr(opt, "norm_for_param_grads", None) if (
@@ -201,7 +201,7 @@ def prepare_deepspeed(topo, device: torch.device, verbose: bool) -> None:
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
     os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
-    patch_zero3_trace_check(topo.dp_group)
+    patch_zero3_trace_check(topo.dp_cp_group)
 
 
 class ZeroEngineFactory(EngineFactory):
@@ -219,7 +219,7 @@ class ZeroEngineFactory(EngineFactory):
         if self.spec.zero_stage < 3:
             return super().materialize(module, device, shard_value, tp_rank, tp)
         prepare_deepspeed(self.topo, self.device, self.verbose)
-        if self.topo.dp_rank != 0:  # zero.Init broadcasts each parameter from dp rank 0: nothing to read or compute
+        if self.topo.dp_cp_rank != 0:  # zero.Init broadcasts each parameter from dp×cp rank 0: nothing to read or compute
             shard_value = lambda name, spec, local_shape, rank, size: torch.empty(local_shape)  # noqa: E731
         materialize(module, device, shard_value, tp_rank, tp, after_module=self._partitioner())
 
@@ -230,7 +230,7 @@ class ZeroEngineFactory(EngineFactory):
         offload = ds["zero_optimization"].get("offload_param") or {}
         remote = offload.get("device", "none")
         kw = dict(
-            data_parallel_group=self.topo.dp_group, mpu=TopologyMPU(self.topo),
+            data_parallel_group=self.topo.dp_cp_group, mpu=TopologyMPU(self.topo),
             dtype=torch.bfloat16 if (ds.get("bf16") or {}).get("enabled") else torch.float32,
             remote_device=None if remote in (None, "none") else remote, pin_memory=bool(offload.get("pin_memory")),
         )

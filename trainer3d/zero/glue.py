@@ -38,7 +38,8 @@ def check_glue() -> None:
 
 # ---- 1. mpu ----------------------------------------------------------------------------------------------------
 class TopologyMPU:
-    """DeepSpeed's `mpu` interface over our Topology. Data parallel = dp; DeepSpeed's "model parallel" = tp
+    """DeepSpeed's `mpu` interface over our Topology. Data parallel = dp (dp × cp for gradients and ZeRO's partitions);
+    DeepSpeed's "model parallel" = tp
     (used for its own grad-norm/overflow reductions, and for which tensor-parallel rank broadcasts)."""
 
     def __init__(self, topo):
@@ -58,6 +59,18 @@ class TopologyMPU:
 
     def get_data_parallel_group_ranks(self):
         return self._ranks(self.topo.dp_group)
+
+    # The ranks holding the same parameters, dp × cp: DeepSpeed reduces gradients and partitions ZeRO state over its
+    # "sequence data parallel" group (its hook for Ulysses; no sequence-parallel size is declared, so nothing else of
+    # Ulysses turns on) and sizes the batch by the data-parallel group alone. At cp 1 both are dp.
+    def get_sequence_data_parallel_group(self):
+        return self.topo.dp_cp_group
+
+    def get_sequence_data_parallel_rank(self):
+        return self.topo.dp_cp_rank
+
+    def get_sequence_data_parallel_world_size(self):
+        return self.topo.layout.dp_cp
 
     def get_model_parallel_group(self):
         return self.topo.tp_group

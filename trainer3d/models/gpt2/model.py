@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer3d.models.attention import AttentionCore, KVCache
+from trainer3d.models.attention import AttentionCore, KVCache, contiguous_positions
 from trainer3d.models.gpt2.config import GPTConfig
 from trainer3d.models.interface import CausalLM, ColumnParallel, ParallelPlan, RowParallel
 from trainer3d.models.seeding import name_seeded_normal
@@ -74,6 +74,7 @@ class GPT(CausalLM):
         self.ln_f: nn.Module | None = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
         self.lm_head: nn.Module | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied; pipeline stages that split them keep a synced copy
+        self.position_ids = contiguous_positions  # the tokens' positions (context parallelism installs its own)
 
     def parallel_plan(self) -> ParallelPlan:
         d = self.cfg.n_embd
@@ -88,8 +89,7 @@ class GPT(CausalLM):
         """With `kv_cache`, x continues the cached sequence: its positions start at the cache's length."""
         start = 0 if kv_cache is None else kv_cache.length
         if self.wte is not None:  # first stage: x holds token ids
-            positions = torch.arange(start, start + x.shape[1], device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(positions))
+            x = self.drop(self.wte(x) + self.wpe(self.position_ids(start, x.shape[1], x.device)))
         x = self.run_blocks(x, kv_cache)
         if self.lm_head is not None:  # last stage: x becomes logits (a vocab shard under TP)
             x = self.lm_head(self.ln_f(x))

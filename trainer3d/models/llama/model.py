@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer3d.models.attention import AttentionCore, KVCache
+from trainer3d.models.attention import AttentionCore, KVCache, contiguous_positions
 from trainer3d.models.interface import CausalLM, ColumnParallel, ParallelPlan, RowParallel
 from trainer3d.models.llama.config import LlamaConfig
 from trainer3d.models.seeding import name_seeded_normal
@@ -54,20 +54,24 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """cos and sin of the rotary angles for positions [start, start + T) (fp32 math, then the activations' dtype)."""
+    """cos and sin of the rotary angles of T tokens continuing a sequence at `start` (fp32 math, then the activations'
+    dtype): [T, hd], or [B, 1, T, hd] where positions differ per row (positions restarting at each document)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.inv_freq: torch.Tensor | None = None  # fp32, filled by init_tables (CausalLM.init_tables)
+        self.position_ids = contiguous_positions  # the tokens' positions (context parallelism installs its own)
 
     def init_tables(self, device: torch.device) -> None:
         self.inv_freq = rope_frequencies(self.cfg).to(device)
 
     def forward(self, start: int, T: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, start + T, device=like.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]
+        positions = self.position_ids(start, T, like.device).float()
+        freqs = positions[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
+        if emb.dim() == 3:  # [B, T, hd]: per row, broadcast over the heads
+            emb = emb[:, None]
         return emb.cos().to(like.dtype), emb.sin().to(like.dtype)
 
 

@@ -1,0 +1,152 @@
+"""Context parallelism (--cp) and document masking (--document-mask, --reset-position-ids).
+
+Without processes: the chunks balance the causal work, documents and their positions follow the boundary token, a
+packed row under the document mask gives each document the logits it gets alone, and the flex_attention and SDPA
+kernels of the mask agree. In one 4-process world: cp 2 and 4 with dp, tp + sequence parallelism, pipelines (1F1B,
+interleaved), recomputation, for GPT-2 and Llama, with and without the document mask, each equal to the one-process run
+of the same model and masking (ZeRO with cp: tests/test_zero.py's world 4; checkpoints across cp: test_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_world
+from parity import LLAMA, VOCAB, parity_config, run_layouts
+from test_parity import case, check
+from trainer3d.errors import LayoutError
+from trainer3d.models import build_model, init_value
+from trainer3d.parallel.context_parallel import (
+    SequenceLayout, apply_context_parallel, document_ids, local_positions, positions_in_document,
+)
+from trainer3d.train.setup import validate
+
+BOUNDARY = 0
+
+
+# ---- without processes --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_chunks_cover_the_sequence_and_balance_causal_work(cp):
+    T = 64
+    held = [local_positions(T, r, cp) for r in range(cp)]
+    assert sorted(torch.cat(held).tolist()) == list(range(T))
+    work = [int((p + 1).sum()) for p in held]  # keys each rank's queries attend to under the causal mask
+    assert len(set(work)) == 1, work
+
+
+def test_documents_and_their_positions():
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 0, 4]])
+    docs = document_ids(tokens, BOUNDARY)
+    assert docs.tolist() == [[0, 0, 1, 1, 1, 1, 2, 3, 3]]  # the boundary opens the document it precedes
+    assert positions_in_document(docs).tolist() == [[0, 1, 0, 1, 2, 3, 0, 0, 1]]
+
+
+def _packed_and_alone(model_flags: dict, reset: bool):
+    """The largest difference of any token's log-probabilities between packed rows under the document mask and each
+    document run alone through the same weights."""
+    torch.manual_seed(0)
+    mcfg = parity_config(**model_flags).model_config(VOCAB)
+    plain = build_model(mcfg).eval()
+    with torch.no_grad():  # the family's initialisation (N(0, 0.02)), as training starts
+        for name, p in plain.named_parameters():
+            p.copy_(init_value(mcfg, name, tuple(p.shape), 1234))
+    plain.init_tables(torch.device("cpu"))
+    masked = build_model(mcfg).eval()
+    masked.load_state_dict(plain.state_dict())
+    masked.init_tables(torch.device("cpu"))
+    tokens = torch.randint(1, VOCAB, (2, 32))
+    tokens[0, [0, 9, 10, 20]] = BOUNDARY
+    tokens[1, [5, 17]] = BOUNDARY
+    layout = SequenceLayout(32, None, 0, 1, torch.device("cpu"), boundary=BOUNDARY, document_mask=True,
+                            reset_position_ids=reset)
+    apply_context_parallel(masked, layout)
+    layout.begin_pass(tokens, 1)
+    with torch.no_grad():
+        packed = masked(tokens)
+        diffs = []
+        for b in range(2):
+            starts = [0] + [i for i in range(1, 32) if tokens[b, i] == BOUNDARY] + [32]
+            for s, e in zip(starts[:-1], starts[1:]):
+                alone = plain(tokens[b:b + 1, s:e]).log_softmax(-1)  # log-probabilities: the per-token losses
+                diffs.append((alone - packed[b:b + 1, s:e].log_softmax(-1)).abs().max().item())
+    return max(diffs)
+
+
+@pytest.mark.parametrize("model,reset,tol", [({}, True, 1e-5), (LLAMA, True, 1e-5), (LLAMA, False, 1e-5)],
+                         ids=["gpt2-reset", "llama-reset", "llama-rotary"])
+def test_document_mask_equals_each_document_alone(model, reset, tol):
+    """Every token's logits (so its loss) under the mask equal those of its document trained as its own sequence:
+    GPT-2's learned positions need --reset-position-ids for that; Llama's rotary attention depends only on distances,
+    so it holds without (to rounding)."""
+    assert _packed_and_alone(model, reset) < tol
+
+
+def test_without_the_mask_documents_see_each_other():
+    """The comparison above can fail: without the mask a later document's logits change."""
+    torch.manual_seed(0)
+    mcfg = parity_config().model_config(VOCAB)
+    model = build_model(mcfg).eval()
+    tokens = torch.randint(1, VOCAB, (1, 32))
+    tokens[0, 16] = BOUNDARY
+    with torch.no_grad():
+        assert (model(tokens)[:, 16:] - model(tokens[:, 16:])).abs().max() > 1e-3
+
+
+def test_flex_attention_and_sdpa_masks_agree():
+    """The CUDA kernel (flex_attention's block mask) and the CPU one (SDPA with a boolean mask) compute the same
+    attention, forward only here: flex_attention has no backward on CPU. cp-shaped chunks and grouped kv heads."""
+    torch.manual_seed(0)
+    T, cp = 64, 2
+    tokens = torch.randint(1, VOCAB, (2, T))
+    tokens[:, [0, 13, 40]] = BOUNDARY
+    q = torch.randn(2, 4, T // cp, 16)
+    k, v = torch.randn(2, 2, T, 16), torch.randn(2, 2, T, 16)
+    outs = []
+    for flex in (False, True):
+        layout = SequenceLayout(T, None, 0, 1, torch.device("cpu"), boundary=BOUNDARY, document_mask=True)
+        layout.begin_pass(tokens, 1)
+        layout.use_flex = flex
+        start, chunk = 32, 16  # a chunk that starts mid-sequence, as cp's second chunk does
+        layout.chunk = chunk
+        outs.append(layout._documents_attention(q[:, :, :chunk], k[:, :, :start + chunk], v[:, :, :start + chunk],
+                                                0, start, 0.0))
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (dict(cp=3), 4, "not divisible by tp×cp×pp"),
+    (dict(cp=2, seq_len=30), 2, "2·cp = 4 equal chunks"),
+    (dict(cp=2, tp=4, seq_len=36, sequence_parallel=True), 8, "each cp rank.s 18 tokens over --tp 4"),
+])
+def test_bad_layouts_are_refused_before_any_process_group(flags, world, message):
+    with pytest.raises(LayoutError, match=message):
+        validate(parity_config(**flags), world, VOCAB)
+
+
+# ---- one 4-process world --------------------------------------------------------------------------------------------
+def _cases():
+    sp = dict(sequence_parallel=True)
+    gpt2 = [case(cp=4), case(2, cp=2), case(1, 2, cp=2, **sp), case(1, 1, 2, cp=2),
+            case(1, 1, 2, "interleaved-1f1b", cp=2, recompute="selective"), case(1, 2, cp=2, recompute="full")]
+    llama = [case(1, 2, cp=2, **sp, **LLAMA), case(cp=4, **LLAMA), case(1, 1, 2, "interleaved-1f1b", cp=2, **LLAMA)]
+    docs = dict(document_mask=True, reset_position_ids=True, boundary=BOUNDARY)
+    gpt2_docs = [case(**docs), case(1, 2, cp=2, **sp, **docs), case(cp=4, **docs), case(1, 1, 2, cp=2, **docs)]
+    llama_docs = dict(document_mask=True, boundary=BOUNDARY, **LLAMA)
+    llama_doc_cases = [case(1, 2, cp=2, **sp, **llama_docs), case(1, 1, 2, "interleaved-1f1b", cp=2,
+                                                                   recompute="full", **llama_docs)]
+    return [({}, gpt2), (LLAMA, llama), (docs, gpt2_docs), (llama_docs, llama_doc_cases)]
+
+
+def _run_groups(rank: int, world_size: int, groups: list, steps: int) -> list:
+    return [run_layouts(rank, world_size, layouts, steps, reference) for reference, layouts in groups]
+
+
+def test_context_parallel_parity_world4():
+    groups = _cases()
+    results = run_world(4, _run_groups, groups, 10, timeout=900)
+    failures = []
+    for g, (reference, layouts) in enumerate(groups):
+        print(f"\nreference: {reference or 'GPT-2'}")
+        failures += check([r[g] for r in results], layouts)
+    assert not failures, "\n".join(failures)

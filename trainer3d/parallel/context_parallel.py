@@ -1,0 +1,212 @@
+"""Context parallelism (--cp) and document masking (--document-mask): where a rank's tokens sit in the sequence and
+what each of them may attend to.
+
+Context parallelism splits every sequence over the cp ranks of a dp replica. The sequence is cut into 2·cp equal
+chunks and rank r holds chunks r and 2·cp−1−r (the causal mask's load balance: every rank gets the same share of the
+attention work). Everything outside attention is per token, so a stage runs on its 2·T/(2·cp) tokens as on a shorter
+sequence; positions (learned or rotary) are the chunks' global ones (`position_ids`). Attention all-gathers keys and
+values over the cp group (the Llama 3 paper's scheme: with grouped-query attention only the kv heads travel; the
+backward reduce-scatters their gradients) and each local chunk attends to the keys up to its own end.
+Why not torch's `context_parallel`: it is ring attention over DTensor, SDPA's CUDA kernels only, and needs the
+buffers it shards at entry (no pipeline stages, no packed-document mask).
+
+Document masking: a packed row holds several documents, each opened by the end-of-text token that precedes it (the
+prepared shards' convention, llm.c's); with --document-mask a token attends only to earlier tokens of its own
+document, and with --reset-position-ids its position restarts at each document's first token (Megatron-LM's flag).
+The documents of a row are known from its tokens, which every rank of the replica has (Trainer.begin_pass), so no
+stage needs them sent; the stage class tells the layout which micro-batch runs (`micro_batch`), for the forward and
+for the recomputation in the backward alike. Kernels: flex_attention (CUDA, compiled once; it skips fully masked
+blocks) or SDPA with a boolean mask (CPU, where flex_attention has no backward; dropout anywhere).
+
+Gradients: each cp rank's loss is the mean over its tokens, all ranks hold as many, and the data-parallel engines
+average over dp×cp, so the gradient is that of the mean over the whole sequence (Megatron-LM's reduction group).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from trainer3d.distributed.collectives import group_size
+from trainer3d.errors import LayoutError
+from trainer3d.models.attention import gqa
+
+KV_SEQ_DIM = 2  # q, k, v are [batch, heads, sequence, head_dim]
+
+
+def chunk_starts(seq_len: int, rank: int, size: int) -> list[int]:
+    """The global start of each chunk rank `rank` holds, in local order (one chunk, the whole row, at cp 1)."""
+    if size == 1:
+        return [0]
+    c = seq_len // (2 * size)
+    return [rank * c, (2 * size - 1 - rank) * c]
+
+
+def local_positions(seq_len: int, rank: int, size: int) -> torch.Tensor:
+    """The global positions of a rank's tokens, in its local order."""
+    c = seq_len // (2 * size) if size > 1 else seq_len
+    return torch.cat([torch.arange(s, s + c) for s in chunk_starts(seq_len, rank, size)])
+
+
+def document_ids(tokens: torch.Tensor, boundary: int) -> torch.Tensor:
+    """[B, T] -> [B, T]: how many documents opened at or before each token (each `boundary` token opens one)."""
+    return torch.cumsum(tokens == boundary, dim=1)
+
+
+def positions_in_document(documents: torch.Tensor) -> torch.Tensor:
+    """[B, T] document ids -> each token's position counted from its document's first token."""
+    T = documents.shape[1]
+    index = torch.arange(T, device=documents.device).expand_as(documents)
+    opens = torch.ones_like(documents, dtype=torch.bool)
+    opens[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    start = torch.cummax(torch.where(opens, index, torch.zeros_like(index)), dim=1).values
+    return index - start
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather a rank's tokens over the cp group into the sequence's natural order (forward); reduce-scatter the
+    gradients of every rank's view back to the owner (backward: every rank's queries used every key)."""
+
+    @staticmethod
+    def forward(ctx, x, group, gathered_positions):
+        ctx.group, ctx.gathered_positions = group, gathered_positions
+        rows = x.movedim(KV_SEQ_DIM, 0).contiguous()
+        out = rows.new_empty((group_size(group) * rows.shape[0],) + tuple(rows.shape[1:]))
+        dist.all_gather_into_tensor(out, rows, group=group)
+        natural = torch.empty_like(out)
+        natural[gathered_positions] = out  # row j of the gather is position gathered_positions[j]
+        return natural.movedim(0, KV_SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows = grad.movedim(KV_SEQ_DIM, 0)[ctx.gathered_positions].contiguous()
+        out = rows.new_empty((rows.shape[0] // group_size(ctx.group),) + tuple(rows.shape[1:]))
+        dist.reduce_scatter_tensor(out, rows, group=ctx.group)
+        return out.movedim(0, KV_SEQ_DIM), None, None
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class SequenceLayout:
+    """One rank's view of its sequences, shared by all its stages: which global positions it holds (cp), which
+    document each token of the running micro-batch belongs to (documents), and the attention that follows. Installed
+    on every attention module (`kernel`) and every module that reads positions (`position_ids`) by `apply`."""
+
+    def __init__(self, seq_len: int, cp_group, cp_rank: int, cp: int, device: torch.device,
+                 boundary: int | None = None, document_mask: bool = False, reset_position_ids: bool = False):
+        self.seq_len, self.group, self.rank, self.size = seq_len, cp_group, cp_rank, cp
+        self.starts = chunk_starts(seq_len, cp_rank, cp)
+        self.chunk = seq_len // (2 * cp) if cp > 1 else seq_len
+        self.positions = local_positions(seq_len, cp_rank, cp).to(device)
+        self.gathered_positions = torch.cat([local_positions(seq_len, r, cp) for r in range(cp)]).to(device)
+        self.boundary, self.document_mask, self.reset_position_ids = boundary, document_mask, reset_position_ids
+        self.use_flex = device.type == "cuda"
+        self.documents: list[torch.Tensor] = []  # per micro-batch of the running pass: [mb, seq_len] document ids
+        self.micro_batch = 0  # set by the pipeline stage around each forward and backward (parallel/pipeline.py)
+        self._flex_masks: dict = {}
+
+    @property
+    def needs_documents(self) -> bool:
+        return self.document_mask or self.reset_position_ids
+
+    # ---- the data side: called by the trainer ------------------------------------------------------------------
+    def begin_pass(self, inputs: torch.Tensor, micro_batches: int) -> None:
+        """Before a schedule pass over `inputs` [local_batch, seq_len] (whole rows): the documents of each of its
+        micro-batches, split as the schedule splits its arguments."""
+        self._flex_masks.clear()
+        if self.needs_documents:
+            docs = document_ids(inputs.to(self.positions.device), self.boundary)
+            self.documents = list(docs.tensor_split(micro_batches))
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of rows x [B, seq_len + extra] (token ids or targets); columns past seq_len (tags that
+        travel with a row) are kept whole."""
+        if self.size == 1:
+            return x
+        local = x[:, : self.seq_len][:, self.positions.to(x.device)]
+        return torch.cat([local, x[:, self.seq_len:]], dim=1)
+
+    # ---- the model side: installed on the stage's modules ------------------------------------------------------
+    def position_ids(self, start: int, T: int, device: torch.device) -> torch.Tensor:
+        """[T] global positions of the local tokens, or [mb, T] positions within their documents."""
+        if start != 0 or T != len(self.positions):
+            raise RuntimeError(f"a {T}-token pass at position {start} on a rank laid out for {len(self.positions)} "
+                               "tokens; incremental decoding runs without context parallelism")
+        if self.reset_position_ids:
+            return positions_in_document(self.documents[self.micro_batch])[:, self.positions].to(device)
+        return self.positions.to(device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """q [B, Hq, T_local, hd] (this rank's chunks), k, v [B, Hkv, T_local, hd] -> [B, Hq, T_local, hd]."""
+        if self.size > 1:
+            kv = _GatherSequence.apply(torch.cat([k, v], dim=1), self.group, self.gathered_positions)
+            k, v = kv.split(k.shape[1], dim=1)
+        outs = []
+        for i, start in enumerate(self.starts):
+            qc = q[:, :, i * self.chunk:(i + 1) * self.chunk]
+            end = start + self.chunk
+            kc, vc = k[:, :, :end], v[:, :, :end]  # keys past the chunk's end are all masked
+            if self.document_mask:
+                outs.append(self._documents_attention(qc, kc, vc, i, start, dropout_p))
+            else:
+                outs.append(F.scaled_dot_product_attention(
+                    qc, kc, vc, attn_mask=causal_lower_right(self.chunk, end) if start else None,
+                    dropout_p=dropout_p, is_causal=not start, **gqa(q, k)))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=KV_SEQ_DIM)
+
+    def _documents_attention(self, q, k, v, chunk: int, start: int, dropout_p: float) -> torch.Tensor:
+        docs = self.documents[self.micro_batch].to(q.device)
+        q_pos = torch.arange(start, start + self.chunk, device=q.device)
+        k_docs, q_docs = docs[:, : k.shape[2]], docs[:, start:start + self.chunk]
+        if self.use_flex and dropout_p == 0.0:
+            key = (self.micro_batch, chunk)
+            if key not in self._flex_masks:  # one block mask per micro-batch and chunk, shared by every layer
+                self._flex_masks[key] = self._flex_block_mask(q_docs, k_docs, q_pos)
+            return _compiled_flex_attention()(q, k, v, block_mask=self._flex_masks[key], **gqa(q, k))
+        mask = (k_docs[:, None, :] == q_docs[:, :, None]) & (
+            torch.arange(k.shape[2], device=q.device)[None, None, :] <= q_pos[None, :, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p, **gqa(q, k))
+
+    @staticmethod
+    def _flex_block_mask(q_docs, k_docs, q_pos):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document_causal(b, h, qi, kj):
+            return (kj <= q_pos[qi]) & (k_docs[b, kj] == q_docs[b, qi])
+
+        B, Q, K = q_docs.shape[0], q_docs.shape[1], k_docs.shape[1]
+        return create_block_mask(same_document_causal, B, None, Q, K, device=q_docs.device)
+
+
+def apply_context_parallel(stage, layout: SequenceLayout):
+    """Point every attention module of `stage` at the layout's attention, and every module that reads positions at its
+    positions, in place. Both stay outside torch.compile's graphs (Python state: the running micro-batch)."""
+    attend = torch.compiler.disable(layout.attend)
+    position_ids = torch.compiler.disable(layout.position_ids)
+    for m in stage.modules():
+        if hasattr(m, "kernel"):
+            m.kernel = attend
+        if hasattr(m, "position_ids"):
+            m.position_ids = position_ids
+    return stage
+
+
+def check_context_parallel(cp: int, seq_len: int, tp: int, sequence_parallel: bool) -> None:
+    """Refuse, before any process group exists, a sequence the cp ranks cannot split."""
+    if cp == 1:
+        return
+    if seq_len % (2 * cp):
+        raise LayoutError(f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} equal chunks (two per rank, for the "
+                          f"causal mask's balance); pick a --seq-len divisible by {2 * cp} (got {seq_len}).")
+    if sequence_parallel and (seq_len // cp) % tp:
+        raise LayoutError(f"--sequence-parallel splits each cp rank's {seq_len // cp} tokens over --tp {tp}; pick a "
+                          f"--seq-len divisible by {cp * tp}.")
