@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hellaswag-examples", type=int, default=None, metavar="N", help="the first N examples only")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context parallelism (each row split over cp ranks)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
     p.add_argument("--virtual-stages", type=int, default=1)
     p.add_argument("--micro-batches", type=int, default=None, help="per pass and dp rank (default as in training)")
@@ -69,11 +70,11 @@ def eval_config(ckpt: Checkpoint, args, world_size: int) -> TrainConfig:
     """The checkpoint's run at this command's layout (the model itself is the checkpoint's config, validate's
     `base_model`); nothing of the run that would touch its files."""
     run = ckpt.meta["config"]
-    dp = max(1, world_size // max(1, args.tp * args.pp))
+    dp = max(1, world_size // max(1, args.tp * args.pp * args.cp))
     micro_batches = args.micro_batches or default_micro_batches(args.schedule, args.pp)
     return TrainConfig(
         model=run.get("model") if run.get("model") in MODEL_PRESETS else "tiny",
-        tp=args.tp, pp=args.pp, schedule=args.schedule, virtual_stages=args.virtual_stages,
+        tp=args.tp, pp=args.pp, cp=args.cp, schedule=args.schedule, virtual_stages=args.virtual_stages,
         micro_batches=args.micro_batches,
         seq_len=args.seq_len or int(run.get("seq_len", 128)),
         global_batch=args.global_batch or ROWS_PER_MICRO_BATCH * dp * micro_batches,
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 report = {
                     "checkpoint": str(ckpt.path), "step": trainer.step, "hellaswag": args.hellaswag,
                     "examples": len(result.labels), **result.metrics(),
-                    "layout": {"dp": topo.layout.dp, "tp": topo.layout.tp, "pp": topo.layout.pp,
+                    "layout": {"dp": topo.layout.dp, "tp": topo.layout.tp, "pp": topo.layout.pp, "cp": topo.layout.cp,
                                "schedule": setup.cfg.schedule, "precision": trainer.precision},
                     "per_example": [{"label": y, "pick": p, "pick_sum": q, "loss_mean": m, "loss_sum": s}
                                     for y, p, q, m, s in zip(result.labels, result.picks, result.picks_sum,

@@ -102,7 +102,7 @@ def sharded_rngs(pm) -> list[ShardedDropoutRNG]:
 def layout_record(trainer) -> dict:
     L = trainer.topo.layout
     return {
-        "dp": L.dp, "tp": L.tp, "pp": L.pp, "world_size": L.world_size, "schedule": trainer.cfg.schedule,
+        "dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "world_size": L.world_size, "schedule": trainer.cfg.schedule,
         "virtual_stages": trainer.cfg.virtual_stages, "device": trainer.device.type,
     }
 

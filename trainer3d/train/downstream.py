@@ -6,8 +6,9 @@ each dp rank taking its rows as validation does (data.val_batches), through the 
 `Trainer.forward_only`: on the last stage, each micro-batch's logits shard goes to the reduction instead of the loss.
 The global row index travels with its row (an extra target column), so the schedule's micro-batch order never
 matters. The last stage's ranks put their results at their rows' indices in a zero tensor and one all-reduce over
-the layout gives every rank every row: each entry has exactly one writer, so the sum is exact and every rank holds
-the same values. Every rank runs every pass (pipeline, tp and ZeRO-3 exchanges).
+the layout gives every rank every row: each entry has one writer per context shard (one without --cp), and a
+reduction is a sum over its row's tokens, so the shards' partial sums add up to the row's and every rank holds the
+same values. Every rank runs every pass (pipeline, tp, cp and ZeRO-3 exchanges).
 
 Sampling recomputes the whole window for each new token (as llm.c does during training; python -m trainer3d.sample
 has the KV cache): the reduction keeps the logits of the last position, every rank picks the same next token from
@@ -29,7 +30,8 @@ from trainer3d.generate import pick_next_token
 
 # make_batch(global row indices) -> (inputs [n, seq_len], targets [n, seq_len]); indices past the rows are padding
 MakeBatch = Callable[[np.ndarray], "tuple[torch.Tensor, torch.Tensor]"]
-# reduction(logits shard [mb, seq_len, vocab/tp], targets [mb, seq_len]) -> [mb, width]
+# reduction(logits shard [mb, T, vocab/tp], targets [mb, T]) -> [mb, width], a sum over the T tokens (T: seq_len,
+# or this rank's seq_len/cp tokens under context parallelism: the targets are split alike)
 Reduction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -88,9 +90,11 @@ def sample(trainer, prompt: list[int], count: int, n_tokens: int, temperature: f
             inputs = torch.full((len(idx), seq_len), pad_id, dtype=torch.long)
             mine = idx < count
             inputs[torch.from_numpy(mine), : window.shape[1]] = window[torch.from_numpy(idx[mine])]
-            return inputs, torch.zeros(len(idx), 1, dtype=torch.long)
+            at_last = torch.zeros(len(idx), seq_len, dtype=torch.long)
+            at_last[:, last] = 1  # marks the position whose logits are kept (on whichever cp rank holds it)
+            return inputs, at_last
 
-        logits = forward_rows(trainer, count, make_batch, lambda lg, _t: lg[:, last, :],
+        logits = forward_rows(trainer, count, make_batch, lambda lg, at_last: (lg * at_last[..., None]).sum(dim=1),
                               width=trainer.pm.padded_vocab // trainer.topo.layout.tp, vocab_sharded=True)
         next_ids = pick_next_token(logits[:, :vocab].cpu(), temperature, top_k, generator)
         seqs = torch.cat([seqs, next_ids[:, None]], dim=1)

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks = local_leader_first(env, lambda: build_token_blocks(data_cfg, cfg.seq_len))
         mcfg = setup.model_config(blocks.vocab_size)
         start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
-        trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value)
+        trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
         loader = BatchLoader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)

@@ -43,6 +43,7 @@ def run_config(trainer) -> dict:
             "dp": topo.layout.dp,
             "tp": topo.layout.tp,
             "pp": topo.layout.pp,
+            "cp": topo.layout.cp,
             "world_size": topo.layout.world_size,
             "schedule": cfg.schedule,
             "stages": trainer.pm.n_stages,
