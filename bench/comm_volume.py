@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 import sys
 from collections import defaultdict
 
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import Case, build_trainer, fmt_bytes, local_batch, stamp, table, zero_available  # noqa: E402
 
-GROUPS = ["tp", "pp", "dp", "embedding", "mp", "world"]
+GROUPS = ["tp", "cp", "pp", "dp", "embedding", "mp", "world"]
 MODEL = dict(n_layer=4, n_embd=64, n_head=4, vocab=512, seq_len=32)
 
 
@@ -44,10 +45,12 @@ def count_layouts(rank: int, world: int, cases: list[Case]) -> list:
             tr.train_step(local_batch(case, topo, 0))
             counter.reset()
             counter.enabled = True
+            t0 = time.perf_counter()
             tr.train_step(local_batch(case, topo, 1))
+            step_s = time.perf_counter() - t0
             counter.enabled = False
             name_of = group_namer(topo)
-            per_group = defaultdict(lambda: {"payload": 0, "wire": 0.0, "calls": defaultdict(int)})
+            per_group = defaultdict(lambda: {"payload": 0, "wire": 0.0, "seconds": 0.0, "calls": defaultdict(int)})
             for c in counter.calls:
                 if c.op in ("recv", "irecv"):
                     continue
@@ -56,9 +59,10 @@ def count_layouts(rank: int, world: int, cases: list[Case]) -> list:
                 op = {"isend": "send", "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
                       "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter"}.get(c.op, c.op)
                 g["payload"] += c.nbytes
+                g["seconds"] += c.seconds
                 g["wire"] += c.nbytes * (ring_factor(op, n) if op != "send" else 1.0)
                 g["calls"][f"{op}/{n}"] += 1
-            res = dict(coords=(topo.pp_rank, topo.dp_rank, topo.tp_rank),
+            res = dict(coords=(topo.pp_rank, topo.dp_rank, topo.tp_rank, topo.cp_rank), step_s=step_s,
                        groups={k: {**v, "calls": dict(v["calls"])} for k, v in per_group.items()})
         topo.destroy()
         out.append(res)
@@ -70,7 +74,7 @@ def candidate_of(case: Case, zero_stage: int = 0):
     from trainer3d.plan.candidate import Candidate
 
     return Candidate(
-        cfg=case.model_config(), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
+        cfg=case.model_config(), dp=case.dp, tp=case.tp, pp=case.pp, cp=case.cp, schedule=case.schedule,
         virtual_stages=case.virtual_stages, micro_batches=case.micro_batches, micro_batch_size=case.micro_batch_size,
         seq_len=case.seq_len, zero_stage=zero_stage,
         # the trainer's bf16 without DeepSpeed is torch.autocast over fp32 parameters
@@ -105,6 +109,16 @@ def default_cases(zero: bool = True, only_zero: bool = False) -> list[Case]:
             Case(tp=2, pp=4, schedule="interleaved-1f1b", virtual_stages=2, micro_batches=4, global_batch=8,
                  extra=extra, **{**MODEL, "n_layer": 8}),
         ]
+    # context parallelism: the cp group's key/value gathers and their gradients' reduce-scatters, and the gradient
+    # reduction over dp × cp, with tp + sequence parallelism, a pipeline and dp
+    c += [] if only_zero else [
+        Case(cp=2, global_batch=8, **MODEL),
+        Case(cp=4, global_batch=8, **MODEL),
+        Case(dp=2, cp=2, global_batch=8, **MODEL),
+        Case(tp=2, cp=2, global_batch=8, extra={"sequence_parallel": True}, **MODEL),
+        Case(pp=2, cp=2, micro_batches=4, global_batch=8, **MODEL),
+        Case(dp=2, tp=2, cp=2, global_batch=8, extra={"sequence_parallel": True}, **MODEL),
+    ]
     if zero and zero_available():
         from bench.memory import ds_config
 
@@ -159,6 +173,31 @@ def summary(cases: list[Case], results: list[list]) -> list[list]:
                 fmt_bytes(pp_j) if pp_j else "-", fmt_bytes(pp_i) if pp_i else "-",
                 f"{pp_i / pp_j:.3f}" if pp_j else "-", f"{ana(i, 'pp') / ana(j, 'pp'):.3f}" if pp_j else "-",
             ])
+    return rows
+
+
+def cp_summary(cases: list[Case], results: list[list]) -> list[list]:
+    """Context parallelism's cost in one step, per cp layout: its wire bytes (all ranks) against the planner's count,
+    its time per step (rank mean; gloo's collectives return when done, so this includes waiting for the slowest peer)
+    and share of the step, and, where the layout has tp, its seconds per wire MiB against the tp collectives' in the
+    same step: the planner prices both groups at one bandwidth inside a node (ratio 1)."""
+    from trainer3d.plan.comm import analytic_comm
+
+    rows = []
+    for case, per_rank in zip(cases, results):
+        if case.cp == 1:
+            continue
+        ranks = [r for r in per_rank if r is not None]
+        group = lambda g, k: sum(r["groups"].get(g, {}).get(k, 0.0) for r in ranks)  # noqa: E731
+        analytic = sum(t.wire for r in ranks for t in analytic_comm(candidate_of(case), r["coords"][0]) if t.group == "cp")
+        calls = sum(sum(r["groups"].get("cp", {}).get("calls", {}).values()) for r in ranks)
+        cp_s = group("cp", "seconds") / len(ranks)
+        step = sum(r["step_s"] for r in ranks) / len(ranks)
+        per_mib = lambda g: group(g, "seconds") / max(group(g, "wire") / 2**20, 1e-12)  # noqa: E731
+        rows.append([label(case), fmt_bytes(group("cp", "wire")), fmt_bytes(analytic),
+                     f"{group('cp', 'wire') / analytic:.3f}", f"{cp_s * 1e3:.1f} ms", f"{cp_s / step:.1%}",
+                     f"{group('cp', 'seconds') / calls * 1e3:.2f} ms",
+                     f"{per_mib('cp') / per_mib('tp'):.2f}" if case.tp > 1 else "-"])
     return rows
 
 
@@ -226,6 +265,9 @@ def main(argv=None) -> int:
     print(table(summary(cases, results), ["layout", "tp wire without", "tp wire with", "tp ratio", "analytic",
                                           "tp ratio, replacements only", "pp without", "pp with", "pp ratio",
                                           "analytic"]))
+    print()
+    print(table(cp_summary(cases, results), ["cp layout", "cp wire measured", "analytic", "ratio", "cp time/step",
+                                             "share of step", "per call", "cp vs tp s per wire MiB (model: 1)"]))
     print()
     print(stamp("python bench/comm_volume.py" + (" --no-zero" if args.no_zero else "")))
     if not zero_available():

@@ -25,6 +25,7 @@ class Case:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batches: int = 1
@@ -40,14 +41,14 @@ class Case:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def micro_batch_size(self) -> int:
         return self.global_batch // (self.dp * self.micro_batches)
 
     def label(self) -> str:
-        s = f"({self.dp},{self.tp},{self.pp})"
+        s = f"({self.dp},{self.tp},{self.pp})" + (f" cp{self.cp}" if self.cp > 1 else "")
         if self.pp > 1:
             s += f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         s += f" m{self.micro_batches}"
@@ -60,7 +61,7 @@ class Case:
 
         kw = dict(
             model="tiny", n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, vocab_size=self.vocab,
-            seq_len=self.seq_len, global_batch=self.global_batch, tp=self.tp, pp=self.pp, schedule=self.schedule,
+            seq_len=self.seq_len, global_batch=self.global_batch, tp=self.tp, pp=self.pp, cp=self.cp, schedule=self.schedule,
             virtual_stages=self.virtual_stages, micro_batches=self.micro_batches, precision="fp32", seed=1234,
             lr=1e-3, warmup_steps=1, max_steps=1000, grad_clip=1.0, dropout=0.0,
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ class Call:
     nbytes: int
     group_ranks: tuple[int, ...]
     group: object
+    seconds: float = 0.0  # wall time inside the call (gloo's collectives return when done; sends when queued)
 
 
 class CommCounter:
@@ -100,12 +102,18 @@ class CommCounter:
                     ranks = tuple(dist.get_process_group_ranks(group))
                 except Exception:  # noqa: BLE001
                     ranks = ()
-                counter.calls.append(Call(name, _nbytes(payload), ranks, group))
+                call = Call(name, _nbytes(payload), ranks, group)
+                counter.calls.append(call)
+            else:
+                call = None
             counter._local.depth = depth + 1
+            start = time.perf_counter()
             try:
                 return orig(*args, **kwargs)
             finally:
                 counter._local.depth = depth
+                if call is not None:
+                    call.seconds = time.perf_counter() - start
 
         wrapper.__name__ = name
         wrapper.__wrapped__ = orig
@@ -142,8 +150,9 @@ def group_namer(topo):
     member ranks (DeepSpeed builds its own groups over the same ranks)."""
     named = [
         ("tp", topo.tp_group),
+        ("cp", topo.cp_group),
         ("pp", topo.pp_group),
-        ("dp", topo.dp_group),
+        ("dp", topo.dp_cp_group),  # gradients are reduced over dp × cp (dp itself at cp 1)
         ("embedding", topo.embedding_group),
         ("mp", topo.mp_group),
         ("world", topo.world_group),

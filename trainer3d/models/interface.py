@@ -3,8 +3,8 @@ name no parameter of any family; they read these declarations.
 
 A family (models/<family>/) provides:
   - a config: a frozen dataclass with the shape fields every family has (`vocab_size`, `n_positions` the context,
-    `n_embd`, `n_layer`, `n_head`, `dropout`, `ffn_hidden`, `tie_embeddings`) and its formulas (`num_params`,
-    `flops_per_token`, `layer_flops`, `head_flops`, `layer_activations`), plus fields of its own;
+    `n_embd`, `n_layer`, `n_head`, `dropout`, `ffn_hidden`, `tie_embeddings`, `kv_width`) and its formulas
+    (`num_params`, `flops_per_token`, `layer_flops`, `head_flops`, `layer_activations`), plus fields of its own;
   - its plain model, a `CausalLM` (no distributed code) declaring which top-level parts the first and the last pipeline
     stage hold, and its `ParallelPlan` (which linears are column- or row-parallel, where the attention core is);
   - `init_value`, its Hugging Face adapter (`HFAdapter`), presets and a tensor-parallel check: a `ModelFamily`.

@@ -81,9 +81,9 @@ def _rank_stages(cfg, pp: int, schedule: str, virtual_stages: int, pp_rank: int,
 # ---- the candidate -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Candidate:
-    """One run the planner considers: model, (dp, tp, pp) grid, schedule, batch split, precision and ZeRO options;
+    """One run the planner considers: model, (dp, tp, pp, cp) grid, schedule, batch split, precision and ZeRO options;
     everything the cost model needs (one pipeline rank at a time). Not trainer3d.distributed.topology.Layout, which is
-    only the (dp, tp, pp) grid of a running job."""
+    only the grid of a running job."""
 
     cfg: object  # the model's config (any family's)
     dp: int = 1
@@ -100,13 +100,19 @@ class Candidate:
     offload_params: bool = False
     recompute: bool = False  # full activation checkpointing of every block
     sequence_parallel: bool = False  # --sequence-parallel (tp > 1): activations outside the tp regions split by tp
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (its keys and values all-gathered)
     # ZeRO-3 keeps parameters smaller than this unpartitioned (DeepSpeed's stage3_param_persistence_threshold)
     zero3_persistence: int | None = None  # None: the "auto" value (zero.config.auto_buckets)
     zero_bucket_elems: int | None = None  # DeepSpeed reduce_bucket_size; None: the "auto" value
 
     @property
-    def tokens(self) -> int:  # T: tokens per micro-batch
-        return self.micro_batch_size * self.seq_len
+    def tokens(self) -> int:  # T: a rank's tokens of a micro-batch (its 1/cp share of every sequence)
+        return self.micro_batch_size * self.seq_len // self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same parameters: gradients are reduced, and ZeRO partitions, over them."""
+        return self.dp * self.cp
 
     @property
     def prec(self) -> Precision:
@@ -114,7 +120,7 @@ class Candidate:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -126,7 +132,7 @@ class Candidate:
 
 def describe(cand: Candidate) -> str:
     """The one-line name of a candidate in the planner's tables, e.g. `dp8 tp1 pp2 1f1b m64x1 ZeRO-1`."""
-    s = f"dp{cand.dp} tp{cand.tp} pp{cand.pp}"
+    s = f"dp{cand.dp} tp{cand.tp} pp{cand.pp}" + (f" cp{cand.cp}" if cand.cp > 1 else "")
     if cand.pp > 1:
         s += f" {cand.schedule}" + (f" v{cand.virtual_stages}" if cand.virtual_stages > 1 else "")
     s += f" m{cand.micro_batches}x{cand.micro_batch_size} ZeRO-{cand.zero_stage}"

@@ -1,6 +1,6 @@
 """The layout planner: `python -m trainer3d.plan`.
 
-Given a model, a cluster and a global batch, enumerate every layout trainer3d can run (dp, tp, pp, schedule,
+Given a model, a cluster and a global batch, enumerate every layout trainer3d can run (dp, tp, pp, cp, schedule,
 virtual stages, micro-batches, ZeRO stage, offload, activation checkpointing), estimate memory per GPU and step
 time with the cost model in trainer3d/plan/ (memory.py, comm.py, step_time.py: the one bench/comm_volume.py and
 bench/memory.py check against measurements), refuse what does not fit or cannot run, and print the best few with
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-offload", action="store_true")
     s.add_argument("--no-recompute", action="store_true", help="leave out activation checkpointing")
     s.add_argument("--max-micro-batch-size", type=int, default=64)
+    s.add_argument("--cp-sizes", type=int, nargs="+", default=None,
+                   help="context-parallel sizes to consider (default: 1 and the powers of two that leave each rank at "
+                        "least 4096 tokens of a sequence)")
     s.add_argument("--top", type=int, default=5)
     o = p.add_argument_group("output")
     o.add_argument("--pick", type=int, default=1, help="which plan (1 = best) to write/launch")
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print the plans as JSON")
     o.add_argument("--evaluate", default=None, metavar="LAYOUT",
                    help="also estimate one layout, e.g. tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1 "
-                        "(dp follows from the cluster; keys: tp pp schedule v mbs zero offload recompute sp)")
+                        "(dp follows from the cluster; keys: tp pp cp schedule v mbs zero offload recompute sp)")
     return p
 
 
@@ -133,6 +136,7 @@ def main(argv=None) -> int:
     search = enumerate_plans(
         cfg, C, gb, args.seq_len, schedules=args.schedules, zero_stages=tuple(args.zero_stages),
         offload=not args.no_offload, recompute=not args.no_recompute, max_micro_batch_size=args.max_micro_batch_size,
+        cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None,
     )
     kv = f" kv{cfg.n_kv_heads}" if hasattr(cfg, "n_kv_heads") else ""
     print(f"model: {name or 'custom'} ({cfg.family}) L{cfg.n_layer} d{cfg.n_embd} h{cfg.n_head}{kv} vocab {cfg.vocab_size} "

@@ -32,7 +32,7 @@ def ring_factor(op: str, n: int) -> float:
 class Transfer:
     """`calls` calls of one collective with `nbytes` payload each, on a group of `n` ranks."""
 
-    group: str  # tp, pp, dp, embedding, mp, world
+    group: str  # tp, cp, pp, dp (over dp × cp), embedding, mp, world
     op: str  # all_reduce, all_gather, reduce_scatter, send
     nbytes: float
     calls: int
@@ -94,7 +94,7 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
                                 "vocab-parallel embedding forward: partial lookups reduce-scattered (b·s·h)"))
             out.append(Transfer("tp", "all_gather", T * h * P.resid, m, t,
                                 "vocab-parallel embedding backward: the output gradient gathered (b·s·h)"))
-        share = cand.dp if cand.zero_stage == 3 else 1  # ZeRO-3 sums each parameter's own dp partition
+        share = cand.dp_cp if cand.zero_stage == 3 else 1  # ZeRO-3 sums each parameter's own dp×cp partition
         out.append(Transfer("tp", "all_reduce", sum(math.ceil(n / share) for n in replicated_params(cand.cfg, stages)) * 4,
                             1, t, "once per step: gradients of the norms, row-parallel biases and positions summed "
                             "(fp32)"))
@@ -102,6 +102,22 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
         out.append(Transfer("tp", "all_reduce", T * 4, 3 * m, t,
                             "vocab-parallel cross-entropy: max, target logit, sum of exps (b·s fp32 each)"))
     return out
+
+
+def context_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
+    """The cp group's collectives (parallel/context_parallel.py): every block's attention all-gathers this rank's
+    keys and values (its kv heads, /t under tp) into the whole sequence's, and its backward reduce-scatters their
+    gradients; full recomputation gathers them once more."""
+    layers = sum(s.layers for s in stages)
+    gathered = cand.cp * cand.tokens * 2 * cand.cfg.kv_width // cand.tp * cand.prec.matmul
+    calls = layers * cand.micro_batches
+    return [
+        Transfer("cp", "all_gather", gathered, calls * (2 if cand.recompute else 1), cand.cp,
+                 "attention's keys and values gathered over cp, per block" + (" (again when recomputed)"
+                                                                             if cand.recompute else "")),
+        Transfer("cp", "reduce_scatter", gathered, calls, cand.cp,
+                 "their gradients reduce-scattered back to their ranks, per block"),
+    ]
 
 
 def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
@@ -124,22 +140,25 @@ def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
         if bwd:
             out.append(Transfer("pp", "send", sent, bwd * m, 2,
                                 "activation gradient to the previous stage, per micro-batch and boundary (b·s·h, /t with SP)"))
+    if cand.cp > 1:
+        out += context_parallel_comm(cand, stages)
     n_local = rank_params(cfg, cand.tp, stages)
-    if cand.dp > 1:
+    dp = cand.dp_cp  # gradients are reduced, and ZeRO partitions, over dp × cp
+    if dp > 1:
         g = P.grad
         if cand.zero_stage == 0:
-            out.append(Transfer("dp", "all_reduce", n_local * g, 1, cand.dp,
+            out.append(Transfer("dp", "all_reduce", n_local * g, 1, dp,
                                 "DDP: one all-reduce of the local gradient per step (no_sync on earlier micro-batches)"))
         else:
             rs_calls = m if cand.zero_stage >= 2 else 1
-            out.append(Transfer("dp", "reduce_scatter", n_local * g, rs_calls, cand.dp,
+            out.append(Transfer("dp", "reduce_scatter", n_local * g, rs_calls, dp,
                                 "ZeRO: reduce-scatter of the gradient" + (" every micro-batch" if rs_calls > 1 else "")))
             if cand.zero_stage < 3:
-                out.append(Transfer("dp", "all_gather", n_local * P.param, 1, cand.dp,
+                out.append(Transfer("dp", "all_gather", n_local * P.param, 1, dp,
                                     "ZeRO-1/2: all-gather of the updated parameters after the step"))
             else:
                 partitioned = n_local - persistent_params(cand, stages)
-                out.append(Transfer("dp", "all_gather", partitioned * P.param, 2 * m, cand.dp,
+                out.append(Transfer("dp", "all_gather", partitioned * P.param, 2 * m, dp,
                                     "ZeRO-3: all-gather of the parameters before forward and before backward"))
     first_rank, last_rank = tied_copy_ranks(cand)
     if cfg.tie_embeddings and cand.pp > 1 and first_rank != last_rank and pp_rank in (first_rank, last_rank):
@@ -147,13 +166,14 @@ def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
         shard = Vp // cand.tp * h
         if cand.zero_stage >= 3:
             # the ZeRO engine sums the copies' aligned ZeRO-3 partitions (fp32), not the whole gradient
-            out.append(Transfer("embedding", "all_reduce", math.ceil(shard / cand.dp) * 4, 1, 2,
+            out.append(Transfer("embedding", "all_reduce", math.ceil(shard / dp) * 4, 1, 2,
                                 "tied embedding/head: the two copies' ZeRO-3 gradient partitions summed"))
         else:
             out.append(Transfer("embedding", "all_reduce", shard * (4 if cand.zero_stage else P.grad), 1, 2,
                                 "tied embedding/head: gradient of the two copies summed (first and last stage)"))
     # Scalars: one per step, not part of the minimum.
-    out.append(Transfer("world", "all_reduce", 4, 1, cand.world, "loss for logging (one fp32 scalar)"))
+    out.append(Transfer("world", "all_reduce", 8, 1, cand.world,
+                        "loss for logging and the count of stop requests (two fp32 scalars)"))
     if cand.zero_stage:  # the ZeRO engine: every rank sums the squares it owns over the whole world
         out.append(Transfer("world", "all_reduce", 4, 1, cand.world, "global grad norm over all shards (one fp32 scalar)"))
     elif cand.tp * cand.pp > 1:

@@ -19,10 +19,12 @@ def layer_activation_bytes(cand: Candidate) -> float:
     """Bytes one block saves for backward per micro-batch: per token, the family's LayerActivations (GPT-2: 4h
     replicated, the two LayerNorms' inputs and outputs, and their statistics, split by t under sequence parallelism;
     12h/t sharded; flash attention's log-sum-exp). No s×s scores (scaled_dot_product_attention never stores them) and
-    no dropout masks (dropout 0)."""
+    no dropout masks (dropout 0). Under context parallelism a rank has 1/cp of the tokens, and attention also saves
+    the keys and values gathered from the other cp-1 ranks (its inputs)."""
     A, t, P = cand.cfg.layer_activations(), cand.tp, cand.prec
     replicated = (A.resid * P.resid + A.matmul * P.matmul + A.fp32 * 4) / (t if cand.sequence_parallel else 1)
-    return cand.tokens * (replicated + A.sharded_matmul // t * P.matmul + A.sharded_fp32 // t * 4)
+    gathered_kv = (cand.cp - 1) * 2 * cand.cfg.kv_width // t * P.matmul
+    return cand.tokens * (replicated + A.sharded_matmul // t * P.matmul + A.sharded_fp32 // t * 4 + gathered_kv)
 
 
 def hidden_tokens(cand: Candidate) -> float:
@@ -120,7 +122,7 @@ def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> No
     stage 3 also the parameters. DDP keeps Adam's two moments next to fp32 parameters; DeepSpeed keeps
     K = 12 bytes per parameter (fp32 master + moments) even in fp32, and an fp32 gradient partition."""
     P, cfg, h, n = cand.prec, cand.cfg, cand.cfg.n_embd, e.n_params
-    z, dp = cand.zero_stage, cand.dp
+    z, dp = cand.zero_stage, cand.dp_cp  # ZeRO partitions over dp × cp
     zero_bucket = cand.zero_bucket_elems
     if zero_bucket is None:
         zero_bucket = auto_buckets(h)["reduce_bucket_size"]
@@ -173,7 +175,7 @@ def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[St
     optimizer step), and the peak over what the rank holds through the step."""
     P, cfg, h, T, m, n, z = cand.prec, cand.cfg, cand.cfg.n_embd, cand.tokens, cand.micro_batches, e.n_params, \
         cand.zero_stage
-    dp = cand.dp
+    dp = cand.dp_cp
     # activations: in-flight micro-batches × what a micro-batch keeps on this rank
     per_mb = sum(stage_activation_bytes(cand, s) for s in stages)
     k = inflight_microbatches(cand, pp_rank)

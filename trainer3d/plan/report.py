@@ -125,6 +125,8 @@ def model_flags(model_name: str | None, cfg) -> list[str]:
 def train_flags(p: Plan, model_name: str | None, ds_path: str | None) -> list[str]:
     c = p.candidate
     flags = model_flags(model_name, c.cfg) + ["--tp", str(c.tp), "--pp", str(c.pp)]
+    if c.cp > 1:
+        flags += ["--cp", str(c.cp)]
     if c.pp > 1:
         flags += ["--schedule", c.schedule]
         if c.virtual_stages > 1:

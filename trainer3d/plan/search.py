@@ -31,7 +31,7 @@ class Plan:
 
     def key(self) -> tuple:
         c = self.candidate
-        return (c.dp, c.tp, c.pp, c.schedule, c.virtual_stages, c.zero_stage, c.offload_optimizer, c.recompute)
+        return (c.dp, c.tp, c.pp, c.cp, c.schedule, c.virtual_stages, c.zero_stage, c.offload_optimizer, c.recompute)
 
 
 @dataclass
@@ -62,10 +62,22 @@ def memory_per_gpu(cand: Candidate) -> tuple[float, float]:
     return max(e.peak for e in ests), max(e.offloaded for e in ests)
 
 
+def default_cp_sizes(seq_len: int) -> tuple[int, ...]:
+    """Context-parallel sizes worth trying: powers of two that leave each rank at least 4096 tokens of a sequence
+    (shorter chunks spend more on gathering keys and values than they save), 1 included."""
+    sizes, cp = [1], 2
+    while seq_len % (2 * cp) == 0 and seq_len // cp >= 4096:
+        sizes.append(cp)
+        cp *= 2
+    return tuple(sizes)
+
+
 def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, schedules=None,
                     zero_stages=(0, 1, 2, 3), offload: bool = True, recompute: bool = True,
-                    max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False) -> Search:
-    """Every feasible plan, fastest first; offload only where the plan does not fit without it."""
+                    max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False,
+                    cp_sizes: tuple[int, ...] | None = None) -> Search:
+    """Every feasible plan, fastest first; offload only where the plan does not fit without it. `cp_sizes`: the
+    context-parallel sizes to try (default_cp_sizes)."""
     N = C.world
     schedules = list(schedules or ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
     refused: dict[str, int] = {}
@@ -86,8 +98,9 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
         if tp > C.gpus_per_node and not allow_tp_across_nodes:
             refuse("tp larger than a node (its all-reduces would cross the network)", f"tp{tp}")
             continue
-        for pp in divisors(N // tp):
-            dp = N // (tp * pp)
+        for cp, pp in [(cp, pp) for cp in cp_sizes or default_cp_sizes(seq_len) if (N // tp) % cp == 0
+                       for pp in divisors(N // (tp * cp))]:
+            dp = N // (tp * cp * pp)
             if global_batch % dp:
                 refuse("global batch not divisible by dp", f"dp{dp}, batch {global_batch}")
                 continue
@@ -109,6 +122,9 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
                         check_pipeline(cfg, pp, s, v, m)
                     except LayoutError as e:
                         refuse("pipeline rule: " + str(e).split(";")[0].split("(")[0].strip(), f"dp{dp} tp{tp} pp{pp} {s} m{m}")
+                        continue
+                    if cp > 1 and tp > 1 and (seq_len // cp) % tp:
+                        refuse("sequence parallelism cannot split a cp rank's tokens over tp", f"cp{cp} tp{tp}")
                         continue
                     for z in zero_stages:
                         if z and dp == 1:
@@ -132,6 +148,7 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
                                     precision="bf16-autocast" if z == 0 else "bf16-mixed",
                                     zero_stage=z, offload_optimizer=off_o, offload_params=off_p, recompute=rc,
                                     sequence_parallel=tp > 1,  # the same tp bytes, activations /tp: always on
+                                    cp=cp,
                                 )
                                 mem, host = memory_per_gpu(cand)
                                 if mem > C.usable_bytes:
@@ -163,21 +180,24 @@ def best_distinct(plans: list[Plan], top: int) -> list[Plan]:
 
 def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) -> Candidate:
     """The candidate of an --evaluate string, e.g. `tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1`."""
-    keys = ("tp", "pp", "schedule", "v", "mbs", "zero", "offload", "recompute", "sp")
+    keys = ("tp", "pp", "cp", "schedule", "v", "mbs", "zero", "offload", "recompute", "sp")
     items = [item.split("=", 1) for item in text.replace(" ", "").split(",") if item]
     if any(len(kv) != 2 or kv[0] not in keys for kv in items):
         raise ConfigError(f"--evaluate takes key=value pairs from {', '.join(keys)} separated by commas "
                           f"(e.g. tp=8,pp=16,schedule=1f1b,mbs=1), not {text!r}.")
     kv = dict(items)
     try:
-        tp, pp, mbs, z, v = (int(kv.get(k, d)) for k, d in (("tp", 1), ("pp", 1), ("mbs", 1), ("zero", 0), ("v", 1)))
+        tp, pp, cp, mbs, z, v = (int(kv.get(k, d)) for k, d in (("tp", 1), ("pp", 1), ("cp", 1), ("mbs", 1), ("zero", 0),
+                                                                  ("v", 1)))
     except ValueError:
-        raise ConfigError(f"--evaluate: tp, pp, mbs, zero and v are whole numbers, not as in {text!r}.") from None
-    if min(tp, pp, mbs, v) < 1 or C.world % (tp * pp):
-        raise ConfigError(f"--evaluate: tp×pp = {tp * pp} must be positive and divide the {C.world} GPUs.")
+        raise ConfigError(f"--evaluate: tp, pp, cp, mbs, zero and v are whole numbers, not as in {text!r}.") from None
+    if min(tp, pp, cp, mbs, v) < 1 or C.world % (tp * pp * cp):
+        raise ConfigError(f"--evaluate: tp×cp×pp = {tp * cp * pp} must be positive and divide the {C.world} GPUs.")
+    if seq_len % (2 * cp):
+        raise ConfigError(f"--evaluate: cp={cp} needs a --seq-len divisible by 2·cp = {2 * cp}.")
     if kv.get("schedule", "1f1b") not in SCHEDULES:
         raise ConfigError(f"--evaluate: schedule={kv['schedule']} is none of {', '.join(SCHEDULES)}.")
-    dp = C.world // (tp * pp)
+    dp = C.world // (tp * pp * cp)
     if global_batch % (dp * mbs):
         raise ConfigError(f"--evaluate: the global batch {global_batch} does not split into dp={dp} × mbs={mbs}.")
     off = kv.get("offload", "none")
@@ -187,6 +207,7 @@ def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) ->
         precision="bf16-autocast" if z == 0 else "bf16-mixed", zero_stage=z,
         offload_optimizer=off in ("opt", "all"), offload_params=off == "all", recompute=kv.get("recompute", "0") in ("1", "true"),
         sequence_parallel=tp > 1 and kv.get("sp", "1") in ("1", "true"),  # on with tp, as the search has it
+        cp=cp,
     )
 
 

@@ -38,9 +38,9 @@ def state_memory(cand: Candidate, pp_rank: int) -> StateMemory:
     tied_copy = any(s.last and not s.first for s in stages) and cand.cfg.tie_embeddings  # saved by the first stage
     replicated = sum(replicated_params(cand.cfg, stages))  # held by every tp rank, written 1/tp by each
     saved = n - (local_params(cand.cfg, cand.tp).head if tied_copy else 0) - replicated * (1 - 1 / cand.tp)
-    share = saved * 12 / cand.dp
+    share = saved * 12 / cand.dp_cp
     if cand.zero_stage >= 3:  # partitions, plus one parameter's tp shard before it is partitioned
-        built = n * cand.prec.param / cand.dp + largest * 4
+        built = n * cand.prec.param / cand.dp_cp + largest * 4
     else:
         built = n * 4
     # a resume reads the values that build the stage (ZeRO-3: dp rank 0, which broadcasts them), then DDP the Adam

@@ -58,10 +58,12 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
         out["bubble"] = (cand.pp - 1) * t_mb * coef
     # communication, for the busiest pipeline rank (first or last: embedding / head)
     gpn = C.gpus_per_node
+    tp, cp, dp = cand.tp, cand.cp, cand.dp  # rank order: tp fastest, then cp, dp, pp
     bw = {
-        "tp": C.intra_node_gbps if cand.tp <= gpn else C.inter_node_gbps,
-        "dp": C.inter_node_gbps if nodes_spanned(cand.tp, cand.dp, gpn) else C.intra_node_gbps,
-        "pp": C.inter_node_gbps if nodes_spanned(cand.tp * cand.dp, cand.pp, gpn) else C.intra_node_gbps,
+        "tp": C.intra_node_gbps if tp <= gpn else C.inter_node_gbps,
+        "cp": C.inter_node_gbps if nodes_spanned(tp, cp, gpn) else C.intra_node_gbps,
+        "dp": C.inter_node_gbps if nodes_spanned(tp, cp * dp, gpn) else C.intra_node_gbps,
+        "pp": C.inter_node_gbps if nodes_spanned(tp * cp * dp, cand.pp, gpn) else C.intra_node_gbps,
     }
     bw["embedding"] = bw["pp"]
     worst: dict[str, float] = {}
@@ -74,15 +76,17 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
         for g, v in per_group.items():
             worst[g] = max(worst.get(g, 0.0), v)
     out["tp comm"] = worst.get("tp", 0.0)  # on the critical path (Megatron-style TP)
+    if cand.cp > 1:
+        out["cp comm"] = worst.get("cp", 0.0)  # attention waits for its keys and values (no overlap here)
     out["pp comm"] = worst.get("pp", 0.0)  # torch's schedules wait for each receive
     out["embedding"] = worst.get("embedding", 0.0)
     out["dp comm"] = _exposed_dp(cand, worst.get("dp", 0.0), t_mb, C.overlap)
     n_local = max(rank_params(cand.cfg, cand.tp, cand.stages(r)) for r in sorted({0, cand.pp - 1}))
     if cand.offload_optimizer:
-        shard = n_local / cand.dp
+        shard = n_local / cand.dp_cp
         out["offload"] = shard / C.cpu_adam_params_per_s + shard * (4 + 2) / (C.pcie_gbps * 1e9)
     if cand.offload_params:
-        out["offload"] = out.get("offload", 0.0) + cand.micro_batches * 2 * n_local / cand.dp * 2 / (C.pcie_gbps * 1e9)
+        out["offload"] = out.get("offload", 0.0) + cand.micro_batches * 2 * n_local / cand.dp_cp * 2 / (C.pcie_gbps * 1e9)
     return out
 
 

@@ -29,6 +29,11 @@ class GPTConfig:
     def ffn_hidden(self) -> int:
         return 4 * self.n_embd
 
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values) of a token: multi-head attention has as many as queries."""
+        return self.n_embd
+
     def block_params(self) -> int:
         return 12 * self.n_embd**2 + 13 * self.n_embd  # qkv, proj, fc, proj weights and biases + 2 LayerNorms
 
