@@ -114,6 +114,28 @@ def test_flex_attention_and_sdpa_masks_agree():
     assert (outs[0] - outs[1]).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_later_chunks_attend_without_a_materialized_mask(kv_heads):
+    """The CPU kernel of a chunk that starts mid-sequence (two flash calls merged by log-sum-exp, flash's backward on
+    each) equals SDPA with the lower-right causal mask, forward and backward, in float64; and keeps no mask."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from trainer3d.parallel.context_parallel import causal_after
+
+    torch.manual_seed(0)
+    c, start = 16, 48
+    q = torch.randn(2, 4, c, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, start + c, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, start + c), enable_gqa=kv_heads < 4)
+    out = causal_after(q, k, v, start, 0.0)
+    assert out.grad_fn.name().endswith("_AfterEarlierKeysBackward")
+    grad = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        assert (a - b).abs().max() < 1e-12
+    assert (out - ref).abs().max() < 1e-12
+
+
 @pytest.mark.parametrize("flags,world,message", [
     (dict(cp=3), 4, "not divisible by tp×cp×pp"),
     (dict(cp=2, seq_len=30), 2, "2·cp = 4 equal chunks"),

@@ -46,6 +46,10 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.utils._triton.has_triton", "parallel/compile.py", "--compile's check on CUDA"),
     Private("torch._inductor.config.cpp", "parallel/compile.py", "--compile's C++ compiler check on CPU"),
     Private("torch._inductor.cpp_builder.get_cpp_compiler", "parallel/compile.py", "--compile's check on CPU"),
+    Private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", "parallel/context_parallel.py",
+            "cp's later chunks on CPU: flash attention with its log-sum-exp (no materialized mask)"),
+    Private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", "parallel/context_parallel.py",
+            "the backward of the same"),
     # DeepSpeed: the glue under torch's pipeline schedules (docs/zero.md)
     Private(f"{_Z}.partitioned_param_coordinator.assert_ints_same_as_other_ranks", "zero/glue.py",
             "ZeRO-3's trace check over dp only"),

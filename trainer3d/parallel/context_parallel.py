@@ -34,6 +34,7 @@ from torch.nn.attention.bias import causal_lower_right
 from trainer3d.distributed.collectives import group_size
 from trainer3d.errors import LayoutError
 from trainer3d.models.attention import gqa
+from trainer3d.private_api import require
 
 KV_SEQ_DIM = 2  # q, k, v are [batch, heads, sequence, head_dim]
 
@@ -89,6 +90,64 @@ class _GatherSequence(torch.autograd.Function):
         return out.movedim(0, KV_SEQ_DIM), None, None
 
 
+class _AfterEarlierKeys(torch.autograd.Function):
+    """Causal attention of a chunk of queries that starts `start` tokens into the keys: every earlier key is visible
+    (one unmasked flash call) and the chunk's own keys causally (one causal flash call); the two are merged by their
+    log-sum-exps, and the backward runs flash's backward on each part with the merged output and log-sum-exp (the
+    ring-attention identity). On CPU this replaces SDPA's lower-right causal mask, which SDPA materializes and keeps
+    for the backward as a float tensor of queries × keys per layer. Grouped kv heads are repeated inside, not saved
+    repeated. CPU flash kernels only (aten's, private: checked by trainer3d/private_api.py); no dropout."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, start):
+        group = q.shape[1] // k.shape[1]
+        ka, va, kb, vb = (_repeat_heads(t, group) for t in (k[:, :, :start], v[:, :, :start], k[:, :, start:],
+                                                              v[:, :, start:]))
+        out_a, lse_a = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, ka, va)
+        out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kb, vb, is_causal=True)
+        lse = torch.logaddexp(lse_a, lse_b)
+        out = (torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.start, ctx.group = start, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        start, group = ctx.start, ctx.group
+        grads = []
+        for sl, causal in ((slice(None, start), False), (slice(start, None), True)):
+            kp, vp = _repeat_heads(k[:, :, sl], group), _repeat_heads(v[:, :, sl], group)
+            grads.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad.contiguous(), q, kp, vp, out, lse, 0.0, causal))
+        dq = grads[0][0] + grads[1][0]
+        dk = torch.cat([_sum_heads(grads[0][1], group), _sum_heads(grads[1][1], group)], dim=KV_SEQ_DIM)
+        dv = torch.cat([_sum_heads(grads[0][2], group), _sum_heads(grads[1][2], group)], dim=KV_SEQ_DIM)
+        return dq, dk, dv, None
+
+
+def _repeat_heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    t = t.contiguous()
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _sum_heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    B, H, S, D = t.shape
+    return t if group == 1 else t.view(B, H // group, group, S, D).sum(dim=2)
+
+
+def causal_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, dropout_p: float) -> torch.Tensor:
+    """Causal attention of queries q at positions [start, start + len(q)) over keys k, v at positions
+    [0, start + len(q)): CUDA's SDPA kernels take the lower-right causal mask without materializing it; on CPU,
+    _AfterEarlierKeys (dropout needs SDPA's masked kernel)."""
+    if start == 0:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa(q, k))
+    if q.device.type == "cpu" and dropout_p == 0.0:
+        return _AfterEarlierKeys.apply(q, k, v, start)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                          dropout_p=dropout_p, **gqa(q, k))
+
+
 @functools.cache
 def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
@@ -103,6 +162,8 @@ class SequenceLayout:
 
     def __init__(self, seq_len: int, cp_group, cp_rank: int, cp: int, device: torch.device,
                  boundary: int | None = None, document_mask: bool = False, reset_position_ids: bool = False):
+        if cp > 1 and device.type == "cpu":
+            require("parallel/context_parallel.py")  # _AfterEarlierKeys's CPU flash kernels
         self.seq_len, self.group, self.rank, self.size = seq_len, cp_group, cp_rank, cp
         self.starts = chunk_starts(seq_len, cp_rank, cp)
         self.chunk = seq_len // (2 * cp) if cp > 1 else seq_len
@@ -158,9 +219,7 @@ class SequenceLayout:
             if self.document_mask:
                 outs.append(self._documents_attention(qc, kc, vc, i, start, dropout_p))
             else:
-                outs.append(F.scaled_dot_product_attention(
-                    qc, kc, vc, attn_mask=causal_lower_right(self.chunk, end) if start else None,
-                    dropout_p=dropout_p, is_causal=not start, **gqa(q, k)))
+                outs.append(causal_after(qc, kc, vc, start, dropout_p))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=KV_SEQ_DIM)
 
     def _documents_attention(self, q, k, v, chunk: int, start: int, dropout_p: float) -> torch.Tensor:
