@@ -193,3 +193,37 @@ def test_evaluate_string_is_checked_with_one_sentence(capsys):
         assert main(["--model", "gpt2", "--nodes", "1", "--global-batch", "64", "--evaluate", bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("trainer3d: error: --evaluate") and expected in err and len(err.splitlines()) == 1, err
+
+
+def test_context_parallel_in_the_cost_model():
+    """cp divides a rank's tokens (its activations, tp and pp bytes) but adds the gathered keys and values; ZeRO and
+    the gradient reduction span dp×cp (dp 2 × cp 2 holds what dp 4 holds); cp's collectives are counted per block."""
+    from trainer3d.plan.memory import layer_activation_bytes
+
+    cfg = MODEL_PRESETS["llama3.1-8b"]
+    base = dict(cfg=cfg, tp=2, micro_batches=1, seq_len=32768, sequence_parallel=True, precision="bf16-mixed")
+    one, four = Candidate(**base), Candidate(**base, cp=4)
+    gathered = 32768 * 2 * cfg.kv_width // 2 * 2  # the whole sequence's keys and values, this tp rank's heads, bf16
+    assert layer_activation_bytes(four) == layer_activation_bytes(one) // 4 + gathered
+    comm = {t.why.split(",")[0]: t for t in analytic_comm(four, 0) if t.group == "cp"}
+    assert {t.op for t in comm.values()} == {"all_gather", "reduce_scatter"}
+    assert all(t.calls == cfg.n_layer and t.n == 4 and t.nbytes == gathered for t in comm.values())
+    z = dict(cfg=cfg, tp=2, seq_len=32768, zero_stage=3, precision="bf16-mixed")
+    a, b = estimate_memory(Candidate(**z, dp=2, cp=2), 0), estimate_memory(Candidate(**z, dp=4), 0)
+    assert (a.params, a.grads, a.optimizer) == (b.params, b.grads, b.optimizer)
+    dp_group = [t for t in analytic_comm(Candidate(**z, dp=2, cp=2), 0) if t.group == "dp"]
+    assert dp_group and all(t.n == 4 for t in dp_group)
+
+
+def test_llama3_405b_long_context_plan(capsys):
+    """Llama 3.1 405B at 131,072 tokens, 16M tokens a step, on 16,384 H100s: the planner's best layouts use cp, the
+    paper's (tp 8, cp 16, pp 16, dp 8) is evaluated beside them, and a cp outside what the GPUs allow is refused."""
+    argv = ["--model", "llama3.1-405b", "--nodes", "2048", "--seq-len", "131072", "--global-batch-tokens", "16777216",
+            "--evaluate", "tp=8,cp=16,pp=16,schedule=interleaved-1f1b,v=4,mbs=1,zero=1", "--top", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    table = out.split("#1:")[0]
+    assert table.count(" cp") >= 3 and " tp8 " in table
+    assert "dp8 tp8 pp16 cp16 interleaved-1f1b v4" in out.split("evaluated:")[1]
+    assert "--cp 32" in out.split("launch/train_gpt2.py")[-1]
+    assert main(argv[:-3] + ["tp=8,cp=3,pp=16"]) == 2

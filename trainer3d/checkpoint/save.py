@@ -121,7 +121,9 @@ def write_snapshot(snap: Snapshot, rank: int, group, root0: int) -> Path:
                 for r, _, _ in gathered:
                     files.update(r)
                 steps = {s for _, s, _ in gathered if s is not None}
-                _commit(snap, files, steps.pop() if len(steps) == 1 else None)
+                if len(steps) > 1:  # every engine steps all its parameters together: ranks cannot disagree
+                    raise RuntimeError(f"the ranks' optimizers are at different steps {sorted(steps)}")
+                _commit(snap, files, steps.pop() if steps else None)
         except Exception as e:  # noqa: BLE001
             status = f"could not complete checkpoint {snap.final} ({type(e).__name__}: {first_line(e)})"
     if errors:

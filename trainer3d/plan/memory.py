@@ -19,11 +19,11 @@ def layer_activation_bytes(cand: Candidate) -> float:
     """Bytes one block saves for backward per micro-batch: per token, the family's LayerActivations (GPT-2: 4h
     replicated, the two LayerNorms' inputs and outputs, and their statistics, split by t under sequence parallelism;
     12h/t sharded; flash attention's log-sum-exp). No s×s scores (scaled_dot_product_attention never stores them) and
-    no dropout masks (dropout 0). Under context parallelism a rank has 1/cp of the tokens, and attention also saves
-    the keys and values gathered from the other cp-1 ranks (its inputs)."""
+    no dropout masks (dropout 0). Under context parallelism a rank has 1/cp of the tokens, and attention also keeps
+    the keys and values it gathered, the whole sequence's (cp × its own; bench/long_context.py measures it)."""
     A, t, P = cand.cfg.layer_activations(), cand.tp, cand.prec
     replicated = (A.resid * P.resid + A.matmul * P.matmul + A.fp32 * 4) / (t if cand.sequence_parallel else 1)
-    gathered_kv = (cand.cp - 1) * 2 * cand.cfg.kv_width // t * P.matmul
+    gathered_kv = cand.cp * 2 * cand.cfg.kv_width // t * P.matmul if cand.cp > 1 else 0
     return cand.tokens * (replicated + A.sharded_matmul // t * P.matmul + A.sharded_fp32 // t * 4 + gathered_kv)
 
 

@@ -95,24 +95,47 @@ def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
     ds, src = load_ds_json(cfg.deepspeed_config)
     for key in [k for k in ds if k.startswith("_")]:  # "_comment" and the like: notes for people
         del ds[key]
-    dp = layout.dp
+    _refuse_unsupported(ds, cfg, src)
     updates: dict[str, Any] = {}
+    enabled = _precision(ds, cfg, src, updates)
+    plan = _batch(ds, cfg, layout, src, updates)
+    # clipping: ours, global over dp × tp × pp (see the module docstring); DeepSpeed's is turned off
+    clip = _take(ds, "gradient_clipping", "grad_clip", cfg.grad_clip, cfg, src, float)
+    if clip < 0:
+        raise ConfigError(f"{src}: gradient_clipping must be >= 0 (got {clip}); fix the JSON.")
+    updates["grad_clip"] = float(clip)
+    ds["gradient_clipping"] = 0.0
+    adamw, eps = _optimizer(ds, cfg, src, updates)
+    stage, off_opt, off_par = _zero(ds, src, n_embd, enabled)
+    # quiet, deterministic housekeeping
+    ds.setdefault("steps_per_print", 2**31 - 1)
+    ds.setdefault("wall_clock_breakdown", False)
+    leftover = [k for k, v in _walk(ds) if _is_auto(v)]
+    if leftover:
+        raise ConfigError(f"{src}: {', '.join(leftover)} cannot be \"auto\"; give concrete values.")
+    return DeepSpeedSpec(
+        ds_config=ds, cfg=dataclasses.replace(cfg, **updates), plan=plan, zero_stage=int(stage),
+        offload_optimizer=off_opt, offload_param=off_par, adamw=adamw, eps=eps, source=src,
+    )
 
-    def take(section: dict, key: str, flag: str | None, flag_value, convert=lambda v: v):
-        """'auto'/absent -> the flag's value; concrete -> must agree with an explicitly given flag."""
-        v = section.get(key, "auto")
-        if _is_auto(v):
-            section[key] = flag_value
-            return flag_value
-        v = convert(v)
-        if flag is not None and _given(cfg, flag) and v != flag_value:
-            raise ConfigError(
-                f"{src} sets {key}={v!r} but --{flag.replace('_', '-')} is {flag_value!r}; drop one of them or make them agree."
-            )
-        section[key] = v
-        return v
 
-    # -- unsupported sections ------------------------------------------------------------------------------------
+def _take(section: dict, key: str, flag: str | None, flag_value, cfg, src: str, convert=lambda v: v):
+    """'auto'/absent -> the flag's value; concrete -> must agree with an explicitly given flag."""
+    v = section.get(key, "auto")
+    if _is_auto(v):
+        section[key] = flag_value
+        return flag_value
+    v = convert(v)
+    if flag is not None and _given(cfg, flag) and v != flag_value:
+        raise ConfigError(
+            f"{src} sets {key}={v!r} but --{flag.replace('_', '-')} is {flag_value!r}; drop one of them or make them agree."
+        )
+    section[key] = v
+    return v
+
+
+def _refuse_unsupported(ds: dict, cfg, src: str) -> None:
+    """Sections trainer3d does itself, or that cannot work under torch's pipeline schedules."""
     if ds.get("scheduler"):
         raise ConfigError(
             f"{src} has a \"scheduler\" section, but trainer3d runs its own warmup + cosine schedule; remove it and "
@@ -133,7 +156,9 @@ def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
             "cannot follow; use 1f1b, gpipe, interleaved-1f1b or looped-bfs with --deepspeed_config."
         )
 
-    # -- precision -----------------------------------------------------------------------------------------------
+
+def _precision(ds: dict, cfg, src: str, updates: dict) -> bool:
+    """The "bf16" section against --precision; whether bf16 is on."""
     bf16 = ds.setdefault("bf16", {})
     enabled = bf16.get("enabled", False)
     if _is_auto(enabled):
@@ -147,8 +172,12 @@ def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
             f"{src} trains in {precision} but --precision is {cfg.precision}; set bf16.enabled in the JSON instead."
         )
     updates["precision"] = precision
+    return enabled
 
-    # -- batch: train_batch_size = micro × accumulation × dp ------------------------------------------------------
+
+def _batch(ds: dict, cfg, layout, src: str, updates: dict) -> BatchPlan:
+    """train_batch_size = micro × accumulation × dp, each from the JSON or the flags."""
+    dp = layout.dp
     tbs, mbs, gas = (ds.get(k, "auto") for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
     tbs = None if _is_auto(tbs) else _as_int(tbs, "train_batch_size", src)
     mbs = None if _is_auto(mbs) else _as_int(mbs, "train_micro_batch_size_per_gpu", src)
@@ -194,35 +223,36 @@ def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
     ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = global_batch, mbs, gas
     plan = BatchPlan(global_batch=global_batch, micro_batches=gas, micro_batch_size=mbs)
     updates.update(global_batch=global_batch, global_batch_tokens=None, micro_batches=gas)
+    return plan
 
-    # -- clipping: ours, global over dp × tp × pp (see the module docstring); DeepSpeed's is turned off ----------
-    clip = take(ds, "gradient_clipping", "grad_clip", cfg.grad_clip, float)
-    if clip < 0:
-        raise ConfigError(f"{src}: gradient_clipping must be >= 0 (got {clip}); fix the JSON.")
-    updates["grad_clip"] = float(clip)
-    ds["gradient_clipping"] = 0.0
 
-    # -- optimizer: built here (same parameter groups as the DDP path), so the section is read, then removed ----
+def _optimizer(ds: dict, cfg, src: str, updates: dict) -> tuple[bool, float]:
+    """Adam's settings: built by trainer3d (the DDP path's parameter groups), so the section is read, then removed.
+    Returns (AdamW's decoupled decay, eps)."""
     opt = ds.pop("optimizer", None) or {"type": "AdamW"}
     otype = str(opt.get("type", "AdamW")).lower()
     if otype not in SUPPORTED_OPTIMIZERS:
         raise ConfigError(f"{src}: optimizer type {opt.get('type')!r} is not supported; use \"Adam\" or \"AdamW\".")
     params = dict(opt.get("params") or {})
-    lr = take(params, "lr", "lr", cfg.lr, float)
-    betas = take(params, "betas", None, [cfg.beta1, cfg.beta2], lambda v: [float(x) for x in v])
+    lr = _take(params, "lr", "lr", cfg.lr, cfg, src, float)
+    betas = _take(params, "betas", None, [cfg.beta1, cfg.beta2], cfg, src, lambda v: [float(x) for x in v])
     if len(betas) != 2:
         raise ConfigError(f"{src}: optimizer betas must be two numbers; fix the JSON.")
     if not _is_auto(opt.get("params", {}).get("betas", "auto")):
         for flag, val in (("beta1", betas[0]), ("beta2", betas[1])):
             if _given(cfg, flag) and getattr(cfg, flag) != val:
                 raise ConfigError(f"{src} sets betas={betas} but --{flag} is {getattr(cfg, flag)}; drop one of them.")
-    wd = take(params, "weight_decay", "weight_decay", cfg.weight_decay, float)
+    wd = _take(params, "weight_decay", "weight_decay", cfg.weight_decay, cfg, src, float)
     eps = params.get("eps", "auto")
     eps = 1e-8 if _is_auto(eps) else float(eps)
     adamw = otype == "adamw" or bool(params.get("adam_w_mode", True))
     updates.update(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), weight_decay=float(wd))
+    return adamw, eps
 
-    # -- ZeRO ------------------------------------------------------------------------------------------------------
+
+def _zero(ds: dict, src: str, n_embd: int, bf16: bool) -> tuple[int, str, str]:
+    """The zero_optimization section: stage, "auto" buckets, offload devices and paths; (stage, optimizer offload,
+    parameter offload)."""
     zero = ds.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
@@ -255,7 +285,7 @@ def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
                 raise ConfigError(f"{src}: nvme_path {path} ({what}) does not exist; create it or point it at a local NVMe mount.")
             if not os.access(path, os.W_OK | os.X_OK):
                 raise ConfigError(f"{src}: nvme_path {path} ({what}) is not writable; fix its permissions or pick another path.")
-        if off_par == "nvme" and not enabled and not torch.cuda.is_available():
+        if off_par == "nvme" and not bf16 and not torch.cuda.is_available():
             raise ConfigError(
                 f"{src} swaps fp32 parameters to NVMe on a host without CUDA, where DeepSpeed 0.19.8 swaps them as "
                 "bf16 (partition_parameters.Init._set_dtype) and training crashes; pass --precision bf16 (or enable bf16 in the JSON) or set "
@@ -269,18 +299,7 @@ def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
     for what, dev in (("offload_optimizer", off_opt), ("offload_param", off_par)):
         if dev != "none" and not torch.cuda.is_available():
             zero[what]["pin_memory"] = False  # page-locking helps host<->GPU copies only; a CPU host has none
-
-    # -- quiet, deterministic housekeeping ---------------------------------------------------------------------
-    ds.setdefault("steps_per_print", 2**31 - 1)
-    ds.setdefault("wall_clock_breakdown", False)
-    leftover = [k for k, v in _walk(ds) if _is_auto(v)]
-    if leftover:
-        raise ConfigError(f"{src}: {', '.join(leftover)} cannot be \"auto\"; give concrete values.")
-    new_cfg = dataclasses.replace(cfg, **updates)
-    return DeepSpeedSpec(
-        ds_config=ds, cfg=new_cfg, plan=plan, zero_stage=int(stage), offload_optimizer=off_opt, offload_param=off_par,
-        adamw=adamw, eps=eps, source=src,
-    )
+    return stage, off_opt, off_par
 
 
 def _walk(obj, prefix=""):
