@@ -110,3 +110,58 @@ def test_one_read_per_train_step_zero():
         print(f"\n{name}: {r['calls']}")
         assert r["calls"] == ["parallel/engine.py:read_scalars .tolist"], f"{name}: {r['calls']}"
         assert r["record"]["loss"] > 0 and r["record"]["grad_norm"] > 0
+
+
+def _reads_and_collectives(rank: int, world_size: int, cases: list) -> list:
+    """Per case: this rank's host reads from trainer3d code and its collectives and sends by group (bench/measure.py's
+    counter, DDP's bucket all-reduce routed through Python), in one train_step (the second)."""
+    from collections import Counter
+
+    from bench.harness import build_trainer, local_batch
+    from bench.measure import CommCounter, group_namer
+
+    counter = CommCounter().install()
+    out = []
+    for case in cases:
+        topo, trainer = build_trainer(case)
+        result = None
+        if trainer is not None:
+            CommCounter.count_ddp(trainer.engine.stage_modules)
+            trainer.train_step(local_batch(case, topo, 0))
+            counter.reset()
+            counter.enabled = True
+            with count_reads() as reads:
+                trainer.train_step(local_batch(case, topo, 1))
+            counter.enabled = False
+            name_of = group_namer(topo)
+            calls = Counter(name_of(c) for c in counter.calls if c.op not in ("recv", "irecv"))
+            result = {"reads": reads, "calls": dict(calls), "pp_rank": topo.pp_rank}
+        topo.destroy()
+        out.append(result)
+    counter.uninstall()
+    return out
+
+
+def test_a_step_makes_only_the_collectives_its_layout_needs():
+    """One process makes no collective and one host read; at 8 processes (dp 2 × tp 2 × pp 2, and tp 2 × cp 2 × pp 2
+    with sequence parallelism) every rank still reads the host once, makes one world all-reduce (the loss with the
+    stop requests: no barrier of its own) and one model-parallel one (the norm), and in every other group exactly
+    the calls the planner's analytic count says the layout needs (trainer3d/plan/comm.py)."""
+    from bench.comm_volume import candidate_of
+    from bench.harness import Case
+    from trainer3d.plan.comm import analytic_comm
+
+    model = dict(n_layer=4, n_embd=64, n_head=4, vocab=512, seq_len=32)
+    cases = [Case(global_batch=8, **model), Case(dp=2, tp=2, pp=2, micro_batches=4, global_batch=16, **model),
+             Case(tp=2, cp=2, pp=2, micro_batches=4, global_batch=8, extra={"sequence_parallel": True}, **model)]
+    results = run_world(8, _reads_and_collectives, cases, timeout=600)
+    one = results[0][0]
+    assert one["reads"] == ["parallel/engine.py:read_scalars .tolist"] and one["calls"] == {}
+    for i, case in enumerate(cases[1:], start=1):
+        for r in (res[i] for res in results):
+            assert r["reads"] == ["parallel/engine.py:read_scalars .tolist"], r["reads"]
+            expected = {}
+            for t in analytic_comm(candidate_of(case), r["pp_rank"]):
+                expected[t.group] = expected.get(t.group, 0) + t.calls
+            assert r["calls"].get("world") == 1 and r["calls"].get("mp") == 1, r["calls"]
+            assert r["calls"] == expected, (case.label(), r["pp_rank"], r["calls"], expected)

@@ -99,8 +99,9 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
                             1, t, "once per step: gradients of the norms, row-parallel biases and positions summed "
                             "(fp32)"))
     if last:
-        out.append(Transfer("tp", "all_reduce", T * 4, 3 * m, t,
-                            "vocab-parallel cross-entropy: max, target logit, sum of exps (b·s fp32 each)"))
+        out.append(Transfer("tp", "all_reduce", T * 4, m, t, "vocab-parallel cross-entropy: the max (b·s fp32)"))
+        out.append(Transfer("tp", "all_reduce", 2 * T * 4, m, t,
+                            "vocab-parallel cross-entropy: target logit and sum of exps, in one call (2·b·s fp32)"))
     return out
 
 
