@@ -1,5 +1,6 @@
 """--compile against the one-process eager run (fp32, dropout 0, same seed and data, 10 steps, every loss to 1e-5
-relative, final parameters to 1e-4: tests/test_parity.py's check) at (1,1,1) and (1,2,2) 1F1B; and, with dropout 0.2
+relative, final parameters to 1e-4: tests/test_parity.py's check) at (1,1,1), (1,2,2) 1F1B and tp 2 × cp 2 (the cp
+attention and positions run eagerly between the compiled graphs); and, with dropout 0.2
 at (1,2,2), recomputation under --compile draws the same masks again: selective (its checkpointed attention core runs
 eagerly between compiled graphs) and full (the checkpoint runs the compiled block) give bitwise the same losses (and
 the same as no recomputation: checked when this was written, left out to save a compile).
@@ -15,7 +16,7 @@ from parity import run_layouts
 from test_parity import case, check
 
 STEPS = 10
-PARITY = [case(compile=True), case(1, 2, 2, compile=True)]
+PARITY = [case(compile=True), case(1, 2, 2, compile=True), case(1, 2, cp=2, compile=True)]  # cp: attention eager
 # Blocks share their compiled code (same code, same guards), so the parity model's 8 blocks cost one block's compile.
 DROPOUT = [dict(tp=2, pp=2, micro_batches=4, dropout=0.2, compile=True, recompute=m) for m in ("selective", "full")]
 

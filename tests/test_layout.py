@@ -27,10 +27,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_rank_order_tp_fastest_pp_outermost():
     L = Layout(dp=2, tp=2, pp=2)
-    assert [L.coords(r) for r in range(8)] == [
+    assert [L.coords(r)[:3] for r in range(8)] == [  # (pp, dp, tp)
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
     ]
     assert all(L.rank(*L.coords(r)) == r for r in range(8))
+
+
+def test_rank_order_with_context_parallelism_tp_then_cp():
+    """Megatron-LM's order: tp fastest, then cp, dp, pp; the dp×cp line of a (pp, tp) holds the same parameters."""
+    L = Layout(dp=2, tp=2, pp=2, cp=2)
+    assert L.world_size == 16 and L.dp_cp == 4
+    assert [tuple(L.coords(r)) for r in range(4)] == [(0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 1, 1)]
+    assert L.coords(4) == (0, 1, 0, 0) and L.coords(8) == (1, 0, 0, 0)
+    assert all(L.rank(*L.coords(r)) == r for r in range(16))
+    assert infer_layout(16, tp=2, pp=2, cp=2) == L
+    with pytest.raises(LayoutError, match="tp×cp×pp = 2×3×1 = 6"):
+        infer_layout(8, tp=2, pp=1, cp=3)
 
 
 def test_dp_is_inferred_and_bad_world_refused():

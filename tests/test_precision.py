@@ -17,6 +17,7 @@ LAYOUTS = [
     dict(precision="fp16"),
     dict(dp=1, tp=2, pp=2, precision="bf16", micro_batches=2),
     dict(dp=1, tp=2, pp=2, precision="fp16", micro_batches=2),
+    dict(dp=1, tp=2, cp=2, sequence_parallel=True, precision="bf16", micro_batches=2),  # cp's kernels in bf16
 ]
 
 

@@ -103,7 +103,7 @@ def test_config_logged(single):
     tmp, out, _ = single
     config = read_config(_wandb_files(tmp / "wandb")[0])
     assert config["train"]["max_steps"] == 6 and config["train"]["wandb_run_name"] == "unit"
-    assert config["layout"] == {"dp": 1, "tp": 1, "pp": 1, "world_size": 1, "schedule": "1f1b", "stages": 1,
+    assert config["layout"] == {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "world_size": 1, "schedule": "1f1b", "stages": 1,
                                 "layers_per_stage": [2]}
     assert config["model"]["n_layer"] == 2 and config["model"]["n_params"] > 0
     assert config["batch"]["tokens_per_step"] == 4 * 32

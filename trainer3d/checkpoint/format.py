@@ -11,13 +11,14 @@ On-disk format 2 (one directory per checkpoint, `<out-dir>/checkpoints/step_0001
                                  full, tp-unsharded, vocab-unpadded tensor at those global offsets (pieces.py); and the
                                  rank's RNG states (`rng.cpu`, `rng.sharded0`, ...)
 
-Which pieces a rank writes: its tp shard of each tensor, and of that a 1/dp slice along dim 0 (a tensor replicated
-over tp too is sliced over dp×tp), so every element is written once, by one rank, and each rank writes about
+Which pieces a rank writes: its tp shard of each tensor, and of that a 1/(dp·cp) slice along dim 0 (the ranks of a
+dp×cp line hold the same values; a tensor replicated over tp too is sliced over dp×cp×tp), so every element is written
+once, by one rank, and each rank writes about
 1/world of the state, in parallel with the others. Every data-parallel engine hands over a parameter's fp32 value and
 Adam moments (parallel/engine.py: `param_value`, `optimizer_state_of`), one tensor at a time, so the files are the
 same whatever engine owned the dp axis, and no rank holds more than its share plus one tensor.
 
-Any (dp, tp, pp, schedule, engine) loads any checkpoint: a rank computes where its own shard lies in each full
+Any (dp, tp, pp, cp, schedule, engine) loads any checkpoint: a rank computes where its own shard lies in each full
 tensor and reads only the pieces, and within them only the byte ranges (safetensors slices), that overlap it.
 
 Format 1 (whole tensors in `model-pp{k}` / `optim-pp{k}.safetensors`, RNG states in `rng-rank{r}.safetensors`) is
@@ -93,7 +94,6 @@ def sharded_rngs(pm) -> list[ShardedDropoutRNG]:
         attention = m.parallel_plan().attention
         for block in m.blocks.values():
             rng = getattr(block.get_submodule(attention), "sharded_rng", None)
-            rng = getattr(rng, "inner", rng)
             if isinstance(rng, ShardedDropoutRNG) and all(rng is not r for r in out):
                 out.append(rng)
     return out

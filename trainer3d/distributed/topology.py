@@ -58,9 +58,11 @@ def infer_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> Layout:
     if tp < 1 or pp < 1 or cp < 1:
         raise LayoutError(f"--tp, --pp and --cp must be at least 1 (got tp={tp}, pp={pp}, cp={cp}).")
     if world_size % (tp * pp * cp):
+        axes, sizes, flags = ("tp×cp×pp", f"{tp}×{cp}×{pp}", "--tp/--cp/--pp") if cp > 1 else \
+            ("tp×pp", f"{tp}×{pp}", "--tp/--pp")
         raise LayoutError(
-            f"World size {world_size} is not divisible by tp×cp×pp = {tp}×{cp}×{pp} = {tp * cp * pp}; "
-            f"launch a multiple of {tp * cp * pp} processes or change --tp/--cp/--pp."
+            f"World size {world_size} is not divisible by {axes} = {sizes} = {tp * cp * pp}; "
+            f"launch a multiple of {tp * cp * pp} processes or change {flags}."
         )
     return Layout(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
 

@@ -84,8 +84,8 @@ class AttentionCore(nn.Module):
         dropout_p = self.attn_dropout_p if self.training else 0.0
         if dropout_p == 0.0:  # no mask to draw, no stream to switch to (and no graph break under --compile)
             return self.kernel(q, k, v, 0.0)
-        with self.sharded_rng():
-            return self.kernel(q, k, v, dropout_p)
+        with self.sharded_rng():  # under --compile: a graph break, and the kernel eager, so that its dropout draws
+            return torch.compiler.disable(self.kernel)(q, k, v, dropout_p)  # from this stream, not inductor's RNG
 
     @staticmethod
     def cached_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
