@@ -304,7 +304,7 @@ def world4_cases():
     cases += [(c, None), (c, ds_config(1)), (c, ds_config(3, "all"))]
     # context parallelism: gradients reduced and ZeRO's partitions cut over dp×cp (4 ranks), and cp with a pipeline
     d = dict(layout(2), cp=2)
-    cases += [(d, None), (d, ds_config(2)), (d, ds_config(3, "all"))]
+    cases += [(d, None), (d, ds_config(3, "all"))]
     e = dict(layout(1, pp=2), cp=2)
     cases += [(e, None), (e, ds_config(3, "all"))]
     return cases
