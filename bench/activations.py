@@ -92,7 +92,7 @@ def checkpoint_overhead(counter) -> float:
 def measure(rank: int, world: int, all_cases: list[Case]) -> list:
     """On every rank of a spawned world (under preloaded_memhook): bytes each block keeps (the median over its
     blocks and REPEATS forwards), and each rank's checkpoint_overhead first."""
-    from bench.measure import MallocCounter
+    from bench.measure import MallocCounter, kept_per_block
 
     counter = MallocCounter()
     out = [checkpoint_overhead(counter)]
@@ -100,33 +100,24 @@ def measure(rank: int, world: int, all_cases: list[Case]) -> list:
         topo, trainer = build_trainer(case)
         result = None
         if trainer is not None:
-            kept: list[int] = []
-            before: dict[int, int] = {}
-            hooks = []
-            for stage in trainer.pm.stages:
-                stage.train()
-                for block in stage.h.values():
-                    hooks.append(block.register_forward_pre_hook(lambda m, args: before.__setitem__(id(m), counter.current())))
-                    hooks.append(block.register_forward_hook(lambda m, args, out: kept.append(counter.current() - before[id(m)])))
             torch.manual_seed(7)
             b, s, h = case.micro_batch_size, case.seq_len, case.n_embd
             hidden_s = s // case.tp if case.extra["sequence_parallel"] else s
             samples: list[int] = []
-            for rep in range(REPEATS + 1):
-                kept.clear()
-                outputs = []
-                for stage in trainer.pm.stages:  # each kept alive (its graph with it) until all are measured
-                    gc.collect()
-                    if stage.embedding is not None:
-                        x = torch.randint(0, case.vocab, (b, s))
-                    else:
-                        x = torch.randn(b, hidden_s, h, requires_grad=True)
-                    outputs.append(stage(x))
-                del outputs
-                if rep:
-                    samples += kept
-            for hk in hooks:
-                hk.remove()
+            with kept_per_block(trainer.pm.stages, counter) as kept:
+                for rep in range(REPEATS + 1):
+                    kept.clear()
+                    outputs = []
+                    for stage in trainer.pm.stages:  # each kept alive (its graph with it) until all are measured
+                        gc.collect()
+                        if stage.embedding is not None:
+                            x = torch.randint(0, case.vocab, (b, s))
+                        else:
+                            x = torch.randn(b, hidden_s, h, requires_grad=True)
+                        outputs.append(stage(x))
+                    del outputs
+                    if rep:
+                        samples += kept
             result = dict(coords=(topo.pp_rank, topo.dp_rank, topo.tp_rank), per_layer=statistics.median(samples))
         topo.destroy()
         del trainer

@@ -72,7 +72,7 @@ def model_bytes(case: Case) -> float:
 
 def measure(rank: int, world: int, all_cases: list[Case]) -> list:
     """On every rank of a spawned world (under preloaded_memhook): the median bytes a block keeps."""
-    from bench.measure import MallocCounter
+    from bench.measure import MallocCounter, kept_per_block
 
     counter = MallocCounter()
     out = []
@@ -80,23 +80,12 @@ def measure(rank: int, world: int, all_cases: list[Case]) -> list:
         topo, trainer = build_trainer(case)
         result = None
         if trainer is not None:
-            kept: list[int] = []
-            before: dict[int, int] = {}
-            hooks = []
-            for stage in trainer.pm.stages:
-                stage.train()
-                for block in stage.h.values():
-                    hooks.append(block.register_forward_pre_hook(
-                        lambda m, args: before.__setitem__(id(m), counter.current())))
-                    hooks.append(block.register_forward_hook(
-                        lambda m, args, o: kept.append(counter.current() - before[id(m)])))
-            gc.collect()
-            torch.manual_seed(7)
-            x = torch.randint(0, case.vocab, (1, case.seq_len // case.cp))
-            y = trainer.pm.stages[0](x)
-            del y
-            for hk in hooks:
-                hk.remove()
+            with kept_per_block(trainer.pm.stages, counter) as kept:
+                gc.collect()
+                torch.manual_seed(7)
+                x = torch.randint(0, case.vocab, (1, case.seq_len // case.cp))
+                y = trainer.pm.stages[0](x)
+                del y
             result = dict(coords=(topo.pp_rank, topo.dp_rank, topo.tp_rank, topo.cp_rank),
                           per_layer=statistics.median(kept))
         topo.destroy()

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -244,6 +245,25 @@ class MallocCounter:
 
     def reset_peak(self) -> None:
         self._lib.memhook_reset_peak()
+
+
+@contextlib.contextmanager
+def kept_per_block(stages, counter: MallocCounter):
+    """Puts each stage in training mode and yields a list that collects, for every block forward while inside, the
+    bytes still allocated when the block returns minus those before it started (what it keeps for its backward)."""
+    kept: list[int] = []
+    before: dict[int, int] = {}
+    hooks = []
+    for stage in stages:
+        stage.train()
+        for block in stage.blocks.values():
+            hooks.append(block.register_forward_pre_hook(lambda m, args: before.__setitem__(id(m), counter.current())))
+            hooks.append(block.register_forward_hook(lambda m, args, out: kept.append(counter.current() - before[id(m)])))
+    try:
+        yield kept
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def model_state_bytes(trainer) -> dict[str, int]:
