@@ -172,8 +172,9 @@ class SequenceLayout:
         self.boundary, self.document_mask, self.reset_position_ids = boundary, document_mask, reset_position_ids
         self.use_flex = device.type == "cuda"
         self.documents: list[torch.Tensor] = []  # per micro-batch of the running pass: [mb, seq_len] document ids
+        self.document_positions: list[torch.Tensor] = []  # per micro-batch: [mb, T_local] (--reset-position-ids)
         self.micro_batch = 0  # set by the pipeline stage around each forward and backward (parallel/pipeline.py)
-        self._flex_masks: dict = {}
+        self._masks: dict = {}  # (micro-batch, chunk) -> its document mask, built once and shared by every layer
 
     @property
     def needs_documents(self) -> bool:
@@ -183,10 +184,12 @@ class SequenceLayout:
     def begin_pass(self, inputs: torch.Tensor, micro_batches: int) -> None:
         """Before a schedule pass over `inputs` [local_batch, seq_len] (whole rows): the documents of each of its
         micro-batches, split as the schedule splits its arguments."""
-        self._flex_masks.clear()
+        self._masks.clear()
         if self.needs_documents:
             docs = document_ids(inputs.to(self.positions.device), self.boundary)
             self.documents = list(docs.tensor_split(micro_batches))
+        if self.reset_position_ids:
+            self.document_positions = [positions_in_document(d)[:, self.positions] for d in self.documents]
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of rows x [B, seq_len + extra] (token ids or targets); columns past seq_len (tags that
@@ -203,7 +206,7 @@ class SequenceLayout:
             raise RuntimeError(f"a {T}-token pass at position {start} on a rank laid out for {len(self.positions)} "
                                "tokens; incremental decoding runs without context parallelism")
         if self.reset_position_ids:
-            return positions_in_document(self.documents[self.micro_batch])[:, self.positions].to(device)
+            return self.document_positions[self.micro_batch].to(device)
         return self.positions.to(device)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -223,17 +226,18 @@ class SequenceLayout:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=KV_SEQ_DIM)
 
     def _documents_attention(self, q, k, v, chunk: int, start: int, dropout_p: float) -> torch.Tensor:
-        docs = self.documents[self.micro_batch].to(q.device)
-        q_pos = torch.arange(start, start + self.chunk, device=q.device)
-        k_docs, q_docs = docs[:, : k.shape[2]], docs[:, start:start + self.chunk]
-        if self.use_flex and dropout_p == 0.0:
-            key = (self.micro_batch, chunk)
-            if key not in self._flex_masks:  # one block mask per micro-batch and chunk, shared by every layer
-                self._flex_masks[key] = self._flex_block_mask(q_docs, k_docs, q_pos)
-            return _compiled_flex_attention()(q, k, v, block_mask=self._flex_masks[key], **gqa(q, k))
-        mask = (k_docs[:, None, :] == q_docs[:, :, None]) & (
-            torch.arange(k.shape[2], device=q.device)[None, None, :] <= q_pos[None, :, None])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p, **gqa(q, k))
+        flex = self.use_flex and dropout_p == 0.0
+        key = (self.micro_batch, chunk, flex)
+        if key not in self._masks:
+            docs = self.documents[self.micro_batch].to(q.device)
+            q_pos = torch.arange(start, start + self.chunk, device=q.device)
+            k_docs, q_docs = docs[:, : k.shape[2]], docs[:, start:start + self.chunk]
+            self._masks[key] = self._flex_block_mask(q_docs, k_docs, q_pos) if flex else (
+                (k_docs[:, None, None, :] == q_docs[:, None, :, None])
+                & (torch.arange(k.shape[2], device=q.device) <= q_pos[:, None]))
+        if flex:
+            return _compiled_flex_attention()(q, k, v, block_mask=self._masks[key], **gqa(q, k))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._masks[key], dropout_p=dropout_p, **gqa(q, k))
 
     @staticmethod
     def _flex_block_mask(q_docs, k_docs, q_pos):
@@ -259,13 +263,9 @@ def apply_context_parallel(stage, layout: SequenceLayout):
     return stage
 
 
-def check_context_parallel(cp: int, seq_len: int, tp: int, sequence_parallel: bool) -> None:
-    """Refuse, before any process group exists, a sequence the cp ranks cannot split."""
-    if cp == 1:
-        return
-    if seq_len % (2 * cp):
+def check_context_parallel(cp: int, seq_len: int) -> None:
+    """Refuse, before any process group exists, a sequence the cp ranks cannot split (how sequence parallelism splits
+    a rank's tokens further: sequence_parallel.check_sequence_parallel)."""
+    if cp > 1 and seq_len % (2 * cp):
         raise LayoutError(f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} equal chunks (two per rank, for the "
                           f"causal mask's balance); pick a --seq-len divisible by {2 * cp} (got {seq_len}).")
-    if sequence_parallel and (seq_len // cp) % tp:
-        raise LayoutError(f"--sequence-parallel splits each cp rank's {seq_len // cp} tokens over --tp {tp}; pick a "
-                          f"--seq-len divisible by {cp * tp}.")

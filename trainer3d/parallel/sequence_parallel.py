@@ -71,10 +71,14 @@ def apply_sequence_parallel(stage: CausalLM, rank: int, size: int, rng: ShardedD
     return stage
 
 
-def check_sequence_parallel(tp: int, seq_len: int) -> None:
+def check_sequence_parallel(tp: int, seq_len: int, cp: int = 1) -> None:
+    """A rank's tokens (seq_len / cp under context parallelism) must split over tp."""
     if tp == 1:
         raise LayoutError("--sequence-parallel splits the sequence over the tensor-parallel ranks; it needs --tp 2 or "
                           "more (drop the flag at --tp 1).")
+    if cp > 1 and (seq_len // cp) % tp:
+        raise LayoutError(f"--sequence-parallel splits each cp rank's {seq_len // cp} tokens over --tp {tp}; pick a "
+                          f"--seq-len divisible by {cp * tp}.")
     if seq_len % tp:
         raise LayoutError(f"--sequence-parallel splits --seq-len {seq_len} over --tp {tp} ranks; pick a --seq-len "
                           f"divisible by {tp}.")

@@ -166,9 +166,9 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
             f"use --seq-len {mcfg.n_positions} or less."
         )
     family_of(mcfg).check(mcfg, layout.tp)
-    check_context_parallel(layout.cp, cfg.seq_len, layout.tp, cfg.sequence_parallel)
+    check_context_parallel(layout.cp, cfg.seq_len)
     if cfg.sequence_parallel:
-        check_sequence_parallel(layout.tp, cfg.seq_len)
+        check_sequence_parallel(layout.tp, cfg.seq_len, layout.cp)
     deepspeed = None
     if cfg.deepspeed_config is not None:  # the JSON owns the batch; also checks the JSON itself
         deepspeed = resolve_deepspeed(cfg, layout, mcfg.n_embd)
