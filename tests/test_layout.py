@@ -134,34 +134,65 @@ def test_shard_unshard_roundtrip_fused_qkv_and_padded_vocab():
 
 
 def test_vocab_parallel_cross_entropy_matches_torch_with_padding_masked():
+    """Losses and gradients as F.cross_entropy's over the unpadded columns; with gradients the loss takes the logits'
+    storage for them (Megatron's in-place loss), without gradients it leaves the logits alone."""
     torch.manual_seed(0)
     V, Vp = 500, 512
-    logits = torch.randn(3, 7, Vp, dtype=torch.float64, requires_grad=True)
+    base = torch.randn(3, 7, Vp, dtype=torch.float64)
     target = torch.randint(0, V, (3, 7))
+    ref_in = base.clone().requires_grad_()
+    ref = F.cross_entropy(ref_in[..., :V].reshape(-1, V), target.reshape(-1), reduction="none").reshape(3, 7)
+    g_ref, = torch.autograd.grad(ref.sum(), ref_in)
+    logits = base.clone().requires_grad_()
     ours = vocab_parallel_cross_entropy(logits, target, None, 0, V)
-    ref = F.cross_entropy(logits[..., :V].reshape(-1, V), target.reshape(-1), reduction="none").reshape(3, 7)
-    torch.testing.assert_close(ours.double(), ref)
+    torch.testing.assert_close(ours, ref)
     g_ours, = torch.autograd.grad(ours.sum(), logits)
-    g_ref, = torch.autograd.grad(ref.sum(), logits)
     torch.testing.assert_close(g_ours, g_ref)
-    assert torch.count_nonzero(g_ours[..., V:]) == 0
+    assert torch.count_nonzero(g_ours[..., V:]) == 0 and g_ours.data_ptr() == logits.data_ptr()
+    kept = base.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(vocab_parallel_cross_entropy(kept.requires_grad_(), target, None, 0, V), ref)
+    assert torch.equal(kept, base)
+    twice = vocab_parallel_cross_entropy(base.clone().requires_grad_(), target, None, 0, V).sum()
+    twice.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="ran twice"):
+        twice.backward()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_in_chunks_equals_one_chunk(dtype):
     """Chunks of 1, 5 and 8 tokens (a last chunk cut short) give bitwise the losses and gradients of one chunk of
-    all 21 tokens, the old unchunked computation, with padding columns (tp > 1 runs it in the parity tests)."""
+    all 21 tokens, with padding columns (tp > 1 runs it in the parity tests)."""
     torch.manual_seed(0)
     target = torch.randint(0, 500, (3, 7))
-    logits = torch.randn(3, 7, 512).to(dtype).requires_grad_()
+    base = torch.randn(3, 7, 512).to(dtype)
     out = {}
     for chunk in (21, 1, 5, 8):
+        logits = base.clone().requires_grad_()
         loss = vocab_parallel_cross_entropy(logits, target, None, 0, 500, chunk_tokens=chunk)
         grad, = torch.autograd.grad((loss * torch.arange(21.0).view(3, 7)).sum(), logits)
         out[chunk] = (loss, grad)
     for chunk in (1, 5, 8):
         assert torch.equal(out[chunk][0], out[21][0]) and torch.equal(out[chunk][1], out[21][1]), chunk
     assert out[21][1].dtype == dtype and torch.count_nonzero(out[21][1][..., 500:]) == 0
+
+
+def test_cross_entropy_bf16_gradient_keeps_a_confident_target():
+    """bf16 logits: the gradient is within bf16's rounding of the float64 one, the target column of a confident
+    prediction included (p = 1 - 2e-3: p - 1 computed in bf16 would be 0 or off by half; it is computed from the fp32
+    exponential)."""
+    torch.manual_seed(0)
+    base = torch.randn(64, 512, dtype=torch.float64)
+    target = torch.randint(0, 512, (64,))
+    base[torch.arange(64), target] = 13.0
+    lo = base.to(torch.bfloat16).requires_grad_()
+    exact_in = lo.detach().double().requires_grad_()  # before the loss takes lo's storage
+    grad, = torch.autograd.grad(vocab_parallel_cross_entropy(lo, target, None, 0, 512).sum(), lo)
+    exact, = torch.autograd.grad(F.cross_entropy(exact_in, target, reduction="sum"), exact_in)
+    rel = ((grad.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max()
+    assert rel < 2 ** -7, rel
+    at_target = grad[torch.arange(64), target].double()
+    assert (exact[torch.arange(64), target] > -4e-3).all() and ((at_target / exact[torch.arange(64), target]) - 1).abs().max() < 2 ** -8
 
 
 def test_gpt3_presets_match_the_paper_and_n_positions_opens_the_context():

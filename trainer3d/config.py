@@ -100,6 +100,11 @@ class TrainConfig:
     # from its default counts as given. The DeepSpeed JSON may not contradict a given flag (zero/config.py).
     explicit_flags: tuple[str, ...] | None = None
 
+    @property
+    def uses_documents(self) -> bool:
+        """The run needs each token's document (--document-mask or --reset-position-ids)."""
+        return self.document_mask or self.reset_position_ids
+
     def resolved_precision(self, device_type: str) -> str:
         if self.precision == "auto":
             return "bf16" if device_type == "cuda" else "fp32"

@@ -1,6 +1,10 @@
 """The vocab-parallel cross-entropy (Megatron's): per-token losses from logits sharded by vocabulary over the tp
-ranks, with three all-reduces of per-token scalars and never the logits themselves; computed in chunks of tokens so
-that no fp32 copy of a micro-batch's logits is ever held."""
+ranks, with two all-reduces of per-token scalars and never the logits themselves.
+
+When the logits need a gradient, the loss consumes them, as Megatron's does: their storage becomes the exponentials
+and, in the backward, the gradient. Nothing logits-sized is allocated from the loss's forward to the end of its
+backward, and no softmax is recomputed (bench/README.md §14: the memory, and the 1.4× faster step it bought over
+recomputing)."""
 
 from __future__ import annotations
 
@@ -10,69 +14,83 @@ import torch.distributed as dist
 from trainer3d.distributed.collectives import all_reduce
 
 
-LOSS_CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the loss: 16 MiB per chunk of tokens at most
+LOSS_CHUNK_ELEMENTS = 1 << 22  # low-precision logits: their fp32 temporaries span 16 MiB of tokens at most
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from vocab-sharded logits: all-reduces of the max, the target logit and the sum
-    of exps, never the logits themselves. Padded vocab columns (>= vocab_size) are masked out.
+    """Per-token cross-entropy from vocab-sharded logits; padded vocab columns (>= vocab_size) are masked out.
 
-    Chunked over tokens: the fp32 temporaries (shifted logits, exps) never exceed `chunk` tokens, and only the logits
-    (already held as the stage output), the max and the sum are saved; the backward recomputes each chunk's softmax.
-    Unchunked, a micro-batch of 8 × 1024 tokens at GPT-2's vocab holds 1.6 GB of fp32 softmax from the loss to its
-    backward (bench/README.md, "The loss in chunks")."""
+    Each rank exponentiates its shard against its own row maximum m_r (one pass, chunk by chunk); then one all-reduce
+    finds the global maximum M and one sums [the target logit, Σ exp(x - m_r) · exp(m_r - M)]. With `consume`, the
+    exponentials are written over the logits (in place when the logits are fp32; through one chunk of fp32 otherwise)
+    and the backward scales them by g · exp(m_r - M) / S in place, the target column from its fp32 exponential, so
+    that p - 1 does not lose the digits of a confident prediction to the logits' dtype."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size, chunk):
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, chunk, consume):
         n_local = logits.shape[-1]
         n_valid = max(0, min(n_local, vocab_size - vocab_start))
-        flat, tgt = logits.reshape(-1, n_local), target.reshape(-1)
-        n, spans = flat.shape[0], _spans(flat.shape[0], chunk)
-        logits_max = torch.full((n,), float("-inf"), device=logits.device)
-        if n_valid > 0:  # else a shard made only of padding
-            for a, b in spans:
-                logits_max[a:b] = flat[a:b, :n_valid].max(dim=-1)[0].float()
-        logits_max = all_reduce(logits_max, group, dist.ReduceOp.MAX)
-
+        flat, tgt = logits.view(-1, n_local), target.reshape(-1)
+        n, acc, device = flat.shape[0], torch.promote_types(logits.dtype, torch.float32), logits.device
         outside = (tgt < vocab_start) | (tgt >= vocab_start + n_local)
-        local_target = torch.where(outside, 0, tgt - vocab_start)
-        sums = torch.empty(2, n, device=logits.device)  # [target logit, sum of exps]: one all-reduce for both
-        for a, b in spans:
-            shifted = _shifted(flat[a:b], logits_max[a:b], n_valid)  # fp32 softmax under mixed precision
-            sums[0, a:b] = shifted.gather(-1, local_target[a:b].unsqueeze(-1)).squeeze(-1).masked_fill(outside[a:b], 0.0)
-            sums[1, a:b] = shifted.exp_().sum(dim=-1)
+        local_target = torch.where(outside, 0, tgt - vocab_start).unsqueeze(-1)
+        local_max = torch.full((n,), float("-inf"), dtype=acc, device=device)
+        sums = torch.zeros(2, n, dtype=acc, device=device)  # [target logit, sum of exps]: one all-reduce for both
+        target_exp = torch.zeros(n, dtype=acc, device=device)
+        for a, b in _spans(n, chunk):
+            x = flat[a:b]
+            if n_valid == 0:  # a shard made only of padding
+                if consume:
+                    x.zero_()
+                continue
+            m = x[:, :n_valid].max(dim=-1)[0].to(acc)
+            local_max[a:b] = m
+            sums[0, a:b] = x.gather(-1, local_target[a:b]).squeeze(-1).to(acc).masked_fill(outside[a:b], 0.0)
+            in_place = consume and x.dtype == acc
+            e = (x if in_place else x.to(acc, copy=True)).sub_(m.unsqueeze(-1)).exp_()
+            e[:, n_valid:] = 0.0
+            sums[1, a:b] = e.sum(dim=-1)
+            target_exp[a:b] = e.gather(-1, local_target[a:b]).squeeze(-1).masked_fill(outside[a:b], 0.0)
+            if consume and not in_place:
+                x.copy_(e)
+        global_max = all_reduce(local_max.clone(), group, dist.ReduceOp.MAX)
+        rescale = torch.exp(local_max - global_max)  # 0 on a padding-only shard (m_r = -inf)
+        sums[1] *= rescale
         target_logit, sum_exp = all_reduce(sums, group)
-        ctx.save_for_backward(logits, logits_max, sum_exp, local_target, outside)
-        ctx.n_valid, ctx.chunk = n_valid, chunk
-        return (torch.log(sum_exp) - target_logit).view(target.shape)
+        if consume:
+            ctx.save_for_backward(logits, rescale / sum_exp, target_exp, local_target, outside)
+        ctx.consumed = consume
+        return (torch.log(sum_exp) + global_max - target_logit).view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
-        flat, g = logits.reshape(-1, logits.shape[-1]), grad_loss.reshape(-1)
-        grad = torch.empty_like(flat)
-        for a, b in _spans(flat.shape[0], ctx.chunk):
-            softmax = _shifted(flat[a:b], logits_max[a:b], ctx.n_valid).exp_().div_(sum_exp[a:b].unsqueeze(-1))
-            softmax.scatter_add_(-1, local_target[a:b].unsqueeze(-1), -(~outside[a:b]).unsqueeze(-1).to(softmax.dtype))
-            grad[a:b] = softmax.mul_(g[a:b].unsqueeze(-1))
-        return grad.view_as(logits), None, None, None, None, None
+        if not ctx.consumed:
+            raise RuntimeError("vocab_parallel_cross_entropy was called without gradients and cannot run a backward")
+        if ctx.consumed == "done":
+            raise RuntimeError("vocab_parallel_cross_entropy's backward ran twice: its gradient lives in the logits")
+        ctx.consumed = "done"
+        logits, row_scale, target_exp, local_target, outside = ctx.saved_tensors
+        exps = logits.view(-1, logits.shape[-1])
+        g = grad_loss.reshape(-1).to(row_scale.dtype)
+        row = row_scale * g  # softmax_j · g = exp_j · row
+        target_grad = torch.where(outside, exps.gather(-1, local_target).squeeze(-1).to(row.dtype) * row,
+                                  (target_exp * row_scale - 1.0) * g)
+        exps.mul_(row.unsqueeze(-1))
+        exps.scatter_(-1, local_target, target_grad.to(exps.dtype).unsqueeze(-1))
+        return logits, None, None, None, None, None, None
 
 
 def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, n)) for a in range(0, n, max(1, chunk))]
 
 
-def _shifted(logits: torch.Tensor, logits_max: torch.Tensor, n_valid: int) -> torch.Tensor:
-    shifted = logits.float() - logits_max.unsqueeze(-1)
-    if n_valid < shifted.shape[-1]:
-        shifted[:, n_valid:] = float("-inf")
-    return shifted
-
-
 def vocab_parallel_cross_entropy(
     logits, target, group, vocab_start: int, vocab_size: int, chunk_tokens: int | None = None
 ) -> torch.Tensor:
     """Per-token losses (shape of `target`); `logits` is this rank's vocab slice starting at `vocab_start`.
-    `chunk_tokens`: tokens per chunk (default: LOSS_CHUNK_ELEMENTS fp32 elements of this shard's logits)."""
+    Where autograd will differentiate them, the logits are overwritten (then hold the gradient): pass a copy to
+    keep them. `chunk_tokens`: tokens per chunk (default: LOSS_CHUNK_ELEMENTS elements of this shard)."""
     chunk = chunk_tokens or max(1, LOSS_CHUNK_ELEMENTS // logits.shape[-1])
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, chunk)
+    consume = torch.is_grad_enabled() and logits.requires_grad
+    return _VocabParallelCrossEntropy.apply(logits.contiguous(), target, group, vocab_start, vocab_size, chunk,
+                                            consume)

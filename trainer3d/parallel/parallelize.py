@@ -87,7 +87,7 @@ def parallelize(
     if cfg.sequence_parallel:  # ... with the activations between the tp regions on sequence shards
         stages = [apply_sequence_parallel(s, topo.tp_rank, L.tp, sharded_rng) for s in stages]
     sequence = None
-    if L.cp > 1 or cfg.document_mask or cfg.reset_position_ids:  # ... and this rank's tokens of each sequence
+    if L.cp > 1 or cfg.uses_documents:  # ... and this rank's tokens of each sequence
         sequence = SequenceLayout(cfg.seq_len, topo.cp_group, topo.cp_rank, L.cp, device, boundary=boundary,
                                   document_mask=cfg.document_mask, reset_position_ids=cfg.reset_position_ids)
         stages = [apply_context_parallel(s, sequence) for s in stages]

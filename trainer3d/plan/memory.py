@@ -45,8 +45,8 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
         total += T * (8 + (9 if t > 1 else 0))  # token ids (int64); under TP also the shard mask and local ids
     if st.last:
         total += Th * (P.resid + P.matmul) + T * 8  # final norm input, head input (shards under SP), the CE's targets
-        total += T * (4 + 4 + 1)  # the CE's max and sum of exps (fp32), its outside-the-shard mask
-        total += T * Vp // t * P.matmul  # the logits, held as the stage output until backward (and by the CE)
+        total += T * (4 + 4 + 1)  # the CE's row scale and target exponential (fp32), its outside-the-shard mask
+        total += T * Vp // t * P.matmul  # the logits (then their exponentials, then their gradient) until backward
     else:
         total += Th * P.send  # the stage output (cast for the wire), held until backward
     return total
@@ -192,11 +192,12 @@ def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[St
     # Transients on top of the activations, during the schedule:
     Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
     has_last = any(s.last for s in stages)
-    # - the last stage's first backward: the loss's gradient (the logits' shape and dtype) while every activation is
-    #   still held, with one chunk's fp32 softmax (cross_entropy.LOSS_CHUNK_ELEMENTS) and then the head's weight
-    #   gradient (the largest tensor) on top
+    # - the last stage: the loss's fp32 chunk of low-precision logits (cross_entropy.LOSS_CHUNK_ELEMENTS), then in its
+    #   first backward the head's weight gradient (the largest tensor) while every activation is still held (the
+    #   loss's gradient lives in the logits' storage)
     shard = Vp // cand.tp
-    t_head = T * shard * P.matmul + max(min(T * shard, LOSS_CHUNK_ELEMENTS) * 4, shard * h * P.grad) if has_last else 0.0
+    t_loss = min(T * shard, LOSS_CHUNK_ELEMENTS) * 4 if P.matmul < 4 else 0.0
+    t_head = max(t_loss, shard * h * P.grad) if has_last else 0.0
     # - a block's backward: the gradients w.r.t. the MLP's activation's output and input (GPT-2: 4h/t each) live together
     # (under sequence parallelism a gathering matmul's backward also holds the gathered input and its gradient)
     t_gather = 2 * T * h * P.matmul if cand.sequence_parallel else 0.0

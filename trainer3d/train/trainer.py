@@ -34,7 +34,7 @@ class Trainer:
         """`boundary`: the token that opens a document (the tokenizer's end-of-text), which --document-mask and
         --reset-position-ids need."""
         cfg = setup.cfg
-        if (cfg.document_mask or cfg.reset_position_ids) and boundary is None:
+        if cfg.uses_documents and boundary is None:
             raise TrainingError("--document-mask and --reset-position-ids need the end-of-text token that separates "
                                 "documents, and this run's data names none.")
         self.cfg, self.topo, self.device, self.mcfg, self.plan = cfg, topo, device, mcfg, setup.plan
