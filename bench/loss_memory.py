@@ -126,7 +126,7 @@ LOSSES = dict(zip(KINDS, (_saved_softmax, _recompute, _in_place)))
 
 
 def _logits(tp: int, dtype: str):
-    """A non-leaf logits tensor (a view of a leaf, no copy), as the head's output is, and the targets."""
+    """A leaf to make non-leaf logits from (as the head's output is), and the targets."""
     import torch
 
     torch.manual_seed(0)
@@ -141,15 +141,15 @@ def measure_memory(tp: int, dtype: str, kind: str) -> dict:
     counter = MallocCounter()
     leaf, target = _logits(tp, dtype)
     loss_fn = LOSSES[kind]()
+    logits = leaf * 1.0
     base = counter.current()
     counter.reset_peak()
-    logits = leaf.view_as(leaf)
     loss = loss_fn(logits, target).mean()
     after_forward = counter.current() - base
     grad, = torch.autograd.grad(loss, logits)
     peak = counter.peak() - base
     return {"tp": tp, "dtype": dtype, "kind": kind, "peak": peak, "held_after_forward": after_forward,
-            "logits": leaf.numel() * leaf.element_size(), "grad_is_logits": grad.data_ptr() == leaf.data_ptr(),
+            "logits": leaf.numel() * leaf.element_size(), "grad_is_logits": grad.data_ptr() == logits.data_ptr(),
             "loss": loss.item()}
 
 
@@ -162,7 +162,7 @@ def measure_time(tp: int, dtype: str, rounds: int) -> dict:
     fns, seconds = {k: LOSSES[k]() for k in KINDS}, {k: [] for k in KINDS}
     for r in range(rounds + 1):
         for kind in KINDS[r % 3:] + KINDS[: r % 3]:
-            logits = leaf.detach().clone().requires_grad_()  # the in-place loss consumes its logits
+            logits = leaf * 1.0  # the in-place loss consumes its logits
             t0 = time.process_time()
             torch.autograd.grad(fns[kind](logits, target).mean(), logits)
             if r:  # the first round warms the allocator
@@ -174,8 +174,10 @@ def measure_time(tp: int, dtype: str, rounds: int) -> dict:
 
 
 def _worker(*args: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if out.returncode:
+        raise SystemExit(f"worker {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from trainer3d.distributed.collectives import all_reduce
 
 
-LOSS_CHUNK_ELEMENTS = 1 << 22  # low-precision logits: their fp32 temporaries span 16 MiB of tokens at most
+LOSS_CHUNK_ELEMENTS = 1 << 22  # low-precision logits: their fp32 temporaries are 16 MiB at most
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -33,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         flat, tgt = logits.view(-1, n_local), target.reshape(-1)
         n, acc, device = flat.shape[0], torch.promote_types(logits.dtype, torch.float32), logits.device
         outside = (tgt < vocab_start) | (tgt >= vocab_start + n_local)
-        local_target = torch.where(outside, 0, tgt - vocab_start).unsqueeze(-1)
+        local_target = torch.where(outside, 0, tgt - vocab_start)
         local_max = torch.full((n,), float("-inf"), dtype=acc, device=device)
         sums = torch.zeros(2, n, dtype=acc, device=device)  # [target logit, sum of exps]: one all-reduce for both
         target_exp = torch.zeros(n, dtype=acc, device=device)
@@ -45,12 +45,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 continue
             m = x[:, :n_valid].max(dim=-1)[0].to(acc)
             local_max[a:b] = m
-            sums[0, a:b] = x.gather(-1, local_target[a:b]).squeeze(-1).to(acc).masked_fill(outside[a:b], 0.0)
+            sums[0, a:b] = x.gather(-1, local_target[a:b, None]).squeeze(-1).to(acc).masked_fill(outside[a:b], 0.0)
             in_place = consume and x.dtype == acc
             e = (x if in_place else x.to(acc, copy=True)).sub_(m.unsqueeze(-1)).exp_()
             e[:, n_valid:] = 0.0
             sums[1, a:b] = e.sum(dim=-1)
-            target_exp[a:b] = e.gather(-1, local_target[a:b]).squeeze(-1).masked_fill(outside[a:b], 0.0)
+            target_exp[a:b] = e.gather(-1, local_target[a:b, None]).squeeze(-1).masked_fill(outside[a:b], 0.0)
             if consume and not in_place:
                 x.copy_(e)
         global_max = all_reduce(local_max.clone(), group, dist.ReduceOp.MAX)
@@ -59,7 +59,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit, sum_exp = all_reduce(sums, group)
         if consume:
             ctx.save_for_backward(logits, rescale / sum_exp, target_exp, local_target, outside)
-        ctx.consumed = consume
+        ctx.consumed, ctx.chunk = consume, chunk
         return (torch.log(sum_exp) + global_max - target_logit).view(target.shape)
 
     @staticmethod
@@ -73,10 +73,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exps = logits.view(-1, logits.shape[-1])
         g = grad_loss.reshape(-1).to(row_scale.dtype)
         row = row_scale * g  # softmax_j · g = exp_j · row
-        target_grad = torch.where(outside, exps.gather(-1, local_target).squeeze(-1).to(row.dtype) * row,
+        rows = torch.arange(exps.shape[0], device=exps.device)
+        target_grad = torch.where(outside, exps[rows, local_target].to(row.dtype) * row,
                                   (target_exp * row_scale - 1.0) * g)
-        exps.mul_(row.unsqueeze(-1))
-        exps.scatter_(-1, local_target, target_grad.to(exps.dtype).unsqueeze(-1))
+        # chunks again: an in-place op that mixes dtypes, or CPU's scatter_ on bf16, makes a logits-sized fp32 copy
+        for a, b in _spans(exps.shape[0], ctx.chunk):
+            exps[a:b].mul_(row[a:b].unsqueeze(-1))
+        exps[rows, local_target] = target_grad.to(exps.dtype)
         return logits, None, None, None, None, None, None
 
 
