@@ -52,9 +52,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("revisions", nargs="+", help="git revisions; the first is the baseline")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("flags", nargs=argparse.REMAINDER, help="trainer flags after --, instead of issue 25's config")
-    args = ap.parse_args(argv)
-    flags = [f for f in args.flags if f != "--"] or DEFAULT_FLAGS
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)  # trainer flags after --, instead of issue 25's config
+    args = ap.parse_args(argv[:cut])
+    flags = argv[cut + 1:] or DEFAULT_FLAGS
     with tempfile.TemporaryDirectory(prefix="revisions-") as tmp:
         trees = {}
         for rev in args.revisions:
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
             for rev in names]
     print(table(rows, ["revision", *(f"ms, round {i + 1}" for i in range(args.rounds)), "tok/s (median)",
                        f"speed vs {names[0]}", "last loss"]))
-    print(stamp("python bench/revisions.py " + " ".join(argv or sys.argv[1:])))
+    print(stamp("python bench/revisions.py " + " ".join(argv)))
     return 0
 
 
