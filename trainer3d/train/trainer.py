@@ -56,7 +56,8 @@ class Trainer:
         self._reduction = None  # set by forward_only for one pass
 
     def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy from this rank's vocab shard of the logits (collective over tp)."""
+        """Per-token cross-entropy from this rank's vocab shard of the logits (collective over tp); where gradients
+        flow, the logits' storage becomes their gradient (parallel/cross_entropy.py)."""
         return vocab_parallel_cross_entropy(
             logits, targets, self.topo.tp_group, self.pm.vocab_start, self.mcfg.vocab_size
         )
