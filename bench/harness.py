@@ -126,6 +126,13 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def rotated(names: list, r: int) -> list:
+    """Round r of an interleaved comparison: every variant once, starting one further each round, so that none
+    always runs first and the noise of a shared machine hits all alike."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 def table(rows: list[list], header: list[str]) -> str:
     cols = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cols) for i in range(len(header))]

@@ -34,7 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.harness import fmt_bytes, stamp, table  # noqa: E402
+from bench.harness import fmt_bytes, rotated, stamp, table  # noqa: E402
 from bench.measure import MallocCounter, preloaded_memhook  # noqa: E402
 
 VOCAB = 32768  # a multiple of 128: no padding on trainer3d's side, the same head on both
@@ -112,7 +112,7 @@ def time_both(shape: str, rounds: int, warmup: int = 2) -> dict:
             fn(data[i % len(data)])
     times = {k: [] for k in names}
     for i in range(rounds):
-        for k in names[i % 2:] + names[: i % 2]:
+        for k in rotated(names, i):
             t0 = time.perf_counter()
             steps[k](data[i % len(data)])
             times[k].append(time.perf_counter() - t0)

@@ -31,7 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
-from bench.harness import stamp, table  # noqa: E402
+from bench.harness import rotated, stamp, table  # noqa: E402
 from bench.measure import MallocCounter, preloaded_memhook  # noqa: E402
 
 TOKENS, VOCAB = 8 * 1024, 50304
@@ -161,7 +161,7 @@ def measure_time(tp: int, dtype: str, rounds: int) -> dict:
     leaf, target = _logits(tp, dtype)
     fns, seconds = {k: LOSSES[k]() for k in KINDS}, {k: [] for k in KINDS}
     for r in range(rounds + 1):
-        for kind in KINDS[r % 3:] + KINDS[: r % 3]:
+        for kind in rotated(list(KINDS), r):
             logits = leaf * 1.0  # the in-place loss consumes its logits
             t0 = time.process_time()
             torch.autograd.grad(fns[kind](logits, target).mean(), logits)

@@ -21,7 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from bench.harness import stamp, table  # noqa: E402  (sets OMP_NUM_THREADS=1 unless given)
+from bench.harness import rotated, stamp, table  # noqa: E402  (sets OMP_NUM_THREADS=1 unless given)
 
 import torch  # noqa: E402
 
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     names = list(opts)
     times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.rounds):
-        for k in names[r % 3:] + names[: r % 3]:
+        for k in rotated(names, r):
             t0 = time.perf_counter()
             opts[k].step()
             times[k].append(time.perf_counter() - t0)

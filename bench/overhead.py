@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.harness import stamp, table  # noqa: E402
+from bench.harness import rotated, stamp, table  # noqa: E402
 
 
 def make_trainer(cfg, mcfg):
@@ -134,8 +134,7 @@ def measure(model: str, seq_len: int, batch: int, pairs: int, warmup: int, n_lay
     cpu = {k: [] for k in names}
     for i in range(pairs):
         b = batches[i % 8]
-        order = names[i % len(names):] + names[: i % len(names)]  # rotate: no variant always goes first
-        for k in order:
+        for k in rotated(names, i):
             wall, c = timed(variants[k], b)
             times[k].append(wall)
             cpu[k].append(c)

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import fmt_bytes, stamp, table, zero_available  # noqa: E402
+from bench.harness import fmt_bytes, rotated, stamp, table, zero_available  # noqa: E402
 from trainer3d.models.gpt2 import GPTConfig  # noqa: E402
 from trainer3d.zero.ops import use_prebuilt_ops  # noqa: E402
 
@@ -125,8 +125,7 @@ def worker(rank: int, world: int, rounds: int, seq: int, micro: int, variants: l
     times = {k: [] for k in names}
     cpu = {k: [] for k in names}
     for i in range(rounds):
-        order = names[i % len(names):] + names[: i % len(names)]
-        for k in order:
+        for k in rotated(names, i):
             torch.distributed.barrier()
             before = mc.current()
             mc.reset_peak()

@@ -23,29 +23,23 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
-from bench.harness import stamp, table  # noqa: E402
+from bench.harness import rotated, stamp, table  # noqa: E402
 
 # issue 25: GPT-2 L4 d256 h8, sequence 128, global batch 16, fp32, one thread
 DEFAULT_FLAGS = ["--n-layer", "4", "--n-embd", "256", "--n-head", "8", "--seq-len", "128", "--global-batch", "16",
                  "--precision", "fp32", "--max-steps", "25", "--eval-every", "1000"]
 
 
-def step_times(metrics: str, skip: int) -> list[float]:
-    with open(metrics) as f:
-        rows = [json.loads(line) for line in f]
-    return [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > skip]
-
-
 def run_once(tree: str, flags: list[str], out_dir: str) -> tuple[float, float]:
-    """(median step seconds, last loss) of one run of `tree`'s trainer."""
+    """(median step seconds after the first five steps, last loss) of one run of `tree`'s trainer."""
     cmd = [sys.executable, os.path.join(tree, "launch", "train_gpt2.py"), *flags, "--out-dir", out_dir]
     done = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode:
         raise SystemExit(f"{tree}: exit {done.returncode}\n{done.stderr[-2000:]}")
-    metrics = os.path.join(out_dir, "metrics.jsonl")
-    with open(metrics) as f:
-        last = [json.loads(line) for line in f][-1]
-    return statistics.median(step_times(metrics, skip=5)), last.get("loss", float("nan"))
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    seconds = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > 5]
+    return statistics.median(seconds), rows[-1].get("loss", float("nan"))
 
 
 def main(argv=None) -> int:
@@ -67,7 +61,7 @@ def main(argv=None) -> int:
             seconds, losses = {r: [] for r in trees}, {}
             names = list(trees)
             for i in range(args.rounds):
-                for rev in names[i % len(names):] + names[: i % len(names)]:
+                for rev in rotated(names, i):
                     t, losses[rev] = run_once(trees[rev], flags, os.path.join(tmp, f"run-{i}-{len(seconds[rev])}"))
                     seconds[rev].append(t)
                     print(f"round {i + 1} {rev}: {t * 1e3:.0f} ms", flush=True)
