@@ -57,18 +57,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rescale = torch.exp(local_max - global_max)  # 0 on a padding-only shard (m_r = -inf)
         sums[1] *= rescale
         target_logit, sum_exp = all_reduce(sums, group)
-        if consume:
+        if consume:  # exactly when autograd will call the backward (vocab_parallel_cross_entropy)
             ctx.save_for_backward(logits, rescale / sum_exp, target_exp, local_target, outside)
-        ctx.consumed, ctx.chunk = consume, chunk
+        ctx.chunk, ctx.backward_ran = chunk, False
         return (torch.log(sum_exp) + global_max - target_logit).view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if not ctx.consumed:
-            raise RuntimeError("vocab_parallel_cross_entropy was called without gradients and cannot run a backward")
-        if ctx.consumed == "done":
+        if ctx.backward_ran:
             raise RuntimeError("vocab_parallel_cross_entropy's backward ran twice: its gradient lives in the logits")
-        ctx.consumed = "done"
+        ctx.backward_ran = True
         logits, row_scale, target_exp, local_target, outside = ctx.saved_tensors
         exps = logits.view(-1, logits.shape[-1])
         g = grad_loss.reshape(-1).to(row_scale.dtype)

@@ -192,10 +192,12 @@ def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[St
     # Transients on top of the activations, during the schedule:
     Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
     has_last = any(s.last for s in stages)
-    # - the last stage's first backward: the head's weight gradient (the largest tensor) while every activation is
-    #   still held, plus one logits-sized tensor more. The loss allocates none (its gradient lives in the logits'
+    # - the last stage: in its first backward the head's weight gradient (the largest tensor) while every activation
+    #   is still held, plus one logits-sized tensor more. The loss allocates none (its gradient lives in the logits'
     #   storage; low-precision logits add an fp32 chunk, cross_entropy.LOSS_CHUNK_ELEMENTS), yet the measured peak of
-    #   a pipelined last stage stays about that much above the rest (bench/memory.py, 2026-11-25): not yet attributed.
+    #   a pipelined last stage stays about that much above the rest (bench/memory.py, 2026-11-25). A trace puts that
+    #   peak at the head's forward of the step's first micro-batch, with a logits-sized tensor from before still
+    #   alive: not yet attributed.
     shard = Vp // cand.tp
     t_loss = min(T * shard, LOSS_CHUNK_ELEMENTS) * 4 if P.matmul < 4 else 0.0
     t_head = T * shard * P.matmul + max(t_loss, shard * h * P.grad) if has_last else 0.0
