@@ -263,3 +263,20 @@ def test_published_megatron_layouts_fit_and_land_near_their_throughput():
         assert not p.notes, (model, p.notes)
         hardware_tflops = model_flops_utilization(p, C) * C.peak_tflops * 4 / 3  # Megatron counts the recomputed forward
         assert 0.75 <= hardware_tflops / published <= 1.25, (model, hardware_tflops)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+@pytest.mark.timeout(300)
+def test_last_stage_frees_logits_after_their_backward():
+    """torch's schedules keep the last forward's output until the next forward; the loss's gradient lives in the
+    logits' storage, which pipeline.py frees once the backward (with a split backward, the weight pass) is done.
+    Measured with the free patched out ("kept") and as it is, on the last stage (bench/last_stage_memory.py)."""
+    from bench.last_stage_memory import run
+
+    one_f_one_b, zero_bubble = (2, "1f1b", 1), (2, "interleaved-zb", 2)
+    by = run([one_f_one_b, zero_bubble], timeout=280)
+    kept, freed = by[(one_f_one_b, False)], by[(one_f_one_b, True)]
+    assert kept["used_alive"] == kept["logits"]  # one micro-batch's used logits alive through the next forward
+    assert freed["used_alive"] == 0
+    assert kept["peak"] - freed["peak"] > 0.25 * kept["logits"]
+    assert by[(zero_bubble, True)]["used_alive"] == 0

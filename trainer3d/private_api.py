@@ -50,6 +50,8 @@ PRIVATE: tuple[Private, ...] = (
             "cp's later chunks on CPU: flash attention with its log-sum-exp (no materialized mask)"),
     Private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", "parallel/context_parallel.py",
             "the backward of the same"),
+    Private("torch.distributed.pipelining.stage.fwd_cache", "parallel/pipeline.py",
+            "the last stage frees its logits' storage after their backward", "set"),
     # DeepSpeed: the glue under torch's pipeline schedules (docs/zero.md)
     Private(f"{_Z}.partitioned_param_coordinator.assert_ints_same_as_other_ranks", "zero/glue.py",
             "ZeRO-3's trace check over dp only"),

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from trainer3d.config import SCHEDULE_NAMES
 from trainer3d.errors import LayoutError
 from trainer3d.models.interface import CausalLM
+from trainer3d.private_api import require
 
 
 @dataclass(frozen=True)
@@ -178,8 +179,10 @@ def build_schedule(
     engines as submodules) or torch's PipelineStage; `sequence`: the rank's SequenceLayout, told which micro-batch
     each forward and backward runs (parallel/context_parallel.py)."""
     info = SCHEDULES[schedule]
+    require("parallel/pipeline.py")
+    stage_cls = _derived(_FreeLogitsAfterBackward, stage_cls)
     if info.v_shape:
-        stage_cls = _forward_only_safe(stage_cls)
+        stage_cls = _derived(_NoGradientHandoffWithoutBackward, stage_cls)
     if sequence is not None:
         stage_cls = _telling_micro_batch(stage_cls, sequence)
     stages = [stage_cls(m, i, n_stages, device, group=pp_group, **shapes(i)) for m, i in zip(stage_modules, ids)]
@@ -203,8 +206,40 @@ class _NoGradientHandoffWithoutBackward:
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
 
-def _forward_only_safe(stage_cls: type) -> type:
-    return type(stage_cls.__name__, (_NoGradientHandoffWithoutBackward, stage_cls), {})
+class _FreeLogitsAfterBackward:
+    """The loss works in the logits' storage (parallel/cross_entropy.py), so once the last stage's backward is done
+    it holds a used gradient. torch's schedules keep the last forward's output in a local variable until the next
+    forward, so that storage would live on through the next micro-batch's head, two logits-sized tensors at the last
+    stage's peak (bench/README.md §14b). Free it when the micro-batch's backward is done, as Megatron-LM frees a
+    pipeline output (deallocate_output_tensor); with a split backward, after the weight pass, which still reads it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logits_until_weight_pass: dict[int, tuple] = {}
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, full_backward: bool = True, **kwargs):
+        logits = self.fwd_cache[bwd_chunk_id][0] if self.is_last and self.has_backward else ()
+        super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
+        if full_backward:
+            _free(logits)
+        else:
+            self.logits_until_weight_pass[bwd_chunk_id] = logits
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        _free(self.logits_until_weight_pass.pop(bwd_chunk_id, ()))
+
+
+def _free(tensors) -> None:
+    """Release the memory of tensors that own their whole storage (never a view into something larger)."""
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() == t.numel() * t.element_size():
+            storage.resize_(0)
+
+
+def _derived(mixin: type, stage_cls: type) -> type:
+    return type(stage_cls.__name__, (mixin, stage_cls), {})
 
 
 def _telling_micro_batch(stage_cls: type, sequence) -> type:

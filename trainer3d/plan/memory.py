@@ -193,21 +193,22 @@ def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[St
     Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
     has_last = any(s.last for s in stages)
     # - the last stage: in its first backward the head's weight gradient (the largest tensor) while every activation
-    #   is still held, plus one logits-sized tensor more. The loss allocates none (its gradient lives in the logits'
-    #   storage; low-precision logits add an fp32 chunk, cross_entropy.LOSS_CHUNK_ELEMENTS), yet the measured peak of
-    #   a pipelined last stage stays about that much above the rest (bench/memory.py, 2026-11-25). A trace puts that
-    #   peak at the head's forward of the step's first micro-batch, with a logits-sized tensor from before still
-    #   alive: not yet attributed.
+    #   is still held. The loss allocates none (its gradient lives in the logits' storage, which pipeline.py frees
+    #   when the backward is done; low-precision logits add an fp32 chunk, cross_entropy.LOSS_CHUNK_ELEMENTS).
     shard = Vp // cand.tp
     t_loss = min(T * shard, LOSS_CHUNK_ELEMENTS) * 4 if P.matmul < 4 else 0.0
-    t_head = T * shard * P.matmul + max(t_loss, shard * h * P.grad) if has_last else 0.0
+    t_head = max(t_loss, shard * h * P.grad) if has_last else 0.0
     # - a block's backward: the gradients w.r.t. the MLP's activation's output and input (GPT-2: 4h/t each) live together
     # (under sequence parallelism a gathering matmul's backward also holds the gathered input and its gradient)
     t_gather = 2 * T * h * P.matmul if cand.sequence_parallel else 0.0
     t_block = 2 * T * cfg.ffn_hidden // cand.tp * P.matmul + hidden_tokens(cand) * h * P.resid + t_gather \
         if any(s.layers for s in stages) else 0.0
     t_recompute = layer_activation_bytes(cand) if cand.recompute else 0.0
-    t_sched = max(t_head, t_block + t_recompute)
+    # - a tied embedding with the head in the same stage (pp 1) gets its gradient from the head, first in the
+    #   backward, and from the embedding, last: autograd holds the first in the weight's input buffer until the
+    #   second arrives, so the head's weight gradient lives through every block's backward
+    tied_held = shard * h * P.grad if cfg.tie_embeddings and any(s.first and s.last for s in stages) else 0.0
+    t_sched = max(t_head, tied_held + t_block + t_recompute)
     # After the schedule: the global norm squares the largest gradient (a temporary), and torch's foreach AdamW
     # builds one temporary per parameter of a group (sqrt of exp_avg_sq); DeepSpeed's optimizers do not.
     t_opt = 0.0 if cand.offload_optimizer else (n if z == 0 else n / dp) * 4
