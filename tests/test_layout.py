@@ -78,6 +78,19 @@ def test_impossible_layouts_refused_with_one_sentence(kwargs, world, message):
     assert str(err.value).count("\n") == 0
 
 
+def test_split_backward_with_sequence_parallelism_refused_before_torch_2_13(monkeypatch):
+    """torch 2.11's weight pass fails on sequence parallelism's autograd functions (run there: README); 2.13 runs it."""
+    from trainer3d.parallel import pipeline
+
+    cfg = TrainConfig(tp=2, pp=2, schedule="zbv", micro_batches=4, global_batch=8, sequence_parallel=True)
+    validate(cfg, 4)  # this torch
+    monkeypatch.setattr(pipeline, "PIPELINING_BEFORE_2_13", True)
+    with pytest.raises(LayoutError, match="--schedule zbv with --sequence-parallel fails inside torch") as err:
+        validate(cfg, 4)
+    assert str(err.value).count("\n") == 0
+    validate(TrainConfig(tp=2, pp=2, micro_batches=4, global_batch=8, sequence_parallel=True), 4)  # 1F1B runs
+
+
 def test_gpt2_batch_in_tokens():
     cfg = TrainConfig(model="gpt2", seq_len=1024, global_batch_tokens=524288, micro_batches=8, tp=2, pp=2)
     setup = validate(cfg, 64)

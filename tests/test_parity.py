@@ -11,7 +11,7 @@ import torch
 
 from distributed import run_world
 from parity import LLAMA, run_layouts
-from trainer3d.parallel.pipeline import SCHEDULES
+from trainer3d.parallel.pipeline import PIPELINING_BEFORE_2_13, SCHEDULES
 
 STEPS = 10
 ALL_SCHEDULES = list(SCHEDULES)
@@ -60,8 +60,9 @@ def world8_matrix() -> list[dict]:
     # sequence parallelism: with pp (stage boundaries carry sequence shards), interleaved with selective recomputation,
     # tp 4, and a split backward (zbv: the input and the weight pass both recompute)
     sp = dict(sequence_parallel=True)
-    cases += [case(2, 2, 2, **sp), case(1, 2, 4, "interleaved-1f1b", recompute="selective", **sp), case(1, 4, 2, **sp),
-              case(2, 2, 2, "zbv", recompute="full", **sp)]
+    cases += [case(2, 2, 2, **sp), case(1, 2, 4, "interleaved-1f1b", recompute="selective", **sp), case(1, 4, 2, **sp)]
+    if not PIPELINING_BEFORE_2_13:  # refused there (check_pipeline; test_layout)
+        cases.append(case(2, 2, 2, "zbv", recompute="full", **sp))
     return cases
 
 

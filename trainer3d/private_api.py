@@ -52,6 +52,12 @@ PRIVATE: tuple[Private, ...] = (
             "the backward of the same"),
     Private("torch.distributed.pipelining.stage.fwd_cache", "parallel/pipeline.py",
             "the last stage frees its logits' storage after their backward", "set"),
+    Private("torch.distributed.pipelining.stage.args_recv_info", "parallel/pipeline.py",
+            "torch < 2.13: receive buffers made by a first eval() pass get gradients", "set"),
+    Private("torch.distributed.pipelining.stage.buffer", "parallel/pipeline.py",
+            "torch < 2.13: receive buffers made by a first eval() pass get gradients", "set"),
+    Private("torch.distributed.pipelining.stage._PipelineStageBase._get_init_p2p_neighbors_ops", "parallel/pipeline.py",
+            "torch < 2.13: no link opened from a stage to a stage of its own rank"),
     # DeepSpeed: the glue under torch's pipeline schedules (docs/zero.md)
     Private(f"{_Z}.partitioned_param_coordinator.assert_ints_same_as_other_ranks", "zero/glue.py",
             "ZeRO-3's trace check over dp only"),

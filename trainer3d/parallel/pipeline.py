@@ -21,6 +21,16 @@ from trainer3d.errors import LayoutError
 from trainer3d.models.interface import CausalLM
 from trainer3d.private_api import require
 
+# torch's pipelining before 2.13 (the GPU image has 2.11) needs two mends, found by running the suite on 2.11 (README):
+# - it makes a stage's receive buffers once, on the schedule's first pass, and marks them as needing gradients only
+#   if that pass trains: after a first eval() (the step-0 validation) a later stage never sends its input gradient
+#   back ("chunk 0 has gradients None"); 2.13 remakes them on a train/eval switch;
+# - its first pass opens each stage's links with a send and a receive to both neighbours, even where the neighbour
+#   is a stage of the same rank (the V-shaped schedules), which gloo cannot do ("Pair is not connected");
+# and one it cannot be mended from outside, so check_pipeline refuses it: the weight pass of a split backward fails
+# on the custom autograd functions of sequence parallelism ("Attribute '_input_metadata' is invalid").
+PIPELINING_BEFORE_2_13 = torch.__version__ < "2.13"
+
 
 @dataclass(frozen=True)
 class ScheduleInfo:
@@ -52,11 +62,17 @@ def stages_per_rank(schedule: str, virtual_stages: int) -> int:
     return virtual_stages if info.multi_stage else 1
 
 
-def check_pipeline(cfg, pp: int, schedule: str, virtual_stages: int, micro_batches: int) -> None:
-    """Refuse, before any process group exists, a pipeline the model or the schedule cannot run."""
+def check_pipeline(cfg, pp: int, schedule: str, virtual_stages: int, micro_batches: int,
+                   sequence_parallel: bool = False) -> None:
+    """Refuse, before any process group exists, a pipeline the model, the schedule or this torch cannot run."""
     if schedule not in SCHEDULES:
         raise LayoutError(f"Unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     info = SCHEDULES[schedule]
+    if pp > 1 and info.split_backward and sequence_parallel and PIPELINING_BEFORE_2_13:
+        raise LayoutError(
+            f"--schedule {schedule} with --sequence-parallel fails inside torch {torch.__version__}'s weight pass "
+            "(fixed in torch 2.13); install torch 2.13, or choose a schedule without a split backward."
+        )
     if virtual_stages > 1 and not info.multi_stage:
         raise LayoutError(
             f"--virtual-stages {virtual_stages} needs a multi-stage schedule; use --schedule interleaved-1f1b."
@@ -181,6 +197,8 @@ def build_schedule(
     info = SCHEDULES[schedule]
     require("parallel/pipeline.py")
     stage_cls = _derived(_FreeLogitsAfterBackward, stage_cls)
+    if PIPELINING_BEFORE_2_13:
+        stage_cls = _derived(_MendedBefore2_13, stage_cls)
     if info.v_shape:
         stage_cls = _derived(_NoGradientHandoffWithoutBackward, stage_cls)
     if sequence is not None:
@@ -236,6 +254,22 @@ def _free(tensors) -> None:
         storage = t.untyped_storage()
         if storage.nbytes() == t.numel() * t.element_size():
             storage.resize_(0)
+
+
+class _MendedBefore2_13:
+    """torch < 2.13 (PIPELINING_BEFORE_2_13): before a training forward, mark the micro-batch's receive buffers as
+    needing gradients, as torch does itself when a schedule's first pass trains; open links only to other ranks."""
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        if self.has_backward:
+            for info in self.args_recv_info[fwd_chunk_id]:
+                buffer = getattr(info, "buffer", None)  # None: the first stage's inputs
+                if buffer is not None and buffer.is_floating_point() and not buffer.requires_grad:
+                    buffer.requires_grad_(True)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def _get_init_p2p_neighbors_ops(self):
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
 
 def _derived(mixin: type, stage_cls: type) -> type:

@@ -175,7 +175,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         cfg, plan = deepspeed.cfg, deepspeed.plan
     else:
         plan = plan_batch(cfg, layout.dp, layout.pp)
-    check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches)
+    check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches, cfg.sequence_parallel)
     if cfg.profile_steps is not None:
         parse_step_range(cfg.profile_steps, cfg.max_steps)
     if cfg.compile:
