@@ -83,7 +83,8 @@ def test_split_backward_with_sequence_parallelism_refused_before_torch_2_13(monk
     from trainer3d.parallel import pipeline
 
     cfg = TrainConfig(tp=2, pp=2, schedule="zbv", micro_batches=4, global_batch=8, sequence_parallel=True)
-    validate(cfg, 4)  # this torch
+    monkeypatch.setattr(pipeline, "PIPELINING_BEFORE_2_13", False)
+    validate(cfg, 4)
     monkeypatch.setattr(pipeline, "PIPELINING_BEFORE_2_13", True)
     with pytest.raises(LayoutError, match="--schedule zbv with --sequence-parallel fails inside torch") as err:
         validate(cfg, 4)
