@@ -74,3 +74,14 @@ def test_a_missing_name_is_one_sentence_naming_the_versions(monkeypatch):
     assert "torch._no_such_thing (a test)" in message and private_api.WRITTEN_FOR in message
     assert "\n" not in message and message.count(". ") == 0
     private_api.require("parallel/compile.py")  # another user's names are all there
+
+
+def test_a_name_used_only_on_older_torch_is_required_only_there(monkeypatch):
+    """An entry with `torch_before` (a mend for older torch) is required below that version and nowhere else."""
+    old_only = private_api.Private("torch._no_such_thing", "parallel/ddp.py", "a test", torch_before="2.0")
+    monkeypatch.setattr(private_api, "PRIVATE", private_api.PRIVATE + (old_only,))
+    private_api.require("parallel/ddp.py")  # this torch is newer: not needed
+    still_used = private_api.Private("torch._no_such_thing", "parallel/ddp.py", "a test", torch_before="999.0")
+    monkeypatch.setattr(private_api, "PRIVATE", private_api.PRIVATE + (still_used,))
+    with pytest.raises(RuntimeError, match="torch._no_such_thing"):
+        private_api.require("parallel/ddp.py")

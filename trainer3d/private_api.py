@@ -20,12 +20,14 @@ WRITTEN_FOR = "torch 2.11-2.13 and DeepSpeed 0.19"
 class Private:
     """`path`: a module, then attributes (`kind` "attr"); a dataclass and one of its fields ("field"); or a module
     whose source must still set an attribute of that name on objects it creates ("set", for attributes DeepSpeed
-    puts on parameters and optimizers at run time). `user`: the trainer3d module relying on it."""
+    puts on parameters and optimizers at run time). `user`: the trainer3d module relying on it; `torch_before`: a
+    version below which alone it does (a mend for older torch), so a newer torch that drops the name is not refused."""
 
     path: str
     user: str
     why: str
     kind: str = "attr"
+    torch_before: str | None = None  # used only on torch older than this (a mend for those versions)
 
     @property
     def name(self) -> str:
@@ -53,11 +55,11 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.distributed.pipelining.stage.fwd_cache", "parallel/pipeline.py",
             "the last stage frees its logits' storage after their backward", "set"),
     Private("torch.distributed.pipelining.stage.args_recv_info", "parallel/pipeline.py",
-            "torch < 2.13: receive buffers made by a first eval() pass get gradients", "set"),
+            "torch < 2.13: receive buffers made by a first eval() pass get gradients", "set", torch_before="2.13"),
     Private("torch.distributed.pipelining.stage.buffer", "parallel/pipeline.py",
-            "torch < 2.13: receive buffers made by a first eval() pass get gradients", "set"),
+            "torch < 2.13: receive buffers made by a first eval() pass get gradients", "set", torch_before="2.13"),
     Private("torch.distributed.pipelining.stage._PipelineStageBase._get_init_p2p_neighbors_ops", "parallel/pipeline.py",
-            "torch < 2.13: no link opened from a stage to a stage of its own rank"),
+            "torch < 2.13: no link opened from a stage to a stage of its own rank", torch_before="2.13"),
     # DeepSpeed: the glue under torch's pipeline schedules (docs/zero.md)
     Private(f"{_Z}.partitioned_param_coordinator.assert_ints_same_as_other_ranks", "zero/glue.py",
             "ZeRO-3's trace check over dp only"),
@@ -118,9 +120,18 @@ def present(entry: Private) -> bool:
         return False
 
 
+def needed(entry: Private) -> bool:
+    """Whether the installed torch is one the entry's user relies on it for."""
+    if entry.torch_before is None:
+        return True
+    import torch
+
+    return torch.__version__ < entry.torch_before
+
+
 def missing(user: str | None = None) -> list[Private]:
-    """The entries (of one trainer3d module, or all) this installation lacks."""
-    return [e for e in PRIVATE if (user is None or user in e.user) and not present(e)]
+    """The entries (of one trainer3d module, or all) this installation needs and lacks."""
+    return [e for e in PRIVATE if (user is None or user in e.user) and needed(e) and not present(e)]
 
 
 def require(user: str, error: type[Exception] = RuntimeError) -> None:
