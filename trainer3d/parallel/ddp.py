@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer3d.distributed.collectives import all_reduce, group_size
 from trainer3d.optim import adam, adam_step_state, param_groups, set_lr
 from trainer3d.parallel.engine import (
-    DataParallelEngine, counts_in_norm, sequence_parallel_params, sum_sequence_parallel_grads, sum_tied_grads,
-    tied_copies, unique_parameters,
+    DataParallelEngine, counts_in_norm, sequence_parallel_params, sum_of_squares, sum_sequence_parallel_grads,
+    sum_tied_grads, tied_copies, unique_parameters,
 )
 from trainer3d.parallel.pipeline import SCHEDULES
 from trainer3d.private_api import require
@@ -108,12 +108,10 @@ class DDPEngine(DataParallelEngine):
 
     def global_grad_norm(self) -> torch.Tensor:
         """Squares of tp shards and pp stages summed over the model-parallel group, each element counted once;
-        DDP has already averaged over dp, so dp needs no reduction. A device scalar (float32), not read here."""
-        grads = [p.grad.detach() for m in self.stages for p in m.parameters()
+        DDP has already averaged over dp, so dp needs no reduction. A device scalar (float64), not read here."""
+        grads = [p.grad for m in self.stages for p in m.parameters()
                  if p.grad is not None and counts_in_norm(m, p, self.topo.tp_rank)]
-        # torch's own norm (clip_grad_norm_'s): no squared copy of each gradient, as a pow(2).sum() makes
-        local = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=self.device)
-        return all_reduce(local.square(), self.topo.mp_group).sqrt()
+        return all_reduce(sum_of_squares(grads, self.device), self.topo.mp_group).sqrt()
 
     def param_value(self, param: nn.Parameter) -> torch.Tensor:
         return param.data

@@ -21,8 +21,8 @@ import torch.nn as nn
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.optim import adam, param_groups, set_lr
 from trainer3d.parallel.engine import (
-    DataParallelEngine, EngineFactory, counts_in_norm, sequence_parallel_params, sum_sequence_parallel_grads, sum_tied_grads,
-    tied_copies,
+    DataParallelEngine, EngineFactory, counts_in_norm, sequence_parallel_params, sum_of_squares,
+    sum_sequence_parallel_grads, sum_tied_grads, tied_copies,
 )
 from trainer3d.parallel.tensor_parallel import materialize
 from trainer3d.zero import memory, state
@@ -144,20 +144,18 @@ class ZeroEngine(DataParallelEngine):
         (float64), not read here."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         tp_rank, dp_rank = self.topo.tp_rank, self.topo.dp_cp_rank
+        kept_norms = self.spec.zero_stage == 3 and self.spec.offload_optimizer != "none"
         for e in self.engines:
             module, opt = e.module, e.optimizer
-            norms = getattr(opt, "norm_for_param_grads", None) if (
-                self.spec.zero_stage == 3 and self.spec.offload_optimizer != "none") else None
-            for p in module.parameters():
-                if not counts_in_norm(module, p, tp_rank):
-                    continue
-                if norms is not None:
+            counted = [p for p in module.parameters() if counts_in_norm(module, p, tp_rank)]
+            if kept_norms:  # each partition's norm, as DeepSpeed took it
+                norms = opt.norm_for_param_grads
+                for p in counted:
                     if opt.get_param_id(p) in norms:
                         total += torch.as_tensor(norms[opt.get_param_id(p)]).to(total).square()
-                    continue
-                for share in grad_shares(p):
-                    if not (share.dp_replicated and dp_rank != 0):
-                        total += torch.linalg.vector_norm(share.tensor.detach(), dtype=torch.float64).square().to(total.device)
+                continue
+            total += sum_of_squares([share.tensor for p in counted for share in grad_shares(p)
+                                     if not (share.dp_replicated and dp_rank != 0)], self.device)
         return all_reduce(total, self.topo.world_group).sqrt()
 
     # -- checkpoints: state.py turns ZeRO's partitions into whole tensors and back (collective over dp) -------------
