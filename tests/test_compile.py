@@ -12,8 +12,8 @@ its runs build every kernel with the C++ compiler; a warm local cache only makes
 from __future__ import annotations
 
 from distributed import run_world
-from parity import run_layouts
-from test_parity import case, check
+from parity import check, run_layouts
+from test_parity import case
 
 STEPS = 10
 PARITY = [case(compile=True), case(1, 2, 2, compile=True), case(1, 2, cp=2, compile=True)]  # cp: attention eager

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from distributed import run_world
-from parity import LLAMA, VOCAB, parity_config, run_layouts
-from test_parity import case, check
+from parity import LLAMA, VOCAB, check, parity_config, run_layouts
+from test_parity import case
 from trainer3d.errors import LayoutError
 from trainer3d.models import build_model, init_value
 from trainer3d.parallel.context_parallel import (
@@ -155,7 +155,7 @@ def _cases():
     llama = [case(1, 2, cp=2, **sp, **LLAMA), case(1, 1, 2, "interleaved-1f1b", cp=2, **LLAMA)]
     docs = dict(document_mask=True, reset_position_ids=True, boundary=BOUNDARY)
     gpt2_docs = [case(**docs), case(1, 2, cp=2, **sp, **docs), case(1, 1, 2, cp=2, **docs)]
-    llama_docs = dict(document_mask=True, boundary=BOUNDARY, lr=1e-3, **LLAMA)
+    llama_docs = dict(document_mask=True, boundary=BOUNDARY, **LLAMA)
     llama_doc_cases = [case(1, 2, cp=2, **sp, **llama_docs), case(1, 1, 2, "interleaved-1f1b", cp=2,
                                                                    recompute="full", **llama_docs)]
     return [({}, gpt2), (LLAMA, llama), (docs, gpt2_docs), (llama_docs, llama_doc_cases)]
