@@ -1,22 +1,21 @@
-"""Llama against Hugging Face, trained: a random LlamaForCausalLM trained by transformers in a plain loop and by
-trainer3d (--init-from-hf) on the same batches gives the same loss and gradient norm at every step, in one process
-and at tp 2 × pp 2; and the round trip import -> train at (1, 2, 2) -> save -> export gives a directory that
+"""The families against Hugging Face, trained: a random LlamaForCausalLM and GPT2LMHeadModel, each trained by
+tests/reference.py's plain loop (torch's AdamW, nothing of trainer3d's) and by trainer3d (--init-from-hf) on the same
+batches, give the same loss and gradient norm at every step, in one process and at tp 2 × pp 2; and for Llama the round trip import -> train at (1, 2, 2) -> save -> export gives a directory that
 LlamaForCausalLM loads with trainer3d's logits, whose greedy generation is `trainer3d.sample --temperature 0`'s."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from distributed import run_world  # noqa: E402
-from test_llama import hf_llama  # noqa: E402
-from trainer3d.checkpoint.load import apply, prepare  # noqa: E402
-from trainer3d.config import TrainConfig  # noqa: E402
-from trainer3d.optim import adam, clip_coefficient, lr_at, param_groups, set_lr  # noqa: E402
-from trainer3d.train.setup import validate  # noqa: E402
+from distributed import run_world
+from reference import plain_loop
+from test_hf import _hf_model as hf_gpt2
+from test_llama import hf_llama
+from trainer3d.checkpoint.load import apply, prepare
+from trainer3d.config import TrainConfig
+from trainer3d.train.setup import validate
 
 VOCAB, SEQ, GB, STEPS = 1000, 32, 8, 6
 OPTIM = dict(lr=3e-3, warmup_steps=2, max_steps=STEPS, grad_clip=0.5, weight_decay=0.1, precision="fp32", seed=7)
@@ -28,25 +27,11 @@ def batches(steps: int = STEPS, vocab: int = VOCAB) -> torch.Tensor:
     return pair[torch.arange(steps) % 2]
 
 
-def plain_loop(hf, cfg: TrainConfig, data: torch.Tensor) -> tuple[list[float], list[float]]:
-    """transformers' model, trained the way a reader of its docs would: mean token cross-entropy over the batch,
-    global-norm clip, AdamW with decay on matrices only, warmup + cosine (trainer3d.optim's rules)."""
-    hf.train()
-    params = list(hf.parameters())
-    opt = adam(param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    losses, norms = [], []
-    for step, batch in enumerate(data):
-        logits = hf(batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
-        assert clip_coefficient(norm, cfg.grad_clip) <= 1.0
-        set_lr(opt, lr_at(step, cfg))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        norms.append(norm)
-    return losses, norms
+def reference_run(hf, data: torch.Tensor) -> tuple[list[float], list[float]]:
+    """transformers' model trained by tests/reference.py's plain loop (torch's AdamW, clip and the documented schedule)
+    with the run's hyper-parameters."""
+    return plain_loop(hf, data, lr=OPTIM["lr"], warmup_steps=OPTIM["warmup_steps"], max_steps=OPTIM["max_steps"],
+                      grad_clip=OPTIM["grad_clip"], weight_decay=OPTIM["weight_decay"])
 
 
 def _train_from_hf(hf_dir: str, tp: int, pp: int, data: torch.Tensor, out_dir: str | None = None) -> dict | None:
@@ -71,26 +56,30 @@ def _train_from_hf(hf_dir: str, tp: int, pp: int, data: torch.Tensor, out_dir: s
     return out
 
 
-def _layouts(rank, world_size, hf_dir, data):
-    return {(tp, pp): _train_from_hf(hf_dir, tp, pp, data) for tp, pp in ((1, 1), (2, 2))}
+def _layouts(rank, world_size, hf_dirs, data):
+    return [{(tp, pp): _train_from_hf(hf_dir, tp, pp, data) for tp, pp in ((1, 1), (2, 2))} for hf_dir in hf_dirs]
 
 
 def test_trains_like_transformers_in_a_plain_loop(tmp_path):
-    hf = hf_llama(seed=3)
-    hf.save_pretrained(tmp_path / "hf")
+    """Llama (grouped-query attention, 3.1's rope scaling, untied) and GPT-2 (tied), each a random transformers model
+    trained by the plain loop and by trainer3d --init-from-hf at (1, 1, 1) and tp 2 × pp 2, in one world."""
+    models = {"llama": hf_llama(seed=3), "gpt2": hf_gpt2(seed=3)}
+    for name, hf in models.items():
+        hf.save_pretrained(tmp_path / name)
     data = batches()
-    ref_losses, ref_norms = plain_loop(hf, TrainConfig(**OPTIM), data)
-    results = run_world(4, _layouts, str(tmp_path / "hf"), data, timeout=600)
-    ours = results[0]
-    print(f"\ntransformers plain loop: losses {[f'{x:.6f}' for x in ref_losses]}")
-    for layout, run in ours.items():
-        assert run["mcfg"].family == "llama" and run["mcfg"].n_kv_heads == 2
-        loss_rel = max(abs(a - b) / b for a, b in zip(run["losses"], ref_losses))
-        norm_rel = max(abs(a - b) / b for a, b in zip(run["norms"], ref_norms))
-        print(f"trainer3d tp,pp={layout}: loss rel diff {loss_rel:.1e}, grad norm rel diff {norm_rel:.1e}")
-        assert loss_rel < 1e-5 and norm_rel < 1e-5, (layout, run["losses"], run["norms"])
-    assert ref_losses[-1] < ref_losses[0] - 0.05  # it trains
-    assert max(ref_norms) > OPTIM["grad_clip"]  # clipping was active
+    refs = {name: reference_run(hf, data) for name, hf in models.items()}
+    results = run_world(4, _layouts, [str(tmp_path / name) for name in models], data, timeout=600)
+    for (name, (ref_losses, ref_norms)), ours in zip(refs.items(), results[0]):
+        print(f"\n{name}: transformers plain loop: losses {[f'{x:.6f}' for x in ref_losses]}")
+        for layout, run in ours.items():
+            assert run["mcfg"].family == name
+            loss_rel = max(abs(a - b) / b for a, b in zip(run["losses"], ref_losses))
+            norm_rel = max(abs(a - b) / b for a, b in zip(run["norms"], ref_norms))
+            print(f"trainer3d tp,pp={layout}: loss rel diff {loss_rel:.1e}, grad norm rel diff {norm_rel:.1e}")
+            assert loss_rel < 1e-5 and norm_rel < 1e-5, (name, layout, run["losses"], run["norms"])
+        assert ref_losses[-1] < ref_losses[0] - 0.05  # it trains
+        assert max(ref_norms) > OPTIM["grad_clip"]  # clipping was active
+    assert results[0][0][(1, 1)]["mcfg"].n_kv_heads == 2
 
 
 def bpe_tokenizer(directory) -> int:
