@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import fault_plugin
 from distributed import free_port, run_world
@@ -720,7 +721,6 @@ HF_VOCAB = 512
 
 def _hf_model_dir(path: Path):
     """A random GPT2LMHeadModel (no hub), perturbed so biases and LayerNorms are not trivial, saved to `path`."""
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     hf_cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=HF_VOCAB,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -759,7 +759,6 @@ def _hf_run(hf_dir, out_dir, batches):
 
 
 def test_hf_import_train_export(world_results, tmp_path):
-    transformers = pytest.importorskip("transformers")
     from trainer3d.export import main as export_main
     from trainer3d.models.gpt2 import GPT
 

@@ -15,13 +15,10 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 
-pytest.importorskip("deepspeed")
-
-from distributed import free_port  # noqa: E402
-from ds_ops import require_ops  # noqa: E402
-from trainer3d.zero import ops as zero_ops  # noqa: E402
+from distributed import free_port
+from ds_ops import require_ops
+from trainer3d.zero import ops as zero_ops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = (

@@ -8,15 +8,14 @@ import json
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from trainer3d.checkpoint.hf import HFDirectory, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from trainer3d.models import MODEL_PRESETS, plain_model  # noqa: E402
-from trainer3d.models.attention import KVCache  # noqa: E402
-from trainer3d.models.llama import LlamaConfig  # noqa: E402
-from trainer3d.models.llama.hf import LlamaAdapter  # noqa: E402
-from trainer3d.models.llama.model import rope_frequencies  # noqa: E402
+from trainer3d.checkpoint.hf import HFDirectory, load_hf_checkpoint, save_hf_checkpoint
+from trainer3d.models import MODEL_PRESETS, plain_model
+from trainer3d.models.attention import KVCache
+from trainer3d.models.llama import LlamaConfig
+from trainer3d.models.llama.hf import LlamaAdapter
+from trainer3d.models.llama.model import rope_frequencies
 
 ADAPTER = LlamaAdapter()
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

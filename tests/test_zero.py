@@ -21,23 +21,22 @@ import math
 import os
 import time
 
+import deepspeed  # noqa: F401 - required: a broken install fails here, not as skips
 import pytest
 import torch
 
-deepspeed = pytest.importorskip("deepspeed")
-
-from distributed import run_world  # noqa: E402
-from ds_ops import nvme_op_available, require_ops  # noqa: E402
-from parity import (  # noqa: E402
+from distributed import run_world
+from ds_ops import nvme_op_available, require_ops
+from parity import (
     LLAMA, LOSS_RTOL, NORM_RTOL, PARAM_ATOL, VOCAB, global_batches, max_rel as rel, parity_config, train_layout,
 )
-from trainer3d.zero import config as deepspeed_config  # noqa: E402
-from trainer3d.zero import ops as zero_ops  # noqa: E402
-from trainer3d.zero import glue as zero_glue  # noqa: E402
-from trainer3d.config import parse_args  # noqa: E402
-from trainer3d.errors import ConfigError  # noqa: E402
-from trainer3d.train.setup import validate  # noqa: E402
-from trainer3d.distributed.topology import Layout, Topology  # noqa: E402
+from trainer3d.zero import config as deepspeed_config
+from trainer3d.zero import ops as zero_ops
+from trainer3d.zero import glue as zero_glue
+from trainer3d.config import parse_args
+from trainer3d.errors import ConfigError
+from trainer3d.train.setup import validate
+from trainer3d.distributed.topology import Layout, Topology
 
 STEPS = 10
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
