@@ -1,13 +1,16 @@
 """A real, private SLURM cluster on this machine: one slurmctld and two fake nodes (n1, n2), each a slurmd.
 
 Everything lives in one temporary directory: slurm.conf (clients find it through SLURM_CONF), state, spool, logs,
-pid files, and a private munged with its own key and socket (AuthInfo=socket=...), on free ports. Nothing under
-/etc/slurm or /run/munge is touched, so a SLURM or munge already on the machine is left alone. The only
-system-wide changes are the Debian packages (installed when missing: slurmctld slurmd slurm-client munge) and a
-`127.0.0.1 n1 n2` line in /etc/hosts, so that the nodes' names resolve (MASTER_ADDR is the first node's name).
+pid files, a private munged with its own key and socket (AuthInfo=socket=...), on free ports, and a hosts file that
+names n1 and n2. Every daemon runs in a mount namespace of its own (`unshare --mount`) in which that file is
+bind-mounted over /etc/hosts, so the nodes' names resolve for the daemons and the jobs they start (MASTER_ADDR is the
+first node's name) and nowhere else. Nothing under /etc is written, and a SLURM or munge already on the machine is left
+alone. The one change to the machine is the Debian packages (slurmctld slurmd slurm-client munge), installed when
+missing: `install()` returns exactly the packages it added and `uninstall()` purges exactly those, so the machine ends
+as it began.
 
 `stop()` kills exactly the pids in this cluster's pid files. `unavailable()` says why the machine cannot run it
-(not root, no apt-get, not Linux); the tests skip with that reason, except in CI (CI=true), where they fail.
+(not root, no apt-get, no unshare, not Linux); the tests skip with that reason, except in CI (CI=true), where they fail.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "munged"]
 NODES = ("n1", "n2")
 HOSTS_LINE = "127.0.0.1 n1 n2  # trainer3d tests/slurm_cluster.py"
+# Runs a command in a new mount namespace with $0 (the cluster's hosts file) over /etc/hosts; a daemon it starts stays
+# in that namespace, and so do the jobs a slurmd forks.
+IN_PRIVATE_HOSTS = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount --bind "$0" /etc/hosts && exec "$@"']
 
 
 class ClusterError(RuntimeError):
@@ -45,6 +52,8 @@ def unavailable() -> str | None:
         if all(shutil.which(b) for b in BINARIES):
             return "SLURM tests need root (the daemons run jobs as any user)"
         return "SLURM is not installed and installing it needs root"
+    if not shutil.which("unshare"):
+        return "SLURM tests need util-linux's unshare (each daemon gets a private /etc/hosts)"
     if not all(shutil.which(b) for b in BINARIES) and not shutil.which("apt-get"):
         return "SLURM is not installed and there is no apt-get to install it"
     return None
@@ -57,29 +66,36 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None, check: bool = 
     return p
 
 
-def install(timeout: float = 600) -> None:
-    """apt-get install the packages if a binary is missing (about 12 s; an `apt-get update` first if needed)."""
+def installed_packages() -> set[str]:
+    out = _run(["dpkg-query", "-W", "-f", "${Package} ${db:Status-Abbrev}\n"], 60).stdout
+    return {line.split()[0] for line in out.splitlines() if line.split()[1:] and line.split()[1].startswith("ii")}
+
+
+def install(timeout: float = 600) -> list[str]:
+    """apt-get install the packages if a binary is missing (about 12 s; an `apt-get update` first if needed); returns
+    the packages this added, their dependencies included (none when everything was there)."""
     if all(shutil.which(b) for b in BINARIES):
-        return
+        return []
+    before = installed_packages()
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     cmd = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
-    if _run(cmd, timeout, env, check=False).returncode != 0:
-        _run(["apt-get", "update"], timeout, env)
-        _run(cmd, timeout, env)
+    try:
+        if _run(cmd, timeout, env, check=False).returncode != 0:
+            _run(["apt-get", "update"], timeout, env)
+            _run(cmd, timeout, env)
+    finally:
+        added = sorted(installed_packages() - before)
     missing = [b for b in BINARIES if not shutil.which(b)]
     if missing:
+        uninstall(added)
         raise ClusterError(f"installed {PACKAGES} but {missing} are still not on PATH")
+    return added
 
 
-def ensure_hosts() -> None:
-    """`n1` and `n2` must resolve (to this machine) for MASTER_ADDR and srun."""
-    try:
-        if all(socket.gethostbyname(n) == "127.0.0.1" for n in NODES):
-            return
-    except OSError:
-        pass
-    with open("/etc/hosts", "a") as f:
-        f.write("\n" + HOSTS_LINE + "\n")
+def uninstall(packages: list[str], timeout: float = 600) -> None:
+    """Purge exactly `packages` (what install() added), configuration files included."""
+    if packages:
+        _run(["apt-get", "purge", "-y", *packages], timeout, {**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
 
 
 def _free_ports(n: int) -> list[int]:
@@ -112,6 +128,9 @@ class SlurmCluster:
         self.cpus = cpus_per_node
         self.pid_files: list[Path] = []
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.hosts = self.dir / "hosts"  # /etc/hosts as the daemons and their jobs see it
+        self.hosts.write_text(Path("/etc/hosts").read_text().rstrip("\n") + "\n" + HOSTS_LINE + "\n")
+        self.hosts.chmod(0o644)
 
     # ---- start / stop --------------------------------------------------------------------------------------
     def start(self, timeout: float = 60) -> None:
@@ -178,9 +197,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.5)
 
     def _daemon(self, cmd: list[str], pid_file: Path, timeout: float) -> None:
-        """Start a self-daemonizing program and wait for its pid file (recorded for stop())."""
+        """Start a self-daemonizing program, in a mount namespace of its own with the cluster's hosts file, and wait
+        for its pid file (recorded for stop())."""
         self.pid_files.append(pid_file)
-        _run(cmd, timeout, self.env)
+        _run([*IN_PRIVATE_HOSTS, str(self.hosts), *cmd], timeout, self.env)
         deadline = time.monotonic() + timeout
         while not (pid_file.exists() and pid_file.read_text().strip()):
             if time.monotonic() > deadline:

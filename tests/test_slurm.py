@@ -3,7 +3,8 @@
 Each test submits the sbatch file with `sbatch` as a user would (2 nodes × 2 processes, tiny model, tp=2, so
 dp=2), waits for the job through `scontrol show job`, and reads the job's log and metrics.jsonl. Skipped where
 the machine cannot run SLURM (not root, no apt-get, install or start failure), except under CI=true, where
-those are failures.
+those are failures. The machine is left as it was (tests/slurm_cluster.py: a private hosts file per daemon, and the
+packages installed for the tests purged after them).
 """
 
 from __future__ import annotations
@@ -36,25 +37,28 @@ def _unavailable(reason: str):
 
 @pytest.fixture(scope="module")
 def cluster():
+    """The cluster for this module's tests; afterwards the machine is as before (daemons stopped, files removed,
+    the packages it installed purged)."""
     reason = slurm_cluster.unavailable()
     if reason:
         _unavailable(reason)
     try:
-        slurm_cluster.install()
-        slurm_cluster.ensure_hosts()
+        added = slurm_cluster.install()
     except (ClusterError, OSError, TimeoutError) as e:
         _unavailable(f"cannot install SLURM: {e}")
     c = SlurmCluster(cpus_per_node=2)
-    t0 = time.monotonic()
     try:
-        c.start()
-    except (ClusterError, OSError, TimeoutError) as e:
+        t0 = time.monotonic()
+        try:
+            c.start()
+        except (ClusterError, OSError, TimeoutError) as e:
+            _unavailable(f"cannot start a local SLURM cluster: {e}")
+        print(f"\n[slurm] cluster up in {time.monotonic() - t0:.1f} s ({c.dir}); installed for it: {added or 'nothing'}")
+        yield c
+    finally:
         c.stop()
-        _unavailable(f"cannot start a local SLURM cluster: {e}")
-    print(f"\n[slurm] cluster up in {time.monotonic() - t0:.1f} s ({c.dir})")
-    yield c
-    c.stop()
-    c.cleanup()
+        c.cleanup()
+        slurm_cluster.uninstall(added)
 
 
 @pytest.fixture
