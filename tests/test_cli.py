@@ -108,6 +108,11 @@ def _cases(tmp):
         # DeepSpeed JSONs
         (["--deepspeed_config", str(tmp / "no.json")],
          f"--deepspeed_config {tmp / 'no.json'} does not exist; pass the path of a DeepSpeed JSON (see ds_configs/)."),
+        (["--deepspeed_config", os.path.join(os.path.dirname(os.path.dirname(__file__)), "ds_configs", "zero1.json"),
+          "--on-nonfinite", "skip"],
+         "--on-nonfinite skip cannot be kept under a DeepSpeed config (each ZeRO optimizer judges overflow from its "
+         "own partition); drop it: a non-finite step then stops the run with the last finite step's checkpoints, to "
+         "resume from."),
         (["--deepspeed_config", str(bad_json)],
          f"--deepspeed_config {bad_json} is not valid JSON (Expecting property name enclosed in double quotes at line 1); "
          "fix the file."),
@@ -155,7 +160,6 @@ def test_deepspeed_json_contradiction_refused(tmp_path, capsys, monkeypatch, val
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    pytest.importorskip("deepspeed")
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"gradient_clipping": json.loads(value), "zero_optimization": {"stage": 1}}))
     from trainer3d.config import parse_args
@@ -241,3 +245,37 @@ def test_sequence_parallel_needs_a_sequence_tp_divides(monkeypatch, capsys):
     assert "trainer3d: error: --sequence-parallel splits --seq-len 63 over --tp 2 ranks; pick a --seq-len divisible " \
            "by 2.\n" in err, err
     assert "Traceback" not in err
+
+
+def test_a_used_out_dir_is_kept_unless_resumed_or_overwritten(tmp_path, monkeypatch, capsys):
+    """An --out-dir holding an earlier run (its metrics.jsonl, a checkpoint) is refused with one sentence naming
+    --resume and --overwrite, and left as it was; --resume there without a checkpoint is refused too (it would
+    restart the metrics); --overwrite replaces the earlier run."""
+    from trainer3d.train.loop import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_000002").mkdir(parents=True)
+    (out / "checkpoints" / "step_000002" / "meta.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+
+    def run(*flags: str) -> tuple[int, str]:
+        rc = main(BASE + ["--out-dir", str(out), *flags])
+        return rc, capsys.readouterr().err
+
+    rc, err = run()
+    assert rc == 2 and (f"trainer3d: error: --out-dir {out} holds an earlier run (metrics.jsonl, checkpoints); pass "
+                        "--resume to continue it, --overwrite to start over in its place, or another --out-dir.\n"
+                        ) in err, err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    rc, err = run("--resume", "--overwrite")
+    assert rc == 2 and "--overwrite deletes the run that --resume would continue" in err, err
+    (out / "checkpoints" / "step_000002" / "meta.json").unlink()  # metrics only: --resume has nothing to resume
+    rc, err = run("--resume")
+    assert rc == 2 and f"--resume finds no checkpoint in {out / 'checkpoints'}, but --out-dir holds an earlier" in err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    rc, err = run("--overwrite")
+    assert rc == 0, err
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001"]

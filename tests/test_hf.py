@@ -7,14 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
-from trainer3d.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from trainer3d.models import init_value  # noqa: E402
-from trainer3d.models.gpt2 import GPT, GPTConfig  # noqa: E402
-from trainer3d.models.gpt2.hf import GPT2Adapter  # noqa: E402
+from trainer3d.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+from trainer3d.models import init_value
+from trainer3d.models.gpt2 import GPT, GPTConfig
+from trainer3d.models.gpt2.hf import GPT2Adapter
 
 ADAPTER = GPT2Adapter()
 
@@ -291,3 +289,26 @@ def test_missing_files_and_tensors(tmp_path, hf_dir):
         json.dumps({"weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors is missing"):
         load_hf_checkpoint(sharded)
+
+
+def test_nonfinite_weights_are_refused_naming_the_tensor(tmp_path, monkeypatch, capsys):
+    """--init-from-hf of a directory with a nan in one weight: one sentence naming that tensor, exit 2, before any
+    step (every rank refuses together, once each has read its shards)."""
+    from test_llama_hf import bpe_tokenizer
+    from trainer3d.train.loop import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    model = _hf_model()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_proj.weight[3, 5] = float("nan")
+    model.save_pretrained(tmp_path / "hf")
+    bpe_tokenizer(tmp_path / "hf")  # 400 tokens: the model's 1000 cover them
+    out = tmp_path / "run"
+    rc = main(["--init-from-hf", str(tmp_path / "hf"), "--seq-len", "32", "--global-batch", "2", "--max-steps", "2",
+               "--eval-every", "0", "--out-dir", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert (f"trainer3d: error: --init-from-hf {tmp_path / 'hf'}: transformer.h.1.mlp.c_proj.weight holds nan or inf "
+            "values") in err and "Traceback" not in err, err
+    assert not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text() == ""

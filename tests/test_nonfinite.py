@@ -12,10 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from distributed import run_world
+from distributed import free_port, run_world
+from ds_ops import require_ops
 from parity import VOCAB, global_batches, parity_config
+from trainer3d.zero import ops as zero_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +69,11 @@ def test_skip_trains_past_a_nonfinite_step():
         assert r["weights_unchanged"] and r["moments_unchanged"]
 
 
-def test_a_diverging_run_exits_2_and_keeps_its_last_finite_checkpoint(tmp_path):
+@pytest.mark.parametrize("engine", ["ddp", "zero3"])
+def test_a_diverging_run_exits_2_and_keeps_its_last_finite_checkpoint(tmp_path, engine):
+    """One process under DDP, and two under DeepSpeed ZeRO-3 (started as a launcher starts them, so that each one's
+    exit code is seen; --on-nonfinite skip is refused there: test_cli): every process exits 2, one sentence, no
+    traceback."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -75,10 +82,21 @@ def test_a_diverging_run_exits_2_and_keeps_its_last_finite_checkpoint(tmp_path):
     cmd = [sys.executable, str(ROOT / "launch" / "train_gpt2.py"), "--model", "tiny", "--n-layer", "2", "--seq-len",
            "32", "--global-batch", "4", "--lr", "1e20", "--warmup-steps", "0", "--max-steps", "6", "--save-every", "1",
            "--keep-last", "1", "--out-dir", str(out)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    assert p.returncode == 2, p.stderr[-3000:]
-    last_line = p.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("trainer3d: error: Step 2 has a loss of nan") and "Traceback" not in p.stderr
+    envs = [env]
+    if engine == "zero3":
+        require_ops()
+        cmd += ["--deepspeed_config", str(ROOT / "ds_configs" / "zero3.json")]
+        port = str(free_port())
+        envs = [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                     TORCH_EXTENSIONS_DIR=zero_ops.default_extensions_dir()) for r in range(2)]
+    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+             for e in envs]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    stderr = outputs[0][1]
+    assert [p.returncode for p in procs] == [2] * len(procs), [o[1][-3000:] for o in outputs]
+    errors = [line for line in stderr.splitlines() if line.startswith("trainer3d: error:")]
+    assert len(errors) == 1 and errors[0].startswith("trainer3d: error: Step 2 has a loss of nan"), stderr[-3000:]
+    assert all("Traceback" not in o[1] for o in outputs), stderr[-3000:]
     checkpoints = out / "checkpoints"
     assert sorted(d.name for d in checkpoints.iterdir() if d.is_dir()) == ["step_000001"]
     assert (checkpoints / "latest").read_text().strip() == "step_000001"

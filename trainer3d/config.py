@@ -85,6 +85,7 @@ class TrainConfig:
     on_save_error: str = "continue"  # a save that fails (e.g. a full disk): keep training, or stop the run
     async_save: bool = False  # write periodic checkpoints in the background while training goes on
     resume: str | None = None  # "latest" (the newest in --out-dir; fresh start if none) or a checkpoint path
+    overwrite: bool = False  # --out-dir holds an earlier run: replace it (its metrics.jsonl and checkpoints)
     log_every: int = 25
     peak_tflops: float | None = None  # per device, for MFU; known GPUs are recognised
     verbose: bool = False
@@ -247,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--resume", nargs="?", const="latest", default=None, metavar="PATH",
         help="resume: alone, from the newest checkpoint in --out-dir (fresh start if none); or from PATH",
+    )
+    out.add_argument(
+        "--overwrite", action="store_true",
+        help="--out-dir holds an earlier run: delete its metrics.jsonl and checkpoints and start over there (without "
+             "this flag or --resume such a run is refused, so that nothing of it is lost)",
     )
     out.add_argument("--log-every", type=int, default=d.log_every)
     out.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")

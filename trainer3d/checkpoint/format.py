@@ -50,11 +50,11 @@ from trainer3d.checkpoint.pieces import KINDS, Piece, parse_key, read_local, tp_
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.models import FAMILIES, canonical_name, canonical_shapes, config_from_dict, shape_diffs
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
+from trainer3d.rundir import CHECKPOINTS
 
 FORMAT = "trainer3d-checkpoint"
 FORMAT_VERSION = 2
 RNG_PREFIX = "rng."  # a shard file's RNG-state keys
-CHECKPOINTS = "checkpoints"  # under --out-dir
 LATEST = "latest"
 META = "meta.json"
 

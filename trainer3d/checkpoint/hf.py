@@ -78,6 +78,7 @@ class HFDirectory:
         self._bins: dict[Path, dict] = {}
         self._transposed: dict[str, bool] = {}
         self.bytes_read = 0  # tensor bytes read by shard()
+        self.nonfinite: str | None = None  # the first tensor read with nan or inf in it (checkpoint/hf_init.py)
         self.index = self._build_index()  # HF name (normalized) -> (file, name in the file)
 
     # -- the files ---------------------------------------------------------------------------------------------------

@@ -45,9 +45,23 @@ def open_hf(path: str | os.PathLike, mcfg) -> HFDirectory:
 
 
 def hf_shard_value(directory: HFDirectory, mcfg) -> Callable:
-    """The `shard_value` hook (parallel/tensor_parallel.materialize) that reads each rank's shards from `directory`."""
+    """The `shard_value` hook (parallel/tensor_parallel.materialize) that reads each rank's shards from `directory`.
+    A shard holding nan or inf is noted in `directory.nonfinite` (the first one's Hugging Face names) rather than
+    raised, so that every rank can refuse the directory together once its shards are read (`nonfinite_error`)."""
 
     def shard_value(name: str, spec, local_shape: tuple, tp_rank: int, tp: int) -> torch.Tensor:
-        return directory.shard(canonical_name(mcfg, name), spec, tuple(local_shape), tp_rank, tp)
+        canonical = canonical_name(mcfg, name)
+        value = directory.shard(canonical, spec, tuple(local_shape), tp_rank, tp)
+        if directory.nonfinite is None and not bool(torch.isfinite(value).all()):
+            directory.nonfinite = ", ".join(directory.adapter.sources(mcfg, canonical))
+        return value
 
     return shard_value
+
+
+def nonfinite_error(directory: HFDirectory) -> str | None:
+    """The sentence refusing a directory some of whose weights this rank read are not finite, or None."""
+    if directory.nonfinite is None:
+        return None
+    return (f"--init-from-hf {directory.root}: {directory.nonfinite} holds nan or inf values, which no training can "
+            "start from; export the weights again from a healthy copy.")

@@ -22,13 +22,15 @@ import torch
 from trainer3d.checkpoint.format import (
     Checkpoint, checkpoints_root, latest_checkpoint, layout_record, resolve_checkpoint, sharded_rngs,
 )
-from trainer3d.checkpoint.hf_init import hf_shard_value, open_hf
+from trainer3d.checkpoint.hf import HFDirectory
+from trainer3d.checkpoint.hf_init import hf_shard_value, nonfinite_error, open_hf
 from trainer3d.distributed.collectives import agree_on_error, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import canonical_name
 from trainer3d.parallel.parallelize import rng_seeds, seed_rngs
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
+from trainer3d.rundir import METRICS
 from trainer3d.checkpoint.pieces import KINDS, local_shape
 
 
@@ -144,7 +146,7 @@ def rederive_rngs(trainer, step: int) -> None:
 
 def trim_metrics(out_dir: str | os.PathLike, step: int) -> None:
     """Drop metrics.jsonl records of steps after `step` (logged by the run that was interrupted), atomically."""
-    path = Path(out_dir) / "metrics.jsonl"
+    path = Path(out_dir) / METRICS
     if not path.is_file():
         return
     kept = []
@@ -193,6 +195,8 @@ def apply(start: Start, trainer, loader=None) -> None:
     """After the trainer and loader are built: restore the rest of the checkpoint, log the notes, and drop the
     interrupted run's metrics.jsonl records past the resumed step."""
     notes = list(start.notes)
+    if isinstance(start.source, HFDirectory):  # every rank has read its shards: refuse non-finite weights together
+        agree_on_error(nonfinite_error(start.source), trainer.topo.world_group, CheckpointError)
     if start.checkpoint is not None:
         notes += restore(trainer, start.checkpoint, loader)
         start.checkpoint.close()

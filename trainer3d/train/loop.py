@@ -18,11 +18,12 @@ from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.plugins import load_plugins
-from trainer3d.errors import DataError, UsageError
+from trainer3d.errors import DataError, UsageError, first_line
+from trainer3d.rundir import clear_run
 from trainer3d.train.downstream import Downstream
 from trainer3d.train.metrics import MetricsFile, RunSummary, device_peak_tflops, peak_memory_bytes
 from trainer3d.train.profiling import StepProfiler
-from trainer3d.train.setup import validate
+from trainer3d.train.setup import check_out_dir, validate
 from trainer3d.train.tracking import Tracker
 from trainer3d.train.trainer import Trainer
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         load_plugins()  # TRAINER3D_PLUGINS, first of all
         setup = validate(cfg, env.world_size)  # before any process group: bad input fails here
+        check_out_dir(setup.cfg)
     except UsageError as e:
         if env.rank == 0:
             print(f"trainer3d: error: {e}", file=sys.stderr)
@@ -43,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     Heartbeat().beat(0)
 
     def train() -> None:
+        if cfg.overwrite:  # the earlier run goes before anything of this one is written (validate checked the rest)
+            error = None
+            if env.rank == 0:
+                try:
+                    clear_run(cfg.out_dir)
+                except OSError as e:
+                    error = f"--overwrite could not remove the earlier run in {cfg.out_dir} ({first_line(e)})."
+            agree_on_error(error, dist.group.WORLD, UsageError)
         topo = setup.topology()
         data_cfg = DataConfig(
             data=cfg.data,

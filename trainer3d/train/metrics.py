@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from trainer3d.rundir import METRICS
+
 # Dense peak TFLOP/s per device (vendor datasheets; no sparsity). Matched against torch.cuda.get_device_name() in
 # this order, first substring wins, so the PCIe/NVL variants come before their SXM names ("NVIDIA H100 80GB HBM3"
 # is the SXM part; "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" are slower). "tf32" is the tensor-core fp32 peak,
@@ -53,7 +55,7 @@ class MetricsFile:
 
     def __init__(self, out_dir: str, enabled: bool, append: bool = False):
         self.enabled = enabled
-        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.path = os.path.join(out_dir, METRICS)
         self._f = None
         if enabled:
             os.makedirs(out_dir, exist_ok=True)

@@ -12,6 +12,7 @@ import os
 import torch
 
 from trainer3d.errors import ConfigError
+from trainer3d.rundir import PROFILE
 
 
 def parse_step_range(spec: str, max_steps: int) -> tuple[int, int]:
@@ -35,7 +36,7 @@ class StepProfiler:
 
     def __init__(self, spec: str | None, max_steps: int, out_dir: str, rank: int, device: torch.device):
         self.range = parse_step_range(spec, max_steps) if spec else None
-        self.path = os.path.join(out_dir, "profile", f"rank{rank}.pt.trace.json")
+        self.path = os.path.join(out_dir, PROFILE, f"rank{rank}.pt.trace.json")
         self.device = device
         self._prof = None
         self._step_ctx = None

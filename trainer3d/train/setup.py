@@ -10,13 +10,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer3d.checkpoint.format import resolve_checkpoint
+from trainer3d.checkpoint.format import checkpoints_root, resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import SIZE_FLAGS, TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.sources import check_data_path, looks_like_path
 from trainer3d.distributed.topology import Layout, Topology, device_type, infer_layout
 from trainer3d.errors import ConfigError
+from trainer3d.rundir import CHECKPOINTS, earlier_run
 from trainer3d.data.tokenizer import has_tokenizer_files
 from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.parallel.batch import BatchPlan, plan_batch
@@ -105,6 +106,10 @@ def check_combinations(cfg: TrainConfig) -> None:
     typed = cfg.explicit_flags or ()
     if "global_batch" in typed and "global_batch_tokens" in typed:
         raise ConfigError("--global-batch and --global-batch-tokens both set the batch; pass only one of them.")
+    if cfg.deepspeed_config is not None and cfg.on_nonfinite == "skip":
+        raise ConfigError("--on-nonfinite skip cannot be kept under a DeepSpeed config (each ZeRO optimizer judges "
+                          "overflow from its own partition); drop it: a non-finite step then stops the run with the "
+                          "last finite step's checkpoints, to resume from.")
     if cfg.hellaswag_examples is not None and not cfg.eval_hellaswag:
         raise ConfigError("--hellaswag-examples needs --eval-hellaswag PATH, the file to take them from.")
     if cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].multi_stage and not SCHEDULES[cfg.schedule].v_shape \
@@ -130,6 +135,25 @@ def check_paths(cfg: TrainConfig) -> None:
         raise ConfigError(f"--tokenizer {cfg.tokenizer} does not exist; pass an existing path or a Hugging Face name.")
     if cfg.resume not in (None, "latest"):
         resolve_checkpoint(cfg.resume)  # raises one sentence if the path holds no complete checkpoint
+
+
+def check_out_dir(cfg: TrainConfig) -> None:
+    """A training run never overwrites or mixes with an earlier run in its --out-dir: it continues it (--resume),
+    replaces it (--overwrite, HF Trainer's convention) or is refused. --resume with no checkpoint to resume from starts
+    fresh (a requeued job's first start) only where no earlier run would be overwritten. Checked by the training entry
+    point beside `validate` (programs that build a trainer without writing a run, such as the tests, skip it)."""
+    if cfg.overwrite and cfg.resume is not None:
+        raise ConfigError("--overwrite deletes the run that --resume would continue; pass only one of them.")
+    found = earlier_run(cfg.out_dir)
+    if not found or cfg.overwrite:
+        return
+    if cfg.resume is None:
+        raise ConfigError(f"--out-dir {cfg.out_dir} holds an earlier run ({', '.join(found)}); pass --resume to "
+                          "continue it, --overwrite to start over in its place, or another --out-dir.")
+    if cfg.resume == "latest" and CHECKPOINTS not in found:
+        raise ConfigError(f"--resume finds no checkpoint in {checkpoints_root(cfg.out_dir)}, but --out-dir holds an "
+                          "earlier run's metrics.jsonl; pass --overwrite to start over in its place, or another "
+                          "--out-dir.")
 
 
 def check_size_flags(cfg: TrainConfig, base) -> None:

@@ -123,7 +123,8 @@ class Trainer:
             raise TrainingError(
                 f"Step {self.step + 1} has a loss of {result.loss} and a gradient norm of {result.grad_norm}, so it was "
                 f"not applied and the run stops with the weights and checkpoints of step {self.step}: lower --lr or "
-                "check the data, then resume (--on-nonfinite skip trains past such steps).")
+                "check the data, then resume" + ("." if self.deepspeed else " (--on-nonfinite skip trains past such "
+                                                 "steps)."))
         self.step += 1
         record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                   "skipped": not result.stepped, "stop": result.stop}

@@ -84,10 +84,10 @@ class ZeroEngine(DataParallelEngine):
         return self.global_grad_norm()
 
     def skip_step(self, norm: float) -> None:
-        raise FloatingPointError(
-            f"non-finite gradient norm under DeepSpeed ({self.spec.cfg.precision}: no loss scale to back off, "
-            "and ZeRO cannot skip a step); lower --lr or check the data."
-        )
+        """Nothing is stepped, and the trainer stops the run (--on-nonfinite stop: TrainingError, exit 2, the last
+        finite step's checkpoints kept). --on-nonfinite skip is refused with a DeepSpeed config (train/setup.py): each
+        ZeRO optimizer decides from its own partition whether a step overflowed, so a world-wide skip would need all of
+        them told otherwise; with no loss scale (fp16 is refused too) nothing needs one."""
 
     def update(self, lr: float, coef: float) -> None:
         self._grad_mem = memory.grad_bytes(self)  # as held when the optimizer steps
