@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_world
+from ds_ops import require_ops
 from trainer3d.data.hellaswag import IGNORE, encode_rows, read_examples, score
 from trainer3d.errors import DataError
 from trainer3d.generate import pick_next_token
@@ -219,14 +220,9 @@ def test_picks_losses_and_samples_at_every_layout(tmp_path):
         dict(dp=1, tp=4),  # tp ranks 1-3 hold only vocabulary padding (64 ids, padded to 512)
     ]
     names = ["1x1x1", "2x2x1 1f1b", "1x2x2 1f1b", "2x1x2 zbv", "2x1x2 dualpipev", "1x4x1"]
-    try:  # ZeRO-3 where DeepSpeed and its CPU ops are here (tests/ds_ops.py builds them once); the rest regardless
-        from ds_ops import require_ops
-
-        require_ops()
-        cases.append(dict(dp=2, pp=2, deepspeed_config=zero3()))
-        names.append("2x1x2 1f1b ZeRO-3")
-    except (ImportError, pytest.skip.Exception) as e:
-        print(f"\n[test_hellaswag] no ZeRO-3 layout: {e}")
+    require_ops()  # ZeRO-3's CPU ops (tests/ds_ops.py builds them once)
+    cases.append(dict(dp=2, pp=2, deepspeed_config=zero3()))
+    names.append("2x1x2 1f1b ZeRO-3")
     results = run_world(4, _layouts, path, cases, timeout=300)
     ref_losses = reference_losses()
     ref_samples = reference_samples(SAMPLE["prompt"], SAMPLE["n_tokens"], SAMPLE["count"], SAMPLE["temperature"],

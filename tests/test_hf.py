@@ -209,7 +209,6 @@ def test_save_dtype_tokenizer_and_overwrite(tmp_path):
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "trainer3d" / "assets" / "gpt2_tokenizer"
 
 
-@pytest.mark.skipif(not (BUNDLED_TOKENIZER / "vocab.json").exists(), reason="bundled GPT-2 tokenizer not present")
 def test_export_with_bundled_tokenizer(tmp_path):
     cfg = GPTConfig(vocab_size=50257, n_positions=64, n_embd=32, n_layer=1, n_head=2)
     out = save_hf_checkpoint(cfg, _our_model(cfg).state_dict(), tmp_path / "export", tokenizer_dir=BUNDLED_TOKENIZER)

@@ -129,6 +129,7 @@ def test_launch_env_reads_srun_steps_not_the_batch_script(monkeypatch):
     assert LaunchEnv.from_environ().rank == 5
 
 
+@pytest.mark.needs("root")
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
 def test_sbatch_trains_on_two_nodes(cluster, submit_dir, launcher):
     name = f"t3d-{launcher}"
@@ -138,6 +139,7 @@ def test_sbatch_trains_on_two_nodes(cluster, submit_dir, launcher):
     _check_trained(cluster, submit_dir, name, job, info, launcher, steps=5)
 
 
+@pytest.mark.needs("root")
 def test_time_limit_signal_checkpoints_and_requeues(cluster, submit_dir):
     """What `--signal=B:USR1@120` does near the time limit, sent by hand: the script forwards USR1, the trainer
     saves and stops, the script requeues the job, and the requeued job resumes and finishes."""

@@ -1,0 +1,62 @@
+"""The suite's one rule for skipping: a test skips only for a condition of the machine it cannot change, declared with
+`@pytest.mark.needs(<condition>)` (NEEDS below) and decided here, before the test runs. Any other skip (a
+`pytest.skip` somewhere, a test helper giving up) is a failure when CI is set, and so is a skip for a condition
+that TRAINER3D_ALLOWED_SKIPS (which .ci/run sets) does not list. `python tests/counts.py` derives the README's test
+counts from these markers, and tests/test_docs.py checks that the README states them."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import pytest
+
+
+class Need(NamedTuple):
+    met: Callable[[], bool]
+    why: str  # the skip's reason where it is not met
+
+
+def _aio() -> bool:
+    from trainer3d.zero import ops as zero_ops
+
+    return zero_ops.aio_available()
+
+
+NEEDS: dict[str, Need] = {
+    "libaio": Need(_aio, "DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload) needs libaio-dev"),
+    "root": Need(lambda: os.geteuid() == 0, "needs root (mounting a filesystem, running SLURM's daemons)"),
+    "not-root": Need(lambda: os.geteuid() != 0, "root can write anywhere, so an unwritable directory cannot be made"),
+}
+ALLOWED_ENV = "TRAINER3D_ALLOWED_SKIPS"  # conditions CI may skip for, space-separated (.ci/run)
+_SKIPPED_FOR = pytest.StashKey[str]()
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"needs(condition): skip unless the machine meets it ({', '.join(NEEDS)})")
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs"):
+        (condition,) = mark.args
+        need = NEEDS[condition]
+        if not need.met():
+            item.stash[_SKIPPED_FOR] = condition
+            pytest.skip(f"[needs {condition}] {need.why}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI, a skip is a failure unless it is a declared condition the allow-list names."""
+    report = (yield).get_result()
+    if report.skipped and in_ci() and not getattr(report, "wasxfail", None):
+        condition = item.stash.get(_SKIPPED_FOR, None)
+        allowed = os.environ.get(ALLOWED_ENV, "").split()
+        if condition is None or condition not in allowed:
+            report.outcome = "failed"
+            why = "not a declared machine condition" if condition is None else f"{condition!r} is not in {ALLOWED_ENV}"
+            report.longrepr = f"CI: skipped ({why}): {report.longrepr}"
