@@ -76,21 +76,49 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
             trainer.engine.reduce_grads = lambda grad_scale: reduce(grad_scale * scale_error)
         per = plan.global_batch // cfg_layout.dp
         losses, norms = [], []
+        watch = FeatureWatch(trainer, dtypes=cfg.precision != "fp32", compiled=cfg.compile)
         for batch in global_batches(steps, boundary):
             rec = trainer.train_step(batch[topo.dp_rank * per : (topo.dp_rank + 1) * per])
             losses.append(rec["loss"])
             norms.append(rec["grad_norm"])
+            watch.stop()
         params = gather_stage_params(trainer.pm, topo)
         head_copy = {}  # a last stage's copy of a tied embedding, under the embedding's name
         for m in trainer.pm.stages:
             if m.head is not None and is_tied_duplicate(m, m.head.weight):
                 w = m.head.weight
                 head_copy[canonical_name(m.cfg, f"{m.HEAD}.weight")] = gather_full(w.data, w.tp_spec, topo.tp_group)
-        result = {"losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank)}
+        result = {"losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank),
+                  "dtypes": watch.dtypes, "compiled_graphs": watch.graphs}
         if topo.tp_rank == 0 and topo.dp_rank == 0:
             result.update(params=params, head_copy=head_copy)
     topo.destroy()
     return result
+
+
+class FeatureWatch:
+    """Evidence, from the first step, that a feature acted rather than silently doing nothing: the dtypes the
+    stages' modules computed in (forward hooks; `dtypes`) and the graphs dynamo compiled (its counters; `compiled`)."""
+
+    def __init__(self, trainer, dtypes: bool, compiled: bool):
+        from torch._dynamo.utils import counters
+
+        self.counters, self.dtypes, self.graphs = counters, set(), 0
+        self.graphs_before = counters["stats"]["unique_graphs"] if compiled else None
+        self.hooks = [m.register_forward_hook(self._record) for s in trainer.pm.stages for m in s.modules()
+                      if dtypes and next(m.children(), None) is None]  # leaves: linears, norms, embeddings
+
+    def _record(self, module, args, out):
+        if torch.is_tensor(out) and out.is_floating_point():
+            self.dtypes.add(str(out.dtype).removeprefix("torch."))
+
+    def stop(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        if self.graphs_before is not None:
+            self.graphs = self.counters["stats"]["unique_graphs"] - self.graphs_before
+            self.graphs_before = None
 
 
 def run_layouts(rank: int, world_size: int, layouts: list[dict], steps: int, reference: dict | None = None) -> list:

@@ -25,6 +25,10 @@ def test_compile_matches_eager_and_replays_dropout():
     results = run_world(4, run_layouts, PARITY + DROPOUT, STEPS, timeout=600)
     failures = check(results, PARITY)
     assert not failures, "\n".join(failures)
+    for i, c in enumerate(PARITY + DROPOUT, start=1):  # dynamo compiled graphs on every rank: --compile acted
+        graphs = [r[i]["compiled_graphs"] for r in results if r[i] is not None]
+        assert min(graphs) > 0, (c, graphs)
+    assert results[0][0]["compiled_graphs"] == 0  # the eager reference compiled nothing
     ref = results[0][0]["losses"]
     first = 1 + len(PARITY)
     dropout = [next(r[i] for r in results if r[i] is not None)["losses"] for i in range(first, first + len(DROPOUT))]

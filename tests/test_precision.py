@@ -8,7 +8,7 @@ import math
 import torch
 
 from distributed import run_world
-from parity import global_batches, parity_config, run_layouts, VOCAB
+from parity import VOCAB, global_batches, parity_config, run_layouts
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer
 
@@ -22,13 +22,20 @@ LAYOUTS = [
 
 
 def test_mixed_precision_tracks_fp32():
+    """Within 2e-3 of fp32, and not equal to it: the modules computed in the precision asked for (the dtypes their
+    outputs had in the first step), and the losses moved by more than five times fp32's parity noise (every fp32 layout
+    is within 2e-7 of the one-process run: tests/parity.py's tables)."""
     results = run_world(4, run_layouts, LAYOUTS, 6, timeout=600)
     ref = results[0][0]["losses"]
+    assert results[0][0]["dtypes"] == set()  # fp32: not watched
     for i, layout in enumerate(LAYOUTS, start=1):
-        losses = next(r[i] for r in results if r[i] is not None)["losses"]
-        rel = max(abs(a - b) / b for a, b in zip(losses, ref))
-        assert all(math.isfinite(x) for x in losses)
-        assert rel < 2e-3, f"{layout}: {rel:.2e} from fp32"
+        run = next(r[i] for r in results if r[i] is not None)
+        rel = max(abs(a - b) / b for a, b in zip(run["losses"], ref))
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}[layout["precision"]]
+        print(f"{layout}: {rel:.1e} from fp32, computed in {sorted(run['dtypes'])}")
+        assert all(math.isfinite(x) for x in run["losses"])
+        assert dtype in run["dtypes"], f"{layout}: no module computed in {dtype} ({run['dtypes']})"
+        assert 1e-6 < rel < 2e-3, f"{layout}: {rel:.2e} from fp32"  # fp32's layouts agree to 2e-7
 
 
 def _overflow(rank, world_size):

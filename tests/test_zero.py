@@ -154,6 +154,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
                     swapped[kind] += sum(os.path.getsize(os.path.join(root, f)) for f in files)
         result = {
             "losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank),
+            "module_dtypes": sorted({str(p.dtype) for e in zdp.engines for p in e.module.parameters()}),
             "memory": mem, "stage_numel": numel, "partition_numel": part, "init_s": t_init, "step_s": t_steps / steps,
             "nvme_swap": swapped,
         }
@@ -369,7 +370,9 @@ def test_nvme_offload(world2):
     print(f"fp32 NVMe vs DDP: {rel(losses[1], losses[0]):.1e}; bf16 NVMe vs bf16 CPU offload: "
           f"{rel(losses[3], losses[2]):.1e}; bf16 vs fp32: {rel(losses[3], losses[0]):.1e}")
     assert rel(losses[1], losses[0]) <= 1e-5
-    assert rel(losses[3], losses[2]) <= 1e-6 and rel(losses[3], losses[0]) < 1e-2
+    assert rel(losses[3], losses[2]) <= 1e-6 and 1e-6 < rel(losses[3], losses[0]) < 1e-2
+    # the bf16 runs hold their modules in bf16 (DeepSpeed's bf16 engine), the fp32 one in fp32 (runs[0] is DDP's)
+    assert [run[0]["module_dtypes"] for run in runs[1:]] == [["torch.float32"]] + [["torch.bfloat16"]] * 2
     assert all(s["optimizer"] > 0 for s in swap[1]) and all(s["optimizer"] > 0 and s["params"] > 0 for s in swap[3])
     # and the step record says so (memory: bytes in this rank's swap files)
     assert all(r["memory"]["nvme_bytes"] == s["optimizer"] + s["params"] for r, s in zip(runs[3], swap[3]))
