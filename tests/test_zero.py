@@ -28,7 +28,8 @@ import torch
 from distributed import run_world
 from ds_ops import nvme_op_available, require_ops
 from parity import (
-    LLAMA, LOSS_RTOL, NORM_RTOL, PARAM_ATOL, VOCAB, global_batches, max_rel as rel, parity_config, train_layout,
+    LLAMA, LOSS_RTOL, NORM_RTOL, PARAM_ATOL, VOCAB, FeatureWatch, global_batches, max_rel as rel, parity_config,
+    train_layout,
 )
 from trainer3d.zero import config as deepspeed_config
 from trainer3d.zero import ops as zero_ops
@@ -85,6 +86,8 @@ def label(lay: dict, ds: dict | None) -> str:
         name += f" recompute={lay['recompute']}"
     if lay.get("sequence_parallel"):
         name += " sequence-parallel"
+    if lay.get("compile"):
+        name += " compile"
     if lay.get("model") == LLAMA["model"]:
         name += " llama"
     if ds is None:
@@ -117,11 +120,13 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
         per = plan.global_batch // L.dp
         losses, norms, records = [], [], []
         t0 = time.perf_counter()
+        watch = FeatureWatch(trainer, dtypes=False, compiled=cfg.compile)
         for batch in global_batches(steps):
             rec = trainer.train_step(batch[topo.dp_rank * per : (topo.dp_rank + 1) * per])
             losses.append(rec["loss"])
             norms.append(rec["grad_norm"])
             records.append(rec)
+            watch.stop()
         t_steps = time.perf_counter() - t0
         zdp = trainer.engine
         # final parameters from ZeRO's fp32 masters (collective over dp, then tp)
@@ -155,6 +160,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
         result = {
             "losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank),
             "module_dtypes": sorted({str(p.dtype) for e in zdp.engines for p in e.module.parameters()}),
+            "compiled_graphs": watch.graphs,
             "memory": mem, "stage_numel": numel, "partition_numel": part, "init_s": t_init, "step_s": t_steps / steps,
             "nvme_swap": swapped,
         }
@@ -270,6 +276,7 @@ def world2_cases():
     cases = [(lay, None)]
     cases += [(lay, ds_config(s)) for s in (0, 1, 2, 3)]
     cases += [(lay, ds_config(1, "opt")), (lay, ds_config(3, "all"))]  # ZeRO-2 + offload: worlds 4 and 8
+    cases += [(dict(lay, compile=True), ds_config(3))]  # ZeRO-3's parameter hooks inside compiled blocks
     return cases
 
 
@@ -346,6 +353,8 @@ def test_parity_world2(world2):
     table, failures = check_world(results, cases)
     _report("ZeRO parity, world 2", table, wall)
     assert not failures, "\n".join(failures)
+    compiled = [[r[i]["compiled_graphs"] for r in results] for i, (lay, _) in enumerate(cases, 1) if lay.get("compile")]
+    assert compiled and all(min(g) > 0 for g in compiled), compiled  # --compile acted under ZeRO-3
 
 
 def test_zero3_memory_world2(world2):
