@@ -5,6 +5,7 @@ set, the module wraps three trainer3d functions from outside; elsewhere it patch
 
     TRAINER3D_TEST_PAUSE_SAVE_AT_STEP=S        writer ranks stop after writing their file of step S's save
     TRAINER3D_FAULT=kill|hang|raise:rank=R:step=S   rank R fails after optimizer step S
+    TRAINER3D_FAULT=alloc:rank=R:step=S:mib=N       rank R holds N MiB for a moment after step S
     TRAINER3D_TEST_PAUSE_PREPARE_AFTER_SHARDS=N   prepare stops once N shards are committed
 """
 
@@ -63,8 +64,12 @@ def inject_fault(step: int, rank: int) -> None:
             time.sleep(3600)
     elif kind == "raise":
         raise RuntimeError(f"TRAINER3D_FAULT={spec}")
+    elif kind == "alloc":  # a memory peak of `mib` MiB on this rank, at once released
+        block = bytearray(int(opts["mib"]) * 2**20)
+        block[::4096] = b"\1" * len(block[::4096])  # touch every page: resident, not just reserved
+        del block
     else:
-        raise ValueError(f"TRAINER3D_FAULT: unknown fault {kind!r} (kill, hang or raise)")
+        raise ValueError(f"TRAINER3D_FAULT: unknown fault {kind!r} (kill, hang, raise or alloc)")
 
 
 # `python -m trainer3d.prepare` stops (sleeps, after creating `PAUSED` in the output) once this many shards are

@@ -21,7 +21,7 @@ from trainer3d.plugins import load_plugins
 from trainer3d.errors import DataError, UsageError, first_line
 from trainer3d.rundir import clear_run
 from trainer3d.train.downstream import Downstream
-from trainer3d.train.metrics import MetricsFile, RunSummary, device_peak_tflops, peak_memory_bytes
+from trainer3d.train.metrics import MetricsFile, PeakMemory, RunSummary, device_peak_tflops
 from trainer3d.train.profiling import StepProfiler
 from trainer3d.train.setup import check_out_dir, validate
 from trainer3d.train.tracking import Tracker
@@ -104,6 +104,7 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
     tracker = Tracker(trainer)  # W&B, on the logging rank only
     profiler = StepProfiler(cfg.profile_steps, cfg.max_steps, cfg.out_dir, dist.get_rank(), trainer.device)
     heartbeat = Heartbeat()
+    memory = PeakMemory(trainer.device, topo.world_group)
     downstream = downstream or Downstream(trainer)
     if verbose:
         n_params = trainer.mcfg.num_params()
@@ -149,9 +150,11 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
                 tokens_per_s=tps,
                 tflops_per_device=tps * flops_tok / topo.layout.world_size / 1e12,
                 mfu=(tps * flops_tok / topo.layout.world_size / (peak * 1e12)) if peak else None,
-                peak_mem_bytes=peak_memory_bytes(trainer.device),
             )
             last = trainer.step == cfg.max_steps
+            logged = trainer.step % cfg.log_every == 0 or last or trainer.step == 1  # alike on every rank
+            if logged:  # the highest of any rank since the previous logged step
+                record["peak_mem_bytes"] = memory.report()
             if (cfg.eval_every and trainer.step % cfg.eval_every == 0) or last:
                 val = trainer.evaluate(make_val_batches())
                 record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), **downstream.evaluate())
@@ -160,7 +163,7 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
             tracker.log(record)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-            if log and (trainer.step % cfg.log_every == 0 or last or trainer.step == 1):
+            if log and logged:
                 fd = bar.format_dict  # the ETA in the step lines too, for log files: mean step time of this run so far
                 eta = None if last or fd["n"] <= fd["initial"] else \
                     fd["elapsed"] / (fd["n"] - fd["initial"]) * (cfg.max_steps - trainer.step)

@@ -8,7 +8,9 @@ import resource
 import time
 
 import torch
+import torch.distributed as dist
 
+from trainer3d.distributed.collectives import all_reduce
 from trainer3d.rundir import METRICS
 
 # Dense peak TFLOP/s per device (vendor datasheets; no sparsity). Matched against torch.cuda.get_device_name() in
@@ -44,10 +46,42 @@ def device_peak_tflops(device: torch.device, precision: str, override: float | N
     return None
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+class PeakMemory:
+    """metrics' `peak_mem_bytes`: the most memory any rank held since the previous report. Each rank tracks its own
+    peak and resets it after every report; a report takes the maximum over the world (one all-reduce, on logged steps
+    only), since the peak is often not on the logging rank (the first stage's under 1F1B). CUDA: the caching
+    allocator's max_memory_allocated; CPU: the process's peak resident set (VmHWM), reset by writing 5 to
+    /proc/self/clear_refs (Linux; where that cannot be written, the peak since the start, ru_maxrss)."""
+
+    def __init__(self, device: torch.device, group):
+        self.device, self.group = device, group
+        self.reset()
+
+    def local(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+        except (OSError, StopIteration, ValueError):
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def report(self) -> int:
+        """Collective over `group`: the highest peak of any rank since the last report; then every rank resets."""
+        peak = torch.tensor([self.local()], dtype=torch.int64, device=self.device)
+        peak = int(all_reduce(peak, self.group, op=dist.ReduceOp.MAX).item())
+        self.reset()
+        return peak
 
 
 class MetricsFile:
