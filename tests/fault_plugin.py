@@ -7,6 +7,7 @@ set, the module wraps three trainer3d functions from outside; elsewhere it patch
     TRAINER3D_FAULT=kill|hang|raise:rank=R:step=S   rank R fails after optimizer step S
     TRAINER3D_FAULT=alloc:rank=R:step=S:mib=N       rank R holds N MiB for a moment after step S
     TRAINER3D_TEST_PAUSE_PREPARE_AFTER_SHARDS=N   prepare stops once N shards are committed
+    TRAINER3D_TEST_SLOW_DATA_S=S               local rank 0 takes S seconds more to build the data cache
 """
 
 from __future__ import annotations
@@ -81,12 +82,27 @@ def pause_after_shard(n_shards: int, out_dir) -> None:
     _pause_if(PAUSE_PREPARE_ENV, n_shards, out_dir)
 
 
+# Local rank 0 sleeps this many seconds before it builds the data cache (its peers wait for it: tests/test_faults.py).
+SLOW_DATA_ENV = "TRAINER3D_TEST_SLOW_DATA_S"
+
+
 # ---- the wrappers, installed on import ------------------------------------------------------------------------------
 def _install() -> None:
     import torch.distributed as dist
 
     from trainer3d.checkpoint import save, signals
     from trainer3d.data import prepare
+    from trainer3d.train import loop
+
+    build_blocks = loop.build_token_blocks
+
+    @functools.wraps(build_blocks)
+    def slow_leader_then_build(*args, **kwargs):
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            time.sleep(float(os.environ.get(SLOW_DATA_ENV, "0")))
+        return build_blocks(*args, **kwargs)
+
+    loop.build_token_blocks = slow_leader_then_build
 
     write_file = save._save_safetensors
 
@@ -119,5 +135,5 @@ def _install() -> None:
     prepare.ShardWriter.commit = commit_then_maybe_pause
 
 
-if any(os.environ.get(v) for v in (PAUSE_SAVE_ENV, "TRAINER3D_FAULT", PAUSE_PREPARE_ENV)):
+if any(os.environ.get(v) for v in (PAUSE_SAVE_ENV, "TRAINER3D_FAULT", PAUSE_PREPARE_ENV, SLOW_DATA_ENV)):
     _install()  # (a test importing the module for env() patches nothing)

@@ -26,12 +26,13 @@ TINY = ["--model", "tiny", "--n-layer", "2", "--seq-len", "32", "--global-batch"
 BOUND_S = 120  # the job must be over (non-zero) within this long after the fault
 
 
-def _torchrun(args: list[str], out: Path, fault: str | None = None, max_restarts: int = 0, timeout: float = 300):
+def _torchrun(args: list[str], out: Path, fault: str | None = None, max_restarts: int = 0, timeout: float = 300,
+              **plugin_env: str):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("WANDB_", "TRAINER3D_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    if fault:
-        env.update(fault_plugin.env(TRAINER3D_FAULT=fault))
+    if fault or plugin_env:
+        env.update(fault_plugin.env(**({"TRAINER3D_FAULT": fault} if fault else {}), **plugin_env))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
            str(max_restarts), "--master-port", str(free_port()), ENTRY, *TINY, "--tp", "2", "--out-dir", str(out),
            *args]
@@ -113,3 +114,13 @@ def test_restart_resumes_from_checkpoint(tmp_path):
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4, 5, 6]
     assert got[-1]["loss"] == pytest.approx(want[-1]["loss"], rel=1e-6, abs=1e-6)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6, abs=1e-6)
+
+
+def test_peers_wait_for_the_data_cache_past_the_collective_timeout(tmp_path):
+    """Local rank 0 builds the data cache while its peer waits; the wait is in the rendezvous store, not in a
+    collective, so a leader slower than --dist-timeout (12 s against 5 s here) does not fail the job."""
+    p, wall, log = _torchrun(["--max-steps", "2", "--dist-timeout", "5"], tmp_path / "run",
+                             **{fault_plugin.SLOW_DATA_ENV: "12"})
+    print(f"\n[slow data leader] job exited {p.returncode} after {wall:.1f} s")
+    assert p.returncode == 0, log[-3000:]
+    assert [r["step"] for r in _steps(tmp_path / "run") if "loss" in r] == [1, 2]

@@ -52,6 +52,8 @@ PRIVATE: tuple[Private, ...] = (
             "cp's later chunks on CPU: flash attention with its log-sum-exp (no materialized mask)"),
     Private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", "parallel/context_parallel.py",
             "the backward of the same"),
+    Private("torch.distributed.distributed_c10d._get_default_store", "distributed/collectives.py",
+            "the rendezvous store: the heartbeat, and ranks waiting for their node's data cache without a timeout"),
     Private("torch.distributed.pipelining.stage.fwd_cache", "parallel/pipeline.py",
             "the last stage frees its logits' storage after their backward", "set"),
     Private("torch.distributed.pipelining.stage.args_recv_info", "parallel/pipeline.py",

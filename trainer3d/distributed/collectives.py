@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from trainer3d.private_api import require
+
 
 def group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
@@ -21,6 +23,15 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
+
+
+def rendezvous_store():
+    """The store every rank met in (torchrun's agent's, or rank 0's): small keys that need no collective, with no
+    collective's timeout. None with one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    require("distributed/collectives.py")
+    return dist.distributed_c10d._get_default_store()
 
 
 def all_gather_object(obj, group) -> list:

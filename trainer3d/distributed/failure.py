@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from trainer3d.distributed.collectives import rendezvous_store
 from trainer3d.errors import UsageError
 
 
@@ -28,7 +29,7 @@ class Heartbeat:
     FAILED = "trainer3d/failed/{}"
 
     def __init__(self):
-        self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        self.store = rendezvous_store()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
 

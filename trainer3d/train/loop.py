@@ -15,10 +15,11 @@ from trainer3d.checkpoint.signals import Checkpointer
 from trainer3d.config import parse_args
 from trainer3d.data import BatchLoader, DataConfig, build_token_blocks, val_batches
 from trainer3d.distributed.collectives import agree_on_error
+from trainer3d.distributed.leader import leader_first
 from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.plugins import load_plugins
-from trainer3d.errors import DataError, UsageError, first_line
+from trainer3d.errors import UsageError, first_line
 from trainer3d.rundir import clear_run
 from trainer3d.train.downstream import Downstream
 from trainer3d.train.metrics import MetricsFile, PeakMemory, RunSummary, device_peak_tflops
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             text_field=cfg.text_field,
             tokenizer=cfg.tokenizer,
         )
-        blocks = local_leader_first(env, lambda: build_token_blocks(data_cfg, cfg.seq_len))
+        blocks = leader_first("tokenize the data into the cache", lambda: build_token_blocks(data_cfg, cfg.seq_len),
+                              env.rank, env.local_rank)
         mcfg = setup.model_config(blocks.vocab_size)
         start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
         trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
@@ -72,19 +74,6 @@ def main(argv: list[str] | None = None) -> int:
             downstream)
 
     return run_reported(env.rank, env.world_size, train, dist.destroy_process_group)
-
-
-def local_leader_first(env: LaunchEnv, build):
-    """Run `build` on each node's local rank 0 (it tokenizes and fills the cache), then on the other ranks
-    (they read the cache). An error on a leader reaches every rank, so nobody waits at the barrier."""
-    result, error = None, None
-    if env.local_rank == 0:
-        try:
-            result = build()
-        except DataError as e:
-            error = str(e)
-    agree_on_error(error, dist.group.WORLD, DataError)
-    return result if env.local_rank == 0 else build()
 
 
 def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | None = None) -> None:
