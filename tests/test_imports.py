@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trainer3d"
 # Lowest first. A module belongs to the first entry whose name is a prefix of its own (longest prefixes first within
 # a layer do not matter: entries never overlap except the entry points, listed in the top layer and matched first).
 LAYERS: list[tuple[str, ...]] = [
-    ("trainer3d.errors", "trainer3d.fsio", "trainer3d.private_api"),  # no imports of the package
+    ("trainer3d.errors", "trainer3d.fsio", "trainer3d.private_api", "trainer3d.rundir"),  # no imports of the package
     ("trainer3d.models",),  # the model families: plain modules, their parallel plans and HF adapters; no distributed code
     ("trainer3d.config", "trainer3d.optim", "trainer3d.generate", "trainer3d.plugins"),  # the flags; the optimizer's
     # rules; decoding; TRAINER3D_PLUGINS
