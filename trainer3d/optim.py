@@ -20,14 +20,14 @@ def lr_at(step: int, cfg) -> float:
     return min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - min_lr)
 
 
-def param_groups(params, weight_decay: float) -> list[dict]:
+def param_groups(params, weight_decay: float, shape_of=lambda p: p.shape) -> list[dict]:
     """Weight decay on matrices (linear weights, embeddings), none on biases and LayerNorm gains; empty groups
-    dropped (a ZeRO engine refuses them)."""
+    dropped (a ZeRO engine refuses them). `shape_of(p)`: a parameter's real shape (a ZeRO-3 partition's is kept
+    elsewhere)."""
     params = list(params)
-    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731 - a ZeRO-3 partition keeps its real shape there
     groups = [
-        {"params": [p for p in params if ndim(p) >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if len(shape_of(p)) >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if len(shape_of(p)) < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 
 # What the table was written and checked against (torch: CI's pin and the GPU image's; DeepSpeed: the pin).
@@ -18,16 +19,20 @@ WRITTEN_FOR = "torch 2.11-2.13 and DeepSpeed 0.19"
 
 @dataclass(frozen=True)
 class Private:
-    """`path`: a module, then attributes (`kind` "attr"); a dataclass and one of its fields ("field"); or a module
-    whose source must still set an attribute of that name on objects it creates ("set", for attributes DeepSpeed
-    puts on parameters and optimizers at run time). `user`: the trainer3d module relying on it; `torch_before`: a
-    version below which alone it does (a mend for older torch), so a newer torch that drops the name is not refused."""
+    """`path`: a module, then attributes (`kind` "attr"), optionally with the parameter names trainer3d calls it with
+    or overrides it with, in order (`params`); a dataclass and one of its fields ("field"); or a module whose source
+    must still assign an attribute of that name on the objects it creates ("set": `x.name = ...`, `"name"` handed
+    to setattr, or `def name(`: attributes DeepSpeed and torch put on parameters, optimizers and modules at run time).
+    Internal names without a leading underscore are listed too: what a library does not document may change as
+    freely. `user`: the trainer3d module relying on it; `torch_before`: a version below which alone it does (a mend
+    for older torch), so a newer torch that drops the name is not refused."""
 
     path: str
     user: str
     why: str
     kind: str = "attr"
     torch_before: str | None = None  # used only on torch older than this (a mend for those versions)
+    params: tuple[str, ...] | None = None  # "attr" of a function or aten op: its leading parameter names
 
     @property
     def name(self) -> str:
@@ -41,6 +46,9 @@ _ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 _FRAGMENT = "deepspeed.utils.tensor_fragment.tensor_fragment"
 
 PRIVATE: tuple[Private, ...] = (
+    # the standard library
+    Private("argparse._actions", "config.py", "which flags were typed (a parser without defaults)",
+            "set"),
     # torch
     Private("torch.optim.optimizer._default_to_fused_or_foreach", "optim.py", "AdamW fused where torch has it"),
     Private("torch._foreach_mul_", "parallel/ddp.py", "scale every gradient in one kernel"),
@@ -49,9 +57,19 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch._inductor.config.cpp", "parallel/compile.py", "--compile's C++ compiler check on CPU"),
     Private("torch._inductor.cpp_builder.get_cpp_compiler", "parallel/compile.py", "--compile's check on CPU"),
     Private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", "parallel/context_parallel.py",
-            "cp's later chunks on CPU: flash attention with its log-sum-exp (no materialized mask)"),
+            "cp's later chunks on CPU: flash attention with its log-sum-exp (no materialized mask)",
+            params=("query", "key", "value", "dropout_p", "is_causal")),
     Private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", "parallel/context_parallel.py",
-            "the backward of the same"),
+            "the backward of the same, called positionally",
+            params=("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal")),
+    Private("torch._ops._schema", "private_api.py", "an aten op's parameter names, checked here", "set"),
+    Private("torch.nn.modules.module._parameters", "parallel/tensor_parallel.py, models/__init__.py",
+            "a module's parameter slots written directly: materializing shards in place of meta parameters", "set"),
+    Private("torch.distributed.pipelining.stage._PipelineStageBase.forward_maybe_with_nosync", "zero/glue.py",
+            "a ZeRO stage runs its engine's module", params=("self",)),
+    Private("torch.distributed.pipelining.stage._PipelineStageBase.backward_maybe_with_nosync", "zero/glue.py",
+            "a ZeRO stage brackets each micro-batch's backward",
+            params=("self", "backward_type", "bwd_kwargs", "last_backward")),
     Private("torch.distributed.distributed_c10d._get_default_store", "distributed/collectives.py",
             "the rendezvous store: the heartbeat, and ranks waiting for their node's data cache without a timeout"),
     Private("torch.distributed.pipelining.stage.fwd_cache", "parallel/pipeline.py",
@@ -84,6 +102,29 @@ PRIVATE: tuple[Private, ...] = (
     Private(f"{_S3}._swappable_optimizer_subgroup", "zero/grads.py, zero/state.py", "NVMe-swapped sub-groups"),
     Private(f"{_S3}._writeback_swap_state", "zero/grads.py", "tied embedding with NVMe-swapped parameters"),
     Private(f"{_S3}._constant_buffered_norm2", "zero/grads.py", "ZeRO-3 offload gradient norms"),
+    Private(f"{_S3}.norm_for_param_grads", "zero/engine.py, zero/grads.py",
+            "ZeRO-3 offload's partition norms: the global norm without copying gradients back", "set"),
+    Private(f"{_S3}.get_param_id", "zero/engine.py, zero/grads.py, zero/state.py", "ZeRO-3's per-parameter keys"),
+    Private(f"{_Z}.stage3.fp32_partitioned_groups_flat", "zero/grads.py, zero/memory.py, zero/state.py",
+            "ZeRO-3's fp32 master partitions", "set"),
+    Private(f"{_Z}.stage3.swap_optimizer", "zero/state.py", "ZeRO-Infinity: the optimizer lives on NVMe", "set"),
+    Private(f"{_Z}.stage3.grad_position", "zero/state.py", "a parameter's place in its ZeRO-3 sub-group", "set"),
+    Private(f"{_Z}.stage_1_and_2.single_partition_of_fp32_groups", "zero/grads.py", "ZeRO-1/2's fp32 masters", "set"),
+    Private("deepspeed.runtime.bf16_optimizer.fp32_groups_flat_partition", "zero/grads.py",
+            "stage 0's bf16 optimizer's fp32 masters", "set"),
+    Private("deepspeed.runtime.bf16_optimizer.BF16_Optimizer", "zero/grads.py", "how a ZeRO optimizer holds state"),
+    Private(f"{_Z}.partition_parameters.ds_tensor", "zero/grads.py, zero/memory.py, zero/state.py",
+            "a ZeRO-3 parameter's partition", "set"),
+    Private(f"{_Z}.partition_parameters.ds_numel", "zero/state.py", "a ZeRO-3 parameter's full size", "set"),
+    Private(f"{_Z}.partition_parameters.ds_shape", "zero/engine.py, zero/state.py", "a ZeRO-3 parameter's shape",
+            "set"),
+    Private(f"{_Z}.partition_parameters.param_swapper", "zero/engine.py", "one NVMe swapper per stage", "set"),
+    Private(f"{_Z}.utils.is_zero_param", "zero/grads.py", "DeepSpeed's own test for a ZeRO-3 parameter"),
+    Private(f"{_FRAGMENT}.optim_fragment", "zero/state.py", "whether ZeRO-1/2 linked a parameter's Adam views",
+            "field"),
+    Private("deepspeed.runtime.zero.stage3.clear_backward_seen_flag", "zero/glue.py", "backward bracketing", "set"),
+    Private("deepspeed.ops.adam.cpu_adam.fp32_optimizer_states", "zero/state.py",
+            "DeepSpeedCPUAdam's moment dtype", "set"),
     # DeepSpeed: checkpoint state
     Private(f"{_S3}._optimizer_states_and_gradient_swap_in", "zero/state.py", "loading under NVMe optimizer offload"),
     Private(f"{_S3}._optimizer_states_and_gradient_swap_out", "zero/state.py", "loading under NVMe optimizer offload"),
@@ -112,14 +153,23 @@ def present(entry: Private) -> bool:
     owner, _, name = entry.path.rpartition(".")
     try:
         if entry.kind == "attr":
-            _resolve(entry.path)
-        elif entry.kind == "field":
+            obj = _resolve(entry.path)
+            return entry.params is None or _leading_params(obj, len(entry.params)) == entry.params
+        if entry.kind == "field":
             return name in {f.name for f in dataclasses.fields(_resolve(owner))}
-        else:  # "set": the module's source still assigns or reads the attribute
-            return f".{name}" in inspect.getsource(_resolve(owner))
-        return True
-    except (ImportError, AttributeError, TypeError, OSError):
+        # "set": the module's source still assigns the attribute (or hands its name to setattr, or defines it)
+        pattern = rf"\.{name}\s*(?::[^=\n]+)?=(?!=)|[\"']{name}[\"']|\bdef {name}\("
+        return re.search(pattern, inspect.getsource(_resolve(owner))) is not None
+    except (ImportError, AttributeError, TypeError, OSError, ValueError):
         return False
+
+
+def _leading_params(obj, n: int) -> tuple[str, ...]:
+    """The first `n` parameter names of a function, or of an aten op's schema."""
+    schema = getattr(obj, "default", None)  # an OpOverloadPacket: its default overload's schema
+    if schema is not None and hasattr(schema, "_schema"):
+        return tuple(a.name for a in schema._schema.arguments)[:n]
+    return tuple(inspect.signature(obj).parameters)[:n]
 
 
 def needed(entry: Private) -> bool:

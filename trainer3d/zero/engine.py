@@ -28,7 +28,7 @@ from trainer3d.parallel.tensor_parallel import materialize
 from trainer3d.zero import memory, state
 from trainer3d.zero.config import DeepSpeedSpec
 from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
-from trainer3d.zero.grads import grad_shares, z3_set_local_grad
+from trainer3d.zero.grads import grad_shares, is_zero_param, z3_set_local_grad
 from trainer3d.zero.ops import check_deepspeed_version, default_extensions_dir, use_prebuilt_ops
 
 
@@ -54,6 +54,7 @@ class ZeroEngine(DataParallelEngine):
             )
             self.engines.append(engine)
         self._engine_of = {id(p): e for e in self.engines for p in e.module.parameters()}
+        self._grad_mem = None  # (bytes, offloaded) of the gradients as the last step held them (memory.report)
 
     def _client_optimizer(self, module: nn.Module):
         """AdamW with the DDP engine's parameter groups, which ZeRO steps on its fp32 master partitions: torch's
@@ -62,7 +63,8 @@ class ZeroEngine(DataParallelEngine):
         one-pass C++ step on the host copies: fused/foreach do not apply)."""
         cfg = self.spec.cfg
         kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=self.spec.eps)
-        groups = param_groups(module.parameters(), cfg.weight_decay)
+        groups = param_groups(module.parameters(), cfg.weight_decay,
+                              shape_of=lambda p: p.ds_shape if is_zero_param(p) else p.shape)
         if self.spec.offload_optimizer != "none":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -111,7 +113,7 @@ class ZeroEngine(DataParallelEngine):
                 opt.loss_scale = 1.0
         else:
             for p in engine.module.parameters():
-                for share in grad_shares(p):
+                for share in grad_shares(p, opt):
                     share.tensor.mul_(coef)
             engine.step()
 
@@ -130,7 +132,8 @@ class ZeroEngine(DataParallelEngine):
         from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
         if self.spec.zero_stage == 3:  # (clone: under NVMe offload the value read lives in a swap buffer that is reused)
-            return lambda p: grad_shares(p)[0].tensor.float().clone(), z3_set_local_grad
+            return lambda p: grad_shares(p, self._engine_of[id(p)].optimizer)[0].tensor.float().clone(), \
+                z3_set_local_grad
 
         def write(p, total):
             safe_set_full_grad(p, total.to(p.grad.dtype if p.grad is not None else torch.float32))
@@ -154,13 +157,13 @@ class ZeroEngine(DataParallelEngine):
                     if opt.get_param_id(p) in norms:
                         total += torch.as_tensor(norms[opt.get_param_id(p)]).to(total).square()
                 continue
-            total += sum_of_squares([share.tensor for p in counted for share in grad_shares(p)
+            total += sum_of_squares([share.tensor for p in counted for share in grad_shares(p, opt)
                                      if not (share.dp_replicated and dp_rank != 0)], self.device)
         return all_reduce(total, self.topo.world_group).sqrt()
 
     # -- checkpoints: state.py turns ZeRO's partitions into whole tensors and back (collective over dp) -------------
     def param_value(self, param: nn.Parameter) -> torch.Tensor:
-        return state.full_param(param)
+        return state.full_param(self._engine_of[id(param)], param)
 
     def optimizer_state_of(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         return state.optimizer_state_of(self._engine_of[id(param)], param)
@@ -169,7 +172,7 @@ class ZeroEngine(DataParallelEngine):
         state.load_param_states(self._engine_of, items)
 
     def memory(self) -> dict:
-        return memory.report(self, getattr(self, "_grad_mem", None))
+        return memory.report(self, self._grad_mem)
 
     def describe(self) -> dict:
         return {"engine": "deepspeed", "zero_stage": self.spec.zero_stage, "offload_optimizer": self.spec.offload_optimizer,

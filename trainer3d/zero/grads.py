@@ -4,10 +4,56 @@ all-reduced gradient (ZeRO-0). The engine's tied-embedding sum, global norm and 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+
+class Holding(enum.Enum):
+    """How a ZeRO optimizer holds its parameters' fp32 masters, gradients and Adam state."""
+
+    PARTITION = "ZeRO-3: each parameter partitioned on its own over dp"
+    FRAGMENT = "ZeRO-1/2, and stage 0's bf16 optimizer: fragments of a flat partition per parameter group"
+    WHOLE = "stage 0 in fp32: the client optimizer holds every parameter whole"
+
+
+def is_zero_param(p: nn.Parameter) -> bool:
+    """A parameter zero.Init partitioned (ZeRO-3): DeepSpeed's own test."""
+    from deepspeed.runtime.zero.utils import is_zero_param as partitioned
+
+    return partitioned(p)
+
+
+def holding(optimizer) -> Holding:
+    """Decided by the class of the optimizer DeepSpeed built, never by which attributes a parameter happens to
+    carry: a DeepSpeed that renames one of them then fails where it is read, instead of passing for another kind."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return Holding.PARTITION
+    if isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
+        return Holding.FRAGMENT
+    return Holding.WHOLE
+
+
+def base_optimizer_and_masters(optimizer):
+    """The Adam inside a ZeRO optimizer and the fp32 tensors it keys its state by: the flat master partitions (one
+    per parameter group, or sub-group at ZeRO-3), or for stage 0's plain client optimizer itself and its parameters."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    kind = holding(optimizer)
+    if kind is Holding.PARTITION:
+        return optimizer.optimizer, list(optimizer.fp32_partitioned_groups_flat)
+    if kind is Holding.FRAGMENT:
+        masters = optimizer.single_partition_of_fp32_groups if isinstance(optimizer, DeepSpeedZeroOptimizer) \
+            else optimizer.fp32_groups_flat_partition
+        return optimizer.optimizer, list(masters)
+    return optimizer, [p for group in optimizer.param_groups for p in group["params"]]
+
 
 @dataclass
 class GradShare:
@@ -17,15 +63,16 @@ class GradShare:
     dp_replicated: bool  # True: every dp rank holds the same values (ZeRO-0); False: dp-disjoint partition
 
 
-def grad_shares(param: nn.Parameter) -> list[GradShare]:
-    """This rank's share of `param`'s (dp-reduced) gradient, whatever ZeRO stage owns it. Valid between the last
-    backward epilogue of a step and engine.step()."""
+def grad_shares(param: nn.Parameter, optimizer) -> list[GradShare]:
+    """This rank's share of `param`'s (dp-reduced) gradient, as `optimizer` (the ZeRO optimizer owning it) holds it.
+    Valid between the last backward epilogue of a step and engine.step()."""
     from deepspeed.utils import safe_get_local_grad
 
-    if hasattr(param, "ds_id"):  # ZeRO-3: each parameter partitioned on its own over dp (write: z3_set_local_grad)
+    kind = holding(optimizer)
+    if kind is Holding.PARTITION:  # each parameter partitioned on its own over dp (write: z3_set_local_grad)
         g = safe_get_local_grad(param)
         return [] if g is None else [GradShare(g, False)]
-    if hasattr(param, "_hp_mapping"):  # ZeRO-1/2: a fragment of the flat partition (None: owned by another rank)
+    if kind is Holding.FRAGMENT:  # a fragment of the flat partition (mapping None: owned by another rank)
         if param._hp_mapping is None:
             return []
         try:

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from trainer3d.zero.grads import grad_shares
+from trainer3d.zero.grads import base_optimizer_and_masters, grad_shares, is_zero_param
 
 
 def _offloaded(zero, t: torch.Tensor, category_offloaded: bool) -> bool:
@@ -33,7 +33,7 @@ def grad_bytes(zero) -> tuple[int, int]:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            tensors = [s.tensor for s in grad_shares(p)]
+            tensors = [s.tensor for s in grad_shares(p, e.optimizer)]
             if p.grad is not None and not any(t is p.grad for t in tensors):
                 tensors.append(p.grad)
             for t in tensors:
@@ -55,7 +55,7 @@ def report(zero, grad_mem: tuple[int, int] | None = None) -> dict:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            held = [p.data] + ([p.ds_tensor] if hasattr(p, "ds_tensor") else [])
+            held = [p.data] + ([p.ds_tensor] if is_zero_param(p) else [])
             for t in held:
                 if t.numel():
                     model_storages.add(t.untyped_storage().data_ptr())
@@ -63,7 +63,7 @@ def report(zero, grad_mem: tuple[int, int] | None = None) -> dict:
                 params += n
                 params_off += n if _offloaded(zero, t, off_p and t is not p.data) else 0
     for e in zero.engines:
-        basic = getattr(e.optimizer, "optimizer", e.optimizer)
+        basic = base_optimizer_and_masters(e.optimizer)[0]
         # ZeRO keys the wrapped optimizer's state by its fp32 master partitions (its param_groups are
         # emptied between steps at stage 3), so walk the state, then any grouped tensor without state yet.
         masters = {id(q): q for q in basic.state} | {id(q): q for g in basic.param_groups for q in g["params"]}

@@ -21,29 +21,23 @@ import torch
 import torch.nn as nn
 
 from trainer3d.optim import adam_step_state
+from trainer3d.zero.grads import Holding, base_optimizer_and_masters, holding
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _partitioned(p: nn.Parameter) -> bool:
-    """Does ZeRO hold this parameter's fp32 master and optimizer state in partitions (stages 1-3, or stage 0's
-    bf16 optimizer), rather than the client optimizer holding them whole?"""
-    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+def _partitioned(engine) -> bool:
+    """Does ZeRO hold the engine's fp32 masters and optimizer state in partitions (stages 1-3, or stage 0's bf16
+    optimizer), rather than the client optimizer holding them whole?"""
+    return holding(engine.optimizer) is not Holding.WHOLE
 
 
-def _full_shape(p: nn.Parameter) -> torch.Size:
-    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+def _full_shape(engine, p: nn.Parameter) -> torch.Size:
+    return p.ds_shape if holding(engine.optimizer) is Holding.PARTITION else p.shape
 
 
 def _base_optimizer_and_masters(engine):
-    """The Adam inside the engine and the fp32 tensors it keys its state by: ZeRO's flat master partitions (one per
-    parameter group, or sub-group at ZeRO-3), or the parameters themselves for ZeRO-0's plain client optimizer."""
-    opt = engine.optimizer
-    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
-        masters = getattr(opt, attr, None)
-        if masters is not None:
-            return opt.optimizer, list(masters)
-    return opt, [p for group in opt.param_groups for p in group["params"]]
+    return base_optimizer_and_masters(engine.optimizer)
 
 
 def _optimizer_step_count(engine) -> int | None:
@@ -59,7 +53,7 @@ def _optimizer_step_count(engine) -> int | None:
 
 def _swaps_optimizer(engine) -> bool:
     """ZeRO-Infinity: ZeRO-3 with the optimizer (fp32 masters, Adam moments) swapped out to NVMe between steps."""
-    return bool(getattr(engine.optimizer, "swap_optimizer", False))
+    return holding(engine.optimizer) is Holding.PARTITION and bool(engine.optimizer.swap_optimizer)
 
 
 def _load_swapped_states(engine_of: dict, items) -> None:
@@ -94,7 +88,9 @@ def _load_swapped_states(engine_of: dict, items) -> None:
 def _new_adam_state(base, master: torch.Tensor, step: int) -> dict:
     """Adam's state for one fp32 master tensor, created (zero moments) if it has none yet, with its step set, in the
     optimizer's own format (torch Adam: a float tensor step; DeepSpeedCPUAdam: an int)."""
-    cpu_adam = hasattr(base, "ds_opt_adam")
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cpu_adam = isinstance(base, DeepSpeedCPUAdam)
     state = base.state.setdefault(master, {})
     if not state:
         dtype = master.dtype if cpu_adam and not base.fp32_optimizer_states else torch.float32
@@ -120,17 +116,17 @@ def _link_optimizer_state(engine) -> None:
     links them after stepping the first parameter group, before Adam has created the other groups' state, and never
     again: the no-decay group's views stay empty and safe_get_full_optimizer_state fails on its parameters."""
     opt = engine.optimizer
-    if hasattr(opt, "_hp_optimizer_states_linked"):
+    if holding(opt) is Holding.FRAGMENT:
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
 
 
-def full_param(p: nn.Parameter) -> torch.Tensor:
+def full_param(engine, p: nn.Parameter) -> torch.Tensor:
     """The full fp32 value of a parameter (this rank's tp shard), from ZeRO's master copy."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    value = safe_get_full_fp32_param(p) if _partitioned(p) else None
-    return (p.data if value is None else value).detach().float().reshape(_full_shape(p))
+    value = safe_get_full_fp32_param(p) if _partitioned(engine) else p.data
+    return value.detach().float().reshape(_full_shape(engine, p))
 
 
 def optimizer_state_of(engine, p: nn.Parameter) -> dict[str, torch.Tensor]:
@@ -142,12 +138,11 @@ def optimizer_state_of(engine, p: nn.Parameter) -> dict[str, torch.Tensor]:
     step = _optimizer_step_count(engine)
     if step is None:
         return {}
-    if not _partitioned(p):  # ZeRO-0 in fp32: the client optimizer, keyed by the parameter itself
+    if not _partitioned(engine):  # ZeRO-0 in fp32: the client optimizer, keyed by the parameter itself
         return {k: v for k, v in base.state.get(p, {}).items() if torch.is_tensor(v)}
-    mapping = getattr(p, "_hp_mapping", None)
-    if mapping is not None and not mapping.optim_fragment:
+    if holding(engine.optimizer) is Holding.FRAGMENT and p._hp_mapping is not None and not p._hp_mapping.optim_fragment:
         _link_optimizer_state(engine)
-    state = {k: safe_get_full_optimizer_state(p, k).float().reshape(_full_shape(p)) for k in ADAM_MOMENTS}
+    state = {k: safe_get_full_optimizer_state(p, k).float().reshape(_full_shape(engine, p)) for k in ADAM_MOMENTS}
     state["step"] = torch.tensor(float(step))
     return state
 
@@ -165,13 +160,14 @@ def load_param_states(engine_of: dict, items) -> None:
         engine = engine_of[id(p)]
         if _swaps_optimizer(engine):
             continue
-        if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition only
+        kind = holding(engine.optimizer)
+        if kind is Holding.PARTITION:  # ZeRO-3: this rank's partition only
             start, numel, size = _partition(engine, p)
             state = {k: _padded(v, size) if k in ADAM_MOMENTS else v
                      for k, v in read_state(flat=(start, numel)).items()}
             value = _padded(read_value(flat=(start, numel)), size)
-        elif hasattr(p, "_hp_mapping"):  # ZeRO-1/2: read only this rank's fragment, set through the full setter
-            flat, shape = _fragment(p), _full_shape(p)
+        elif kind is Holding.FRAGMENT:  # ZeRO-1/2: read only this rank's fragment, set through the full setter
+            flat, shape = _fragment(p), p.shape
             state = {k: _placed(v, flat, shape) if k in ADAM_MOMENTS else v for k, v in read_state(flat=flat).items()}
             value = _placed(read_value(flat=flat), flat, shape)
         else:
@@ -223,14 +219,15 @@ def _load_param_state(engine, p: nn.Parameter, state: dict[str, torch.Tensor], v
         safe_set_local_optimizer_state,
     )
 
-    local = hasattr(p, "ds_id")
+    kind = holding(engine.optimizer)
+    local = kind is Holding.PARTITION
     set_value = safe_set_local_fp32_param if local else safe_set_full_fp32_param
     set_state = safe_set_local_optimizer_state if local else safe_set_full_optimizer_state
-    if _partitioned(p):
+    if kind is not Holding.WHOLE:
         set_value(p, value.to(torch.float32))
     if not state:
         return
-    if _partitioned(p):
+    if kind is not Holding.WHOLE:
         for key in ADAM_MOMENTS:
             set_state(p, state[key].to(torch.float32), key)
     else:
