@@ -38,19 +38,30 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     return {"bytes": path.stat().st_size, "sha256": sha256_of(path), "tensors": sorted(tensors)}
 
 
+def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """One fp32 copy of `t` in host memory: straight into page-locked memory from a device (the copy is asynchronous:
+    the caller synchronizes once), a plain copy on the CPU (a slice's view would keep its whole tensor alive)."""
+    if not pinned:
+        return t.detach().to(torch.float32, copy=True).contiguous()
+    out = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
+    out.copy_(t.detach(), non_blocking=True)
+    return out
+
+
 def rank_pieces(trainer) -> tuple[dict[str, torch.Tensor], int | None]:
     """This rank's pieces of every parameter and AdamW moment (its tp shard, and of that the slice its dp rank, and
-    its tp rank for a tp-replicated tensor, writes: format.py) and its RNG states, copied to host memory; and Adam's
-    step (None before the first). Under ZeRO every rank asks the engine for every parameter in the same order (a
-    collective over dp that assembles one tensor at a time); the rank keeps only its pieces, so it holds its share
-    plus one tensor."""
+    its tp rank for a tp-replicated tensor, writes: format.py) and its RNG states, copied once to host memory (pinned
+    from a GPU, one synchronization for all); and Adam's step (None before the first), read once. Under ZeRO every
+    rank asks the engine for every parameter in the same order (a collective over dp that assembles one tensor at a
+    time); the rank keeps only its pieces, so it holds its share plus one tensor."""
     topo, L = trainer.topo, trainer.topo.layout
+    pinned = trainer.device.type == "cuda"
     pieces: dict[str, torch.Tensor] = {}
     adam_step = None
     for name, (p, spec) in named_full_params(trainer.pm).items():
         value = trainer.engine.param_value(p)
         state = trainer.engine.optimizer_state_of(p)
-        if "step" in state:
+        if adam_step is None and "step" in state:  # every parameter steps together: one host read, not one each
             adam_step = int(state["step"])
         shape = tuple(value.shape)
         # every rank of a dp×cp line holds the same values: each writes its 1/(dp·cp) slice
@@ -60,9 +71,10 @@ def rank_pieces(trainer) -> tuple[dict[str, torch.Tensor], int | None]:
         for kind, t in [("param", value)] + [(k, state[k]) for k in KINDS[1:] if k in state]:
             for b in mine:
                 part = t[tuple(slice(o, o + s) for o, s in zip(b.local, b.size))]
-                pieces[piece_key(kind, name, b.start, b.size)] = part.detach().to("cpu", torch.float32).clone(
-                    memory_format=torch.contiguous_format)  # a copy: a view would keep the whole tensor alive
+                pieces[piece_key(kind, name, b.start, b.size)] = _to_host(part, pinned)
         del value, state
+    if pinned:
+        torch.cuda.synchronize(trainer.device)
     pieces[RNG_PREFIX + "cpu"] = torch.get_rng_state()
     if trainer.device.type == "cuda":
         pieces[RNG_PREFIX + "cuda"] = torch.cuda.get_rng_state(trainer.device)
