@@ -65,37 +65,44 @@ def stages_per_rank(schedule: str, virtual_stages: int) -> int:
 def check_pipeline(cfg, pp: int, schedule: str, virtual_stages: int, micro_batches: int,
                    sequence_parallel: bool = False) -> None:
     """Refuse, before any process group exists, a pipeline the model, the schedule or this torch cannot run."""
+    problem = pipeline_problem(cfg, pp, schedule, virtual_stages, micro_batches, sequence_parallel)
+    if problem is not None:
+        raise LayoutError(problem[1])
+
+
+def pipeline_problem(cfg, pp: int, schedule: str, virtual_stages: int, micro_batches: int,
+                     sequence_parallel: bool = False) -> tuple[str, str] | None:
+    """Why a pipeline cannot run, as (a short reason, the sentence naming the fix), or None: THE rules, which
+    check_pipeline raises and the planner counts its refusals by."""
     if schedule not in SCHEDULES:
-        raise LayoutError(f"Unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+        return "unknown schedule", f"Unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}."
     info = SCHEDULES[schedule]
     if pp > 1 and info.split_backward and sequence_parallel and PIPELINING_BEFORE_2_13:
-        raise LayoutError(
+        return "a split backward with sequence parallelism (torch < 2.13)", (
             f"--schedule {schedule} with --sequence-parallel fails inside torch {torch.__version__}'s weight pass "
-            "(fixed in torch 2.13); install torch 2.13, or choose a schedule without a split backward."
-        )
+            "(fixed in torch 2.13); install torch 2.13, or choose a schedule without a split backward.")
     if virtual_stages > 1 and not info.multi_stage:
-        raise LayoutError(
-            f"--virtual-stages {virtual_stages} needs a multi-stage schedule; use --schedule interleaved-1f1b."
-        )
+        return "virtual stages need a multi-stage schedule", (
+            f"--virtual-stages {virtual_stages} needs a multi-stage schedule; use --schedule interleaved-1f1b.")
     if info.v_shape and virtual_stages not in (1, 2):
-        raise LayoutError(f"--schedule {schedule} places exactly 2 stages per rank; drop --virtual-stages.")
+        return "a V-shaped schedule places 2 stages per rank", (
+            f"--schedule {schedule} places exactly 2 stages per rank; drop --virtual-stages.")
     n_stages = pp * stages_per_rank(schedule, virtual_stages)
     if n_stages > cfg.n_layer:
-        raise LayoutError(
-            f"{n_stages} pipeline stages (pp={pp} × {stages_per_rank(schedule, virtual_stages)} per rank) "
-            f"exceed the model's {cfg.n_layer} layers; lower --pp or --virtual-stages."
-        )
+        return "more stages than layers", (
+            f"{n_stages} pipeline stages (pp={pp} × {stages_per_rank(schedule, virtual_stages)} per rank) exceed the "
+            f"model's {cfg.n_layer} layers; lower --pp or --virtual-stages.")
     if schedule == "1f1b" and micro_batches < pp:
-        raise LayoutError(f"1F1B needs at least pp={pp} micro-batches (got {micro_batches}); raise --micro-batches.")
+        return "1F1B needs at least pp micro-batches", (
+            f"1F1B needs at least pp={pp} micro-batches (got {micro_batches}); raise --micro-batches.")
     if info.multi_stage and not info.v_shape and micro_batches % pp:
-        raise LayoutError(
-            f"--schedule {schedule} needs --micro-batches to be a multiple of pp={pp} (got {micro_batches})."
-        )
+        return "micro-batches not a multiple of pp", (
+            f"--schedule {schedule} needs --micro-batches to be a multiple of pp={pp} (got {micro_batches}).")
     if info.v_shape and micro_batches < n_stages:
-        raise LayoutError(
+        return "a V-shaped schedule needs a micro-batch per stage", (
             f"--schedule {schedule} needs at least {n_stages} micro-batches (2 per stage... got {micro_batches}); "
-            "raise --micro-batches."
-        )
+            "raise --micro-batches.")
+    return None
 
 
 def stage_cost(cfg, n_blocks: int, last: bool, seq_len: int) -> float:

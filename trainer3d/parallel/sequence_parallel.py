@@ -76,9 +76,17 @@ def check_sequence_parallel(tp: int, seq_len: int, cp: int = 1) -> None:
     if tp == 1:
         raise LayoutError("--sequence-parallel splits the sequence over the tensor-parallel ranks; it needs --tp 2 or "
                           "more (drop the flag at --tp 1).")
+    problem = sequence_split_problem(tp, seq_len, cp)
+    if problem is not None:
+        raise LayoutError(problem)
+
+
+def sequence_split_problem(tp: int, seq_len: int, cp: int = 1) -> str | None:
+    """THE rule of a sequence shard (checked here and by the planner): a rank's seq_len / cp tokens split over tp.
+    The sentence naming the fix, or None."""
     if cp > 1 and (seq_len // cp) % tp:
-        raise LayoutError(f"--sequence-parallel splits each cp rank's {seq_len // cp} tokens over --tp {tp}; pick a "
-                          f"--seq-len divisible by {cp * tp}.")
+        return (f"--sequence-parallel splits each cp rank's {seq_len // cp} tokens over --tp {tp}; pick a --seq-len "
+                f"divisible by {cp * tp}.")
     if seq_len % tp:
-        raise LayoutError(f"--sequence-parallel splits --seq-len {seq_len} over --tp {tp} ranks; pick a --seq-len "
-                          f"divisible by {tp}.")
+        return f"--sequence-parallel splits --seq-len {seq_len} over --tp {tp} ranks; pick a --seq-len divisible by {tp}."
+    return None

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 
 from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.models import family_of
-from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline
+from trainer3d.parallel.pipeline import SCHEDULES, pipeline_problem
+from trainer3d.parallel.sequence_parallel import sequence_split_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.memory import MemoryEstimate, estimate_memory
@@ -72,23 +73,41 @@ def default_cp_sizes(seq_len: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+class Refusals:
+    """Candidates refused, counted under their reason, with one example each."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.examples: dict[str, str] = {}
+
+    def __call__(self, reason: str, example: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self.examples.setdefault(reason, example)
+
+
 def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, schedules=None,
                     zero_stages=(0, 1, 2, 3), offload: bool = True, recompute: bool = True,
                     max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False,
                     cp_sizes: tuple[int, ...] | None = None) -> Search:
     """Every feasible plan, fastest first; offload only where the plan does not fit without it. `cp_sizes`: the
     context-parallel sizes to try (default_cp_sizes)."""
-    N = C.world
-    schedules = list(schedules or ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
-    refused: dict[str, int] = {}
-    examples: dict[str, str] = {}
-
-    def refuse(reason: str, example: str, count: int = 1) -> None:
-        refused[reason] = refused.get(reason, 0) + count
-        examples.setdefault(reason, example)
-
-    plans = []
+    refuse = Refusals()
     cfg = replace(model, n_positions=max(model.n_positions, seq_len))
+    schedules = list(schedules or ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
+    plans = []
+    for dp, tp, cp, pp in _grids(cfg, C, global_batch, seq_len, cp_sizes, allow_tp_across_nodes, refuse):
+        for s, v, m, mbs in _pipelines(cfg, pp, global_batch // dp, schedules, max_micro_batch_size, refuse,
+                                       f"dp{dp} tp{tp} pp{pp}"):
+            layout = dict(cfg=cfg, dp=dp, tp=tp, pp=pp, cp=cp, schedule=s, virtual_stages=v, micro_batches=m,
+                          micro_batch_size=mbs, seq_len=seq_len)
+            plans += _fitting(layout, C, zero_stages, offload, recompute, refuse)
+    plans.sort(key=lambda p: (p.step_time, p.memory))
+    return Search(plans, refuse.counts, refuse.examples)
+
+
+def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_across_nodes: bool, refuse):
+    """(dp, tp, cp, pp) of the cluster's world that the model, the batch and the sequence allow."""
+    N = C.world
     for tp in divisors(N):
         try:
             family_of(cfg).check(cfg, tp)
@@ -98,71 +117,70 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
         if tp > C.gpus_per_node and not allow_tp_across_nodes:
             refuse("tp larger than a node (its all-reduces would cross the network)", f"tp{tp}")
             continue
-        for cp, pp in [(cp, pp) for cp in cp_sizes or default_cp_sizes(seq_len) if (N // tp) % cp == 0
-                       for pp in divisors(N // (tp * cp))]:
-            dp = N // (tp * cp * pp)
-            if global_batch % dp:
-                refuse("global batch not divisible by dp", f"dp{dp}, batch {global_batch}")
+        for cp in cp_sizes or default_cp_sizes(seq_len):
+            if (N // tp) % cp:
                 continue
-            local = global_batch // dp
-            sched_opts = [("1f1b", 1)] if pp == 1 else []
-            if pp > 1:
-                for s in schedules:
-                    info = SCHEDULES[s]
-                    if info.multi_stage and not info.v_shape:
-                        sched_opts += [(s, v) for v in (2, 4) if pp * v <= cfg.n_layer]
-                    else:
-                        sched_opts.append((s, 1))
-            for s, v in sched_opts:
-                for mbs in divisors(local):
-                    if mbs > max_micro_batch_size:
-                        break
-                    m = local // mbs
-                    try:
-                        check_pipeline(cfg, pp, s, v, m)
-                    except LayoutError as e:
-                        refuse("pipeline rule: " + str(e).split(";")[0].split("(")[0].strip(), f"dp{dp} tp{tp} pp{pp} {s} m{m}")
-                        continue
-                    if cp > 1 and tp > 1 and (seq_len // cp) % tp:
-                        refuse("sequence parallelism cannot split a cp rank's tokens over tp", f"cp{cp} tp{tp}")
-                        continue
-                    for z in zero_stages:
-                        if z and dp == 1:
-                            continue  # nothing to partition over
-                        if z and SCHEDULES[s].split_backward:
-                            refuse("ZeRO with a split-backward schedule (trainer3d/zero/ refuses it)", f"{s} ZeRO-{z}")
-                            continue
-                        offloads = [(False, False)]
-                        if offload and z >= 1:
-                            offloads.append((True, False))
-                        if offload and z == 3:
-                            offloads.append((True, True))
-                        fits_without_offload = set()
-                        for off_o, off_p in offloads:
-                            for rc in ((False, True) if recompute else (False,)):
-                                if off_o and rc in fits_without_offload:
-                                    continue  # offloading only costs time when the plan fits without it
-                                cand = Candidate(
-                                    cfg=cfg, dp=dp, tp=tp, pp=pp, schedule=s, virtual_stages=v, micro_batches=m,
-                                    micro_batch_size=mbs, seq_len=seq_len,
-                                    precision="bf16-autocast" if z == 0 else "bf16-mixed",
-                                    zero_stage=z, offload_optimizer=off_o, offload_params=off_p, recompute=rc,
-                                    sequence_parallel=tp > 1,  # the same tp bytes, activations /tp: always on
-                                    cp=cp,
-                                )
-                                mem, host = memory_per_gpu(cand)
-                                if mem > C.usable_bytes:
-                                    refuse("does not fit in GPU memory", f"{describe(cand)}: {gib(mem):.1f} GiB")
-                                    continue
-                                if host * C.gpus_per_node > C.host_memory_gib * 2**30:
-                                    refuse("offloaded state does not fit in host memory", describe(cand))
-                                    continue
-                                if not off_o:
-                                    fits_without_offload.add(rc)
-                                p = Plan(cand, mem, host, step_times(cand, C))
-                                plans.append(p)
-    plans.sort(key=lambda p: (p.step_time, p.memory))
-    return Search(plans, refused, examples)
+            problem = sequence_split_problem(tp, seq_len, cp) if tp > 1 else None  # plans use SP at every tp > 1
+            if problem is not None:
+                refuse("sequence parallelism cannot split a rank's tokens over tp", f"cp{cp} tp{tp}")
+                continue
+            for pp in divisors(N // (tp * cp)):
+                dp = N // (tp * cp * pp)
+                if global_batch % dp:
+                    refuse("global batch not divisible by dp", f"dp{dp}, batch {global_batch}")
+                    continue
+                yield dp, tp, cp, pp
+
+
+def _pipelines(cfg, pp: int, local_batch: int, schedules: list[str], max_micro_batch_size: int, refuse, where: str):
+    """(schedule, virtual stages, micro-batches, micro-batch size) that pipeline's rules allow for this dp rank's
+    `local_batch` sequences."""
+    options = [("1f1b", 1)] if pp == 1 else []
+    for s in schedules if pp > 1 else ():
+        info = SCHEDULES[s]
+        if info.multi_stage and not info.v_shape:
+            options += [(s, v) for v in (2, 4) if pp * v <= cfg.n_layer]
+        else:
+            options.append((s, 1))
+    for s, v in options:
+        for mbs in (d for d in divisors(local_batch) if d <= max_micro_batch_size):
+            m = local_batch // mbs
+            problem = pipeline_problem(cfg, pp, s, v, m)
+            if problem is not None:
+                refuse(f"pipeline rule: {problem[0]}", f"{where} {s} m{m}")
+                continue
+            yield s, v, m, mbs
+
+
+def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bool, refuse) -> list[Plan]:
+    """The plans of one layout that fit, over ZeRO stages, offload and recomputation; offload only where the plan
+    does not fit without it."""
+    plans = []
+    s, dp = layout["schedule"], layout["dp"]
+    for z in zero_stages:
+        if z and dp == 1:
+            continue  # nothing to partition over
+        if z and SCHEDULES[s].split_backward:
+            refuse("ZeRO with a split-backward schedule (trainer3d/zero/ refuses it)", f"{s} ZeRO-{z}")
+            continue
+        offloads = [(False, False)] + ([(True, False)] if offload and z >= 1 else []) + \
+            ([(True, True)] if offload and z == 3 else [])
+        fits_without_offload = set()
+        for (off_o, off_p), rc in ((o, r) for o in offloads for r in ((False, True) if recompute else (False,))):
+            if off_o and rc in fits_without_offload:
+                continue  # offloading only costs time when the plan fits without it
+            cand = Candidate(**layout, precision="bf16-autocast" if z == 0 else "bf16-mixed", zero_stage=z,
+                             offload_optimizer=off_o, offload_params=off_p, recompute=rc,
+                             sequence_parallel=layout["tp"] > 1)  # the same tp bytes, activations /tp: always on
+            mem, host = memory_per_gpu(cand)
+            if mem > C.usable_bytes:
+                refuse("does not fit in GPU memory", f"{describe(cand)}: {gib(mem):.1f} GiB")
+            elif host * C.gpus_per_node > C.host_memory_gib * 2**30:
+                refuse("offloaded state does not fit in host memory", describe(cand))
+            else:
+                fits_without_offload |= set() if off_o else {rc}
+                plans.append(Plan(cand, mem, host, step_times(cand, C)))
+    return plans
 
 
 def best_distinct(plans: list[Plan], top: int) -> list[Plan]:
