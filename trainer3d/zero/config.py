@@ -96,26 +96,28 @@ def resolve_deepspeed(cfg, layout, n_embd: int) -> DeepSpeedSpec:
     for key in [k for k in ds if k.startswith("_")]:  # "_comment" and the like: notes for people
         del ds[key]
     _refuse_unsupported(ds, cfg, src)
-    updates: dict[str, Any] = {}
-    enabled = _precision(ds, cfg, src, updates)
-    plan = _batch(ds, cfg, layout, src, updates)
+    bf16 = _precision(ds, cfg, src)
+    plan = _batch(ds, cfg, layout, src)
     # clipping: ours, global over dp × tp × pp (see the module docstring); DeepSpeed's is turned off
     clip = _take(ds, "gradient_clipping", "grad_clip", cfg.grad_clip, cfg, src, float)
     if clip < 0:
         raise ConfigError(f"{src}: gradient_clipping must be >= 0 (got {clip}); fix the JSON.")
-    updates["grad_clip"] = float(clip)
     ds["gradient_clipping"] = 0.0
-    adamw, eps = _optimizer(ds, cfg, src, updates)
-    stage, off_opt, off_par = _zero(ds, src, n_embd, enabled)
+    adam = _optimizer(ds, cfg, src)
+    stage, off_opt, off_par = _zero(ds, src, n_embd, bf16)
     # quiet, deterministic housekeeping
     ds.setdefault("steps_per_print", 2**31 - 1)
     ds.setdefault("wall_clock_breakdown", False)
     leftover = [k for k, v in _walk(ds) if _is_auto(v)]
     if leftover:
         raise ConfigError(f"{src}: {', '.join(leftover)} cannot be \"auto\"; give concrete values.")
+    resolved = dataclasses.replace(  # the flags as the JSON settles them
+        cfg, precision="bf16" if bf16 else "fp32", grad_clip=float(clip), global_batch=plan.global_batch,
+        global_batch_tokens=None, micro_batches=plan.micro_batches, lr=adam.lr, beta1=adam.beta1, beta2=adam.beta2,
+        weight_decay=adam.weight_decay)
     return DeepSpeedSpec(
-        ds_config=ds, cfg=dataclasses.replace(cfg, **updates), plan=plan, zero_stage=int(stage),
-        offload_optimizer=off_opt, offload_param=off_par, adamw=adamw, eps=eps, source=src,
+        ds_config=ds, cfg=resolved, plan=plan, zero_stage=int(stage), offload_optimizer=off_opt, offload_param=off_par,
+        adamw=adam.decoupled, eps=adam.eps, source=src,
     )
 
 
@@ -157,7 +159,7 @@ def _refuse_unsupported(ds: dict, cfg, src: str) -> None:
         )
 
 
-def _precision(ds: dict, cfg, src: str, updates: dict) -> bool:
+def _precision(ds: dict, cfg, src: str) -> bool:
     """The "bf16" section against --precision; whether bf16 is on."""
     bf16 = ds.setdefault("bf16", {})
     enabled = bf16.get("enabled", False)
@@ -171,11 +173,10 @@ def _precision(ds: dict, cfg, src: str, updates: dict) -> bool:
         raise ConfigError(
             f"{src} trains in {precision} but --precision is {cfg.precision}; set bf16.enabled in the JSON instead."
         )
-    updates["precision"] = precision
     return enabled
 
 
-def _batch(ds: dict, cfg, layout, src: str, updates: dict) -> BatchPlan:
+def _batch(ds: dict, cfg, layout, src: str) -> BatchPlan:
     """train_batch_size = micro × accumulation × dp, each from the JSON or the flags."""
     dp = layout.dp
     tbs, mbs, gas = (ds.get(k, "auto") for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
@@ -221,14 +222,21 @@ def _batch(ds: dict, cfg, layout, src: str, updates: dict) -> BatchPlan:
             f"gradient_accumulation_steps {gas} × dp {dp}; fix one of them (or set it to \"auto\")."
         )
     ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = global_batch, mbs, gas
-    plan = BatchPlan(global_batch=global_batch, micro_batches=gas, micro_batch_size=mbs)
-    updates.update(global_batch=global_batch, global_batch_tokens=None, micro_batches=gas)
-    return plan
+    return BatchPlan(global_batch=global_batch, micro_batches=gas, micro_batch_size=mbs)
 
 
-def _optimizer(ds: dict, cfg, src: str, updates: dict) -> tuple[bool, float]:
-    """Adam's settings: built by trainer3d (the DDP path's parameter groups), so the section is read, then removed.
-    Returns (AdamW's decoupled decay, eps)."""
+@dataclass(frozen=True)
+class AdamSettings:
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    decoupled: bool  # AdamW's decay
+    eps: float
+
+
+def _optimizer(ds: dict, cfg, src: str) -> AdamSettings:
+    """Adam's settings: built by trainer3d (the DDP path's parameter groups), so the section is read, then removed."""
     opt = ds.pop("optimizer", None) or {"type": "AdamW"}
     otype = str(opt.get("type", "AdamW")).lower()
     if otype not in SUPPORTED_OPTIMIZERS:
@@ -244,10 +252,9 @@ def _optimizer(ds: dict, cfg, src: str, updates: dict) -> tuple[bool, float]:
                 raise ConfigError(f"{src} sets betas={betas} but --{flag} is {getattr(cfg, flag)}; drop one of them.")
     wd = _take(params, "weight_decay", "weight_decay", cfg.weight_decay, cfg, src, float)
     eps = params.get("eps", "auto")
-    eps = 1e-8 if _is_auto(eps) else float(eps)
-    adamw = otype == "adamw" or bool(params.get("adam_w_mode", True))
-    updates.update(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), weight_decay=float(wd))
-    return adamw, eps
+    return AdamSettings(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), weight_decay=float(wd),
+                        decoupled=otype == "adamw" or bool(params.get("adam_w_mode", True)),
+                        eps=1e-8 if _is_auto(eps) else float(eps))
 
 
 def _zero(ds: dict, src: str, n_embd: int, bf16: bool) -> tuple[int, str, str]:
