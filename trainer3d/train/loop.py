@@ -3,7 +3,6 @@ checkpoint state, then train to --max-steps, logging on one rank (console, progr
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -22,10 +21,10 @@ from trainer3d.plugins import load_plugins
 from trainer3d.errors import UsageError, first_line
 from trainer3d.rundir import clear_run
 from trainer3d.train.downstream import Downstream
-from trainer3d.train.metrics import MetricsFile, PeakMemory, RunSummary, device_peak_tflops
+from trainer3d.train.metrics import device_peak_tflops
+from trainer3d.train.report import Report
 from trainer3d.train.profiling import StepProfiler
 from trainer3d.train.setup import check_out_dir, validate
-from trainer3d.train.tracking import Tracker
 from trainer3d.train.trainer import Trainer
 
 
@@ -77,51 +76,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | None = None) -> None:
-    """Train to max_steps, logging on one rank: console, progress bar and metrics.jsonl; HellaSwag beside every
-    validation and text samples every --sample-every steps (`downstream`)."""
-    from tqdm import tqdm
-
-    cfg, topo, plan = trainer.cfg, trainer.topo, trainer.plan
-    log = trainer.is_logging_rank
-    verbose = log or cfg.verbose
-    tokens_per_step = plan.global_batch * cfg.seq_len
-    flops_tok = trainer.mcfg.flops_per_token(cfg.seq_len)
-    peak = device_peak_tflops(trainer.device, trainer.precision, cfg.peak_tflops)
-    saver = Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, log, cfg.on_save_error,
-                         cfg.async_save)
-    metrics = MetricsFile(cfg.out_dir, enabled=log, append=trainer.step > 0)  # resumed: continue the file
-    tracker = Tracker(trainer)  # W&B, on the logging rank only
+    """Train to max_steps, logging on one rank (report.py): console, progress bar, metrics.jsonl, W&B; HellaSwag beside
+    every validation and text samples every --sample-every steps (`downstream`); checkpoints when due."""
+    cfg = trainer.cfg
+    tokens_per_step = trainer.plan.global_batch * cfg.seq_len
+    saver = Checkpointer(trainer, loader, cfg.out_dir, cfg.save_every, cfg.keep_last, trainer.is_logging_rank,
+                         cfg.on_save_error, cfg.async_save)
     profiler = StepProfiler(cfg.profile_steps, cfg.max_steps, cfg.out_dir, dist.get_rank(), trainer.device)
-    heartbeat = Heartbeat()
-    memory = PeakMemory(trainer.device, topo.world_group)
-    downstream = downstream or Downstream(trainer)
-    if verbose:
-        n_params = trainer.mcfg.num_params()
-        print(
-            f"[trainer3d] {topo.layout} schedule={cfg.schedule} stages={trainer.pm.n_stages} "
-            f"layers/stage={[len(r) for r in trainer.pm.layer_ranges]} micro-batches={plan.micro_batches}×"
-            f"{plan.micro_batch_size} global-batch={plan.global_batch} seqs ({tokens_per_step} tokens) "
-            f"model={cfg.init_from_hf or cfg.model} ({trainer.mcfg.family}, {n_params / 1e6:.1f}M params) "
-            f"precision={trainer.precision} device={trainer.device}",
-            flush=True,
-        )
-    mem = trainer.engine.memory()  # at start; every step record carries it too (metrics.jsonl)
-    if verbose:
-        mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731
-        print(f"[trainer3d] rank {dist.get_rank()} memory ({trainer.engine.name}): params {mib('param')}, grads {mib('grad')}, "
-              f"optimizer states {mib('optim')}", flush=True)
-    summary = RunSummary(trainer.step)
+    heartbeat, downstream, report = Heartbeat(), downstream or Downstream(trainer), Report(trainer)
+    speed = Throughput(trainer, tokens_per_step)
+    report.banner(tokens_per_step)
     if cfg.eval_every and trainer.step == 0:  # the starting point of the validation curve
-        val = trainer.evaluate(make_val_batches())
-        record0 = {"step": 0, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **downstream.evaluate()}
-        metrics.write(record0)
-        summary.observe(record0)
-        tracker.log(record0)
-        if log:
-            print(f"step      0 | val_loss {val:.4f}{hellaswag_text(record0)}", flush=True)
-    # In a log file (SLURM, nohup) a bar redrawn every step is a wall of \r-joined updates: redraw every 30 s there.
-    bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=not log, dynamic_ncols=True, unit="step",
-               mininterval=0.1 if sys.stderr.isatty() else 30.0)
+        report.record({"step": 0, **evaluation(trainer, make_val_batches, downstream)})
     exit_code = 1  # what W&B records if the loop ends by an exception (a non-finite step, a failed peer)
     try:
         while trainer.step < cfg.max_steps:
@@ -130,75 +96,42 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
             t0 = time.perf_counter()
             record = trainer.train_step(loader.next_batch(), stop_requested=saver.stop_requested)
             stop = record.pop("stop")  # every rank's signals, agreed in the step's own all-reduce
-            dt = time.perf_counter() - t0
+            record.update(speed.of(trainer.step, time.perf_counter() - t0))
             profiler.stop(trainer.step)
-            tps = tokens_per_step / dt
-            record.update(
-                tokens=trainer.step * tokens_per_step,
-                step_time_s=dt,
-                tokens_per_s=tps,
-                tflops_per_device=tps * flops_tok / topo.layout.world_size / 1e12,
-                mfu=(tps * flops_tok / topo.layout.world_size / (peak * 1e12)) if peak else None,
-            )
             last = trainer.step == cfg.max_steps
-            logged = trainer.step % cfg.log_every == 0 or last or trainer.step == 1  # alike on every rank
-            if logged:  # the highest of any rank since the previous logged step
-                record["peak_mem_bytes"] = memory.report()
             if (cfg.eval_every and trainer.step % cfg.eval_every == 0) or last:
-                val = trainer.evaluate(make_val_batches())
-                record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), **downstream.evaluate())
-            metrics.write(record)
-            summary.observe(record)
-            tracker.log(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-            if log and logged:
-                fd = bar.format_dict  # the ETA in the step lines too, for log files: mean step time of this run so far
-                eta = None if last or fd["n"] <= fd["initial"] else \
-                    fd["elapsed"] / (fd["n"] - fd["initial"]) * (cfg.max_steps - trainer.step)
-                bar.write(step_line(record, eta))
+                record.update(evaluation(trainer, make_val_batches, downstream))
+            report.record(record)
             if downstream.samples_due(trainer.step, last):  # every rank: one forward pass per token
-                texts = downstream.samples()
-                tracker.log_samples(trainer.step, texts)
-                for i, text in enumerate(texts if log else []):
-                    bar.write(f"step {trainer.step:>6} | sample {i}: {json.dumps(text, ensure_ascii=False)}")
+                report.samples(trainer.step, downstream.samples())
             if saver.after_step(stop):  # checkpoint when due; True after SIGTERM/SIGUSR1: saved, every rank stops here
                 break
         exit_code = 0
     finally:
-        bar.close()  # first: an error's sentence then starts on a line of its own
-        metrics.close()
+        report.close(exit_code)
         profiler.close()
-        tracker.finish(exit_code)
     # After a normal end only: on an error the SIGTERM handler stays, so that the launcher's SIGTERM to the survivors
     # of a dead rank waits until the failure is reported (dist.failure.run_reported)
     saver.close()
-    for line in summary.lines(cfg.out_dir, saver.last_saved) if log else []:
-        print(line, flush=True)
+    report.summarize(saver.last_saved)
 
 
-def step_line(record: dict, eta_s: float | None) -> str:
-    """A step's console line, from its metrics record."""
-    from tqdm import tqdm
-
-    line = (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad_norm {record['grad_norm']:.3f} | {record['step_time_s'] * 1000:.0f} ms | "
-            f"{record['tokens_per_s']:,.0f} tok/s")
-    if record.get("mfu") is not None:
-        line += f" | mfu {100 * record['mfu']:.1f}%"
-    line += f" | mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
-    if record["skipped"]:
-        line += " | skipped (non-finite)"
-    if eta_s is not None:
-        line += f" | eta {tqdm.format_interval(eta_s)}"
-    if "val_loss" in record:
-        line += f" | val_loss {record['val_loss']:.4f}{hellaswag_text(record)}"
-    return line
+def evaluation(trainer: Trainer, make_val_batches, downstream: Downstream) -> dict:
+    """The validation loss (and perplexity) and the downstream scores (HellaSwag), every rank."""
+    val = trainer.evaluate(make_val_batches())
+    return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **downstream.evaluate()}
 
 
-def hellaswag_text(record: dict) -> str:
-    return f" | hellaswag {record['hellaswag_acc']:.4f}" if "hellaswag_acc" in record else ""
+class Throughput:
+    """A step's tokens, time, tokens/s, TFLOP/s per device and MFU (where the device's peak is known)."""
 
+    def __init__(self, trainer: Trainer, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_device = trainer.mcfg.flops_per_token(trainer.cfg.seq_len) / trainer.topo.layout.world_size
+        self.peak = device_peak_tflops(trainer.device, trainer.precision, trainer.cfg.peak_tflops)
 
-if __name__ == "__main__":
-    sys.exit(main())
+    def of(self, step: int, seconds: float) -> dict:
+        tps = self.tokens_per_step / seconds
+        tflops = tps * self.flops_per_device / 1e12
+        return {"tokens": step * self.tokens_per_step, "step_time_s": seconds, "tokens_per_s": tps,
+                "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None}
