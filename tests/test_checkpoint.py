@@ -27,7 +27,7 @@ import transformers
 import fault_plugin
 from distributed import free_port, run_world
 from parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL, max_rel
-from trainer3d.parallel import pipeline
+from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.checkpoint.format import Checkpoint, latest_checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.save import save_checkpoint
 from trainer3d.errors import CheckpointError
@@ -48,9 +48,8 @@ def _rows(n: int = 40) -> np.ndarray:
 
 
 def _cfg(out_dir, dp=1, tp=1, pp=1, schedule="1f1b", virtual_stages=1, micro_batches=None, **kw) -> TrainConfig:
-    info = pipeline.SCHEDULES[schedule]
-    if micro_batches is None:
-        micro_batches = max(2, pp * (virtual_stages if info.multi_stage else 1))
+    if micro_batches is None:  # the default, and at least 2 (accumulation)
+        micro_batches = max(2, default_micro_batches(schedule, pp))
     base = dict(
         model="tiny", n_layer=8, n_head=8, n_embd=64, vocab_size=VOCAB, seq_len=SEQ, global_batch=GB, lr=1e-3,
         warmup_steps=3, max_steps=2 * N, grad_clip=0.5, precision="fp32", seed=1234, tp=tp, pp=pp,

@@ -1,5 +1,5 @@
-"""--compile against the one-process eager run (fp32, dropout 0, same seed and data, 10 steps, every loss to 1e-5
-relative, final parameters to 1e-4: tests/test_parity.py's check) at (1,1,1), (1,2,2) 1F1B and tp 2 × cp 2 (the cp
+"""--compile against the one-process eager run (fp32, dropout 0, same seed and data, 10 steps, losses, gradient norms
+and final parameters within tests/parity.py's tolerances, and dynamo's compiled graphs counted) at (1,1,1), (1,2,2) 1F1B and tp 2 × cp 2 (the cp
 attention and positions run eagerly between the compiled graphs); and, with dropout 0.2
 at (1,2,2), recomputation under --compile draws the same masks again: selective (its checkpointed attention core runs
 eagerly between compiled graphs) and full (the checkpoint runs the compiled block) give bitwise the same losses (and

@@ -10,6 +10,8 @@ import pytest
 
 from distributed import run_world
 from parity import LLAMA, LOSS_RTOL, PARAM_ATOL, check, compare, run_layouts
+from trainer3d.config import RECOMPUTE_MODES
+from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.parallel.pipeline import PIPELINING_BEFORE_2_13, SCHEDULES
 
 STEPS = 10
@@ -19,8 +21,7 @@ ALL_SCHEDULES = list(SCHEDULES)
 def case(dp=1, tp=1, pp=1, schedule="1f1b", **features):
     info = SCHEDULES[schedule]
     v = 2 if info.multi_stage and not info.v_shape else 1
-    per_rank = 2 if info.multi_stage else 1
-    micro = max(2, pp * per_rank)  # enough for every schedule's rule, and at least 2 (accumulation)
+    micro = max(2, default_micro_batches(schedule, pp))  # the default, and at least 2 (accumulation)
     return dict(dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v, micro_batches=micro, **features)
 
 
@@ -119,7 +120,7 @@ def test_llama_loss_parity():
     assert not failures, "\n".join(failures)
 
 
-MODES = ("none", "selective", "full")
+MODES = RECOMPUTE_MODES
 
 
 def dropout_cases() -> list[dict]:

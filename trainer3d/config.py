@@ -14,6 +14,8 @@ from trainer3d.models import FAMILIES, MODEL_PRESETS
 
 # torch.distributed.pipelining's schedules by flag name (parallel/pipeline.py maps each to its class)
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on CUDA, fp32 on CPU (TrainConfig.resolved_precision)
+RECOMPUTE_MODES = ("none", "selective", "full")  # parallel/recompute.py
 
 
 @dataclass
@@ -162,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--schedule", default=d.schedule, choices=SCHEDULE_NAMES)
     lay.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank (interleaved)")
     lay.add_argument(
-        "--recompute", default=d.recompute, choices=["none", "selective", "full"],
+        "--recompute", default=d.recompute, choices=RECOMPUTE_MODES,
         help="activation recomputation: selective recomputes the attention core, full every block",
     )
     lay.add_argument(
@@ -201,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a step whose loss or gradient norm is nan/inf is never applied; then stop the run with one sentence "
              "naming it (nothing more is saved) or skip it and train on",
     )
-    o.add_argument("--precision", default=d.precision, choices=["auto", "fp32", "bf16", "fp16"])
+    o.add_argument("--precision", default=d.precision, choices=PRECISIONS)
     o.add_argument("--seed", type=int, default=d.seed)
     da = p.add_argument_group("data")
     da.add_argument("--data", default=None,

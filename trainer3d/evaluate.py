@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.load import prepare
-from trainer3d.config import SCHEDULE_NAMES, TrainConfig
+from trainer3d.config import PRECISIONS, SCHEDULE_NAMES, TrainConfig
 from trainer3d.distributed.failure import run_reported
 from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.errors import ConfigError, UsageError
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"rows per forward pass over all dp ranks (default {ROWS_PER_MICRO_BATCH} per micro-batch)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="row length; longer examples lose the start of their context (default: the run's)")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--precision", default="auto", choices=PRECISIONS)
     p.add_argument("--tokenizer", default=None, help="default: the one the run trained with")
     p.add_argument("--output", default=None, metavar="FILE", help="write the results as JSON (atomically)")
     p.add_argument("--dist-timeout", type=float, default=300.0)

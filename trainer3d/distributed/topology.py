@@ -27,6 +27,9 @@ class Coords(NamedTuple):
     cp: int = 0
 
 
+ORDER = ("tp", "cp", "dp", "pp")  # THE rank order, fastest-varying axis first (the module docstring says why)
+
+
 @dataclass(frozen=True)
 class Layout:
     dp: int
@@ -43,12 +46,20 @@ class Layout:
         """Ranks holding the same parameters (one per dp replica and context shard)."""
         return self.dp * self.cp
 
+    def stride(self, axis: str) -> int:
+        """How far apart in rank two neighbours along `axis` are (ORDER: tp 1, cp tp, dp tp·cp, pp tp·cp·dp); the
+        planner prices a group's links by it."""
+        out = 1
+        for a in ORDER[: ORDER.index(axis)]:
+            out *= getattr(self, a)
+        return out
+
     def coords(self, rank: int) -> Coords:
-        return Coords(pp=rank // (self.dp * self.cp * self.tp), dp=(rank // (self.cp * self.tp)) % self.dp,
-                      tp=rank % self.tp, cp=(rank // self.tp) % self.cp)
+        return Coords(**{a: rank // self.stride(a) % getattr(self, a) for a in ORDER})
 
     def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
-        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+        at = {"pp": pp, "dp": dp, "tp": tp, "cp": cp}
+        return sum(at[a] * self.stride(a) for a in ORDER)
 
     def __str__(self) -> str:
         return f"dp{self.dp}×tp{self.tp}×pp{self.pp}" + (f"×cp{self.cp}" if self.cp > 1 else "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from trainer3d.distributed.topology import Layout
 from trainer3d.parallel.pipeline import SCHEDULES, stage_cost
 from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, rank_params
 from trainer3d.plan.cluster import Cluster
@@ -57,14 +58,12 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
         coef = 1.0 / cand.virtual_stages if coef is None else coef
         out["bubble"] = (cand.pp - 1) * t_mb * coef
     # communication, for the busiest pipeline rank (first or last: embedding / head)
-    gpn = C.gpus_per_node
-    tp, cp, dp = cand.tp, cand.cp, cand.dp  # rank order: tp fastest, then cp, dp, pp
-    bw = {
-        "tp": C.intra_node_gbps if tp <= gpn else C.inter_node_gbps,
-        "cp": C.inter_node_gbps if nodes_spanned(tp, cp, gpn) else C.intra_node_gbps,
-        "dp": C.inter_node_gbps if nodes_spanned(tp, cp * dp, gpn) else C.intra_node_gbps,
-        "pp": C.inter_node_gbps if nodes_spanned(tp * cp * dp, cand.pp, gpn) else C.intra_node_gbps,
-    }
+    L = Layout(dp=cand.dp, tp=cand.tp, pp=cand.pp, cp=cand.cp)  # the trainer's rank order, strides and all
+    groups = {"tp": (L.stride("tp"), L.tp), "cp": (L.stride("cp"), L.cp),
+              "dp": (L.stride("cp"), L.dp_cp),  # gradients reduce over dp × cp: adjacent lines of cp and dp
+              "pp": (L.stride("pp"), L.pp)}
+    bw = {g: C.inter_node_gbps if nodes_spanned(stride, size, C.gpus_per_node) else C.intra_node_gbps
+          for g, (stride, size) in groups.items()}
     bw["embedding"] = bw["pp"]
     worst: dict[str, float] = {}
     for r in sorted({0, cand.pp - 1}):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from trainer3d.checkpoint.format import checkpoints_root, resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
-from trainer3d.config import SIZE_FLAGS, TrainConfig
+from trainer3d.config import PRECISIONS, RECOMPUTE_MODES, SIZE_FLAGS, TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.sources import check_data_path, looks_like_path
 from trainer3d.distributed.topology import Layout, Topology, device_type, infer_layout
@@ -173,10 +173,9 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
     check_paths(cfg)
     if cfg.model not in MODEL_PRESETS:
         raise ConfigError(f"Unknown --model {cfg.model!r}; choose one of {', '.join(MODEL_PRESETS)}.")
-    if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
-        raise ConfigError(f"--precision must be auto, fp32, bf16 or fp16 (got {cfg.precision!r}).")
-    if cfg.recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"--recompute must be none, selective or full (got {cfg.recompute!r}).")
+    for name, value, choices in (("precision", cfg.precision, PRECISIONS), ("recompute", cfg.recompute, RECOMPUTE_MODES)):
+        if value not in choices:
+            raise ConfigError(f"{flag(name)} must be one of {', '.join(choices)} (got {value!r}).")
     layout = infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp)
     if cfg.init_from_hf:
         base_model = hf_model_config(cfg.init_from_hf)
