@@ -322,11 +322,82 @@ def llama_405b_rows() -> list[list]:
     return rows
 
 
+def _vs_deepspeed_world(rank, world, model, out, rounds, offload):
+    """One ZeRO-3 engine: trainer3d's save and DeepSpeed's own save_checkpoint of the same engines, rounds in rotated
+    order; each save's time (to the last rank done), this rank's peak rise (VmHWM) and bytes written."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from bench.harness import rotated
+    from trainer3d.checkpoint.save import save_checkpoint
+
+    case = _case(model, world, 1, 1, False)
+    case = Case(**{**case.__dict__, "deepspeed_config": _zero3(case, offload)})
+    topo, trainer = build_trainer(case)
+    trainer.train_step(local_batch(case, topo, 0))
+    rows = []
+    for r in range(rounds):
+        for name in rotated(["trainer3d", "trainer3d, no fsync", "deepspeed"], r):
+            path = os.path.join(out, f"{name[:9]}{r}")
+            gc.collect()
+            world_barrier()
+            steady, t0 = _rss(), time.time()
+            _reset_hwm()
+            if name == "trainer3d":
+                save_checkpoint(trainer, path)
+            elif name == "trainer3d, no fsync":  # what durability costs: DeepSpeed's torch.save does not fsync
+                fsync, os.fsync = os.fsync, lambda fd: None
+                try:
+                    save_checkpoint(trainer, path)
+                finally:
+                    os.fsync = fsync
+            else:  # what a DeepSpeed user runs: every engine's own save_checkpoint
+                for i, engine in enumerate(trainer.engine.engines):
+                    engine.save_checkpoint(path, tag=f"stage{i}")
+            world_barrier()
+            t1, peak = time.time(), _hwm()
+            written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) \
+                if rank == 0 else 0
+            rows.append(dict(name=name, round=r, rank=rank, save_s=t1 - t0, rise=peak - steady, steady=steady,
+                             written=written))
+            world_barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+    return rows
+
+
+def _zero3(case: Case, offload: bool) -> dict:
+    from bench.memory import ds_config
+
+    return ds_config(3, offload, case)
+
+
+def vs_deepspeed(model: str, world: int, rounds: int, offload: bool) -> list[list]:
+    from distributed import run_world
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as out:
+        results = run_world(world, _vs_deepspeed_world, model, out, rounds, offload, timeout=3000)
+    rows = []
+    for name in ("trainer3d", "trainer3d, no fsync", "deepspeed"):
+        mine = [r for per_rank in results for r in per_rank if r["name"] == name]
+        times = sorted({r["round"]: r["save_s"] for r in mine}.values())
+        rows.append([name, ", ".join(f"{t:.1f}" for t in times), f"{times[len(times) // 2]:.1f}",
+                     " / ".join(fmt_bytes(max(r["rise"] for r in mine if r["rank"] == k)) for k in range(world)),
+                     " / ".join(fmt_bytes(max(r["steady"] for r in mine if r["rank"] == k)) for k in range(world)),
+                     fmt_bytes(max(r["written"] for r in mine))])
+    base = float(rows[-1][2])
+    for row in rows:
+        row.insert(3, f"{float(row[2]) / base:.2f}")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-medium", choices=sorted(PRESETS), help="the 2-process rows' model")
     p.add_argument("--small", default="gpt2", choices=sorted(PRESETS), help="the 8-process rows' model")
-    p.add_argument("--sections", default="save,resume,startup,scaling,async,llama")
+    p.add_argument("--sections", default="save,resume,startup,scaling,async,llama,vs-deepspeed")
     p.add_argument("--no-hf", action="store_true", help="skip the HF + zero.Init rows of the startup section")
     p.add_argument("--startup-rows", default="0,1,2", help="which of STARTUP the startup section runs")
     args = p.parse_args()
@@ -363,6 +434,13 @@ def main() -> None:
         print("\n## start-up under ZeRO-3, per rank\n")
         print(table(rows, ["build", "rank", "RSS before", "rise (outside)", "rise (VmHWM)", "ZeRO-3 state / dp",
                            "whole model fp32", "s"]))
+    if "vs-deepspeed" in sections:  # issue 32: the save of a ZeRO-3 engine against DeepSpeed's own, same engines
+        for offload in (False, True):
+            print(f"\n## {args.model} ZeRO-3{' + CPU offload' if offload else ''} at dp 2: trainer3d's save against "
+                  "DeepSpeed's save_checkpoint (rotated rounds)\n")
+            print(table(vs_deepspeed(args.model, 2, 3, offload),
+                        ["save", "s per round", "median s", "÷ DeepSpeed", "peak rise rank 0 / 1 (VmHWM)",
+                         "RSS before rank 0 / 1", "bytes written"]))
     if "llama" in sections:
         print("\n## Llama 3.1 405B at dp128 tp8 pp16 interleaved v4, worst pipeline rank (the planner's arithmetic)\n")
         print(table(llama_405b_rows(), ["ZeRO", "a rank's stages", "save, before: written", "save, after: written",

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from trainer3d.checkpoint.pieces import (
-    Piece, local_shape, parse_key, piece_key, read_local, read_region, slice_boxes, tp_boxes,
+    Piece, local_shape, parse_key, partition_boxes, piece_key, read_local, read_region, slice_boxes, tp_boxes,
 )
+from trainer3d.checkpoint.writer import write_safetensors
 from trainer3d.parallel.tensor_parallel import TPSpec, shard_tensor
 
 SPECS = {  # name: (full shape, spec or None)
@@ -78,3 +79,41 @@ def test_a_hole_is_named():
         read_region(pieces, (0, 0), (4, 4), lambda f, k, s: stored[k][s])
     with pytest.raises(ValueError, match="not a checkpoint piece key"):
         parse_key("rng.cpu")
+
+
+@pytest.mark.parametrize("full_shape,spec,tp", [
+    ((10, 6), None, 1), ((3, 4, 5), None, 1), ((13,), None, 1),
+    ((12, 5), TPSpec(0, (12, 5), fused=(4, 4, 4)), 2),  # q|k|v blocks, each split over tp
+    ((7, 8), TPSpec(1, (7, 8)), 2),  # a row-parallel weight
+    ((10, 4), TPSpec(0, (10, 4), padded=12), 2),  # a vocabulary padded to 12 rows
+])
+def test_a_flat_partition_is_written_as_boxes_of_the_full_tensor(full_shape, spec, tp):
+    """ZeRO's partitions (equal flat ranges of each tp shard, the last one short) as pieces: each box's data is a
+    contiguous view of its partition, equal to that box of the full tensor, and every element is written once."""
+    full = torch.randn(full_shape)
+    covered = torch.zeros(full_shape)
+    for tp_rank in range(tp):
+        flat = (full if spec is None else shard_tensor(full, spec, tp_rank, tp)).reshape(-1)
+        local_shape = tuple(full.shape) if spec is None else tuple(shard_tensor(full, spec, tp_rank, tp).shape)
+        per = -(-flat.numel() // 3)  # three dp ranks
+        for k in range(3):
+            lo, hi = min(flat.numel(), k * per), min(flat.numel(), (k + 1) * per)
+            for offset, box in partition_boxes(spec, local_shape, tp_rank, tp, lo, hi - lo):
+                region = tuple(slice(s, s + n) for s, n in zip(box.start, box.size))
+                assert torch.equal(flat[lo:hi].narrow(0, offset, box.numel).view(box.size), full[region])
+                covered[region] += 1
+    assert torch.equal(covered, torch.ones(full_shape))
+
+
+def test_written_files_are_safetensors_with_the_digest_of_their_bytes(tmp_path):
+    import hashlib
+
+    from safetensors import safe_open
+
+    tensors = {"param/w@0,0+2,2": torch.randn(5, 4)[1:3, :2], "rng.cpu": torch.get_rng_state(), "none": torch.zeros(0)}
+    info = write_safetensors(tensors, tmp_path / "f.safetensors", {"format": "pt"})
+    assert info["sha256"] == hashlib.sha256((tmp_path / "f.safetensors").read_bytes()).hexdigest()
+    assert info["bytes"] == (tmp_path / "f.safetensors").stat().st_size and info["tensors"] == sorted(tensors)
+    with safe_open(str(tmp_path / "f.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())

@@ -11,12 +11,11 @@ On-disk format 2 (one directory per checkpoint, `<out-dir>/checkpoints/step_0001
                                  full, tp-unsharded, vocab-unpadded tensor at those global offsets (pieces.py); and the
                                  rank's RNG states (`rng.cpu`, `rng.sharded0`, ...)
 
-Which pieces a rank writes: its tp shard of each tensor, and of that a 1/(dp·cp) slice along dim 0 (the ranks of a
-dp×cp line hold the same values; a tensor replicated over tp too is sliced over dp×cp×tp), so every element is written
-once, by one rank, and each rank writes about
-1/world of the state, in parallel with the others. Every data-parallel engine hands over a parameter's fp32 value and
-Adam moments (parallel/engine.py: `param_value`, `optimizer_state_of`), one tensor at a time, so the files are the
-same whatever engine owned the dp axis, and no rank holds more than its share plus one tensor.
+Which pieces a rank writes: of its tp shard of each tensor, where the engine holds it whole on every dp×cp rank (DDP),
+a 1/(dp·cp) slice along dim 0 (a tensor replicated over tp too is sliced over dp×cp×tp); where ZeRO partitions it,
+its partition as it lies (parallel/engine.py: `partition_of`), as the boxes of the full tensor its flat range spans.
+So every element is written once, by one rank, and each rank writes about 1/world of the state, in parallel with the
+others; the files' keys are boxes of the full tensors whatever engine owned the dp axis.
 
 Any (dp, tp, pp, cp, schedule, engine) loads any checkpoint: a rank computes where its own shard lies in each full
 tensor and reads only the pieces, and within them only the byte ranges (safetensors slices), that overlap it.

@@ -84,6 +84,55 @@ def rows_of(boxes: list[Box], lo: int, hi: int) -> list[Box]:
     return out
 
 
+def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int):
+    """The blocks of a C-contiguous tensor of `shape` that its flat elements [lo, hi) make up, in order, as
+    (flat index of the block's first element, origin, size): at most a partial row, whole rows, a partial row, each
+    partial row split the same way one dimension down. How a ZeRO partition (a flat range of a parameter) is written
+    as pieces without assembling anything (save.py)."""
+    if lo >= hi:
+        return
+    if len(shape) <= 1:
+        yield lo, (lo,), (hi - lo,)
+        return
+    row = math.prod(shape[1:])
+    rest = (0,) * (len(shape) - 1)
+    if lo % row:  # a partial first row
+        r = lo // row
+        end = min(hi, (r + 1) * row)
+        for f, o, z in flat_range_boxes(shape[1:], lo - r * row, end - r * row):
+            yield r * row + f, (r, *o), (1, *z)
+        lo = end
+    if hi - lo >= row:  # whole rows
+        n = (hi - lo) // row
+        yield lo, (lo // row, *rest), (n, *shape[1:])
+        lo += n * row
+    if lo < hi:  # a partial last row
+        r = lo // row
+        for f, o, z in flat_range_boxes(shape[1:], 0, hi - r * row):
+            yield r * row + f, (r, *o), (1, *z)
+
+
+def partition_boxes(spec, local_shape: tuple[int, ...], tp_rank: int, tp: int, start: int,
+                    numel: int) -> list[tuple[int, Box]]:
+    """A flat range [start, start + numel) of this tp rank's shard of a parameter (TPSpec `spec`; None: not sharded),
+    as boxes of the full tensor: (offset of the box's first element in the range, box), the vocabulary's padding left
+    out. Every box is a contiguous stretch of the range, so its data is a view of the partition."""
+    strides = [math.prod(local_shape[i + 1:]) for i in range(len(local_shape))]
+    out = []
+    for flat, origin, size in flat_range_boxes(tuple(local_shape), start, start + numel):
+        for b in tp_boxes(spec, tuple(local_shape), tp_rank, tp):
+            lo = [max(o, bl) for o, bl in zip(origin, b.local)]
+            hi = [min(o + z, bl + bz) for o, z, bl, bz in zip(origin, size, b.local, b.size)]
+            if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                continue
+            first = sum(i * st for i, st in zip(lo, strides))
+            box = Box(local=tuple(lo), start=tuple(g + (i - bl) for g, i, bl in zip(b.start, lo, b.local)),
+                      size=tuple(h - lo_ for lo_, h in zip(lo, hi)))
+            assert flat <= first and first - flat + box.numel <= math.prod(size), "a piece would not be contiguous"
+            out.append((first - start, box))
+    return out
+
+
 def piece_key(kind: str, name: str, start: tuple[int, ...], size: tuple[int, ...]) -> str:
     return f"{kind}/{name}@{','.join(map(str, start))}+{','.join(map(str, size))}"
 

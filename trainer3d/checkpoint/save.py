@@ -19,9 +19,10 @@ import torch
 
 from trainer3d.checkpoint.format import (
     FORMAT, FORMAT_VERSION, LATEST, META, RNG_PREFIX, checkpoints_root, complete_checkpoints, layout_record,
-    sha256_of, shard_file, sharded_rngs, step_dir_name,
+    shard_file, sharded_rngs, step_dir_name,
 )
-from trainer3d.checkpoint.pieces import KINDS, piece_key, slice_boxes, tp_boxes
+from trainer3d.checkpoint.pieces import KINDS, partition_boxes, piece_key, slice_boxes, tp_boxes
+from trainer3d.checkpoint.writer import write_safetensors
 from trainer3d.distributed.collectives import all_gather_object, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import fsync_path, write_text_atomic
@@ -31,38 +32,45 @@ from trainer3d.parallel.parallelize import named_full_params
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> dict:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
-    fsync_path(path)
-    return {"bytes": path.stat().st_size, "sha256": sha256_of(path), "tensors": sorted(tensors)}
+    return write_safetensors(tensors, path, metadata)
 
 
-def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:
-    """One fp32 copy of `t` in host memory: straight into page-locked memory from a device (the copy is asynchronous:
-    the caller synchronizes once), a plain copy on the CPU (a slice's view would keep its whole tensor alive)."""
-    if not pinned:
-        return t.detach().to(torch.float32, copy=True).contiguous()
-    out = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
-    out.copy_(t.detach(), non_blocking=True)
-    return out
+def _to_host(t: torch.Tensor, pinned: bool, copy: bool) -> torch.Tensor:
+    """`t` in host memory, fp32: from a device, one copy straight into page-locked memory (asynchronous: the caller
+    synchronizes once); on the CPU, a copy only if `copy` (a snapshot that training will not change under the
+    writer), else `t` itself."""
+    if pinned and t.device.type == "cuda":
+        out = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
+        out.copy_(t.detach(), non_blocking=True)
+        return out
+    t = t.detach().to("cpu", torch.float32)
+    return t.clone(memory_format=torch.contiguous_format) if copy else t
 
 
-def rank_pieces(trainer) -> tuple[dict[str, torch.Tensor], int | None]:
-    """This rank's pieces of every parameter and AdamW moment (its tp shard, and of that the slice its dp rank, and
-    its tp rank for a tp-replicated tensor, writes: format.py) and its RNG states, copied once to host memory (pinned
-    from a GPU, one synchronization for all); and Adam's step (None before the first), read once. Under ZeRO every
-    rank asks the engine for every parameter in the same order (a collective over dp that assembles one tensor at a
-    time); the rank keeps only its pieces, so it holds its share plus one tensor."""
+def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], int | None]:
+    """This rank's pieces of every parameter and AdamW moment, and its RNG states, in host memory; and Adam's step
+    (None before the first), read once. Which pieces (format.py): where the engine partitions the state over dp
+    (ZeRO), this rank's partition as it lies, written as the boxes of the full tensor it spans, without a collective
+    (a tp-replicated parameter's by tp rank 0 only, its tp peers holding the same partition); where every dp rank
+    holds a parameter whole, the slice of its tp shard its dp rank (and, for a tp-replicated tensor, its tp rank)
+    writes. `copy`: copy host tensors (a snapshot written while training goes on); without it, views of the live
+    state (a save that finishes before the next step) where it lives on the host already."""
     topo, L = trainer.topo, trainer.topo.layout
     pinned = trainer.device.type == "cuda"
     pieces: dict[str, torch.Tensor] = {}
-    adam_step = None
+    adam_step = trainer.engine.adam_step()
     for name, (p, spec) in named_full_params(trainer.pm).items():
+        part = trainer.engine.partition_of(p, moments=adam_step is not None)
+        if part is not None:
+            if spec is None and topo.tp_rank != 0:
+                continue  # its tp peers hold the same partition
+            for offset, box in partition_boxes(spec, part.shape, topo.tp_rank, L.tp, part.start, part.numel):
+                for kind, flat in part.tensors.items():
+                    data = flat.narrow(0, offset, box.numel).view(box.size)
+                    pieces[piece_key(kind, name, box.start, box.size)] = _to_host(data, pinned, copy)
+            continue
         value = trainer.engine.param_value(p)
         state = trainer.engine.optimizer_state_of(p)
-        if adam_step is None and "step" in state:  # every parameter steps together: one host read, not one each
-            adam_step = int(state["step"])
         shape = tuple(value.shape)
         # every rank of a dp×cp line holds the same values: each writes its 1/(dp·cp) slice
         index, count = ((topo.dp_cp_rank, L.dp_cp) if spec is not None
@@ -71,7 +79,7 @@ def rank_pieces(trainer) -> tuple[dict[str, torch.Tensor], int | None]:
         for kind, t in [("param", value)] + [(k, state[k]) for k in KINDS[1:] if k in state]:
             for b in mine:
                 part = t[tuple(slice(o, o + s) for o, s in zip(b.local, b.size))]
-                pieces[piece_key(kind, name, b.start, b.size)] = _to_host(part, pinned)
+                pieces[piece_key(kind, name, b.start, b.size)] = _to_host(part, pinned, copy=True)
         del value, state
     if pinned:
         torch.cuda.synchronize(trainer.device)
@@ -97,14 +105,14 @@ class Snapshot:
     keep_last: int
 
 
-def take_snapshot(trainer, out_dir: str | os.PathLike, loader=None, keep_last: int = 0) -> Snapshot:
-    """Copy this rank's part of the state to host memory (collective over the trainer's world, and over dp under
-    ZeRO); the step's files are then written by write_snapshot."""
+def take_snapshot(trainer, out_dir: str | os.PathLike, loader=None, keep_last: int = 0, copy: bool = True) -> Snapshot:
+    """This rank's part of the state in host memory (collective over the trainer's world, and over dp where the engine
+    assembles a tensor); the step's files are then written by write_snapshot. `copy`: rank_pieces's."""
     topo = trainer.topo
     final = checkpoints_root(out_dir) / step_dir_name(trainer.step)
     tmp_name = f"{final.name}.tmp-{secrets.token_hex(4)}" if topo.rank == 0 else None
     tmp = final.parent / broadcast_object(tmp_name, topo.global_rank(0, 0, 0), topo.world_group)
-    pieces, adam_step = rank_pieces(trainer)
+    pieces, adam_step = rank_pieces(trainer, copy)
     return Snapshot(final, tmp, pieces, adam_step, _meta(trainer, loader) if topo.rank == 0 else None,
                     topo.layout.world_size, keep_last)
 
@@ -151,7 +159,7 @@ def save_checkpoint(trainer, out_dir: str | os.PathLike, loader=None, keep_last:
     """Save `trainer` (and the data loader's position) as `<out_dir>/checkpoints/step_<step>`; collective over the
     trainer's world group. Returns the checkpoint directory."""
     topo = trainer.topo
-    snap = take_snapshot(trainer, out_dir, loader, keep_last)
+    snap = take_snapshot(trainer, out_dir, loader, keep_last, copy=False)  # written before training goes on
     return write_snapshot(snap, topo.rank, topo.world_group, topo.global_rank(0, 0, 0))
 
 

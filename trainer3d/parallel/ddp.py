@@ -119,6 +119,10 @@ class DDPEngine(DataParallelEngine):
     def optimizer_state_of(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.optimizer.state.get(param, {}).items() if torch.is_tensor(v)}
 
+    def adam_step(self) -> int | None:
+        state = next((self.optimizer.state[p] for p in self.params if p in self.optimizer.state), None)
+        return None if state is None else int(state["step"])
+
     def load_param_states(self, items) -> None:
         for param, read_state, _ in items:
             state = read_state()

@@ -28,6 +28,21 @@ from trainer3d.parallel.tensor_parallel import materialize
 
 
 @dataclass
+class Partition:
+    """This rank's part of a parameter's fp32 value and AdamW moments, as an engine holds it: the flat range
+    [start, start + numel) of the tp shard (of `shape`), as 1-D views (`tensors`: "param", and "exp_avg",
+    "exp_avg_sq" after the first step). Over dp × cp the partitions of a parameter are disjoint and cover it."""
+
+    start: int
+    shape: tuple[int, ...]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def numel(self) -> int:
+        return self.tensors["param"].numel()
+
+
+@dataclass
 class StepResult:
     grad_norm: float  # global L2 norm of the (dp-averaged, unscaled) gradient, each element counted once
     stepped: bool  # False: a non-finite loss or norm skipped the update
@@ -91,6 +106,16 @@ class DataParallelEngine:
     def optimizer_state_of(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """This rank's tp shard of `param`'s AdamW state (exp_avg, exp_avg_sq, step), whole over dp; {} before the
         first step."""
+        raise NotImplementedError
+
+    def partition_of(self, param: nn.Parameter, moments: bool) -> Partition | None:
+        """The part of `param`'s state this rank holds as it lies (no collective), where the engine partitions it
+        over dp (ZeRO); None where every dp rank holds it whole (checkpoints then slice it: checkpoint/save.py).
+        `moments`: Adam has stepped, so its moments exist (adam_step() is not None)."""
+        return None
+
+    def adam_step(self) -> int | None:
+        """AdamW's step count (every parameter steps together), None before the first step; one host read."""
         raise NotImplementedError
 
     def load_param_states(self, items: Iterable[tuple[nn.Parameter, Callable, Callable]]) -> None:

@@ -168,6 +168,12 @@ class ZeroEngine(DataParallelEngine):
     def optimizer_state_of(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         return state.optimizer_state_of(self._engine_of[id(param)], param)
 
+    def partition_of(self, param: nn.Parameter, moments: bool):
+        return state.partition_of(self._engine_of[id(param)], param, moments)
+
+    def adam_step(self) -> int | None:
+        return state.optimizer_step_count(self.engines[0]) if self.engines else None
+
     def load_param_states(self, items) -> None:
         state.load_param_states(self._engine_of, items)
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from trainer3d.optim import adam_step_state
+from trainer3d.parallel.engine import Partition
 from trainer3d.zero.grads import Holding, base_optimizer_and_masters, holding
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -40,7 +41,7 @@ def _base_optimizer_and_masters(engine):
     return base_optimizer_and_masters(engine.optimizer)
 
 
-def _optimizer_step_count(engine) -> int | None:
+def optimizer_step_count(engine) -> int | None:
     """Adam's step count (every master tensor steps together; ZeRO never skips a step in fp32/bf16), or None before
     the first step, when Adam has created no state yet."""
     base, masters = _base_optimizer_and_masters(engine)
@@ -135,7 +136,7 @@ def optimizer_state_of(engine, p: nn.Parameter) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_optimizer_state
 
     base, _ = _base_optimizer_and_masters(engine)
-    step = _optimizer_step_count(engine)
+    step = optimizer_step_count(engine)
     if step is None:
         return {}
     if not _partitioned(engine):  # ZeRO-0 in fp32: the client optimizer, keyed by the parameter itself
@@ -145,6 +146,35 @@ def optimizer_state_of(engine, p: nn.Parameter) -> dict[str, torch.Tensor]:
     state = {k: safe_get_full_optimizer_state(p, k).float().reshape(_full_shape(engine, p)) for k in ADAM_MOMENTS}
     state["step"] = torch.tensor(float(step))
     return state
+
+
+def partition_of(engine, p: nn.Parameter, moments: bool) -> Partition | None:
+    """This rank's fp32 master and Adam moments of `p` as ZeRO holds them (views, no collective): ZeRO-3's
+    partition in its sub-group's flat master; ZeRO-1/2's (and stage 0 bf16's) fragment. None where nothing is
+    partitioned (stage 0 in fp32) or the optimizer lives on NVMe (the assembled path then reads it through
+    DeepSpeed). `moments`: Adam has stepped (its state exists)."""
+    kind = holding(engine.optimizer)
+    if kind is Holding.WHOLE or _swaps_optimizer(engine):
+        return None
+    if kind is Holding.PARTITION:
+        opt = engine.optimizer
+        group, offset, _ = opt.grad_position[opt.get_param_id(p)]
+        start, numel, _ = _partition(engine, p)
+        master = opt.fp32_partitioned_groups_flat[group]
+        tensors = {"param": master.narrow(0, offset, numel)}
+        if moments:
+            state = opt.optimizer.state[master]
+            tensors.update({k: state[k].narrow(0, offset, numel) for k in ADAM_MOMENTS})
+        return Partition(start, tuple(p.ds_shape), tensors)
+    mapping = p._hp_mapping
+    if mapping is None:  # another rank's partition holds all of it
+        return Partition(0, tuple(p.shape), {"param": torch.empty(0)})
+    if moments and not mapping.optim_fragment:
+        _link_optimizer_state(engine)
+    tensors = {"param": mapping.hp_fragment}
+    if moments:
+        tensors.update({k: mapping.get_optim_state_fragment(k) for k in ADAM_MOMENTS})
+    return Partition(mapping.lp_fragment_address.start, tuple(p.shape), tensors)
 
 
 def load_param_states(engine_of: dict, items) -> None:
