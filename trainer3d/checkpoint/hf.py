@@ -54,7 +54,7 @@ def read_hf_config(path: str | os.PathLike, dropout: float | None = None):
     model_type = raw.get("model_type", "gpt2")  # GPT-2 files from before model_type was written
     family = family_for_hf(model_type)
     if family is None:
-        known = ", ".join(repr(f.hf.model_type) for f in FAMILIES.values())
+        known = ", ".join(repr(t) for f in FAMILIES.values() for t in f.hf.model_types)
         raise ValueError(f"{config_file}: model_type {model_type!r} is no family trainer3d trains (known: {known})")
     try:
         return family, family.hf.config_from_hf(raw, dropout)
@@ -79,6 +79,7 @@ class HFDirectory:
         self._transposed: dict[str, bool] = {}
         self.bytes_read = 0  # tensor bytes read by shard()
         self.nonfinite: str | None = None  # the first tensor read with nan or inf in it (checkpoint/hf_init.py)
+        self._expert_part: dict[str, bool] = {}  # HF name -> one expert's slice of a stacked weight (_pieces)
         self.index = self._build_index()  # HF name (normalized) -> (file, name in the file)
 
     # -- the files ---------------------------------------------------------------------------------------------------
@@ -173,23 +174,33 @@ class HFDirectory:
         return read_local(self._pieces(name), boxes, tuple(local_shape), self._read_block)
 
     def _pieces(self, name: str) -> list[Piece]:
-        out, row = [], 0
+        """Each HF tensor as a piece of the canonical tensor: rows stacked along dim 0, or (per-expert tensors) one
+        expert's slice of a stacked weight, its own rows stacked within it."""
+        out, row = [], {}
         for part in self.adapter.parts(self.cfg, name):
             shape = self._hf_shape(part.name)
             size = tuple(reversed(shape)) if part.transposed else shape
             self._transposed[part.name] = part.transposed
-            out.append(Piece(part.name, part.name, (row,) + (0,) * (len(size) - 1), size))
-            row += size[0]
+            self._expert_part[part.name] = part.expert is not None
+            at = row.get(part.expert, 0)
+            if part.expert is not None:
+                out.append(Piece(part.name, part.name, part.origin(at, len(size) + 1), (1, *size)))
+            else:
+                out.append(Piece(part.name, part.name, part.origin(at, len(size)), size))
+            row[part.expert] = at + size[0]
         return out
 
     def _read_block(self, hf_name: str, _key: str, slices: tuple[slice, ...]) -> torch.Tensor:
         file, key = self.index[hf_name]
-        transposed = self._transposed[hf_name]
+        transposed, expert = self._transposed[hf_name], self._expert_part[hf_name]
+        if expert:  # the piece's leading dim is the expert's own (size 1): not a dim of the HF tensor
+            slices = slices[1:]
         if transposed:
             slices = slices[::-1]
         t = self._bin(file)[key][slices] if file.suffix == ".bin" else self._safe(file).get_slice(key)[slices]
         self.bytes_read += t.numel() * t.element_size()
-        return t.t() if transposed else t
+        t = t.t() if transposed else t
+        return t.unsqueeze(0) if expert else t
 
     def state(self, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
         out = {name: self.tensor(name) for name in canonical_shapes(self.cfg)}

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from trainer3d.models import gpt2, llama
+from trainer3d.models import gpt2, llama, mixtral, qwen3
 from trainer3d.models.interface import CausalLM, ModelFamily, canonical_name as _canonical_name, shape_fields
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen3.FAMILY, mixtral.FAMILY)}
 
 # --model's choices and the planner's: every family's presets by name
 MODEL_PRESETS: dict[str, Any] = {name: cfg for f in FAMILIES.values() for name, cfg in f.presets.items()}
@@ -24,7 +24,7 @@ def family_of(cfg) -> ModelFamily:
 
 def family_for_hf(model_type: str | None) -> ModelFamily | None:
     """The family whose Hugging Face adapter reads config.json's `model_type` (None: no family does)."""
-    return next((f for f in FAMILIES.values() if f.hf.model_type == model_type), None)
+    return next((f for f in FAMILIES.values() if model_type in f.hf.model_types), None)
 
 
 def build_model(cfg) -> CausalLM:

@@ -37,15 +37,18 @@ class RowParallel:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """`linears`: path inside a block -> style. `attention`: the attention module inside a block; it has `core(q, k,
-    v)` (what selective recomputation wraps) and `sharded_rng` (the per-tp-rank dropout stream of head-sharded
-    attention). `positions`: a learned position embedding of the first stage, looked up per sequence shard under
-    sequence parallelism (None: positions are rotary, inside attention). The token embedding and the head are always
-    vocab-parallel; every other parameter is replicated over tp."""
+    """`linears`: path inside a block -> style (a path whose module is a mixture of experts in some block is left to
+    expert parallelism there). `attention`: the attention module inside a block; it has `core(q, k, v)` (what selective
+    recomputation wraps) and `sharded_rng` (the per-tp-rank dropout stream of head-sharded attention). `positions`: a
+    learned position embedding of the first stage, looked up per sequence shard under sequence parallelism (None:
+    positions are rotary, inside attention). `head_shared`: parameters inside a block replicated over tp that each
+    rank applies to its own heads only (Qwen3's q/k norms), so their gradient is a per-rank share summed over tp.
+    The token embedding and the head are always vocab-parallel; every other parameter is replicated over tp."""
 
     linears: Mapping[str, ColumnParallel | RowParallel]
     attention: str
     positions: str | None = None
+    head_shared: tuple[str, ...] = ()
 
 
 # ---- formulas the planner and the metrics read ------------------------------------------------------------------------
@@ -111,6 +114,13 @@ class CausalLM(nn.Module):
             setattr(out, name, None)
         return out
 
+    def state_tables(self) -> dict[str, torch.Tensor]:
+        """The tables that are state a run trains and a checkpoint keeps, though no parameter (a router's selection
+        bias under loss-free balancing), by their name in the module; the submodules that hold one define
+        `saved_tables`. Replicated on every rank that holds their module."""
+        return {f"{prefix}.{k}": v for prefix, m in self.named_modules() if hasattr(m, "saved_tables")
+                for k, v in m.saved_tables().items()}
+
     def init_tables(self, device: torch.device) -> None:
         """Fill the tables that are no parameters (rotary frequencies) on `device`, once the parameters are there: a
         module built on the meta device has none. They are plain attributes, not buffers, so that no cast of the module
@@ -124,11 +134,18 @@ class CausalLM(nn.Module):
 @dataclass(frozen=True)
 class HFPart:
     """One Hugging Face tensor that a canonical tensor is made of: `rows` of it along dim 0 (None: the whole tensor,
-    its only part), in order, stored transposed (GPT-2's Conv1D weights) or not."""
+    its only part), in order, stored transposed (GPT-2's Conv1D weights) or not. `expert`: the part is expert
+    `expert`'s slice of a stacked expert weight (canonical [E, ...], the HF tensor [...]: transformers keeps experts
+    fused in memory and one tensor per expert on disk); its `rows` then stack along dim 1, within the expert."""
 
     name: str
     rows: int | None = None
     transposed: bool = False
+    expert: int | None = None
+
+    def origin(self, row: int, ndim: int) -> tuple[int, ...]:
+        """Where the part starts in the canonical tensor, `row` rows into its block (its expert's, or the tensor's)."""
+        return (row,) + (0,) * (ndim - 1) if self.expert is None else (self.expert, row) + (0,) * (ndim - 2)
 
 
 class HFAdapter:
@@ -137,7 +154,7 @@ class HFAdapter:
     A family declares, per canonical tensor, the HF tensors it is made of (`parts`: stacked along dim 0, each maybe
     transposed); conversion both ways and the reading of any block of a canonical tensor follow from that."""
 
-    model_type: str  # config.json's model_type
+    model_types: tuple[str, ...]  # the config.json model_types it reads
     architecture: str  # the transformers class that loads an export, e.g. "LlamaForCausalLM"
 
     def config_from_hf(self, raw: dict, dropout: float | None) -> Any:
@@ -155,13 +172,26 @@ class HFAdapter:
         return [p.name for p in self.parts(cfg, name)]
 
     def from_hf(self, cfg, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        parts = [t.t() if p.transposed else t for p, t in zip(self.parts(cfg, name), tensors)]
-        return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0].contiguous()
+        parts = self.parts(cfg, name)
+        tensors = [t.t() if p.transposed else t for p, t in zip(parts, tensors)]
+        if parts[0].expert is not None:  # per-expert tensors: stacked along a new dim 0, rows within each expert
+            by_expert: dict[int, list[torch.Tensor]] = {}
+            for p, t in zip(parts, tensors):
+                by_expert.setdefault(p.expert, []).append(t)
+            return torch.stack([torch.cat(by_expert[e], dim=0) for e in sorted(by_expert)])
+        return torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0].contiguous()
 
     def to_hf(self, cfg, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         parts = self.parts(cfg, name)
-        chunks = tensor.split([p.rows for p in parts], dim=0) if len(parts) > 1 else [tensor]
-        return {p.name: c.t() if p.transposed else c for p, c in zip(parts, chunks)}
+        out, row = {}, {}
+        for p in parts:
+            block = tensor if p.expert is None else tensor[p.expert]
+            start = row.get(p.expert, 0)
+            rows = p.rows if p.rows is not None else block.shape[0] - start
+            chunk = block.narrow(0, start, rows)
+            row[p.expert] = start + rows
+            out[p.name] = chunk.t() if p.transposed else chunk
+        return out
 
     def normalize(self, hf_name: str) -> str:
         """A stored name as `sources` spells it (older files name some tensors differently)."""

@@ -38,7 +38,7 @@ def _hf_config_dict(raw: dict) -> dict[str, Any]:
 
 
 class GPT2Adapter(HFAdapter):
-    model_type = "gpt2"
+    model_types = ("gpt2",)
     architecture = "GPT2LMHeadModel"
 
     def config_from_hf(self, raw: dict, dropout: float | None = None) -> GPTConfig:

@@ -22,7 +22,7 @@ def check(cfg: LlamaConfig, tp: int) -> None:
         raise LayoutError(f"--tp {tp} must divide the model's {cfg.n_kv_heads} key/value heads (grouped-query "
                           f"attention shards whole kv heads); pick a divisor of {cfg.n_kv_heads} and put the other GPUs on "
                           "--pp or data parallelism.")
-    if cfg.ffn_hidden % tp:
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.n_layer)) and cfg.ffn_hidden % tp:  # (experts are not split)
         raise LayoutError(f"--tp {tp} must divide the model's MLP width of {cfg.ffn_hidden}; pick a divisor of it.")
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from trainer3d.models.interface import LayerActivations
+from trainer3d.models.moe import MoESpec
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
 
     family: ClassVar[str] = "llama"
+    qk_norm: ClassVar[bool] = False  # an RMSNorm over head_dim on q and on k, before the rotation (Qwen3)
 
     @property
     def head_dim(self) -> int:
@@ -43,25 +45,52 @@ class LlamaConfig:
     def kv_width(self) -> int:
         return self.n_kv_heads * self.head_dim
 
-    def block_params(self) -> int:
-        d = self.n_embd
-        return d * (self.q_width + 2 * self.kv_width) + self.q_width * d + 3 * d * self.ffn_hidden + 2 * d
+    @property
+    def moe(self) -> MoESpec | None:
+        """The MoE layers' shape and routing (families with experts: qwen3, mixtral); None: every MLP is dense."""
+        return None
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def is_moe_layer(self, layer: int) -> bool:
+        return False
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self.is_moe_layer(i)]
+
+    # ---- formulas: parameters and FLOPs per block (an MoE block counts all its experts, or the k a token uses) ----
+    def attention_params(self) -> int:
+        d = self.n_embd
+        return d * (self.q_width + 2 * self.kv_width) + self.q_width * d + (2 * self.head_dim if self.qk_norm else 0)
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        d, spec = self.n_embd, self.moe
+        if not self.is_moe_layer(layer):
+            return 3 * d * self.ffn_hidden
+        experts = spec.top_k if active else spec.n_experts
+        return spec.n_experts * d + experts * 3 * d * spec.expert_hidden + 3 * d * spec.shared_hidden
+
+    def block_params(self, layer: int | None = None, active: bool = False) -> int:
+        """One block's parameters (`layer` None: the mean over the blocks, rounded); `active`: a token's (k experts)."""
+        if layer is None:
+            return round(sum(self.block_params(i, active) for i in range(self.n_layer)) / self.n_layer)
+        return self.attention_params() + self.mlp_params(layer, active) + 2 * self.n_embd
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         d, V = self.n_embd, self.vocab_size
-        n = self.n_layer * self.block_params() + d  # + final RMSNorm
+        n = sum(self.block_params(i, active) for i in range(self.n_layer)) + d  # + final RMSNorm
         if include_embedding:
             n += V * d * (1 if self.tie_embeddings else 2)
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per matmul parameter (the head included, the embedding lookup excluded) plus
-        attention's QK^T and AV over the query heads, 12·L·(Hq·hd)·T (the Llama 3 paper's and Megatron's count)."""
-        matmul_params = self.n_layer * self.block_params() + self.vocab_size * self.n_embd
+        """Training FLOPs per token: 6 per matmul parameter a token uses (the head included, the embedding lookup
+        excluded; an MoE layer's router and its k experts) plus attention's QK^T and AV over the query heads,
+        12·L·(Hq·hd)·T (the Llama 3 paper's and Megatron's count)."""
+        matmul_params = sum(self.block_params(i, active=True) for i in range(self.n_layer)) + self.vocab_size * self.n_embd
         return 6.0 * matmul_params + 12.0 * self.n_layer * self.q_width * seq_len
 
     def layer_flops(self, seq_len: int) -> float:
-        return 2 * (self.block_params() - 2 * self.n_embd) + 4 * seq_len * self.q_width
+        return 2 * (self.block_params(active=True) - 2 * self.n_embd) + 4 * seq_len * self.q_width
 
     def head_flops(self) -> float:
         return 2 * self.n_embd * self.vocab_size
@@ -69,11 +98,19 @@ class LlamaConfig:
     def layer_activations(self) -> LayerActivations:
         """Two RMSNorms' inputs (residual dtype) and outputs (matmul inputs) and rstd; SDPA's q and k (after the
         rotation), v and output, o_proj's input, gate and up, silu(gate) and the product (down's input): by head or by
-        column; the log-sum-exp per query head."""
+        column; the log-sum-exp per query head. An MoE block (the mean over blocks): each token's k copies in the
+        experts (their input, gate, up, silu(gate), product), its router logits and scores (fp32); a rank's tokens
+        are split over tp there, so they count as sharded."""
         h = self.n_embd
         attention = 2 * self.q_width + 2 * self.kv_width + self.q_width
-        return LayerActivations(resid=2 * h, matmul=2 * h, sharded_matmul=attention + 4 * self.ffn_hidden, fp32=2,
-                                sharded_fp32=self.n_head)
+        spec, share = self.moe, len(self.moe_layers) / self.n_layer
+        mlp = 4 * self.ffn_hidden * (1 - share)
+        fp32 = 0
+        if spec is not None:
+            mlp += share * spec.top_k * (h + 4 * spec.expert_hidden) + share * 4 * spec.shared_hidden
+            fp32 = share * 2 * spec.n_experts
+        return LayerActivations(resid=2 * h, matmul=2 * h, sharded_matmul=round(attention + mlp), fp32=2,
+                                sharded_fp32=round(self.n_head + fp32))
 
 
 _SHARED = dict(vocab_size=128256, n_positions=131072, rope_theta=500000.0, norm_eps=1e-5)

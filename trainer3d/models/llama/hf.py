@@ -25,16 +25,26 @@ def rope_settings(raw: dict) -> dict:
 
 
 class LlamaAdapter(HFAdapter):
-    model_type = "llama"
+    model_types = ("llama",)
     architecture = "LlamaForCausalLM"
 
     def config_from_hf(self, raw: dict, dropout: float | None = None) -> LlamaConfig:
-        problems = []
+        problems: list[str] = []
+        fields = self.decoder_fields(raw, dropout, problems)
+        if problems:
+            raise ValueError("unsupported Llama config: " + "; ".join(problems))
+        return LlamaConfig(**fields)
+
+    def decoder_fields(self, raw: dict, dropout: float | None, problems: list[str]) -> dict:
+        """The fields every Llama-like family shares (attention, rotary positions, norms, the dense MLP's width),
+        from config.json; what none of them can represent goes to `problems`."""
         if raw.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={raw['hidden_act']!r}: our MLP is SwiGLU (silu)")
         for key in ("attention_bias", "mlp_bias"):
             if raw.get(key):
                 problems.append(f"{key}=True: our Llama has no biases")
+        if raw.get("use_sliding_window") or raw.get("sliding_window"):
+            problems.append("sliding-window attention: ours attends to the whole causal context")
         rope = rope_settings(raw)
         if rope["rope_type"] not in ("default", "llama3"):
             problems.append(f"rope_type={rope['rope_type']!r}: supported are 'default' and 'llama3'")
@@ -45,10 +55,8 @@ class LlamaAdapter(HFAdapter):
         head_dim = raw.get("head_dim")
         if head_dim is None and d % heads:
             problems.append(f"hidden_size={d} is not divisible by num_attention_heads={heads}")
-        if problems:
-            raise ValueError("unsupported Llama config: " + "; ".join(problems))
         scaled = rope["rope_type"] == "llama3"
-        return LlamaConfig(
+        return dict(
             vocab_size=int(raw.get("vocab_size", 32000)), n_positions=int(raw.get("max_position_embeddings", 2048)),
             n_embd=d, n_layer=int(raw.get("num_hidden_layers", 32)), n_head=heads,
             dropout=float(raw.get("attention_dropout", 0.0) if dropout is None else dropout),
@@ -66,6 +74,12 @@ class LlamaAdapter(HFAdapter):
                   bos_token_id: int | None = None):
         from transformers import LlamaConfig as HFLlamaConfig
 
+        return HFLlamaConfig(**self.decoder_kwargs(cfg, dtype, eos_token_id, bos_token_id), mlp_bias=False,
+                             architectures=[self.architecture])
+
+    @staticmethod
+    def decoder_kwargs(cfg: LlamaConfig, dtype, eos_token_id, bos_token_id) -> dict[str, Any]:
+        """The transformers config arguments of the fields every Llama-like family shares."""
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
         if cfg.rope_factor is not None:
             rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
@@ -74,13 +88,12 @@ class LlamaAdapter(HFAdapter):
         kwargs: dict[str, Any] = {}
         if dtype is not None:
             kwargs["dtype"] = str(dtype).removeprefix("torch.")
-        return HFLlamaConfig(
+        return dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
             num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.n_positions,
-            rms_norm_eps=cfg.norm_eps, rope_parameters=rope, attention_bias=False, mlp_bias=False,
-            attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id, architectures=[self.architecture], **kwargs,
+            rms_norm_eps=cfg.norm_eps, rope_parameters=rope, attention_bias=False, attention_dropout=cfg.dropout,
+            tie_word_embeddings=cfg.tie_embeddings, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs,
         )
 
     @staticmethod

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from trainer3d.models.attention import AttentionCore, KVCache, contiguous_positions
 from trainer3d.models.interface import CausalLM, ColumnParallel, ParallelPlan, RowParallel
 from trainer3d.models.llama.config import LlamaConfig
+from trainer3d.models.moe import MoE, moe_init_std
 from trainer3d.models.seeding import name_seeded_normal
 
 
@@ -89,6 +90,9 @@ class Attention(AttentionCore):
         self.rotary = Rotary(cfg)
         self.head_dim = cfg.head_dim
         self.heads_per_group = (cfg.n_head + 2 * cfg.n_kv_heads, cfg.n_head)  # (q + k + v heads, q heads)
+        # Qwen3: each head's q and k normalized over head_dim (one weight for all heads) before the rotation
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -98,8 +102,11 @@ class Attention(AttentionCore):
         all_heads, q_heads = self.heads_per_group
         n_q = width // self.head_dim * q_heads // all_heads
         n_kv = (width // self.head_dim - n_q) // 2
-        q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (t.reshape(B, T, -1, self.head_dim)
                    for t in qkv.split([n_q * self.head_dim, n_kv * self.head_dim, n_kv * self.head_dim], dim=-1))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = self.rotary(0 if kv_cache is None else kv_cache.length, T, q)
         return self.o_proj(self.attend(rotate(q, cos, sin), rotate(k, cos, sin), v, kv_cache, layer))
 
@@ -116,12 +123,12 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg.n_embd, cfg.moe, layer) if cfg.is_moe_layer(layer) else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, layer)
@@ -137,7 +144,7 @@ class Llama(CausalLM):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
         self.norm: nn.Module | None = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head: nn.Module | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -151,6 +158,7 @@ class Llama(CausalLM):
                      "mlp.gate_up_proj": ColumnParallel(fused=(c.ffn_hidden, c.ffn_hidden)),
                      "mlp.down_proj": RowParallel()},
             attention="self_attn",
+            head_shared=("self_attn.q_norm.weight", "self_attn.k_norm.weight") if c.qk_norm else (),
         )
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -163,9 +171,11 @@ class Llama(CausalLM):
 
 
 def init_value(cfg: LlamaConfig, name: str, shape: tuple, seed: int) -> torch.Tensor:
-    """N(0, 0.02) for every matrix (HF's initializer_range), the residual projections (o_proj, down_proj) scaled by
-    1/sqrt(2 * n_layer) as Megatron-LM does; unit norm gains."""
+    """N(0, 0.02) for every matrix (HF's initializer_range), the residual projections (o_proj, down_proj, the experts'
+    down_proj) scaled by 1/sqrt(2 * n_layer) as Megatron-LM does; unit norm gains."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+    std = moe_init_std(name, cfg.n_layer)
+    if std is None:
+        std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
     return name_seeded_normal(name, shape, seed, std)

@@ -1,0 +1,253 @@
+"""A mixture-of-experts MLP any family can use: a router, experts as stacked weights, token-choice top-k routing.
+
+Routing (fp32, whatever the compute dtype): scores = softmax or sigmoid of the router's logits; the top-k experts of
+each token are chosen on scores + `expert_bias` (DeepSeek-V3's loss-free balancing: a bias that moves selection and
+never the weights; zeros unless --moe-bias-update-rate trains it); the weights are the chosen scores, divided by their
+sum where the family renormalizes. Dropless by default: every token reaches its k experts (a capacity factor, set by
+the run, drops the overflow Megatron-core's way).
+
+Experts are two stacked weights, `gate_up_proj` [E, 2·I, H] (gate rows, then up rows: transformers 5's in-memory
+layout) and `down_proj` [E, H, I], applied as SwiGLU to the tokens each expert received, in one grouped matmul per
+weight (`torch._grouped_mm`) where its alignment rules allow, a loop over experts otherwise.
+
+What moves tokens to their experts is a `dispatcher` (`LocalDispatch`: this rank holds every expert; expert
+parallelism installs its all-to-all one, parallel/expert_parallel.py), and what watches the routing (balancing losses,
+loads, the bias's counts) is an `observer` the trainer installs (parallel/moe_balance.py); the block itself holds no
+distributed code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The shape and routing rules of one family's MoE layers."""
+
+    n_experts: int
+    top_k: int
+    expert_hidden: int  # each expert's SwiGLU width (I)
+    score: str = "softmax"  # "softmax" (Qwen, Mixtral) or "sigmoid" (DeepSeek-V3)
+    renormalize: bool = True  # divide the top-k weights by their sum
+    weights_fp32: bool = False  # keep the top-k weights in fp32 (Mixtral), else the activations' dtype (Qwen)
+    shared_hidden: int = 0  # a shared expert's SwiGLU width, applied to every token (0: none)
+
+    def check(self) -> None:
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top-k {self.top_k} must be between 1 and the {self.n_experts} experts")
+        if self.score not in ("softmax", "sigmoid"):
+            raise ValueError(f"router score {self.score!r} is not softmax or sigmoid")
+
+
+@dataclass
+class Routing:
+    """A layer's routing of N tokens: `logits` [N, E] and `scores` [N, E] in fp32, the chosen experts [N, k] and their
+    weights [N, k]."""
+
+    logits: torch.Tensor
+    scores: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, spec: MoESpec):
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.n_experts, hidden))
+        self.expert_bias: torch.Tensor | None = None  # fp32 [E], a table (init_tables), not a parameter
+
+    def init_tables(self, device: torch.device) -> None:
+        if self.expert_bias is None or self.expert_bias.device != device:
+            self.expert_bias = torch.zeros(self.spec.n_experts, dtype=torch.float32, device=device)
+
+    def saved_tables(self) -> dict[str, torch.Tensor]:
+        return {"expert_bias": self.expert_bias}
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [N, H] -> the routing of its tokens."""
+        spec = self.spec
+        with torch.autocast(x.device.type, enabled=False):  # routing in fp32 under autocast too
+            logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if spec.score == "softmax" else logits.sigmoid()
+        chosen = scores if self.expert_bias is None else scores + self.expert_bias
+        experts = chosen.topk(spec.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if spec.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return Routing(logits, scores, experts, weights if spec.weights_fp32 else weights.to(x.dtype))
+
+
+class LocalDispatch:
+    """Every expert on this rank: rows (a token's copy for one of its experts) sorted by expert (stably), and back."""
+
+    def dispatch(self, x: torch.Tensor, token_of: torch.Tensor, expert_of: torch.Tensor, n_experts: int):
+        """x [N, H]; row r is token `token_of[r]` for expert `expert_of[r]` -> (the rows' tokens [M, H] in expert
+        order, rows per expert [E] (int64), what `combine` needs)."""
+        order = torch.argsort(expert_of, stable=True)
+        return x[token_of[order]], torch.bincount(expert_of, minlength=n_experts), order
+
+    def combine(self, y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """y [M, H] in expert order -> [M, H] in row order."""
+        out = torch.empty_like(y)
+        out[order] = y
+        return out
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two stacked weights (of this rank's experts only, under expert parallelism)."""
+
+    def __init__(self, hidden: int, spec: MoESpec):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(spec.n_experts, 2 * spec.expert_hidden, hidden))
+        self.down_proj = nn.Parameter(torch.empty(spec.n_experts, hidden, spec.expert_hidden))
+        self.grad_scale = 1.0  # what the weights' gradients are multiplied by (expert parallelism: 1/ep)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [M, H] sorted by expert, `counts` [E_local] tokens per expert -> [M, H]."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.grad_scale != 1.0:
+            gate_up, down = _ScaleGrad.apply(gate_up, self.grad_scale), _ScaleGrad.apply(down, self.grad_scale)
+        if torch.is_autocast_enabled(x.device.type):  # autocast does not reach the grouped matmul: cast as it would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+        elif x.dtype != gate_up.dtype:  # a module held in bf16 (DeepSpeed's engine) computes in it
+            x = x.to(gate_up.dtype)
+        if grouped_mm_applies(x, gate_up, down):
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+            return torch._grouped_mm(_contiguous_grad(F.silu(gate) * up), down.transpose(-2, -1), offs=offsets)
+        out, start = [], 0
+        for e, n in enumerate(counts.tolist()):  # one host read; also where no token came (the weights stay in
+            gate, up = F.linear(x[start:start + n], gate_up[e]).chunk(2, dim=-1)  # the graph with a zero gradient)
+            out.append(F.linear(F.silu(gate) * up, down[e]))
+            start += n
+        return torch.cat(out) if out else x[:0]
+
+
+def grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """torch._grouped_mm's rules: rows of 16-byte multiples, and at least one token (its backward refuses none)."""
+    size = x.element_size()
+    return (hasattr(torch, "_grouped_mm") and x.shape[0] > 0 and (x.shape[1] * size) % 16 == 0
+            and (gate_up.shape[1] * size) % 16 == 0 and (down.shape[2] * size) % 16 == 0)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (the grouped matmul's backward needs one)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(x)
+
+
+class SwiGLUExpert(nn.Module):
+    """A shared expert: every token through one SwiGLU of its own width."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    """The MoE MLP of one block: x [B, T, H] -> [B, T, H]. `layer`: the block's global index (what observers and
+    checkpoints name it by)."""
+
+    def __init__(self, hidden: int, spec: MoESpec, layer: int):
+        super().__init__()
+        spec.check()
+        self.spec, self.layer = spec, layer
+        self.gate = Router(hidden, spec)
+        self.experts = Experts(hidden, spec)
+        self.shared_expert = SwiGLUExpert(hidden, spec.shared_hidden) if spec.shared_hidden else None
+        self.dispatcher = LocalDispatch()
+        self.observer = None  # parallel/moe_balance.py's, on a training run
+        self.tokens = None  # tensor parallelism's token split (parallel/expert_parallel.py), if any
+        self.capacity_factor: float | None = None  # None: dropless (a run's --moe-capacity-factor sets it)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tokens is not None:
+            return self.tokens.around(self._route_and_compute, x)
+        return self._route_and_compute(x)
+
+    def _route_and_compute(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.gate(flat)
+        kept = self.within_capacity(routing)
+        out = self.routed(flat, routing, kept)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        if self.observer is not None:
+            out = self.observer.observe(self, routing, kept, shape, out)
+        return out.view(shape)
+
+    def routed(self, x: torch.Tensor, routing: Routing, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_k weight_k · expert_k(x) of every token, x [N, H], over the kept choices (`kept` [N, k]; None: all)."""
+        n, k = routing.experts.shape
+        token_of = torch.arange(n, device=x.device).repeat_interleave(k)
+        expert_of, weight = routing.experts.reshape(-1), routing.weights.reshape(-1)
+        if kept is not None:
+            keep = kept.reshape(-1)
+            token_of, expert_of, weight = token_of[keep], expert_of[keep], weight[keep]
+        tokens, counts, state = self.dispatcher.dispatch(x, token_of, expert_of, self.spec.n_experts)
+        y = self.dispatcher.combine(self.experts(tokens, counts), state)
+        out = torch.zeros(n, x.shape[-1], dtype=y.dtype, device=x.device)
+        return out.index_add_(0, token_of, y * weight.unsqueeze(-1).to(y.dtype)).to(x.dtype)
+
+    def within_capacity(self, routing: Routing) -> torch.Tensor | None:
+        """Megatron-core's token drop: each expert takes at most ceil(capacity_factor · N·k / E) of this rank's N
+        tokens, those with the highest scores for it; a [N, k] mask of the choices kept (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        n, k = routing.experts.shape
+        capacity = math.ceil(self.capacity_factor * n * k / self.spec.n_experts)
+        flat_e, flat_w = routing.experts.reshape(-1), routing.scores.gather(-1, routing.experts).reshape(-1)
+        by_score = torch.argsort(flat_w, descending=True, stable=True)  # within an expert, the best first
+        order = by_score[torch.argsort(flat_e[by_score], stable=True)]  # grouped by expert
+        counts = torch.bincount(flat_e, minlength=self.spec.n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.empty_like(flat_e)
+        rank_in_expert[order] = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[order]]
+        return (rank_in_expert < capacity).view(n, k)
+
+
+def moe_init_std(name: str, n_layer: int) -> float | None:
+    """The initial std of an MoE parameter (N(0, 0.02), the projections back to the residual stream scaled by
+    1/sqrt(2·layers) as the dense MLP's), or None for a name that is no MoE parameter."""
+    if ".experts.down_proj" in name or ".shared_expert.down_proj" in name:
+        return 0.02 / math.sqrt(2 * n_layer)
+    if ".experts.gate_up_proj" in name or ".shared_expert.gate_up_proj" in name or name.endswith(".gate.weight"):
+        return 0.02
+    return None
