@@ -52,6 +52,9 @@ PRIVATE: tuple[Private, ...] = (
     # torch
     Private("torch.optim.optimizer._default_to_fused_or_foreach", "optim.py", "AdamW fused where torch has it"),
     Private("torch._foreach_mul_", "parallel/ddp.py", "scale every gradient in one kernel"),
+    Private("torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", "parallel/ddp.py",
+            "experts split over ep left out of DDP (reduced over their edp group)"),
+    Private("torch._grouped_mm", "models/moe.py", "the experts' grouped matmul (a loop over experts where absent)"),
     Private("torch._dynamo.eval_frame.check_if_dynamo_supported", "parallel/compile.py", "--compile's check"),
     Private("torch.utils._triton.has_triton", "parallel/compile.py", "--compile's check on CUDA"),
     Private("torch._inductor.config.cpp", "parallel/compile.py", "--compile's C++ compiler check on CPU"),

@@ -36,6 +36,7 @@ class Layout:
     tp: int
     pp: int
     cp: int = 1
+    ep: int = 1  # expert parallelism: experts split over ep consecutive ranks of a dp×cp line (Megatron's folding)
 
     @property
     def world_size(self) -> int:
@@ -61,13 +62,19 @@ class Layout:
         at = {"pp": pp, "dp": dp, "tp": tp, "cp": cp}
         return sum(at[a] * self.stride(a) for a in ORDER)
 
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts: the dp×cp line's ranks with the same expert-parallel rank."""
+        return self.dp_cp // self.ep
+
     def __str__(self) -> str:
-        return f"dp{self.dp}×tp{self.tp}×pp{self.pp}" + (f"×cp{self.cp}" if self.cp > 1 else "")
+        return (f"dp{self.dp}×tp{self.tp}×pp{self.pp}" + (f"×cp{self.cp}" if self.cp > 1 else "")
+                + (f" ep{self.ep}" if self.ep > 1 else ""))
 
 
-def infer_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> Layout:
-    if tp < 1 or pp < 1 or cp < 1:
-        raise LayoutError(f"--tp, --pp and --cp must be at least 1 (got tp={tp}, pp={pp}, cp={cp}).")
+def infer_layout(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> Layout:
+    if tp < 1 or pp < 1 or cp < 1 or ep < 1:
+        raise LayoutError(f"--tp, --pp, --cp and --ep must be at least 1 (got tp={tp}, pp={pp}, cp={cp}, ep={ep}).")
     if world_size % (tp * pp * cp):
         axes, sizes, flags = ("tp×cp×pp", f"{tp}×{cp}×{pp}", "--tp/--cp/--pp") if cp > 1 else \
             ("tp×pp", f"{tp}×{pp}", "--tp/--pp")
@@ -75,7 +82,12 @@ def infer_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> Layout:
             f"World size {world_size} is not divisible by {axes} = {sizes} = {tp * cp * pp}; "
             f"launch a multiple of {tp * cp * pp} processes or change {flags}."
         )
-    return Layout(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
+    layout = Layout(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
+    if layout.dp_cp % ep:
+        raise LayoutError(f"--ep {ep} splits the experts over ranks carved from the {layout.dp_cp} data-parallel × "
+                          f"context-parallel ranks (dp {layout.dp}, cp {cp}), so it must divide {layout.dp_cp}; "
+                          "launch more processes or lower --ep.")
+    return Layout(dp=layout.dp, tp=tp, pp=pp, cp=cp, ep=ep)
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,7 @@ class Topology:
         self.rank = self.ranks.index(global_rank) if self.active else -1
         self.pp_rank, self.dp_rank, self.tp_rank, self.cp_rank = layout.coords(max(self.rank, 0))
         self.dp_cp_rank = self.dp_rank * layout.cp + self.cp_rank
+        self.ep_rank, self.edp_rank = self.dp_cp_rank % layout.ep, self.dp_cp_rank // layout.ep
         L = layout
         every = [(p, d, c, t) for p in range(L.pp) for d in range(L.dp) for c in range(L.cp) for t in range(L.tp)]
 
@@ -226,6 +239,13 @@ class Topology:
         # Without context parallelism (cp 1) there is no cp group and dp×cp is dp.
         self.cp_group = self._build(lines(lambda p, d, c, t: (p, d, t))) if L.cp > 1 else None
         self.dp_cp_group = self._build(lines(lambda p, d, c, t: (p, t))) if L.cp > 1 else self.dp_group
+        # expert parallelism: experts split over ep consecutive ranks of each dp×cp line (ep_group, which exchanges
+        # tokens), replicated over the line's ranks with the same ep rank (edp_group, over which their gradients
+        # are reduced and ZeRO would partition them); at ep 1 the experts are replicated over the whole line.
+        E = L.ep
+        self.ep_group = self._build(lines(lambda p, d, c, t: (p, t, (d * L.cp + c) // E))) if E > 1 else None
+        self.edp_group = self._build(lines(lambda p, d, c, t: (p, t, (d * L.cp + c) % E))) if E > 1 \
+            else self.dp_cp_group
         self.pp_group = self._build(lines(lambda p, d, c, t: (d, c, t)))
         # Model-parallel group (all tp and pp peers of one dp replica and context shard): where the grad norm is summed.
         self.mp_group = self._build(lines(lambda p, d, c, t: (d, c)))
@@ -249,9 +269,23 @@ class Topology:
     def global_rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
         return self.ranks[self.layout.rank(pp, dp, tp, cp)]
 
+    def shard_coords(self, spec) -> tuple[int, int]:
+        """(rank, size) along the axis a parameter is split over (its TPSpec's `axis`: tp, or ep for experts)."""
+        if spec is None:
+            return 0, 1
+        return (self.ep_rank, self.layout.ep) if spec.axis == "ep" else (self.tp_rank, self.layout.tp)
+
+    def shard_group(self, spec):
+        """The group a parameter split by `spec` is split over."""
+        return self.ep_group if spec is not None and spec.axis == "ep" else self.tp_group
+
+    @property
+    def coords_by_axis(self) -> dict[str, tuple[int, int]]:
+        return {"tp": (self.tp_rank, self.layout.tp), "ep": (self.ep_rank, self.layout.ep)}
+
     def destroy(self) -> None:
-        groups = (self.tp_group, self.cp_group, self.dp_group, self.dp_cp_group, self.pp_group, self.mp_group,
-                  self.world_group, self.embedding_group)
+        groups = (self.tp_group, self.cp_group, self.dp_group, self.dp_cp_group, self.ep_group, self.edp_group,
+                  self.pp_group, self.mp_group, self.world_group, self.embedding_group)
         for g in {g for g in groups if g is not None}:
             dist.destroy_process_group(g)
 

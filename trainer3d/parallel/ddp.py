@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer3d.distributed.collectives import all_reduce, group_size
 from trainer3d.optim import adam, adam_step_state, param_groups, set_lr
 from trainer3d.parallel.engine import (
-    DataParallelEngine, counts_in_norm, sequence_parallel_params, sum_of_squares, sum_sequence_parallel_grads,
+    DataParallelEngine, counts_in_norm, sum_of_squares, sum_tp_partial_grads, tp_partial_params,
     sum_tied_grads, tied_copies, unique_parameters,
 )
 from trainer3d.parallel.pipeline import SCHEDULES
@@ -27,6 +27,10 @@ from trainer3d.private_api import require
 def wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:
     if group_size(dp_group) == 1:
         return module
+    # Experts split over ep are not replicated over the dp group: DDP leaves them to DDPEngine (the edp group).
+    experts = [name for name, p in module.named_parameters() if getattr(p, "expert", False)]
+    if experts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, experts)
     # Every parameter is used in every forward, so no find_unused_parameters (its graph walk each step). torch's
     # PipelineStage runs forwards under no_sync and arms the reducer before the last backward; DDP's forward still
     # rebuilds its buckets in the next step's first forward (_pre_forward calls _rebuild_buckets whatever no_sync
@@ -36,11 +40,16 @@ def wrap_ddp(module: nn.Module, dp_group, device: torch.device) -> nn.Module:
 
 
 def all_reduce_grads(params: list[nn.Parameter], dp_group, bucket_elems: int = 25_000_000) -> None:
-    """Average gradients over dp in flat buckets (for the split-backward schedules, which DDP cannot follow)."""
+    """Average gradients over dp in flat buckets (the split-backward schedules, which DDP cannot follow; experts
+    split over ep, over their edp group). A parameter without a gradient (an expert no token reached on this rank)
+    takes part as zeros, so every rank reduces the same buckets."""
     n = group_size(dp_group)
     if n == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     bucket: list[torch.Tensor] = []
     for i, g in enumerate(grads):
         bucket.append(g)
@@ -76,7 +85,8 @@ class DDPEngine(DataParallelEngine):
         self.hooks_reduce = not SCHEDULES[cfg.schedule].split_backward  # DDP's hooks see every gradient
         self.wrapped = [wrap_ddp(s, topo.dp_cp_group, device) for s in stages] if self.hooks_reduce else list(stages)
         self.params = unique_parameters(stages)
-        self.sequence_parallel = sequence_parallel_params(stages)
+        self.experts = [p for p in self.params if getattr(p, "expert", False)]  # split over ep (reduced over edp)
+        self.tp_partial = tp_partial_params(stages)
         groups = param_groups(self.params, cfg.weight_decay)
         self.optimizer = adam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
@@ -89,9 +99,10 @@ class DDPEngine(DataParallelEngine):
 
     def reduce_grads(self, grad_scale: float) -> torch.Tensor:
         if not self.hooks_reduce:
-            all_reduce_grads(self.params, self.topo.dp_cp_group)
+            all_reduce_grads([p for p in self.params if not getattr(p, "expert", False)], self.topo.dp_cp_group)
+        all_reduce_grads(self.experts, self.topo.edp_group)  # (their 1/ep is in their backward: expert_parallel.py)
         sum_tied_grads(tied_copies(self.stages), self.topo.embedding_group, lambda p: p.grad, _set_grad)
-        sum_sequence_parallel_grads(self.sequence_parallel, self.topo.tp_group, _grad_or_zeros, _set_grad)
+        sum_tp_partial_grads(self.tp_partial, self.topo.tp_group, _grad_or_zeros, _set_grad)
         if grad_scale != 1.0:
             torch._foreach_mul_(self._grads(), grad_scale)
         return self.global_grad_norm()
@@ -107,11 +118,16 @@ class DDPEngine(DataParallelEngine):
         return [p.grad for p in self.params if p.grad is not None]
 
     def global_grad_norm(self) -> torch.Tensor:
-        """Squares of tp shards and pp stages summed over the model-parallel group, each element counted once;
-        DDP has already averaged over dp, so dp needs no reduction. A device scalar (float64), not read here."""
-        grads = [p.grad for m in self.stages for p in m.parameters()
-                 if p.grad is not None and counts_in_norm(m, p, self.topo.tp_rank)]
-        return all_reduce(sum_of_squares(grads, self.device), self.topo.mp_group).sqrt()
+        """Squares of tp shards and pp stages summed over the model-parallel group, each element counted once
+        (experts split over ep summed over the ep group first); DDP has already averaged over dp, so dp needs no
+        reduction. A device scalar (float64), not read here."""
+        counted = [(p, getattr(p, "expert", False)) for m in self.stages for p in m.parameters()
+                   if p.grad is not None and counts_in_norm(m, p, self.topo.tp_rank)]
+        squares = sum_of_squares([p.grad for p, expert in counted if not expert], self.device)
+        if self.experts:  # this replica holds its ep rank's experts: the ep group holds them all
+            squares += all_reduce(sum_of_squares([p.grad for p, expert in counted if expert], self.device),
+                                  self.topo.ep_group)
+        return all_reduce(squares, self.topo.mp_group).sqrt()
 
     def param_value(self, param: nn.Parameter) -> torch.Tensor:
         return param.data

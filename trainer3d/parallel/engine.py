@@ -142,8 +142,8 @@ class EngineFactory:
     def __init__(self, build: Callable[[list[nn.Module]], DataParallelEngine]):
         self.build = build
 
-    def materialize(self, module: nn.Module, device: torch.device, shard_value, tp_rank: int, tp: int) -> None:
-        materialize(module, device, shard_value, tp_rank, tp)
+    def materialize(self, module: nn.Module, device: torch.device, shard_value, coords: dict) -> None:
+        materialize(module, device, shard_value, coords)
 
 
 def read_scalars(*scalars: torch.Tensor) -> list[float]:
@@ -189,10 +189,12 @@ def is_tied_duplicate(module: nn.Module, param: nn.Parameter) -> bool:
 
 def counts_in_norm(module: nn.Module, param: nn.Parameter, tp_rank: int) -> bool:
     """Whether this rank counts `param`'s gradient in the global norm, so that every element is counted once over
-    tp and pp: tp-replicated parameters on tp rank 0 only, the tied head copy never (engines add their dp rule)."""
+    tp and pp: parameters replicated over tp (experts split over ep are) on tp rank 0 only, the tied head copy never
+    (engines add their dp and ep rules)."""
     if is_tied_duplicate(module, param):
         return False
-    return getattr(param, "tp_spec", None) is not None or tp_rank == 0
+    spec = getattr(param, "tp_spec", None)
+    return (spec is not None and spec.axis == "tp") or tp_rank == 0
 
 
 def sum_tied_grads(copies: list[nn.Parameter], embedding_group, read: Callable, write: Callable) -> None:
@@ -240,15 +242,16 @@ def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> tor
     return total
 
 
-def sequence_parallel_params(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
-    """The tp-replicated parameters whose gradient each tp rank holds only its sequence shard's share of
-    (marked by parallel/sequence_parallel.py); none without --sequence-parallel."""
-    return [p for p in unique_parameters(modules) if getattr(p, "sequence_parallel", False)]
+def tp_partial_params(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The tp-replicated parameters whose gradient each tp rank holds only a share of: the ones that saw only this
+    rank's sequence shard (sequence parallelism: parallel/sequence_parallel.py), its tokens (a mixture of experts'
+    router and experts: parallel/expert_parallel.py) or its heads (Qwen3's q/k norms: tensor_parallel.py)."""
+    return [p for p in unique_parameters(modules) if getattr(p, "tp_partial", False)]
 
 
-def sum_sequence_parallel_grads(params: list[nn.Parameter], tp_group, read: Callable, write: Callable) -> None:
-    """Sequence parallelism: the gradient of a tp-replicated parameter is the sum of the tp ranks' shares, and every
-    tp rank takes that sum so the copies stay identical (Megatron's all-reduce of the LayerNorm gradients). One
+def sum_tp_partial_grads(params: list[nn.Parameter], tp_group, read: Callable, write: Callable) -> None:
+    """The gradient of a tp-replicated parameter each tp rank holds a share of is the sum of the shares, and every tp
+    rank takes that sum so the copies stay identical (Megatron's all-reduce of the LayerNorm gradients). One
     all-reduce for all of them. `read(p)`/`write(p, total)` access a gradient as the engine holds it; tp peers hold
     the same parameters in the same order and, under ZeRO, the same partitions of them."""
     if not params or group_size(tp_group) == 1:

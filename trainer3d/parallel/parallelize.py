@@ -3,7 +3,8 @@
   1. build the family's plain model on the meta device (no memory, any size),
   2. pipeline: keep only this rank's stage(s),
   3. tensor parallel: swap each stage's layers for their sharded forms (sequence parallelism: the activations
-     between them on sequence shards), context parallelism and document masking (the attention and the positions of
+     between them on sequence shards), mixtures of experts (tokens split over tp, experts over ep),
+     context parallelism and document masking (the attention and the positions of
      this rank's tokens), then activation recomputation around them,
      then compile: torch.compile on each block, in place (--compile),
   4. materialize this rank's shards with layout-independent values (init, checkpoint or HF weights),
@@ -26,6 +27,7 @@ from trainer3d.parallel.batch import BatchPlan
 from trainer3d.parallel.compile import apply_compile
 from trainer3d.parallel.context_parallel import SequenceLayout, apply_context_parallel
 from trainer3d.parallel.engine import DataParallelEngine, EngineFactory, is_tied_duplicate
+from trainer3d.parallel.expert_parallel import apply_expert_parallel
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
 from trainer3d.parallel.tensor_parallel import (
@@ -86,6 +88,9 @@ def parallelize(
     stages = [apply_tensor_parallel(s, topo.tp_group, topo.tp_rank, L.tp, sharded_rng) for s in stages]
     if cfg.sequence_parallel:  # ... with the activations between the tp regions on sequence shards
         stages = [apply_sequence_parallel(s, topo.tp_rank, L.tp, sharded_rng) for s in stages]
+    # ... mixtures of experts: tokens split over tp, experts over ep (parallel/expert_parallel.py)
+    stages = [apply_expert_parallel(s, topo.tp_group, topo.tp_rank, L.tp, cfg.sequence_parallel, topo.ep_group,
+                                    topo.ep_rank, L.ep) for s in stages]
     sequence = None
     if L.cp > 1 or cfg.uses_documents:  # ... and this rank's tokens of each sequence
         sequence = SequenceLayout(cfg.seq_len, topo.cp_group, topo.cp_rank, L.cp, device, boundary=boundary,
@@ -102,7 +107,7 @@ def parallelize(
     if shard_value is None:
         shard_value = from_full(lambda name, shape: init_value(mcfg, name, shape, cfg.seed))
     for s in stages:
-        engine_factory.materialize(s, device, shard_value, topo.tp_rank, L.tp)
+        engine_factory.materialize(s, device, shard_value, topo.coords_by_axis)
         s.init_tables(device)
     seed_rngs(cfg.seed, topo)  # the default generator's dropout stream, before anything draws from it
 
@@ -171,4 +176,4 @@ def named_full_params(pm: ParallelModel) -> dict[str, tuple[nn.Parameter, object
 def gather_stage_params(pm: ParallelModel, topo) -> dict[str, torch.Tensor]:
     """Full (unsharded, unpadded) values of this rank's stage parameters, by canonical name. Collective over
     the tp group; every tp rank gets the result."""
-    return {name: gather_full(p.data, spec, topo.tp_group) for name, (p, spec) in named_full_params(pm).items()}
+    return {name: gather_full(p.data, spec, topo.shard_group(spec)) for name, (p, spec) in named_full_params(pm).items()}

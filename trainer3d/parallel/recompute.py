@@ -36,12 +36,25 @@ class _ReplayShardedStream:
             self.state = self.rng.state.clone()
 
     def replay(self):
+        global _recomputing
+        _recomputing += 1
         if self.rng is not None:
             self.live, self.rng.state = self.rng.state, self.state.clone()
 
     def restore(self):
+        global _recomputing
+        _recomputing -= 1
         if self.rng is not None:
             self.rng.state = self.live
+
+
+_recomputing = 0  # recomputations under way (nested: a block's and its attention core's)
+
+
+def recomputing() -> bool:
+    """Is a forward running again inside a backward? What observes a forward (routing statistics: moe_balance.py)
+    counts each forward once."""
+    return _recomputing > 0
 
 
 class _Enter:

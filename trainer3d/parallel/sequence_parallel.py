@@ -11,8 +11,8 @@ Applied to a stage after tensor parallelism, in place:
   - every nn.Dropout of the stage works on sequence shards and draws from the per-tp-rank stream (each shard its own
     mask), like the head-sharded attention dropout (inside SDPA: no nn.Dropout);
   - every tp-replicated parameter (norms, row-parallel biases, positions) sees only its shard's tokens, so
-    it is marked `sequence_parallel` and the data-parallel engine sums its gradient over tp before the norm
-    (engine.sum_sequence_parallel_grads), which keeps the tp copies identical.
+    it is marked `tp_partial` and the data-parallel engine sums its gradient over tp before the norm
+    (engine.sum_tp_partial_grads), which keeps the tp copies identical.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def apply_sequence_parallel(stage: CausalLM, rank: int, size: int, rng: ShardedD
         stage.set_submodule(name, ShardedDropout(m.p, rng))
     for p in stage.parameters():
         if getattr(p, "tp_spec", None) is None:
-            p.sequence_parallel = True
+            p.tp_partial = True
     return stage
 
 

@@ -146,12 +146,14 @@ def leave_tp(x, group, sequence_parallel: bool):
 class TPSpec:
     """A parameter split along `dim`. `full_shape` is the unsharded, unpadded shape; `fused`: the sizes of the blocks
     stacked along `dim` (q|k|v, gate|up), each split separately so each rank gets whole heads of each; `padded` is the
-    full length along `dim` after padding (the vocab), filled with zeros."""
+    full length along `dim` after padding (the vocab), filled with zeros. `axis`: the parallelism it is split over,
+    "tp", or "ep" for stacked experts (parallel/expert_parallel.py); the shard arithmetic is the same."""
 
     dim: int
     full_shape: tuple[int, ...]
     fused: tuple[int, ...] | None = None
     padded: int | None = None
+    axis: str = "tp"
 
 
 def shard_tensor(full: torch.Tensor, spec: TPSpec, rank: int, size: int) -> torch.Tensor:
@@ -286,7 +288,9 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
     dev = next(model.parameters()).device
     for block in model.blocks.values():
         for path, style in plan.linears.items():
-            old: nn.Linear = block.get_submodule(path)
+            old = _linear_at(block, path)
+            if old is None:  # a mixture of experts in this block (parallel/expert_parallel.py splits it)
+                continue
             bias = old.bias is not None
             if isinstance(style, ColumnParallel):
                 new = ColumnParallelLinear(old.in_features, old.out_features, group, size, bias, style.fused, dev)
@@ -295,6 +299,8 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
             block.set_submodule(path, new)
         if dropout_rng is not None:
             block.get_submodule(plan.attention).sharded_rng = dropout_rng
+        for path in plan.head_shared:  # each rank applies it to its heads only: its gradient is a share
+            block.get_parameter(path).tp_partial = True
     V, d = cfg.vocab_size, cfg.n_embd
     Vp = padded_vocab_size(V, size)
     if model.embedding is not None:
@@ -306,16 +312,26 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
     return model
 
 
+def _linear_at(block: nn.Module, path: str) -> nn.Linear | None:
+    """The nn.Linear at `path` in a block, or None where the path leads into a module that is no linear (a mixture
+    of experts in place of the dense MLP: its "gate_up_proj" is a stacked parameter, not a layer)."""
+    owner, _, leaf = path.rpartition(".")
+    module = block.get_submodule(owner) if owner else block
+    found = getattr(module, leaf, None)
+    return found if isinstance(found, nn.Linear) else None
+
+
 # ---- full (layout-free) values <-> this rank's shards ----------------------------------------------------------
 # What the parallel passes mark on a parameter: its tp split, and (sequence parallelism) that each tp rank holds only
 # its sequence shard's share of a replicated parameter's gradient (the engines sum them over tp).
-PARAM_ATTRIBUTES = ("tp_spec", "sequence_parallel")
+PARAM_ATTRIBUTES = ("tp_spec", "tp_partial", "expert")
 
-def materialize(module: nn.Module, device: torch.device, shard_value, rank: int, size: int,
+def materialize(module: nn.Module, device: torch.device, shard_value, coords: dict[str, tuple[int, int]],
                 after_module: Callable[[nn.Module], None] | None = None) -> None:
     """Replace every (meta) parameter of `module` by `shard_value(name, tp_spec, local_shape, rank, size)`: this
     rank's shard of the parameter's layout-free value (a checkpoint reads only the shard; `from_full` makes one from
-    a function of full tensors, such as the initialisation). Parameters shared between modules (a tied embedding and
+    a function of full tensors, such as the initialisation), (rank, size) this rank's coordinate on the axis the spec
+    splits it over (`coords`: Topology.coords_by_axis). Parameters shared between modules (a tied embedding and
     head) stay shared. `after_module(m)`: called as soon as a module's own new parameters exist (ZeRO-3 partitions
     them there)."""
     memo: dict[int, nn.Parameter] = {}
@@ -327,7 +343,8 @@ def materialize(module: nn.Module, device: torch.device, shard_value, rank: int,
             if id(p) not in memo:
                 created = True
                 name = f"{prefix}.{key}" if prefix else key
-                value = shard_value(name, getattr(p, "tp_spec", None), tuple(p.shape), rank, size)
+                spec = getattr(p, "tp_spec", None)
+                value = shard_value(name, spec, tuple(p.shape), *coords[spec.axis if spec is not None else "tp"])
                 new = nn.Parameter(value.to(device=device, dtype=torch.float32), requires_grad=p.requires_grad)
                 for attr in PARAM_ATTRIBUTES:
                     if hasattr(p, attr):

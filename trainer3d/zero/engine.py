@@ -21,8 +21,8 @@ import torch.nn as nn
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.optim import adam, param_groups, set_lr
 from trainer3d.parallel.engine import (
-    DataParallelEngine, EngineFactory, counts_in_norm, sequence_parallel_params, sum_of_squares,
-    sum_sequence_parallel_grads, sum_tied_grads, tied_copies,
+    DataParallelEngine, EngineFactory, counts_in_norm, sum_of_squares, tp_partial_params, sum_tp_partial_grads,
+    sum_tied_grads, tied_copies,
 )
 from trainer3d.parallel.tensor_parallel import materialize
 from trainer3d.zero import memory, state
@@ -82,7 +82,7 @@ class ZeroEngine(DataParallelEngine):
         if grad_scale != 1.0:
             raise ValueError("ZeRO engines take no gradient scale (fp16 is refused for DeepSpeed configs)")
         self.sync_tied_embedding_grads()
-        self.sum_sequence_parallel_grads()
+        self.sum_tp_partial_grads()
         return self.global_grad_norm()
 
     def skip_step(self, norm: float) -> None:
@@ -120,9 +120,9 @@ class ZeroEngine(DataParallelEngine):
     def sync_tied_embedding_grads(self) -> None:
         sum_tied_grads(tied_copies([e.module for e in self.engines]), self.topo.embedding_group, *self._grad_access())
 
-    def sum_sequence_parallel_grads(self) -> None:
-        params = sequence_parallel_params(e.module for e in self.engines)
-        sum_sequence_parallel_grads(params, self.topo.tp_group, *self._grad_access())
+    def sum_tp_partial_grads(self) -> None:
+        params = tp_partial_params(e.module for e in self.engines)
+        sum_tp_partial_grads(params, self.topo.tp_group, *self._grad_access())
 
     def _grad_access(self):
         """(read, write) of a gradient after ZeRO's dp reduction, for sums across stages or tp ranks. ZeRO-3
@@ -222,13 +222,13 @@ class ZeroEngineFactory(EngineFactory):
         super().__init__(lambda stages: ZeroEngine(spec, stages, topo, device, verbose=verbose))
         self.spec, self.topo, self.device, self.verbose = spec, topo, device, verbose
 
-    def materialize(self, module: nn.Module, device: torch.device, shard_value, tp_rank: int, tp: int) -> None:
+    def materialize(self, module: nn.Module, device: torch.device, shard_value, coords: dict) -> None:
         if self.spec.zero_stage < 3:
-            return super().materialize(module, device, shard_value, tp_rank, tp)
+            return super().materialize(module, device, shard_value, coords)
         prepare_deepspeed(self.topo, self.device, self.verbose)
         if self.topo.dp_cp_rank != 0:  # zero.Init broadcasts each parameter from dp×cp rank 0: nothing to read or compute
             shard_value = lambda name, spec, local_shape, rank, size: torch.empty(local_shape)  # noqa: E731
-        materialize(module, device, shard_value, tp_rank, tp, after_module=self._partitioner())
+        materialize(module, device, shard_value, coords, after_module=self._partitioner())
 
     def _partitioner(self):
         import deepspeed
