@@ -35,6 +35,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (parallel/context_parallel.py)
+    ep: int = 1  # expert parallelism: a mixture of experts' experts split over ep of the dp×cp ranks
     schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (every block)
@@ -56,6 +57,12 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # mixtures of experts (parallel/moe_balance.py): balancing losses, loss-free balancing, token dropping
+    moe_aux_loss_coef: float = 0.0  # the balance loss's weight (Qwen3-MoE's published router_aux_loss_coef: 0.001)
+    moe_aux_loss: str = "sequence"  # per-sequence (DeepSeek-V3's: the same at every layout) or "hf" (transformers')
+    moe_z_loss_coef: float = 0.0  # the router z-loss's weight (ST-MoE: 0.001)
+    moe_bias_update_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: the selection bias's step (γ, ~1e-3)
+    moe_capacity_factor: float | None = None  # None: dropless; else each expert takes ≤ factor·N·k/E tokens a rank
     # a step whose loss or gradient norm is not finite: stop the run naming it, or skip its update and go on (fp16's
     # loss scale skips such steps whatever this says: they are how it finds its scale)
     on_nonfinite: str = "stop"
@@ -161,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="context parallelism: split each sequence over cp ranks (two chunks each, balanced for the causal mask); "
         "attention all-gathers keys and values over them. For long sequences (--seq-len divisible by 2·cp)",
     )
+    lay.add_argument(
+        "--ep", type=int, default=d.ep,
+        help="expert parallelism (mixture-of-experts models): split the experts over ep ranks carved from the "
+        "dp×cp ranks, tokens exchanged by all-to-all; ep must divide dp×cp and the number of experts",
+    )
     lay.add_argument("--schedule", default=d.schedule, choices=SCHEDULE_NAMES)
     lay.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank (interleaved)")
     lay.add_argument(
@@ -204,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
              "naming it (nothing more is saved) or skip it and train on",
     )
     o.add_argument("--precision", default=d.precision, choices=PRECISIONS)
+    moe = p.add_argument_group("mixture of experts (parallel/moe_balance.py)")
+    moe.add_argument("--moe-aux-loss-coef", type=float, default=d.moe_aux_loss_coef,
+                     help="weight of the load-balancing loss (0: none; Qwen3-MoE used 0.001)")
+    moe.add_argument("--moe-aux-loss", default=d.moe_aux_loss, choices=["sequence", "hf"],
+                     help="sequence: DeepSeek-V3's per-sequence loss, the same at every layout; hf: transformers' "
+                          "load_balancing_loss_func over a micro-batch (one stage, no tp or cp)")
+    moe.add_argument("--moe-z-loss-coef", type=float, default=d.moe_z_loss_coef, help="router z-loss weight (0: none)")
+    moe.add_argument("--moe-bias-update-rate", type=float, default=d.moe_bias_update_rate,
+                     help="loss-free balancing (DeepSeek-V3): each step a router's selection bias moves by this times "
+                          "sign(mean load - load); 0: off")
+    moe.add_argument("--moe-capacity-factor", type=float, default=None,
+                     help="drop a rank's tokens beyond capacity_factor·N·k/E per expert (Megatron-core's drop "
+                          "policy, highest scores kept); default: dropless")
     o.add_argument("--seed", type=int, default=d.seed)
     da = p.add_argument_group("data")
     da.add_argument("--data", default=None,

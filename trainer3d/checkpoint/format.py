@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from trainer3d.checkpoint.pieces import KINDS, Piece, parse_key, read_local, tp_boxes
+from trainer3d.checkpoint.pieces import KINDS, MOMENTS, Piece, parse_key, read_local, tp_boxes
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.models import FAMILIES, canonical_name, canonical_shapes, config_from_dict, shape_diffs
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
@@ -101,8 +101,8 @@ def sharded_rngs(pm) -> list[ShardedDropoutRNG]:
 def layout_record(trainer) -> dict:
     L = trainer.topo.layout
     return {
-        "dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "world_size": L.world_size, "schedule": trainer.cfg.schedule,
-        "virtual_stages": trainer.cfg.virtual_stages, "device": trainer.device.type,
+        "dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "ep": L.ep, "world_size": L.world_size,
+        "schedule": trainer.cfg.schedule, "virtual_stages": trainer.cfg.virtual_stages, "device": trainer.device.type,
     }
 
 
@@ -274,7 +274,7 @@ class Checkpoint:
     def _check_pieces(self) -> None:
         """Every element of every tensor the model needs (and of its Adam moments, if saved) is in exactly one piece,
         and every piece has the shape its key says (headers only)."""
-        kinds = KINDS if self.meta.get("has_optimizer_state") else KINDS[:1]
+        kinds = ("param", *MOMENTS) if self.meta.get("has_optimizer_state") else ("param",)
         for name, shape in sorted(self.shapes.items()):
             for kind in kinds:
                 what = _label(kind, name)
@@ -324,6 +324,13 @@ class Checkpoint:
             return read_local(self._pieces_of(kind, name), boxes, tuple(local_shape), self._read, flat=flat)
         except LookupError as e:
             raise CheckpointError(f"{self.path}: tensor {name!r} is incomplete ({e}).") from None
+
+    def table(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A saved model table (state that is no parameter: models.CausalLM.state_tables), whole, in fp32; None where
+        the checkpoint has none (saved before the model had it: the table keeps its initial value)."""
+        if ("table", name) not in self.pieces:
+            return None
+        return self.local_tensor("table", name, None, shape, 0, 1)
 
     def model_tensor(self, name: str) -> torch.Tensor:
         """One whole canonical parameter, in fp32."""

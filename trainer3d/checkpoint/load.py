@@ -31,7 +31,7 @@ from trainer3d.models import canonical_name
 from trainer3d.parallel.parallelize import rng_seeds, seed_rngs
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
 from trainer3d.rundir import METRICS
-from trainer3d.checkpoint.pieces import KINDS, local_shape
+from trainer3d.checkpoint.pieces import MOMENTS, local_shape
 
 
 def _stage_params(pm) -> list[tuple[str, torch.nn.Parameter, Any]]:
@@ -89,23 +89,28 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     topo, meta = trainer.topo, ckpt.meta
     trainer.step = ckpt.step
     adam_step = ckpt.optimizer_step
-    tp_rank, tp = topo.tp_rank, topo.layout.tp
     items = []
     for name, p, spec in _stage_params(trainer.pm):
-        shape = local_shape(spec, ckpt.shapes[name], tp)  # (not p.shape: ZeRO-3 partitions the parameter)
+        rank, size = topo.shard_coords(spec)  # tp, or ep for experts
+        shape = local_shape(spec, ckpt.shapes[name], size)  # (not p.shape: ZeRO-3 partitions the parameter)
 
-        def read_state(flat=None, name=name, spec=spec, shape=shape):
+        def read_state(flat=None, name=name, spec=spec, shape=shape, rank=rank, size=size):
             if adam_step is None:
                 return {}
-            state = {k: ckpt.local_tensor(k, name, spec, shape, tp_rank, tp, flat) for k in KINDS[1:]}  # moments
+            state = {k: ckpt.local_tensor(k, name, spec, shape, rank, size, flat) for k in MOMENTS}
             return dict(state, step=torch.tensor(float(adam_step)))
 
-        def read_value(flat=None, name=name, spec=spec, shape=shape):
-            return ckpt.local_tensor("param", name, spec, shape, tp_rank, tp, flat)
+        def read_value(flat=None, name=name, spec=spec, shape=shape, rank=rank, size=size):
+            return ckpt.local_tensor("param", name, spec, shape, rank, size, flat)
 
         items.append((p, read_state, read_value))
     # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)
     trainer.engine.load_param_states(items)
+    for m in trainer.pm.stages:
+        for name, table in m.state_tables().items():
+            saved = ckpt.table(name, tuple(table.shape))
+            if saved is not None:
+                table.copy_(saved.to(table.device, table.dtype))
     ls = meta.get("loss_scale")
     if trainer.loss_scale is not None and ls:
         for k, v in ls.items():
@@ -114,7 +119,7 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
         notes.append("the checkpoint has no fp16 loss-scale state (saved in another precision); starting a new one")
     if loader is not None and meta.get("loader"):
         loader.load_state_dict(meta["loader"])
-    if layout_record(trainer) == meta["layout"] and trainer.cfg.seed == meta["config"].get("seed"):
+    if layout_record(trainer) == {"ep": 1, **meta["layout"]} and trainer.cfg.seed == meta["config"].get("seed"):
         _restore_rngs(trainer, ckpt)
     else:
         rederive_rngs(trainer, ckpt.step)

@@ -15,7 +15,10 @@ from typing import Callable
 
 import torch
 
-KINDS = ("param", "exp_avg", "exp_avg_sq")  # a parameter's fp32 value and its AdamW moments, pieced alike
+MOMENTS = ("exp_avg", "exp_avg_sq")  # a parameter's AdamW moments
+# a parameter's fp32 value and its moments, pieced alike; and a model's tables (state that is no parameter: a router's
+# selection bias, trained by loss-free balancing)
+KINDS = ("param", *MOMENTS, "table")
 
 
 @dataclass(frozen=True)

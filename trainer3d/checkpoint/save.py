@@ -21,7 +21,7 @@ from trainer3d.checkpoint.format import (
     FORMAT, FORMAT_VERSION, LATEST, META, RNG_PREFIX, checkpoints_root, complete_checkpoints, layout_record,
     shard_file, sharded_rngs, step_dir_name,
 )
-from trainer3d.checkpoint.pieces import KINDS, partition_boxes, piece_key, slice_boxes, tp_boxes
+from trainer3d.checkpoint.pieces import MOMENTS, partition_boxes, piece_key, slice_boxes, tp_boxes
 from trainer3d.checkpoint.writer import write_safetensors
 from trainer3d.distributed.collectives import all_gather_object, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
@@ -55,7 +55,7 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
     holds a parameter whole, the slice of its tp shard its dp rank (and, for a tp-replicated tensor, its tp rank)
     writes. `copy`: copy host tensors (a snapshot written while training goes on); without it, views of the live
     state (a save that finishes before the next step) where it lives on the host already."""
-    topo, L = trainer.topo, trainer.topo.layout
+    topo = trainer.topo
     pinned = trainer.device.type == "cuda"
     pieces: dict[str, torch.Tensor] = {}
     adam_step = trainer.engine.adam_step()
@@ -64,7 +64,7 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
         if part is not None:
             if spec is None and topo.tp_rank != 0:
                 continue  # its tp peers hold the same partition
-            for offset, box in partition_boxes(spec, part.shape, topo.tp_rank, L.tp, part.start, part.numel):
+            for offset, box in partition_boxes(spec, part.shape, *topo.shard_coords(spec), part.start, part.numel):
                 for kind, flat in part.tensors.items():
                     data = flat.narrow(0, offset, box.numel).view(box.size)
                     pieces[piece_key(kind, name, box.start, box.size)] = _to_host(data, pinned, copy)
@@ -72,15 +72,20 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
         value = trainer.engine.param_value(p)
         state = trainer.engine.optimizer_state_of(p)
         shape = tuple(value.shape)
-        # every rank of a dp×cp line holds the same values: each writes its 1/(dp·cp) slice
-        index, count = ((topo.dp_cp_rank, L.dp_cp) if spec is not None
-                        else (topo.dp_cp_rank * L.tp + topo.tp_rank, L.dp_cp * L.tp))
-        mine = slice_boxes(tp_boxes(spec, shape, topo.tp_rank, L.tp), shape, index, count)
-        for kind, t in [("param", value)] + [(k, state[k]) for k in KINDS[1:] if k in state]:
+        index, count = _writer_slice(spec, topo)
+        mine = slice_boxes(tp_boxes(spec, shape, *topo.shard_coords(spec)), shape, index, count)
+        for kind, t in [("param", value)] + [(k, state[k]) for k in MOMENTS if k in state]:
             for b in mine:
                 part = t[tuple(slice(o, o + s) for o, s in zip(b.local, b.size))]
                 pieces[piece_key(kind, name, b.start, b.size)] = _to_host(part, pinned, copy=True)
         del value, state
+    index, count = _writer_slice(None, topo)  # tables: replicated wherever their module is
+    for m in trainer.pm.stages:
+        for name, t in m.state_tables().items():
+            shape = tuple(t.shape)
+            for b in slice_boxes(tp_boxes(None, shape, 0, 1), shape, index, count):
+                part = t[tuple(slice(o, o + s) for o, s in zip(b.local, b.size))]
+                pieces[piece_key("table", name, b.start, b.size)] = _to_host(part, pinned, copy=True)
     if pinned:
         torch.cuda.synchronize(trainer.device)
     pieces[RNG_PREFIX + "cpu"] = torch.get_rng_state()
@@ -89,6 +94,18 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
     for i, r in enumerate(sharded_rngs(trainer.pm)):
         pieces[f"{RNG_PREFIX}sharded{i}"] = r.state.clone().cpu()
     return pieces, adam_step
+
+
+def _writer_slice(spec, topo) -> tuple[int, int]:
+    """(index, count): which 1/count slice of a parameter's local shard this rank writes, the ranks holding the same
+    values sharing the writing: a dp×cp line for a tp shard, and its tp peers too for a tensor replicated over tp;
+    an expert split over ep is replicated over the edp ranks and over tp."""
+    L = topo.layout
+    if spec is None:
+        return topo.dp_cp_rank * L.tp + topo.tp_rank, L.dp_cp * L.tp
+    if spec.axis == "ep":
+        return topo.edp_rank * L.tp + topo.tp_rank, L.edp * L.tp
+    return topo.dp_cp_rank, L.dp_cp
 
 
 @dataclass

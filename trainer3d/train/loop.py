@@ -85,7 +85,7 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
     profiler = StepProfiler(cfg.profile_steps, cfg.max_steps, cfg.out_dir, dist.get_rank(), trainer.device)
     heartbeat, downstream, report = Heartbeat(), downstream or Downstream(trainer), Report(trainer)
     speed = Throughput(trainer, tokens_per_step)
-    report.banner(tokens_per_step)
+    report.start(tokens_per_step)
     if cfg.eval_every and trainer.step == 0:  # the starting point of the validation curve
         report.record({"step": 0, **evaluation(trainer, make_val_batches, downstream)})
     exit_code = 1  # what W&B records if the loop ends by an exception (a non-finite step, a failed peer)

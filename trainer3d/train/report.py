@@ -17,19 +17,24 @@ class Report:
     """Every record of a run goes through `record`: metrics.jsonl, W&B, the progress bar and the console."""
 
     def __init__(self, trainer):
-        from tqdm import tqdm
-
         self.cfg, self.trainer = trainer.cfg, trainer
         self.log = trainer.is_logging_rank
         self.metrics = MetricsFile(self.cfg.out_dir, enabled=self.log, append=trainer.step > 0)  # resumed: continue
         self.tracker = Tracker(trainer)  # W&B, on the logging rank only
         self.memory = PeakMemory(trainer.device, trainer.topo.world_group)
         self.summary = RunSummary(trainer.step)
-        # In a log file (SLURM, nohup) a bar redrawn every step is a wall of \r-joined updates: redraw every 30 s there.
-        self.bar = tqdm(total=self.cfg.max_steps, initial=trainer.step, disable=not self.log, dynamic_ncols=True,
+        self.bar = None
+
+    def start(self, tokens_per_step: int) -> None:
+        """The banner, then the progress bar (in a log file, SLURM's or nohup's, a bar redrawn every step is a wall of
+        \r-joined updates: it redraws every 30 s there)."""
+        from tqdm import tqdm
+
+        self._banner(tokens_per_step)
+        self.bar = tqdm(total=self.cfg.max_steps, initial=self.trainer.step, disable=not self.log, dynamic_ncols=True,
                         unit="step", mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
-    def banner(self, tokens_per_step: int) -> None:
+    def _banner(self, tokens_per_step: int) -> None:
         """The layout, the model and this rank's memory, where the rank speaks (the logging rank, or --verbose)."""
         t, cfg, plan = self.trainer, self.cfg, self.trainer.plan
         if not (self.log or cfg.verbose):
@@ -77,7 +82,8 @@ class Report:
             self.bar.write(f"step {step:>6} | sample {i}: {json.dumps(text, ensure_ascii=False)}")
 
     def close(self, exit_code: int) -> None:
-        self.bar.close()  # first: an error's sentence then starts on a line of its own
+        if self.bar is not None:
+            self.bar.close()  # first: an error's sentence then starts on a line of its own
         self.metrics.close()
         self.tracker.finish(exit_code)
 

@@ -16,13 +16,14 @@ from trainer3d.config import PRECISIONS, RECOMPUTE_MODES, SIZE_FLAGS, TrainConfi
 from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.sources import check_data_path, looks_like_path
 from trainer3d.distributed.topology import Layout, Topology, device_type, infer_layout
-from trainer3d.errors import ConfigError
+from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.rundir import CHECKPOINTS, earlier_run
 from trainer3d.data.tokenizer import has_tokenizer_files
 from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.parallel.batch import BatchPlan, plan_batch
 from trainer3d.parallel.compile import check_compiler
 from trainer3d.parallel.context_parallel import check_context_parallel
+from trainer3d.parallel.expert_parallel import check_expert_parallel
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline, last_stage_pp_rank
 from trainer3d.parallel.sequence_parallel import check_sequence_parallel
 from trainer3d.train.profiling import parse_step_range
@@ -71,8 +72,10 @@ RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("keep_last", 0, None, False), ("log_every", 1, None, False), ("hellaswag_examples", 1, None, False),
     ("sample_every", 0, None, False), ("sample_count", 1, None, False), ("sample_tokens", 1, None, False),
     ("sample_temperature", 0.0, None, False), ("sample_top_k", 0, None, False),
+    ("moe_aux_loss_coef", 0.0, None, False), ("moe_z_loss_coef", 0.0, None, False),
+    ("moe_bias_update_rate", 0.0, None, False),
 )
-POSITIVE = ("lr", "peak_tflops", "dist_timeout")  # strictly above 0
+POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor")  # strictly above 0
 
 
 def flag(field: str) -> str:
@@ -156,6 +159,24 @@ def check_out_dir(cfg: TrainConfig) -> None:
                           "--out-dir.")
 
 
+MOE_FLAGS = ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate", "moe_capacity_factor")
+
+
+def check_moe_flags(cfg: TrainConfig, mcfg, layout) -> None:
+    """The mixture-of-experts flags make sense only for a model with experts, and transformers' pooled loss only
+    where one rank holds every layer of its tokens whole."""
+    given = [f for f in MOE_FLAGS if getattr(cfg, f)]
+    if mcfg.moe is None:
+        if given:
+            raise ConfigError(f"{flag(given[0])} applies to a mixture of experts, and this model has none; drop it.")
+        return
+    if cfg.moe_aux_loss == "hf" and cfg.moe_aux_loss_coef and (layout.pp > 1 or layout.tp > 1 or layout.cp > 1
+                                                              or cfg.recompute == "full"):
+        raise ConfigError("--moe-aux-loss hf pools every layer of a micro-batch as transformers does, which needs one "
+                          "pipeline stage, no tp or cp split and no full recomputation; use --moe-aux-loss sequence "
+                          "(the same at every layout).")
+
+
 def check_size_flags(cfg: TrainConfig, base) -> None:
     """A size flag must name a field of the model's family (--n-kv-heads means nothing to GPT-2)."""
     fields = {f for f in base.__dataclass_fields__}
@@ -176,7 +197,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
     for name, value, choices in (("precision", cfg.precision, PRECISIONS), ("recompute", cfg.recompute, RECOMPUTE_MODES)):
         if value not in choices:
             raise ConfigError(f"{flag(name)} must be one of {', '.join(choices)} (got {value!r}).")
-    layout = infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp)
+    layout = infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
     if cfg.init_from_hf:
         base_model = hf_model_config(cfg.init_from_hf)
         if cfg.tokenizer is None and has_tokenizer_files(cfg.init_from_hf):  # the weights' own tokenizer
@@ -189,11 +210,19 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
             f"use --seq-len {mcfg.n_positions} or less."
         )
     family_of(mcfg).check(mcfg, layout.tp)
+    problem = check_expert_parallel(mcfg, layout.ep, layout.tp, cfg.seq_len, layout.cp)
+    if problem is not None:
+        raise LayoutError(problem)
+    check_moe_flags(cfg, mcfg, layout)
     check_context_parallel(layout.cp, cfg.seq_len)
     if cfg.sequence_parallel:
         check_sequence_parallel(layout.tp, cfg.seq_len, layout.cp)
     deepspeed = None
     if cfg.deepspeed_config is not None:  # the JSON owns the batch; also checks the JSON itself
+        if layout.ep > 1:
+            raise ConfigError(f"--ep {layout.ep} with a DeepSpeed config is not built: ZeRO would partition experts "
+                              "over ranks that hold other experts; use --ep 1 under ZeRO (experts partitioned like "
+                              "every parameter) or DDP with --ep.")
         deepspeed = resolve_deepspeed(cfg, layout, mcfg.n_embd)
         cfg, plan = deepspeed.cfg, deepspeed.plan
     else:

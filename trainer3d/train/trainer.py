@@ -20,6 +20,7 @@ from trainer3d.errors import TrainingError
 from trainer3d.optim import DynamicLossScale, lr_at
 from trainer3d.parallel.ddp import DDPEngine
 from trainer3d.parallel.engine import EngineFactory
+from trainer3d.parallel.moe_balance import MoEBalance
 from trainer3d.parallel.parallelize import parallelize
 from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 from trainer3d.train.setup import RunSetup
@@ -51,6 +52,7 @@ class Trainer:
         )
         self.engine, self.schedule = self.pm.engine, self.pm.schedule
         self.step = 0
+        self.balance = MoEBalance(self, self.pm.stages) if mcfg.moe is not None else None  # routing: losses, loads
         self.logging_rank = topo.global_rank(topo.last_stage_pp_rank, 0, 0)
         self.is_logging_rank = dist.get_rank() == self.logging_rank
         self._reduction = None  # set by forward_only for one pass
@@ -130,6 +132,8 @@ class Trainer:
                   "skipped": not result.stepped, "stop": result.stop}
         if self.loss_scale:
             record.update(loss_scale=self.loss_scale.scale)
+        if self.balance is not None:  # one all-reduce and one read of the step's routing statistics
+            record.update(self.balance.end_step(result.stepped))
         record.update(self.engine.memory())  # sizes only: no device read
         return record
 
