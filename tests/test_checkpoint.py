@@ -68,9 +68,12 @@ def _full_state(trainer, topo, optimizer: bool = True) -> dict[str, torch.Tensor
     out = {}
     for name, (p, spec) in named_full_params(trainer.pm).items():
         value = trainer.engine.param_value(p)
-        out[name] = gather_full(value, spec, topo.tp_group)
+        group = topo.shard_group(spec)  # tp's, or ep's for a mixture's experts
+        out[name] = gather_full(value, spec, group)
         for k, v in (trainer.engine.optimizer_state_of(p) if optimizer else {}).items():
-            out[f"{name}.{k}"] = gather_full(v, spec, topo.tp_group) if v.shape == value.shape else v.clone()
+            out[f"{name}.{k}"] = gather_full(v, spec, group) if v.shape == value.shape else v.clone()
+    for stage in trainer.pm.stages:  # tables that are no parameter (a router's selection bias)
+        out.update({f"table:{k}": v.clone() for k, v in stage.state_tables().items()})
     return out
 
 
@@ -127,6 +130,11 @@ RESHARD = [dict(tp=2, pp=4, schedule="interleaved-1f1b", virtual_stages=2), dict
 # (dp 1: a resumed DDP reduces its first step in its initial buckets, the uninterrupted run in its rebuilt ones, and a
 # sum over more than two ranks then rounds differently, as it does at dp 8 without cp; over two ranks it is exact)
 L_CP = dict(tp=2, cp=2, pp=2, sequence_parallel=True)
+# a mixture of experts (Qwen3-MoE's blocks, block 0 dense) with loss-free balancing's bias (a table, not a parameter)
+# and the balance loss, experts split over ep 2 at (2,2,2); lr as tests/parity.py's MOE (routing is discontinuous)
+MOE = dict(model="qwen3-moe-tiny", n_kv_heads=4, ffn_hidden=160, lr=3e-4, moe_bias_update_rate=0.01,
+           moe_aux_loss_coef=0.01)
+MOE_RESHARD = {"moe_to_ep4": dict(dp=4, tp=2, ep=4), "moe_to_ep1_pp4": dict(dp=2, pp=4), "moe_to_111": dict()}
 
 
 def _world_scenarios(rank, world_size, tmp, hf_dir, hf_batches):
@@ -151,6 +159,12 @@ def _world_scenarios(rank, world_size, tmp, hf_dir, hf_batches):
     r["cp_resumed"] = _run(L_CP, tmp / "cp", N, resume="latest")
     r["cp_to_111"] = _run(L111, tmp / "cp", N, resume=str(tmp / "cp" / "checkpoints" / "step_000004"))
     r["222_to_cp4"] = _run(dict(tp=2, cp=4), tmp / "b", N, resume=str(tmp / "b" / "checkpoints" / "step_000004"))
+    # a mixture of experts: exact resume at (2,2,2) ep 2; resharded to ep 4, to ep 1 (every expert on each rank)
+    moe_ckpt = str(tmp / "moe" / "checkpoints" / "step_000004")
+    r["moe_straight"] = _run(dict(L222, ep=2, **MOE), tmp / "moe", 2 * N, save_at=N)
+    r["moe_resumed"] = _run(dict(L222, ep=2, **MOE), tmp / "moe", N, resume="latest")
+    for key, layout in MOE_RESHARD.items():
+        r[key] = _run(dict(layout, **MOE), tmp / "moe", N, resume=moe_ckpt)
     # a format-1 checkpoint (tests/assets), resumed at (2,2,2)
     r["v1"] = _run(dict(L222, **V1_MODEL), tmp / "v1", 1, resume=str(V1_CHECKPOINT))
     # Hugging Face weights imported at (1,2,2) (ranks 0-3), trained, saved (test_hf_import_train_export)
@@ -175,7 +189,7 @@ def _assert_loaded_exactly(results, saved_key, resumed_key):
     loaded = _merged(results, resumed_key, "state_start")[2]
     assert set(saved) == set(loaded)
     adam = ("exp_avg", "exp_avg_sq", "step")
-    names = {k for k in saved if k.rpartition(".")[2] not in adam}
+    names = {k for k in saved if k.rpartition(".")[2] not in adam and not k.startswith("table:")}
     assert names and all(f"{n}.{a}" in saved for n in names for a in adam), "a parameter without its Adam state"
     bad = [k for k in saved if not torch.equal(saved[k], loaded[k])]
     assert not bad, f"{resumed_key}: restored state differs from the saved one in {bad[:5]}"
@@ -244,6 +258,22 @@ def test_exact_resume(world_results, layout):
 def test_reshard_resume(world_results, i):
     tmp, results, *_ = world_results
     _assert_continues(results, "222_straight", f"reshard{i}")
+
+
+def test_moe_checkpoints_resume_and_reshard_over_ep(world_results):
+    """A mixture of experts saved at (2,2,2) with its experts split over ep 2 resumes there bitwise (the experts, their
+    moments and the routers' selection biases included), and loads exactly at ep 4, at ep 1 over a 4-stage pipeline
+    and in one process, each continuing the uninterrupted run."""
+    tmp, results, *_ = world_results
+    ref, res = _assert_resumes_exactly(results, "moe_straight", "moe_resumed")
+    saved = _merged(results, "moe_straight", "state_saved")[2]
+    biases = [k for k in saved if k.startswith("table:") and k.endswith("expert_bias")]
+    assert len(biases) == 7 and all(saved[k].abs().sum() > 0 for k in biases)  # blocks 1-7, moved by the updates
+    assert any(k.endswith("experts.gate_up_proj") for k in saved)
+    ckpt = Checkpoint(resolve_checkpoint(tmp / "moe"))
+    assert ckpt.meta["layout"]["ep"] == 2
+    for key in MOE_RESHARD:
+        _assert_continues(results, "moe_straight", key)
 
 
 def test_context_parallel_checkpoints_are_layout_free(world_results):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from parity import LLAMA, VOCAB, check, parity_config, run_layouts
+from parity import LLAMA, VOCAB, check, parity_config, run_groups
 from test_parity import case
 from trainer3d.errors import LayoutError
 from trainer3d.models import build_model, init_value
@@ -161,13 +161,9 @@ def _cases():
     return [({}, gpt2), (LLAMA, llama), (docs, gpt2_docs), (llama_docs, llama_doc_cases)]
 
 
-def _run_groups(rank: int, world_size: int, groups: list, steps: int) -> list:
-    return [run_layouts(rank, world_size, layouts, steps, reference) for reference, layouts in groups]
-
-
 def test_context_parallel_parity_world4():
     groups = _cases()
-    results = run_world(4, _run_groups, groups, 10, timeout=900)
+    results = run_world(4, run_groups, groups, 10, timeout=900)
     failures = []
     for g, (reference, layouts) in enumerate(groups):
         print(f"\nreference: {reference or 'GPT-2'}")

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from distributed import run_world
-from parity import VOCAB, global_batches, parity_config
+from parity import MOE_BALANCED, VOCAB, global_batches, parity_config
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer3d") + os.sep
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
@@ -88,13 +88,20 @@ def test_count_reads_sees_a_read():
 
 
 def test_one_read_per_train_step_ddp():
-    cases = {"ddp-fp32": {}, "ddp-fp16": {"precision": "fp16"}}
+    """... and a mixture of experts (balancing losses, loss-free bias, capacity): the step's routing statistics are
+    read once more, together (parallel/moe_balance.py's end_step); the experts' grouped matmul reads nothing."""
+    cases = {"ddp-fp32": {}, "ddp-fp16": {"precision": "fp16"}, "moe": dict(MOE_BALANCED, moe_capacity_factor=1.5)}
     results = run_world(1, _reads_per_step, cases, timeout=300)[0]
     for name, r in results.items():
         print(f"\n{name}: {r['calls']}")
-        assert r["calls"] == ["parallel/engine.py:read_scalars .tolist"], f"{name}: {r['calls']}"
+        expected = ["parallel/engine.py:read_scalars .tolist"]
+        if name == "moe":
+            expected.append("parallel/moe_balance.py:end_step .tolist")
+        assert r["calls"] == expected, f"{name}: {r['calls']}"
         assert r["record"]["loss"] > 0 and r["record"]["grad_norm"] > 0
     assert results["ddp-fp16"]["record"]["skipped"] is False
+    moe = results["moe"]["record"]
+    assert moe["moe_aux_loss"] > 0 and moe["moe_z_loss"] > 0 and 0 <= moe["moe_dropped_fraction"] < 1
 
 
 def test_one_read_per_train_step_zero():

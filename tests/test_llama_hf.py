@@ -27,21 +27,24 @@ def batches(steps: int = STEPS, vocab: int = VOCAB) -> torch.Tensor:
     return pair[torch.arange(steps) % 2]
 
 
-def reference_run(hf, data: torch.Tensor) -> tuple[list[float], list[float]]:
+def reference_run(hf, data: torch.Tensor, lr: float = OPTIM["lr"], aux_loss=None) -> tuple[list[float], list[float]]:
     """transformers' model trained by tests/reference.py's plain loop (torch's AdamW, clip and the documented schedule)
     with the run's hyper-parameters."""
-    return plain_loop(hf, data, lr=OPTIM["lr"], warmup_steps=OPTIM["warmup_steps"], max_steps=OPTIM["max_steps"],
-                      grad_clip=OPTIM["grad_clip"], weight_decay=OPTIM["weight_decay"])
+    return plain_loop(hf, data, lr=lr, warmup_steps=OPTIM["warmup_steps"], max_steps=OPTIM["max_steps"],
+                      grad_clip=OPTIM["grad_clip"], weight_decay=OPTIM["weight_decay"], aux_loss=aux_loss)
 
 
-def _train_from_hf(hf_dir: str, tp: int, pp: int, data: torch.Tensor, out_dir: str | None = None) -> dict | None:
+def _train_from_hf(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = None) -> dict | None:
+    """trainer3d --init-from-hf at `layout` (tp, pp, dp, ep, micro_batches and any other TrainConfig flag)."""
     from trainer3d.checkpoint.save import save_checkpoint
     from trainer3d.train.trainer import Trainer
 
-    cfg = TrainConfig(init_from_hf=hf_dir, tp=tp, pp=pp, seq_len=SEQ, global_batch=GB, micro_batches=2,
-                      out_dir=out_dir or "runs/unused", **OPTIM)
-    setup = validate(cfg, tp * pp)
-    topo = setup.topology(list(range(tp * pp)))
+    layout = dict(layout)
+    n = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
+    cfg = TrainConfig(init_from_hf=hf_dir, seq_len=SEQ, global_batch=GB, out_dir=out_dir or "runs/unused",
+                      **{"micro_batches": 2, **OPTIM, **layout})
+    setup = validate(cfg, n)
+    topo = setup.topology(list(range(n)))
     out = None
     if topo.active:
         mcfg = setup.model_config(VOCAB)
@@ -49,37 +52,89 @@ def _train_from_hf(hf_dir: str, tp: int, pp: int, data: torch.Tensor, out_dir: s
         trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
         apply(start, trainer)
         records = [trainer.train_step(b) for b in data]
-        out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg}
+        out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg,
+               "aux": [r.get("moe_aux_loss") for r in records]}
         if out_dir is not None:
             out["path"] = str(save_checkpoint(trainer, out_dir))
     topo.destroy()
     return out
 
 
-def _layouts(rank, world_size, hf_dirs, data):
-    return [{(tp, pp): _train_from_hf(hf_dir, tp, pp, data) for tp, pp in ((1, 1), (2, 2))} for hf_dir in hf_dirs]
+def _layouts(rank, world_size, runs, data):
+    return [{label: _train_from_hf(hf_dir, layout, data) for label, layout in layouts.items()}
+            for hf_dir, layouts in runs]
+
+
+def hf_moe(family: str, seed: int = 0):
+    """A random Qwen3-MoE (q/k norms, head_dim 24 != 64/4, block 0 dense through `mlp_only_layers`, top-2 of 8
+    renormalized) or Mixtral (top-2 of 4), every weight perturbed."""
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
+            mlp_only_layers=[0], norm_topk_prob=True, router_aux_loss_coef=0.01)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.eval()
+
+
+# name -> (model, reference flags, {layout label: trainer3d flags}); MoE rows at lr 1e-3: routing is discontinuous
+# (tests/parity.py's MOE), and transformers computes in another order than trainer3d.
+MOE_LR = 1e-3
+RUNS = {
+    "llama": (lambda: hf_llama(seed=3), {}, {"1x1x1": {}, "tp2 pp2": dict(tp=2, pp=2)}),
+    "gpt2": (lambda: hf_gpt2(seed=3), {}, {"1x1x1": {}, "tp2 pp2": dict(tp=2, pp=2)}),
+    "qwen3_moe": (lambda: hf_moe("qwen3", seed=3), {"lr": MOE_LR},
+                  {"1x1x1": dict(lr=MOE_LR), "dp2 ep2 tp2": dict(dp=2, tp=2, ep=2, lr=MOE_LR),
+                   "dp2 ep2 pp2": dict(dp=2, pp=2, ep=2, lr=MOE_LR)}),
+    # transformers' pooled balance loss (output_router_logits): one micro-batch, the plain loop's batch
+    "qwen3_moe aux": (lambda: hf_moe("qwen3", seed=3), {"lr": MOE_LR, "aux": True},
+                      {"1x1x1 hf aux": dict(lr=MOE_LR, micro_batches=1, moe_aux_loss="hf", moe_aux_loss_coef=0.01)}),
+    "mixtral": (lambda: hf_moe("mixtral", seed=3), {"lr": MOE_LR},
+                {"1x1x1": dict(lr=MOE_LR), "dp4 ep4": dict(dp=4, ep=4, lr=MOE_LR)}),
+}
 
 
 def test_trains_like_transformers_in_a_plain_loop(tmp_path):
-    """Llama (grouped-query attention, 3.1's rope scaling, untied) and GPT-2 (tied), each a random transformers model
-    trained by the plain loop and by trainer3d --init-from-hf at (1, 1, 1) and tp 2 × pp 2, in one world."""
-    models = {"llama": hf_llama(seed=3), "gpt2": hf_gpt2(seed=3)}
-    for name, hf in models.items():
+    """Llama (grouped-query attention, 3.1's rope scaling, untied), GPT-2 (tied), Qwen3-MoE (with and without
+    transformers' balance loss) and Mixtral, each a random transformers model trained by the plain loop and by
+    trainer3d --init-from-hf in one process and at parallel layouts (tp and pp; for the mixtures, experts split over
+    ep 2 and 4), in one world."""
+    refs, runs = {}, []
+    for name, (make, ref_flags, layouts) in RUNS.items():
+        hf = make()
         hf.save_pretrained(tmp_path / name)
-    data = batches()
-    refs = {name: reference_run(hf, data) for name, hf in models.items()}
-    results = run_world(4, _layouts, [str(tmp_path / name) for name in models], data, timeout=600)
+        aux = None
+        if ref_flags.get("aux"):
+            hf.config.output_router_logits = True
+            aux = lambda out, coef=hf.config.router_aux_loss_coef: coef * out.aux_loss  # noqa: E731
+        refs[name] = reference_run(hf, batches(), lr=ref_flags.get("lr", OPTIM["lr"]), aux_loss=aux)
+        runs.append((str(tmp_path / name), layouts))
+    results = run_world(4, _layouts, runs, batches(), timeout=900)
     for (name, (ref_losses, ref_norms)), ours in zip(refs.items(), results[0]):
         print(f"\n{name}: transformers plain loop: losses {[f'{x:.6f}' for x in ref_losses]}")
         for layout, run in ours.items():
-            assert run["mcfg"].family == name
-            loss_rel = max(abs(a - b) / b for a, b in zip(run["losses"], ref_losses))
+            assert run["mcfg"].family == name.split("_")[0], (name, run["mcfg"].family)
+            # trainer3d reports the cross-entropy and the balance loss apart; the plain loop's loss is their sum
+            losses = [x + (a or 0.0) for x, a in zip(run["losses"], run["aux"])]
+            loss_rel = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
             norm_rel = max(abs(a - b) / b for a, b in zip(run["norms"], ref_norms))
-            print(f"trainer3d tp,pp={layout}: loss rel diff {loss_rel:.1e}, grad norm rel diff {norm_rel:.1e}")
+            print(f"trainer3d {layout}: loss rel diff {loss_rel:.1e}, grad norm rel diff {norm_rel:.1e}")
             assert loss_rel < 1e-5 and norm_rel < 1e-5, (name, layout, run["losses"], run["norms"])
         assert ref_losses[-1] < ref_losses[0] - 0.05  # it trains
         assert max(ref_norms) > OPTIM["grad_clip"]  # clipping was active
-    assert results[0][0][(1, 1)]["mcfg"].n_kv_heads == 2
+    assert results[0][0]["1x1x1"]["mcfg"].n_kv_heads == 2
+    assert results[0][2]["dp2 ep2 tp2"]["mcfg"].moe.n_experts == 8
+    aux = results[0][3]["1x1x1 hf aux"]["aux"]
+    assert all(0.01 * 2 * 0.9 < a < 0.01 * 8 for a in aux), aux  # the pooled loss (k when balanced) was added
 
 
 def bpe_tokenizer(directory) -> int:
@@ -100,7 +155,7 @@ def bpe_tokenizer(directory) -> int:
 
 
 def _round_trip(rank, world_size, hf_dir, data, out_dir):
-    return _train_from_hf(hf_dir, 2, 2, data, out_dir)
+    return _train_from_hf(hf_dir, dict(tp=2, pp=2), data, out_dir)
 
 
 def test_import_train_export_generate(tmp_path, capsys):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_world
-from parity import LLAMA, LOSS_RTOL, PARAM_ATOL, check, compare, run_layouts
+from parity import LLAMA, LOSS_RTOL, MOE, MOE_BALANCED, PARAM_ATOL, check, compare, run_groups, run_layouts
 from trainer3d.config import RECOMPUTE_MODES
 from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.parallel.pipeline import PIPELINING_BEFORE_2_13, SCHEDULES
@@ -112,11 +112,35 @@ def test_loss_parity_world2_and_the_check_catches_a_gradient_scale_error():
     assert bad.norm > 0.9 and not bad.ok, bad  # the norm doubles: caught
 
 
-def test_llama_loss_parity():
-    matrix = llama_matrix()
-    results = run_world(8, run_layouts, matrix, STEPS, LLAMA, timeout=900)
-    assert "self_attn.qkv_proj" in " ".join(results[0][0]["params"]) and "lm_head.weight" in results[0][0]["params"]
-    failures = check(results, matrix)
+def moe_matrix() -> list[dict]:
+    """A mixture of experts where it meets every axis, against the one-process run: experts split over ep 2 and 4
+    (all-to-all), ep carved from cp, tp with and without sequence parallelism (each tp rank routing its own tokens),
+    1F1B, interleaved and zero-bubble pipelines, recomputation (selective and full), a stage holding only the dense
+    block (pp 8: block 0)."""
+    return [case(2, ep=2, **MOE), case(4, ep=4, **MOE), case(1, cp=2, ep=2, **MOE),
+            case(2, 2, ep=2, sequence_parallel=True, **MOE), case(2, 2, ep=2, recompute="selective", **MOE),
+            case(2, 1, 2, ep=2, recompute="full", **MOE), case(2, 1, 2, "interleaved-1f1b", ep=2, **MOE),
+            case(2, 1, 2, "zbv", ep=2, **MOE), case(1, 1, 8, **MOE)]
+
+
+def balanced_matrix() -> list[dict]:
+    """The balancing losses and loss-free balancing's bias (which changes routing from the second step on, so every
+    later loss depends on the step's loads being counted alike) at layouts that split a sequence (cp, tp) or its
+    batch (dp, micro-batches, pipelines), recomputing."""
+    return [case(2, 2, ep=2, sequence_parallel=True, **MOE_BALANCED), case(1, 2, cp=2, ep=2, **MOE_BALANCED),
+            case(2, 1, 2, ep=2, recompute="full", **MOE_BALANCED)]
+
+
+def test_llama_and_moe_loss_parity():
+    groups = [(LLAMA, llama_matrix()), (MOE, moe_matrix()), (MOE_BALANCED, balanced_matrix())]
+    results = run_world(8, run_groups, groups, STEPS, timeout=900)
+    llama = results[0][0][0]["params"]
+    assert "self_attn.qkv_proj" in " ".join(llama) and "lm_head.weight" in llama
+    assert "layers.1.mlp.experts.gate_up_proj" in results[0][1][0]["params"]  # the MoE model has its experts
+    failures = []
+    for g, (reference, matrix) in enumerate(groups):
+        print(f"\nreference: {reference}")
+        failures += check([r[g] for r in results], matrix)
     assert not failures, "\n".join(failures)
 
 
