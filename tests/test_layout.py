@@ -70,6 +70,16 @@ def test_dp_is_inferred_and_bad_world_refused():
         (dict(model="llama-tiny", n_kv_heads=3), 1, "--n-head 4 must be a multiple of --n-kv-heads 3"),
         (dict(model="llama-tiny", tp=2, ffn_hidden=385), 2, "must divide the model's MLP width of 385"),
         (dict(model="tiny", n_kv_heads=2), 1, "--n-kv-heads does not apply to the gpt2 model"),
+        # mixtures of experts: ep against the data-parallel ranks and the experts, the token split under tp, MoE flags
+        (dict(model="qwen3-moe-tiny", ep=4), 2, "--ep 4 splits the experts over ranks carved from the 2"),
+        (dict(model="qwen3-moe-tiny", ep=3), 3, "--ep 3 must divide the model's 8 experts"),
+        (dict(model="llama-tiny", ep=2), 2, "this model has none; drop --ep"),
+        (dict(model="qwen3-moe-tiny", tp=2, seq_len=63), 2, "pick a --seq-len divisible by 2"),
+        (dict(model="qwen3-moe-tiny", top_k=9), 1, "--top-k 9 must be between 1 and the model's 8 experts"),
+        (dict(model="llama-tiny", n_experts=8), 1, "--n-experts does not apply to the llama model"),
+        (dict(model="tiny", moe_aux_loss_coef=0.01), 1, "mixture of experts"),
+        (dict(model="qwen3-moe-tiny", moe_aux_loss="hf", moe_aux_loss_coef=0.01, pp=2), 2,
+         "--moe-aux-loss hf pools every layer"),
     ],
 )
 def test_impossible_layouts_refused_with_one_sentence(kwargs, world, message):

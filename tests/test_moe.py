@@ -6,6 +6,7 @@ transformers trained: tests/test_llama_hf.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -164,3 +165,74 @@ def test_balance_losses_have_their_papers_values_and_gradients(mode):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6 * r.abs().max().item())
     router_grad_without = torch.autograd.grad((blocks[1](blocks[0](x)) * target).sum(), blocks[0].gate.weight)[0]
     assert (grads[0] - router_grad_without).abs().max() > 1e-6  # the loss moved the router's gradient
+
+
+@pytest.mark.parametrize("preset,total,active", [("qwen3-30b-a3b", 30.53, 3.35), ("qwen3-235b-a22b", 235.09, 22.19),
+                                                 ("mixtral-8x7b", 46.70, 12.88), ("mixtral-8x22b", 140.63, 39.16)])
+def test_presets_have_the_published_sizes(preset, total, active):
+    """Total and active (top-k experts of a token) parameters, in billions, as the model cards state them (Qwen3's:
+    30.5B/3.3B, 235B/22B; Mixtral's paper: 46.7B/12.9B; 8x22B's card: 141B/39B), and as the model built on the
+    meta device holds them."""
+    from trainer3d.models import MODEL_PRESETS, build_model
+
+    cfg = MODEL_PRESETS[preset]
+    assert cfg.num_params() / 1e9 == pytest.approx(total, abs=0.01)
+    assert cfg.num_params(active=True) / 1e9 == pytest.approx(active, abs=0.01)
+    with torch.device("meta"):
+        built = build_model(dataclasses.replace(cfg, n_layer=2))
+    small = dataclasses.replace(cfg, n_layer=2)
+    assert sum(p.numel() for p in built.parameters()) == small.num_params()
+
+
+def _hf_models():
+    import transformers
+
+    qwen_moe = transformers.Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
+        mlp_only_layers=[0], norm_topk_prob=True)
+    mixtral = transformers.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=2)
+    qwen = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)
+    return {"qwen3_moe": (transformers.Qwen3MoeForCausalLM, qwen_moe), "mixtral": (transformers.MixtralForCausalLM,
+            mixtral), "qwen3": (transformers.Qwen3ForCausalLM, qwen)}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen3"])
+def test_transformers_logits_and_round_trip(name, tmp_path):
+    """A random transformers model (every weight perturbed): trainer3d's model read from its directory gives its logits,
+    and the directory trainer3d writes back loads into transformers with the same logits."""
+    from trainer3d.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+    from trainer3d.models import plain_model
+
+    cls, config = _hf_models()[name]
+    torch.manual_seed(0)
+    hf = cls(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, state = load_hf_checkpoint(str(tmp_path / "hf"))
+    assert (cfg.moe is not None) == (name != "qwen3")
+    ours = plain_model(cfg, state, torch.device("cpu"), torch.float32)
+    x = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    save_hf_checkpoint(cfg, state, str(tmp_path / "back"))
+    back = cls.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        expected = hf(x).logits
+        assert (ours(x) - expected).abs().max() < 1e-5
+        assert torch.equal(back(x).logits, expected)
+
+
+def test_expert_major_regroups_rows_by_expert_then_source():
+    """What the all-to-all delivers (rows by source rank, then local expert) regrouped for the grouped matmul (by
+    expert, then source), each run kept in order."""
+    from trainer3d.parallel.expert_parallel import expert_major
+
+    per_source = torch.tensor([[2, 0, 1], [1, 3, 0]])  # 2 sources × 3 local experts
+    label = [(s, e) for s in range(2) for e in range(3) for _ in range(int(per_source[s, e]))]
+    perm = expert_major(per_source, len(label))
+    assert [label[i] for i in perm] == sorted(label, key=lambda se: (se[1], se[0]))
+    assert perm.tolist() == [0, 1, 3, 4, 5, 6, 2]

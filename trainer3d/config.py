@@ -27,7 +27,10 @@ class TrainConfig:
     n_embd: int | None = None
     n_positions: int | None = None  # the context; default: the preset's
     n_kv_heads: int | None = None  # Llama family: key/value heads (grouped-query attention)
-    ffn_hidden: int | None = None  # Llama family: SwiGLU's width
+    ffn_hidden: int | None = None  # Llama family: SwiGLU's width (Mixtral: each expert's)
+    n_experts: int | None = None  # mixtures of experts (qwen3, mixtral): experts per MoE layer
+    top_k: int | None = None  # ... experts each token is routed to
+    moe_ffn_hidden: int | None = None  # Qwen3-MoE: each expert's SwiGLU width
     dropout: float = 0.0
     vocab_size: int | None = None  # default: the tokenizer's
     init_from_hf: str | None = None
@@ -134,7 +137,8 @@ class TrainConfig:
 
 
 # The flags that size a model: every family has the first four; the rest name fields of some families only.
-SIZE_FLAGS = ("n_layer", "n_head", "n_embd", "n_positions", "n_kv_heads", "ffn_hidden")
+SIZE_FLAGS = ("n_layer", "n_head", "n_embd", "n_positions", "n_kv_heads", "ffn_hidden", "n_experts", "top_k",
+              "moe_ffn_hidden")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--n-embd", type=int, default=None, help="override the preset's width")
     m.add_argument("--n-positions", type=int, default=None, help="override the preset's context")
     m.add_argument("--n-kv-heads", type=int, default=None, help="Llama: override the key/value heads (GQA)")
-    m.add_argument("--ffn-hidden", type=int, default=None, help="Llama: override SwiGLU's width")
+    m.add_argument("--ffn-hidden", type=int, default=None, help="Llama: override SwiGLU's width (Mixtral: each "
+                   "expert's)")
+    m.add_argument("--n-experts", type=int, default=None, help="Qwen3, Mixtral: override the experts per MoE layer "
+                   "(Megatron's --num-experts; on a dense Qwen3 preset it makes every block a mixture)")
+    m.add_argument("--top-k", type=int, default=None, help="Qwen3, Mixtral: override the experts a token is routed to "
+                   "(Megatron's --moe-router-topk)")
+    m.add_argument("--moe-ffn-hidden", type=int, default=None, help="Qwen3: override each expert's SwiGLU width")
     m.add_argument("--dropout", type=float, default=d.dropout)
     m.add_argument("--vocab-size", type=int, default=None, help="override the tokenizer's vocabulary size")
     m.add_argument("--init-from-hf", default=None,

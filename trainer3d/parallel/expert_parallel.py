@@ -89,7 +89,7 @@ class AllToAllDispatch:
         arrived = dist_fn.all_to_all_single(rows.new_empty(sum(received_from), rows.shape[1]), rows,
                                             received_from, sent_by, group=self.group)
         per_source = received.view(self.size, self.n_local)
-        perm = expert_major(per_source)
+        perm = expert_major(per_source, arrived.shape[0])
         return arrived[perm], per_source.sum(0), (order, perm, sent_by, received_from)
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
@@ -104,15 +104,14 @@ class AllToAllDispatch:
         return out
 
 
-def expert_major(per_source: torch.Tensor) -> torch.Tensor:
-    """The permutation that takes rows grouped by source rank, then by local expert (what the all-to-all delivers,
-    `per_source` [sources, experts] rows each) to rows grouped by expert, then by source rank."""
+def expert_major(per_source: torch.Tensor, rows: int) -> torch.Tensor:
+    """The permutation that takes `rows` rows grouped by source rank, then by local expert (what the all-to-all
+    delivers, `per_source` [sources, experts] rows each), to rows grouped by expert, then by source rank: a stable
+    sort on (expert, source), on the device (no host read; `rows` is known on the host already)."""
     sources, experts = per_source.shape
-    starts = torch.cumsum(per_source.reshape(-1), 0) - per_source.reshape(-1)  # where each (source, expert) run starts
-    runs = [(starts[s * experts + e], per_source[s, e]) for e in range(experts) for s in range(sources)]
-    if not runs:
-        return torch.zeros(0, dtype=torch.long, device=per_source.device)
-    return torch.cat([torch.arange(int(a), int(a) + int(n), device=per_source.device) for a, n in runs])
+    run = torch.repeat_interleave(torch.arange(sources * experts, device=per_source.device), per_source.reshape(-1),
+                                  output_size=rows)  # each row's (source, expert) run
+    return torch.argsort((run % experts) * sources + run // experts, stable=True)
 
 
 def apply_expert_parallel(stage: nn.Module, tp_group, tp_rank: int, tp: int, sequence_parallel: bool, ep_group,

@@ -62,7 +62,8 @@ class RunSetup:
 # None ("not given") are checked only when given.
 RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("n_layer", 1, None, False), ("n_head", 1, None, False), ("n_embd", 1, None, False), ("n_positions", 1, None, False),
-    ("n_kv_heads", 1, None, False), ("ffn_hidden", 1, None, False),
+    ("n_kv_heads", 1, None, False), ("ffn_hidden", 1, None, False), ("n_experts", 1, None, False),
+    ("top_k", 1, None, False), ("moe_ffn_hidden", 1, None, False),
     ("vocab_size", 1, None, False), ("dropout", 0.0, 1.0, True), ("virtual_stages", 1, None, False),
     ("micro_batches", 1, None, False), ("seq_len", 1, None, False), ("global_batch", 1, None, False),
     ("global_batch_tokens", 1, None, False), ("max_steps", 1, None, False), ("min_lr", 0.0, None, False),

@@ -22,6 +22,8 @@ def check(cfg: LlamaConfig, tp: int) -> None:
         raise LayoutError(f"--tp {tp} must divide the model's {cfg.n_kv_heads} key/value heads (grouped-query "
                           f"attention shards whole kv heads); pick a divisor of {cfg.n_kv_heads} and put the other GPUs on "
                           "--pp or data parallelism.")
+    if cfg.moe is not None and not 1 <= cfg.moe.top_k <= cfg.moe.n_experts:
+        raise ConfigError(f"--top-k {cfg.moe.top_k} must be between 1 and the model's {cfg.moe.n_experts} experts.")
     if any(not cfg.is_moe_layer(i) for i in range(cfg.n_layer)) and cfg.ffn_hidden % tp:  # (experts are not split)
         raise LayoutError(f"--tp {tp} must divide the model's MLP width of {cfg.ffn_hidden}; pick a divisor of it.")
 
