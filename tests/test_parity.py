@@ -137,6 +137,8 @@ def test_llama_and_moe_loss_parity():
     llama = results[0][0][0]["params"]
     assert "self_attn.qkv_proj" in " ".join(llama) and "lm_head.weight" in llama
     assert "layers.1.mlp.experts.gate_up_proj" in results[0][1][0]["params"]  # the MoE model has its experts
+    biases = results[0][2][0]["tables"]  # loss-free balancing moved every MoE layer's bias (blocks 1-7)
+    assert len(biases) == 7 and all(t.abs().sum() > 0 for t in biases.values()), biases
     failures = []
     for g, (reference, matrix) in enumerate(groups):
         print(f"\nreference: {reference}")

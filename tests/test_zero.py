@@ -29,7 +29,8 @@ import torch
 from distributed import run_world
 from ds_ops import nvme_op_available, require_ops
 from parity import (
-    LLAMA, LOSS_RTOL, NORM_RTOL, PARAM_ATOL, VOCAB, FeatureWatch, global_batches, max_rel as rel, parity_config,
+    LLAMA, LOSS_RTOL, MODEL_FLAGS, MOE_BALANCED, NORM_RTOL, PARAM_ATOL, VOCAB, FeatureWatch, global_batches,
+    max_rel as rel, parity_config,
     train_layout,
 )
 from trainer3d.zero import config as deepspeed_config
@@ -89,8 +90,8 @@ def label(lay: dict, ds: dict | None) -> str:
         name += " sequence-parallel"
     if lay.get("compile"):
         name += " compile"
-    if lay.get("model") == LLAMA["model"]:
-        name += " llama"
+    if "model" in lay:
+        name += f" {lay['model']}"
     if ds is None:
         return name + " DDP"
     z = ds["zero_optimization"]
@@ -177,7 +178,7 @@ def other_models(cases: list) -> list[dict]:
     """The model flags of cases that train another model than the default GPT-2 (each needs its own reference)."""
     out = []
     for lay, _ in cases:
-        model = {k: lay[k] for k in LLAMA if k in lay}
+        model = {k: lay[k] for k in MODEL_FLAGS if k in lay}
         if model and model not in out:
             out.append(model)
     return out
@@ -209,7 +210,7 @@ def check_world(results: list, cases: list) -> tuple[list[str], list[str]]:
         per_rank = [r[i] for r in results if r[i] is not None]
         losses = per_rank[0]["losses"]
         name = label(lay, ds)
-        model = tuple((k, lay[k]) for k in LLAMA if k in lay)
+        model = tuple((k, lay[k]) for k in MODEL_FLAGS if k in lay)
         ref = refs[model]
         if not all(r["losses"] == losses for r in per_rank):
             failures.append(f"{name}: ranks disagree on the loss")
@@ -316,7 +317,10 @@ def world8_cases():
               (sp, ds_config(1))]
     # Llama (grouped-query attention, rotary, untied head) under ZeRO-3 with CPU offload, sequence parallelism on
     llama = dict(sp, **LLAMA)
-    return cases + [(llama, ds_config(3, "all"))]
+    # a mixture of experts (experts whole on each rank, ep 1: they are ordinary parameters to ZeRO; each tp rank
+    # routes its sequence shard), every balancing feature on, ZeRO-3 with CPU offload
+    moe = dict(sp, **MOE_BALANCED)
+    return cases + [(llama, ds_config(3, "all")), (moe, ds_config(3, "all"))]
 
 
 def _run(world, cases, timeout):

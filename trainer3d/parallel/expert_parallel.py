@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 
 from trainer3d.models.moe import MoE
@@ -69,6 +68,24 @@ class TokenSplit:
         return _GatherSequence.apply(fn(part), self.group, self.rank, self.size)
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows [sum(sent), H] exchanged over `group` with uneven splits (`received[i]` rows come from rank i); the
+    backward sends the gradients back the same way. (torch.distributed.nn's autograd all_to_all is deprecated.)"""
+
+    @staticmethod
+    def forward(ctx, rows, received, sent, group):
+        ctx.received, ctx.sent, ctx.group = received, sent, group
+        out = rows.new_empty(sum(received), rows.shape[1])
+        dist.all_to_all_single(out, rows.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(sum(ctx.sent), grad.shape[1])
+        dist.all_to_all_single(out, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
+        return out, None, None, None
+
+
 class AllToAllDispatch:
     """Tokens to the ranks holding their experts and back, over the ep group (see the module docstring)."""
 
@@ -86,8 +103,7 @@ class AllToAllDispatch:
         received = torch.empty_like(counts)  # [source rank, local expert]
         dist.all_to_all_single(received, counts, group=self.group)
         sent_by, received_from = torch.stack([counts, received]).view(2, self.size, self.n_local).sum(-1).tolist()
-        arrived = dist_fn.all_to_all_single(rows.new_empty(sum(received_from), rows.shape[1]), rows,
-                                            received_from, sent_by, group=self.group)
+        arrived = _AllToAll.apply(rows, received_from, sent_by, self.group)
         per_source = received.view(self.size, self.n_local)
         perm = expert_major(per_source, arrived.shape[0])
         return arrived[perm], per_source.sum(0), (order, perm, sent_by, received_from)
@@ -97,8 +113,7 @@ class AllToAllDispatch:
         order, perm, sent_by, received_from = state
         by_source = torch.empty_like(y)
         by_source[perm] = y
-        back = dist_fn.all_to_all_single(y.new_empty(sum(sent_by), y.shape[1]), by_source, sent_by, received_from,
-                                         group=self.group)
+        back = _AllToAll.apply(by_source, sent_by, received_from, self.group)
         out = torch.empty_like(back)
         out[order] = back
         return out
