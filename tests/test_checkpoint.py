@@ -268,7 +268,8 @@ def test_moe_checkpoints_resume_and_reshard_over_ep(world_results):
     ref, res = _assert_resumes_exactly(results, "moe_straight", "moe_resumed")
     saved = _merged(results, "moe_straight", "state_saved")[2]
     biases = [k for k in saved if k.startswith("table:") and k.endswith("expert_bias")]
-    assert len(biases) == 7 and all(saved[k].abs().sum() > 0 for k in biases)  # blocks 1-7, moved by the updates
+    # blocks 1-7; the updates moved them (by ±0.01 a step, so an expert that alternates is back at 0 at step 4)
+    assert len(biases) == 7 and sum(int(saved[k].count_nonzero()) for k in biases) >= 7, {k: saved[k] for k in biases}
     assert any(k.endswith("experts.gate_up_proj") for k in saved)
     ckpt = Checkpoint(resolve_checkpoint(tmp / "moe"))
     assert ckpt.meta["layout"]["ep"] == 2
@@ -305,7 +306,7 @@ def test_checkpoint_layout_on_disk(world_results):
     assert (tmp / "b" / "checkpoints" / "latest").read_text().strip() == "step_000004"
     assert sorted(ckpt.meta["files"]) == [f"shard-rank{r:05d}.safetensors" for r in range(8)]
     assert ckpt.meta["format_version"] == 2 and ckpt.meta["optimizer_step"] == N
-    assert ckpt.meta["layout"] == {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "world_size": 8, "schedule": "1f1b",
+    assert ckpt.meta["layout"] == {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "ep": 1, "world_size": 8, "schedule": "1f1b",
                                    "virtual_stages": 1, "device": "cpu"}
     assert ckpt.meta["loader"]["position"] == 32 and ckpt.meta["loader"]["epoch"] == 1  # 2 steps an epoch
     stored = {kind: 0 for kind in ("param", "exp_avg", "exp_avg_sq")}

@@ -51,7 +51,8 @@ def _train_from_hf(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str |
         start = prepare(setup.cfg, mcfg, topo)
         trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
         apply(start, trainer)
-        records = [trainer.train_step(b) for b in data]
+        per = GB // setup.layout.dp  # this dp rank's rows of each global batch
+        records = [trainer.train_step(b[topo.dp_rank * per:(topo.dp_rank + 1) * per]) for b in data]
         out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg,
                "aux": [r.get("moe_aux_loss") for r in records]}
         if out_dir is not None:

@@ -236,3 +236,15 @@ def test_expert_major_regroups_rows_by_expert_then_source():
     perm = expert_major(per_source, len(label))
     assert [label[i] for i in perm] == sorted(label, key=lambda se: (se[1], se[0]))
     assert perm.tolist() == [0, 1, 3, 4, 5, 6, 2]
+
+
+def test_configs_survive_a_checkpoints_json():
+    """meta.json stores the model config: Qwen3-MoE's tuple of dense layers comes back a tuple (equal, hashable)."""
+    import json
+
+    from trainer3d.models import MODEL_PRESETS, config_from_dict, config_to_dict
+
+    for name in ("qwen3-moe-tiny", "mixtral-tiny", "qwen3-tiny"):
+        cfg = MODEL_PRESETS[name]
+        back = config_from_dict(cfg.family, json.loads(json.dumps(config_to_dict(cfg))))
+        assert back == cfg and hash(back) == hash(cfg)

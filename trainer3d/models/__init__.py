@@ -53,8 +53,9 @@ def config_to_dict(cfg) -> dict:
 
 
 def config_from_dict(family: str, values: dict):
-    """A family's config from `config_to_dict`'s output (meta.json); TypeError/KeyError on anything else."""
-    return FAMILIES[family].config_cls(**values)
+    """A family's config from `config_to_dict`'s output (meta.json); TypeError/KeyError on anything else. JSON wrote
+    tuples (Qwen3's mlp_only_layers) as lists: they become tuples again (configs are frozen and hashed)."""
+    return FAMILIES[family].config_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def shape_diffs(stored, now) -> list[str]:
