@@ -20,6 +20,7 @@ class GPTConfig:
 
     family: ClassVar[str] = "gpt2"
     tie_embeddings: ClassVar[bool] = True  # GPT-2's lm_head is wte
+    moe: ClassVar[None] = None  # no mixture of experts (models/moe.py's MoESpec where a family has one)
 
     @property
     def head_dim(self) -> int:
