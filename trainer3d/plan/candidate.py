@@ -2,7 +2,9 @@
 
 Pure functions of the model's config and the candidate; nothing needs a process group. The stages come from
 trainer3d.parallel.pipeline itself (placement and balancing) and the parameters from the family's ParallelPlan
-(trainer3d.parallel.param_counts), so the planner counts what the trainer builds, for every family.
+(trainer3d.parallel.param_counts), so the planner counts what the trainer builds, for every family. A stage knows
+which blocks it holds, so a mixture of experts is counted layer by layer (dense and MoE blocks differ), its experts
+divided by ep (each ep rank holds n_experts/ep of them whole, replicated over tp).
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class Stage:
     layers: int
     first: bool  # holds the embedding
     last: bool  # holds final LayerNorm, LM head (a copy of the tied embedding unless `first`) and the loss
+    start: int = 0  # the global index of its first block
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.start + self.layers)
 
 
 def n_stages(pp: int, schedule: str, virtual_stages: int) -> int:
@@ -75,7 +82,8 @@ def rank_stages(cfg, pp: int, schedule: str, virtual_stages: int, pp_rank: int, 
 def _rank_stages(cfg, pp: int, schedule: str, virtual_stages: int, pp_rank: int, seq_len: int) -> tuple[Stage, ...]:
     n = n_stages(pp, schedule, virtual_stages)
     ranges = balanced_ranges(cfg, n, seq_len)
-    return tuple(Stage(i, len(ranges[i]), i == 0, i == n - 1) for i in stage_ids(pp_rank, pp, schedule, virtual_stages))
+    return tuple(Stage(i, len(ranges[i]), i == 0, i == n - 1, ranges[i].start)
+                 for i in stage_ids(pp_rank, pp, schedule, virtual_stages))
 
 
 # ---- the candidate -------------------------------------------------------------------------------------------
@@ -104,6 +112,7 @@ class Candidate:
     # ZeRO-3 keeps parameters smaller than this unpartitioned (DeepSpeed's stage3_param_persistence_threshold)
     zero3_persistence: int | None = None  # None: the "auto" value (zero.config.auto_buckets)
     zero_bucket_elems: int | None = None  # DeepSpeed reduce_bucket_size; None: the "auto" value
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of the dp×cp line (DDP only)
 
     @property
     def tokens(self) -> int:  # T: a rank's tokens of a micro-batch (its 1/cp share of every sequence)
@@ -113,6 +122,11 @@ class Candidate:
     def dp_cp(self) -> int:
         """Ranks holding the same parameters: gradients are reduced, and ZeRO partitions, over them."""
         return self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts: expert gradients are reduced over them (dp×cp / ep)."""
+        return self.dp_cp // self.ep
 
     @property
     def prec(self) -> Precision:
@@ -132,7 +146,8 @@ class Candidate:
 
 def describe(cand: Candidate) -> str:
     """The one-line name of a candidate in the planner's tables, e.g. `dp8 tp1 pp2 1f1b m64x1 ZeRO-1`."""
-    s = f"dp{cand.dp} tp{cand.tp} pp{cand.pp}" + (f" cp{cand.cp}" if cand.cp > 1 else "")
+    s = f"dp{cand.dp} tp{cand.tp} pp{cand.pp}" + (f" cp{cand.cp}" if cand.cp > 1 else "") + \
+        (f" ep{cand.ep}" if cand.ep > 1 else "")
     if cand.pp > 1:
         s += f" {cand.schedule}" + (f" v{cand.virtual_stages}" if cand.virtual_stages > 1 else "")
     s += f" m{cand.micro_batches}x{cand.micro_batch_size} ZeRO-{cand.zero_stage}"
@@ -146,15 +161,18 @@ def describe(cand: Candidate) -> str:
 
 
 # ---- parameters per rank (parallel/param_counts.py reads them off the family's ParallelPlan) -------------------------
-def block_params(cfg, tp: int) -> int:
-    """One block's parameters on one TP rank: column-parallel layers split whole, row-parallel weights split and their
-    biases replicated, norms replicated."""
-    return local_params(cfg, tp).block_total
-
-
-def stage_params(cfg, tp: int, st: Stage) -> int:
+def block_params(cfg, tp: int, layer: int | None = None, ep: int = 1) -> int:
+    """One block's parameters on one TP rank (`layer` None: the largest block): column-parallel layers split whole,
+    row-parallel weights split and their biases replicated, norms replicated, experts whole and divided by ep."""
     lp = local_params(cfg, tp)
-    n = st.layers * lp.block_total
+    if layer is None:
+        return max(b.total(ep) for b in (lp.dense, lp.moe) if b is not None)
+    return lp.block(layer).total(ep)
+
+
+def stage_params(cfg, tp: int, st: Stage, ep: int = 1) -> int:
+    lp = local_params(cfg, tp)
+    n = sum(b.total(ep) * k for b, k in lp.kinds(st.blocks))
     if st.first:
         n += lp.embedding + sum(lp.first_extra)  # vocab-parallel embedding, replicated positions (GPT-2)
     if st.last:
@@ -163,28 +181,50 @@ def stage_params(cfg, tp: int, st: Stage) -> int:
     return n
 
 
-def replicated_params(cfg, stages: list[Stage]) -> list[int]:
-    """Sizes of the tp-replicated parameters of a rank's stages (norms, row-parallel biases, positions): under
-    sequence parallelism their gradients are summed over tp once per step."""
+def rank_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
+    return sum(stage_params(cfg, tp, s, ep) for s in stages)
+
+
+def expert_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
+    """The rank's share of the experts (each MoE layer's n_experts/ep, whole)."""
+    lp = local_params(cfg, tp)
+    return sum(b.experts(ep) * k for s in stages for b, k in lp.kinds(s.blocks))
+
+
+def replicated_params(cfg, stages: list[Stage], ep: int = 1) -> list[int]:
+    """Sizes of the tp-replicated parameters of a rank's stages (norms, row-parallel biases, positions, an MoE's
+    router and experts): every tp rank holds them whole."""
     lp, out = local_params(cfg, 1), []
     for s in stages:
         if s.first:
             out += lp.first_extra
-        out += lp.block_replicated * s.layers
+        for b, k in lp.kinds(s.blocks):
+            out += b.replicated(ep) * k
         if s.last:
             out += lp.last_extra
     return out
 
 
-def rank_params(cfg, tp: int, stages: list[Stage]) -> int:
-    return sum(stage_params(cfg, tp, s) for s in stages)
+def tp_summed_params(cand: Candidate, stages: list[Stage]) -> list[int]:
+    """Sizes of the parameters whose gradient each tp rank holds only a share of, summed over tp once per step
+    (engine.sum_tp_partial_grads): under sequence parallelism every replicated one, else an MoE's and Qwen3's
+    q/k norms."""
+    if cand.tp == 1:
+        return []
+    if cand.sequence_parallel:
+        return replicated_params(cand.cfg, stages, cand.ep)
+    lp, out = local_params(cand.cfg, 1), []
+    for s in stages:
+        for b, k in lp.kinds(s.blocks):
+            out += [p.on_rank(cand.ep) for p in b.pieces if p.partial] * k
+    return out
 
 
-def max_param_tensor(cfg, tp: int, stages: list[Stage]) -> int:
+def max_param_tensor(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
     """Elements of the largest parameter on the rank (the vocab shard of the embedding or head, else a block's
     largest weight)."""
     lp = local_params(cfg, tp)
-    biggest = max(n for n, _ in lp.block) if any(s.layers for s in stages) else 0
+    biggest = max((p.on_rank(ep) for s in stages for b, _ in lp.kinds(s.blocks) for p in b.pieces), default=0)
     if any(s.first or s.last for s in stages):
         biggest = max(biggest, lp.embedding)
     return biggest
@@ -200,7 +240,8 @@ def persistent_params(cand: Candidate, stages: list[Stage]) -> int:
     lp = local_params(cand.cfg, cand.tp)
     small = 0
     for s in stages:
-        small += s.layers * sum(n for n, _ in lp.block if n < threshold)
+        small += sum(k * sum(n for n in (p.on_rank(cand.ep) for p in b.pieces) if n < threshold)
+                     for b, k in lp.kinds(s.blocks))
         if s.last:
             small += sum(n for n in lp.last_extra if n < threshold)
         if s.first:

@@ -1,7 +1,7 @@
 """The layout planner: `python -m trainer3d.plan`.
 
-Given a model, a cluster and a global batch, enumerate every layout trainer3d can run (dp, tp, pp, cp, schedule,
-virtual stages, micro-batches, ZeRO stage, offload, activation checkpointing), estimate memory per GPU and step
+Given a model, a cluster and a global batch, enumerate every layout trainer3d can run (dp, tp, pp, cp, ep for a
+mixture of experts, schedule, virtual stages, micro-batches, ZeRO stage, offload, activation checkpointing), estimate memory per GPU and step
 time with the cost model in trainer3d/plan/ (memory.py, comm.py, step_time.py: the one bench/comm_volume.py and
 bench/memory.py check against measurements), refuse what does not fit or cannot run, and print the best few with
 the reason each wins. Optionally write the DeepSpeed JSON and print the launch command for a chosen plan.
@@ -11,11 +11,18 @@ the reason each wins. Optionally write the DeepSpeed JSON and print the launch c
     python -m trainer3d.plan --preset-cluster a100-80g --nodes 128 --model gpt3-175b --seq-len 2048 \\
         --global-batch 1536 --launcher sbatch --write-ds-config plan.json
 
-Step time = compute (model FLOPs / GPUs / (peak × --mfu), × 4/3 with recomputation, × the slowest stage's
+Step time = compute (model FLOPs / GPUs / (peak × --mfu), × 4/3 with recomputation, × the busiest pipeline rank's
 share) + pipeline bubble (schedule formulas; see bench/pipeline_bubble.py) + exposed communication (payloads
 from comm.analytic_comm, ring factors, tp over the intra-node bandwidth, dp and pp over the inter-node one
 when their groups span nodes; DDP's and ZeRO's gradient reduction overlaps the backward it can overlap) + CPU
 offload (PCIe transfers and CPU Adam). It is a model for ranking layouts, not a promise of seconds.
+
+A mixture of experts (qwen3-30b-a3b, mixtral-8x7b, ...) is planned as the trainer runs it: parameters counted layer by
+layer with each ep rank's n_experts/ep experts, DDP only at ep > 1, the active FLOPs (MFU counts those), and the
+all-to-alls of every MoE layer priced on the links the ep group spans:
+
+    python -m trainer3d.plan --model mixtral-8x7b --nodes 8 --seq-len 4096 --global-batch 256 \
+        --evaluate tp=1,pp=4,ep=8,schedule=interleaved-1f1b,v=8,mbs=1
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ def state_line(p, label: str) -> str:
             f"(+{gib(s.startup_host):.1f} on the host for the largest tensor's initial value); a save "
             f"writes {gib(s.save_written):.2f} and adds {gib(s.save_host):.2f} of host memory; a resume reads "
             f"{gib(s.resume_read):.1f}")
+
+
+def active_params(cfg) -> str:
+    """', N active' for a mixture of experts (what a token uses: the FLOPs and MFU count these), else ''."""
+    return f", {cfg.num_params(active=True) / 1e9:.2f}B active" if cfg.moe is not None else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print the plans as JSON")
     o.add_argument("--evaluate", default=None, metavar="LAYOUT",
                    help="also estimate one layout, e.g. tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1 "
-                        "(dp follows from the cluster; keys: tp pp cp schedule v mbs zero offload recompute sp)")
+                        "(dp follows from the cluster; keys: tp pp cp ep schedule v mbs zero offload recompute sp)")
     return p
 
 
@@ -140,7 +152,8 @@ def main(argv=None) -> int:
     )
     kv = f" kv{cfg.n_kv_heads}" if hasattr(cfg, "n_kv_heads") else ""
     print(f"model: {name or 'custom'} ({cfg.family}) L{cfg.n_layer} d{cfg.n_embd} h{cfg.n_head}{kv} vocab {cfg.vocab_size} "
-          f"({cfg.num_params() / 1e9:.2f}B params), seq {args.seq_len}, global batch {gb} sequences ({gb * args.seq_len:,} tokens)")
+          f"({cfg.num_params() / 1e9:.2f}B params{active_params(cfg)}), seq {args.seq_len}, global batch {gb} sequences "
+          f"({gb * args.seq_len:,} tokens)")
     print(f"cluster: {C.nodes} x {C.gpus_per_node} GPUs, {C.gpu_memory_gib:g} GiB ({C.reserve_gib:g} reserved), "
           f"{C.peak_tflops:g} TFLOP/s peak at {C.mfu:.0%} kernel efficiency, {C.intra_node_gbps:g} GB/s in a node, "
           f"{C.inter_node_gbps:g} GB/s across")

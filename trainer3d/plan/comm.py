@@ -4,6 +4,12 @@ bench/comm_volume.py counts the trainer's calls and compares them with `analytic
 per-group formulas). Bytes are payloads, what is passed to the call (all_reduce / broadcast / send: the tensor;
 all_gather: the gathered output; reduce_scatter: the input); `ring_factor` converts a payload into the bytes a
 rank sends with a ring algorithm. T = micro-batch size × sequence length.
+
+A mixture of experts adds, per MoE layer and micro-batch, expert parallelism's all-to-alls over the ep group (the
+count exchange, then the tokens' dispatch and combine in the forward and their gradients' in the backward, again when
+recomputed), assuming routing balanced over the ep ranks; its experts' gradients are all-reduced over edp (dp×cp/ep)
+instead of dp×cp; at tp > 1 the gradients of its router and experts, which each tp rank holds a share of, are summed
+over tp once per step, and without sequence parallelism its tokens are split over tp and gathered back.
 """
 
 from __future__ import annotations
@@ -14,16 +20,17 @@ from dataclasses import dataclass
 from trainer3d.parallel.pipeline import last_stage_pp_rank
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
 from trainer3d.parallel.param_counts import local_params
-from trainer3d.plan.candidate import Candidate, persistent_params, rank_params, replicated_params
+from trainer3d.plan.candidate import Candidate, expert_params, persistent_params, rank_params, tp_summed_params
 
 
 def ring_factor(op: str, n: int) -> float:
-    """All-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, point-to-point 1."""
+    """All-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, all-to-all (n-1)/n (the rest of the payload goes
+    to the other ranks), point-to-point 1."""
     if n <= 1:
         return 0.0
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     return 1.0  # send, broadcast
 
@@ -32,8 +39,8 @@ def ring_factor(op: str, n: int) -> float:
 class Transfer:
     """`calls` calls of one collective with `nbytes` payload each, on a group of `n` ranks."""
 
-    group: str  # tp, cp, pp, dp (over dp × cp), embedding, mp, world
-    op: str  # all_reduce, all_gather, reduce_scatter, send
+    group: str  # tp, cp, pp, dp (over dp × cp), ep, edp (over dp × cp / ep), embedding, mp, world
+    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send
     nbytes: float
     calls: int
     n: int
@@ -58,11 +65,13 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
     """The tp group's collectives. Without sequence parallelism: an all-reduce per row-parallel output (forward) and
     per column-parallel input gradient (backward). With it each all-reduce becomes its two halves, an all-gather and
     a reduce-scatter, moving the same bytes; and each column-parallel layer, which saved only its input's shard,
-    gathers it again in the backward for its weight gradient (Korthikanti et al. 2022, section 4.2.2)."""
+    gathers it again in the backward for its weight gradient (Korthikanti et al. 2022, section 4.2.2). An MoE block's
+    only tp linears are its attention's; without sequence parallelism its tokens are split over tp and gathered back."""
     h, m, T, P, t = cand.cfg.n_embd, cand.micro_batches, cand.tokens, cand.prec, cand.tp
-    layers = sum(s.layers for s in stages)
-    lp = local_params(cand.cfg, t)
-    rows, cols = lp.row_layers * layers, lp.column_layers * layers  # (GPT-2 and Llama: 2 of each per block)
+    kinds = [bk for s in stages for bk in local_params(cand.cfg, t).kinds(s.blocks)]
+    rows = sum(b.row_layers * k for b, k in kinds)  # (GPT-2 and Llama: 2 of each per block, an MoE block 1)
+    cols = sum(b.column_layers * k for b, k in kinds)
+    moe_layers = sum(k for b, k in kinds if b.moe)
     first, last = any(s.first for s in stages), any(s.last for s in stages)
     act = T * h * P.matmul  # b·s·h in the matmul dtype: what the tp collectives move
     out: list[Transfer] = []
@@ -77,6 +86,10 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
         if last:
             out.append(Transfer("tp", "all_reduce", act, m, t,
                                 "vocab-parallel LM head backward: input gradient of the replicated hidden state (b·s·h)"))
+        if moe_layers:  # parallel/expert_parallel.TokenSplit (the output in the norm's dtype, the residual's)
+            out.append(Transfer("tp", "all_gather", T * h * P.resid, 2 * moe_layers * m, t,
+                                "MoE token split: the output gathered in the forward, its gradient in the backward "
+                                "(b·s·h)"))
     else:
         n_gather = cols + (1 if last else 0)  # qkv and the MLP input of every block, and the LM head
         out.append(Transfer("tp", "all_gather", act, n_gather * m, t,
@@ -94,15 +107,23 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
                                 "vocab-parallel embedding forward: partial lookups reduce-scattered (b·s·h)"))
             out.append(Transfer("tp", "all_gather", T * h * P.resid, m, t,
                                 "vocab-parallel embedding backward: the output gradient gathered (b·s·h)"))
-        share = cand.dp_cp if cand.zero_stage == 3 else 1  # ZeRO-3 sums each parameter's own dp×cp partition
-        out.append(Transfer("tp", "all_reduce", sum(math.ceil(n / share) for n in replicated_params(cand.cfg, stages)) * 4,
-                            1, t, "once per step: gradients of the norms, row-parallel biases and positions summed "
-                            "(fp32)"))
+    out += _tp_summed_grads(cand, stages)
     if last:
         out.append(Transfer("tp", "all_reduce", T * 4, m, t, "vocab-parallel cross-entropy: the max (b·s fp32)"))
         out.append(Transfer("tp", "all_reduce", 2 * T * 4, m, t,
                             "vocab-parallel cross-entropy: target logit and sum of exps, in one call (2·b·s fp32)"))
     return out
+
+
+def _tp_summed_grads(cand: Candidate, stages) -> list[Transfer]:
+    """Once per step, the gradients tp ranks hold shares of summed in one fp32 all-reduce (engine.sum_tp_partial_grads:
+    norms, row-parallel biases and positions under SP; an MoE's router and experts at every tp > 1)."""
+    summed = tp_summed_params(cand, stages)
+    if not summed:
+        return []
+    share = cand.dp_cp if cand.zero_stage == 3 else 1  # ZeRO-3 sums each parameter's own dp×cp partition
+    return [Transfer("tp", "all_reduce", sum(math.ceil(n / share) for n in summed) * 4, 1, cand.tp,
+                     "once per step: the gradients tp ranks hold shares of, summed (fp32)")]
 
 
 def context_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
@@ -121,10 +142,29 @@ def context_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
     ]
 
 
+def expert_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
+    """The ep group's all-to-alls (parallel/expert_parallel.AllToAllDispatch), per MoE layer and micro-batch: the
+    tokens per expert (int64), then the rows of this rank's tokens (the 1/t each tp rank routes), k per token in the
+    matmul dtype, to their experts' ranks and back; the backward sends the rows' gradients both ways, and a recomputed
+    forward exchanges again."""
+    spec, P = cand.cfg.moe, cand.prec
+    lp = local_params(cand.cfg, cand.tp)
+    layers = sum(k for s in stages for b, k in lp.kinds(s.blocks) if b.moe)
+    calls = layers * cand.micro_batches * (2 if cand.recompute else 1)  # forward passes
+    rows = cand.tokens / cand.tp * spec.top_k * cand.cfg.n_embd * P.matmul
+    return [
+        Transfer("ep", "all_to_all", spec.n_experts * 8, calls, cand.ep, "MoE: tokens per expert exchanged (int64)"),
+        Transfer("ep", "all_to_all", rows, 2 * calls, cand.ep,
+                 "MoE forward: the tokens' rows dispatched to their experts and combined back (k·b·s·h/t)"),
+        Transfer("ep", "all_to_all", rows, 2 * layers * cand.micro_batches, cand.ep,
+                 "MoE backward: the rows' gradients, both ways (k·b·s·h/t)"),
+    ]
+
+
 def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
     """What one rank at pipeline rank `pp_rank` passes to collectives and sends in one optimizer step (training
     only; evaluation and the first step's shape exchange excluded)."""
-    cfg, h, m, T, P = cand.cfg, cand.cfg.n_embd, cand.micro_batches, cand.tokens, cand.prec
+    h, m, T, P = cand.cfg.n_embd, cand.micro_batches, cand.tokens, cand.prec
     stages = cand.stages(pp_rank)
     out: list[Transfer] = []
     if cand.tp > 1:
@@ -143,7 +183,24 @@ def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
                                 "activation gradient to the previous stage, per micro-batch and boundary (b·s·h, /t with SP)"))
     if cand.cp > 1:
         out += context_parallel_comm(cand, stages)
-    n_local = rank_params(cfg, cand.tp, stages)
+    if cand.ep > 1:
+        out += expert_parallel_comm(cand, stages)
+    out += data_parallel_comm(cand, stages)
+    out += _tied_and_scalars(cand, pp_rank)
+    return [t for t in out if t.n > 1]
+
+
+def data_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
+    """Gradients reduced over dp × cp (DDP's all-reduce, ZeRO's reduce-scatter and all-gather); experts split over
+    ep all-reduced over their edp group instead, after the backward (parallel/ddp.py; ZeRO refuses ep > 1)."""
+    P, m = cand.prec, cand.micro_batches
+    n_local = rank_params(cand.cfg, cand.tp, stages, cand.ep)
+    out: list[Transfer] = []
+    if cand.ep > 1:
+        experts = expert_params(cand.cfg, cand.tp, stages, cand.ep)
+        n_local -= experts
+        out.append(Transfer("edp", "all_reduce", experts * P.grad, 1, cand.edp,
+                            "DDP: the experts' gradients all-reduced over edp after the backward"))
     dp = cand.dp_cp  # gradients are reduced, and ZeRO partitions, over dp × cp
     if dp > 1:
         g = P.grad
@@ -161,10 +218,17 @@ def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
                 partitioned = n_local - persistent_params(cand, stages)
                 out.append(Transfer("dp", "all_gather", partitioned * P.param, 2 * m, dp,
                                     "ZeRO-3: all-gather of the parameters before forward and before backward"))
+    return out
+
+
+def _tied_and_scalars(cand: Candidate, pp_rank: int) -> list[Transfer]:
+    """The tied embedding's two copies summed, and the step's scalars."""
+    cfg, P, dp = cand.cfg, cand.prec, cand.dp_cp
+    out: list[Transfer] = []
     first_rank, last_rank = tied_copy_ranks(cand)
     if cfg.tie_embeddings and cand.pp > 1 and first_rank != last_rank and pp_rank in (first_rank, last_rank):
         Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
-        shard = Vp // cand.tp * h
+        shard = Vp // cand.tp * cfg.n_embd
         if cand.zero_stage >= 3:
             # the ZeRO engine sums the copies' aligned ZeRO-3 partitions (fp32), not the whole gradient
             out.append(Transfer("embedding", "all_reduce", math.ceil(shard / dp) * 4, 1, 2,
@@ -179,4 +243,4 @@ def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
         out.append(Transfer("world", "all_reduce", 4, 1, cand.world, "global grad norm over all shards (one fp32 scalar)"))
     elif cand.tp * cand.pp > 1:
         out.append(Transfer("mp", "all_reduce", 4, 1, cand.tp * cand.pp, "global grad norm (one fp32 scalar)"))
-    return [t for t in out if t.n > 1]
+    return out

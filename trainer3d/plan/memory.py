@@ -1,18 +1,31 @@
 """Device memory per rank: model states (ZeRO paper), saved activations (Korthikanti et al.), the buffers and
 transients trainer3d and DeepSpeed add. bench/memory.py checks it against measured peaks (within 10%); the
 derivation of each term is in bench/README.md, section "Memory per rank".
+
+A mixture of experts adds (tests/test_plan.py measures the block's saved tensors): its experts' state divided by ep
+and left out of DDP's buckets at ep > 1 (reduced over edp in flat buckets after the backward); per token the family's
+activation formula (each token's k copies through experts of width I, the routing scores); per MoE layer and
+micro-batch in flight the bf16 copies of the rank's experts that the grouped matmul's cast keeps under autocast; in a
+block's backward the rows exchanged by the all-to-all; and the sum over tp of the gradients each tp rank holds a share
+of (the router's and experts' at every tp > 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import inspect
+
 from trainer3d.parallel.cross_entropy import LOSS_CHUNK_ELEMENTS
+from trainer3d.parallel.ddp import all_reduce_grads
+from trainer3d.parallel.param_counts import BlockParams, local_params
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
 from trainer3d.zero.config import auto_buckets
 from trainer3d.plan.candidate import (
-    Candidate, Stage, block_params, max_param_tensor, persistent_params, rank_params,
+    Candidate, Stage, block_params, expert_params, max_param_tensor, persistent_params, rank_params, tp_summed_params,
 )
+
+EXPERT_BUCKET = inspect.signature(all_reduce_grads).parameters["bucket_elems"].default  # DDP's experts over edp
 
 
 def layer_activation_bytes(cand: Candidate) -> float:
@@ -40,7 +53,7 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
     Th = hidden_tokens(cand) * h
     Vp = padded_vocab_size(cand.cfg.vocab_size, t)
     per_layer = Th * P.resid if cand.recompute else layer_activation_bytes(cand)
-    total = st.layers * per_layer
+    total = st.layers * per_layer + (0.0 if cand.recompute else expert_weight_copies(cand, st.blocks))
     if st.first:
         total += T * (8 + (9 if t > 1 else 0))  # token ids (int64); under TP also the shard mask and local ids
     if st.last:
@@ -50,6 +63,28 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
     else:
         total += Th * P.send  # the stage output (cast for the wire), held until backward
     return total
+
+
+def expert_weight_copies(cand: Candidate, blocks: range) -> float:
+    """Under autocast (fp32 parameters, bf16 matmuls) each MoE layer casts this rank's experts to the matmul dtype
+    itself (autocast does not reach the grouped matmul: models/moe.py) and autograd keeps the copies for the backward:
+    one per MoE layer and micro-batch in flight (a dense linear's cast is autocast's, cached once per step)."""
+    P = cand.prec
+    if P.param == P.matmul:
+        return 0.0
+    return sum(b.experts(cand.ep) * k for b, k in local_params(cand.cfg, cand.tp).kinds(blocks)) * P.matmul
+
+
+def mlp_backward_bytes(cand: Candidate, block: BlockParams) -> float:
+    """What a block's MLP holds at once in its backward beyond the saved activations: the gradients w.r.t. its
+    activation's output and input (a dense MLP: ffn/t wide per token; an MoE: k·I per token for the 1/t of the tokens
+    each tp rank routes) and, under expert parallelism, the rows the all-to-all sends and receives (k·h each)."""
+    cfg, T, t, P = cand.cfg, cand.tokens, cand.tp, cand.prec
+    if not block.moe:
+        return 2 * T * cfg.ffn_hidden // t * P.matmul
+    k, width = cfg.moe.top_k, cfg.moe.expert_hidden
+    exchanged = 2 * k * cfg.n_embd if cand.ep > 1 else 0
+    return T / t * (2 * k * width + exchanged) * P.matmul
 
 
 def inflight_microbatches(cand: Candidate, pp_rank: int) -> float:
@@ -110,7 +145,7 @@ class MemoryEstimate:
 def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
     """Device memory of one rank at pipeline rank `pp_rank`: what it holds through the step, then the step's peak."""
     stages = cand.stages(pp_rank)
-    e = MemoryEstimate(n_params=rank_params(cand.cfg, cand.tp, stages))
+    e = MemoryEstimate(n_params=rank_params(cand.cfg, cand.tp, stages, cand.ep))
     _model_states(e, cand, stages)
     _pipeline_buffers(e, cand, stages)
     _step_peak(e, cand, pp_rank, stages)
@@ -128,13 +163,13 @@ def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> No
         zero_bucket = auto_buckets(h)["reduce_bucket_size"]
     if z == 0:
         e.params, e.grads, e.optimizer = n * P.param, n * P.grad, n * P.optim
-        if dp > 1:
-            e.ddp_buckets = n * P.grad  # DDP's flat buckets are a second copy of the gradients
+        if dp > 1:  # DDP's flat buckets are a second copy of the gradients (experts split over ep are not in them)
+            e.ddp_buckets = (n - (expert_params(cfg, cand.tp, stages, cand.ep) if cand.ep > 1 else 0)) * P.grad
         return
     e.params = n * P.param / (dp if z >= 3 else 1)
     e.grads = n * 4 / dp
     e.optimizer = n * 12 / dp
-    largest = max_param_tensor(cfg, cand.tp, stages)
+    largest = max_param_tensor(cfg, cand.tp, stages, cand.ep)
     if cand.offload_optimizer:  # ZeRO-Offload: master, moments and the fp32 gradient partition on the host
         e.offloaded += e.optimizer + e.grads
         e.optimizer = e.grads = 0.0
@@ -151,7 +186,7 @@ def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> No
         e.params += persistent_params(cand, stages) * P.param  # small tensors ZeRO-3 never partitions
         # working set: at most two blocks' parameters gathered (stage3_max_live_parameters, as the planner
         # writes it), plus the largest tensor, which is gathered whole whatever the bound
-        e.zero_buffers += (min(n, 2 * block_params(cfg, cand.tp)) + largest) * P.param
+        e.zero_buffers += (min(n, 2 * block_params(cfg, cand.tp, ep=cand.ep)) + largest) * P.param
     if dp > 1:
         e.zero_buffers += min(zero_bucket, n) * P.grad  # DeepSpeed's reduce (ipg) bucket
 
@@ -173,9 +208,7 @@ def _pipeline_buffers(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -
 def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[Stage]) -> None:
     """Activations of the micro-batches in flight, the largest transient on top of them (during the schedule or the
     optimizer step), and the peak over what the rank holds through the step."""
-    P, cfg, h, T, m, n, z = cand.prec, cand.cfg, cand.cfg.n_embd, cand.tokens, cand.micro_batches, e.n_params, \
-        cand.zero_stage
-    dp = cand.dp_cp
+    P, m, n, z = cand.prec, cand.micro_batches, e.n_params, cand.zero_stage
     # activations: in-flight micro-batches × what a micro-batch keeps on this rank
     per_mb = sum(stage_activation_bytes(cand, s) for s in stages)
     k = inflight_microbatches(cand, pp_rank)
@@ -189,7 +222,19 @@ def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[St
     with_grads = accum + (k if later else max(k - 1, 0)) * per_mb
     without_grads = k * per_mb
     e.activations = k * per_mb
-    # Transients on top of the activations, during the schedule:
+    t_sched = _schedule_transient(cand, stages)
+    t_after = _after_schedule_transient(cand, stages, n)
+    sched_peak = max(without_grads, with_grads) + t_sched
+    opt_peak = (n * P.grad if z <= 1 else 0.0) + t_after
+    e.transient = t_sched if sched_peak >= opt_peak else t_after
+    # held through the step: params, optimizer state, buffers, and (ZeRO) the gradient partition
+    base = e.params + e.optimizer + e.ddp_buckets + e.zero_buffers + e.pipeline_buffers + (e.grads if z else 0.0)
+    e.peak = base + max(sched_peak, opt_peak)
+
+
+def _schedule_transient(cand: Candidate, stages: list[Stage]) -> float:
+    """The largest temporary on top of the activations during the schedule."""
+    P, cfg, h, T = cand.prec, cand.cfg, cand.cfg.n_embd, cand.tokens
     Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
     has_last = any(s.last for s in stages)
     # - the last stage: in its first backward the head's weight gradient (the largest tensor) while every activation
@@ -198,24 +243,35 @@ def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[St
     shard = Vp // cand.tp
     t_loss = min(T * shard, LOSS_CHUNK_ELEMENTS) * 4 if P.matmul < 4 else 0.0
     t_head = max(t_loss, shard * h * P.grad) if has_last else 0.0
-    # - a block's backward: the gradients w.r.t. the MLP's activation's output and input (GPT-2: 4h/t each) live together
-    # (under sequence parallelism a gathering matmul's backward also holds the gathered input and its gradient)
+    # - a block's backward: the gradients w.r.t. the MLP's activation's output and input (GPT-2: 4h/t each) live
+    # together, an MoE's exchanged rows with them (mlp_backward_bytes); under sequence parallelism a gathering
+    # matmul's backward also holds the gathered input and its gradient
     t_gather = 2 * T * h * P.matmul if cand.sequence_parallel else 0.0
-    t_block = 2 * T * cfg.ffn_hidden // cand.tp * P.matmul + hidden_tokens(cand) * h * P.resid + t_gather \
-        if any(s.layers for s in stages) else 0.0
-    t_recompute = layer_activation_bytes(cand) if cand.recompute else 0.0
+    kinds = {b for s in stages for b, _ in local_params(cfg, cand.tp).kinds(s.blocks)}
+    t_block = max((mlp_backward_bytes(cand, b) for b in kinds), default=0.0)
+    t_block += hidden_tokens(cand) * h * P.resid + t_gather if kinds else 0.0
+    # - recomputation rebuilds one block's activations (and an MoE layer's expert copies) in its backward
+    t_recompute = 0.0
+    if cand.recompute:
+        one_layer = max((expert_weight_copies(cand, range(i, i + 1)) for s in stages for i in s.blocks), default=0.0)
+        t_recompute = layer_activation_bytes(cand) + one_layer
     # - a tied embedding with the head in the same stage (pp 1) gets its gradient from the head, first in the
     #   backward, and from the embedding, last: autograd holds the first in the weight's input buffer until the
     #   second arrives, so the head's weight gradient lives through every block's backward
     tied_held = shard * h * P.grad if cfg.tie_embeddings and any(s.first and s.last for s in stages) else 0.0
-    t_sched = max(t_head, tied_held + t_block + t_recompute)
-    # After the schedule: the global norm squares the largest gradient (a temporary), and torch's foreach AdamW
-    # builds one temporary per parameter of a group (sqrt of exp_avg_sq); DeepSpeed's optimizers do not.
-    t_opt = 0.0 if cand.offload_optimizer else (n if z == 0 else n / dp) * 4
-    t_norm = max_param_tensor(cfg, cand.tp, stages) * 4
-    sched_peak = max(without_grads, with_grads) + t_sched
-    opt_peak = (n * P.grad if z <= 1 else 0.0) + max(t_opt, t_norm)
-    e.transient = t_sched if sched_peak >= opt_peak else max(t_opt, t_norm)
-    # held through the step: params, optimizer state, buffers, and (ZeRO) the gradient partition
-    base = e.params + e.optimizer + e.ddp_buckets + e.zero_buffers + e.pipeline_buffers + (e.grads if z else 0.0)
-    e.peak = base + max(sched_peak, opt_peak)
+    return max(t_head, tied_held + t_block + t_recompute)
+
+
+def _after_schedule_transient(cand: Candidate, stages: list[Stage], n: int) -> float:
+    """The largest temporary after the schedule, the gradients held: the gradient reduction's flat copies (the
+    gradients tp ranks hold shares of, summed in one fp32 all-reduce; DDP's experts over edp, a bucket at a time),
+    the global norm's square of the largest gradient, and torch's foreach AdamW's one temporary per parameter of a
+    group (sqrt of exp_avg_sq); DeepSpeed's optimizers make none."""
+    P, z = cand.prec, cand.zero_stage
+    t_opt = 0.0 if cand.offload_optimizer else (n if z == 0 else n / cand.dp_cp) * 4
+    largest = max_param_tensor(cand.cfg, cand.tp, stages, cand.ep)
+    t_tp_sum = sum(tp_summed_params(cand, stages)) * 4
+    t_edp = 0.0
+    if cand.ep > 1 and cand.edp > 1:
+        t_edp = min(expert_params(cand.cfg, cand.tp, stages, cand.ep), EXPERT_BUCKET + largest) * P.grad
+    return max(t_opt, largest * 4, t_tp_sum, t_edp)

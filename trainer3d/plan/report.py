@@ -82,7 +82,8 @@ def why(p: Plan, best: Plan, rank: int, n_feasible: int, runner_up: Plan | None)
 
 
 def model_flops_utilization(p: Plan, C: Cluster) -> float:
-    """Model FLOPs (the family's count; a recomputed forward not counted) over the cluster's peak for the step time."""
+    """Model FLOPs (the family's count: a mixture of experts' active ones; a recomputed forward not counted) over the
+    cluster's peak for the step time."""
     c = p.candidate
     return c.cfg.flops_per_token(c.seq_len) * c.global_batch * c.seq_len / (p.step_time * C.world * C.peak_tflops * 1e12)
 
@@ -127,6 +128,8 @@ def train_flags(p: Plan, model_name: str | None, ds_path: str | None) -> list[st
     flags = model_flags(model_name, c.cfg) + ["--tp", str(c.tp), "--pp", str(c.pp)]
     if c.cp > 1:
         flags += ["--cp", str(c.cp)]
+    if c.ep > 1:
+        flags += ["--ep", str(c.ep)]
     if c.pp > 1:
         flags += ["--schedule", c.schedule]
         if c.virtual_stages > 1:

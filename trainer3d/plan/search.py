@@ -1,5 +1,9 @@
 """The search: enumerate every candidate trainer3d can run on a cluster, refuse what cannot run or does not fit
 (each refusal counted under its reason), and rank the rest by estimated step time.
+
+A mixture of experts adds expert parallelism: ep over the divisors of dp×cp that divide the experts (1 included;
+parallel/expert_parallel.check_expert_parallel states the rule), each with DDP only (the trainer refuses ZeRO at
+ep > 1).
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.models import family_of
+from trainer3d.parallel.expert_parallel import check_expert_parallel
 from trainer3d.parallel.pipeline import SCHEDULES, pipeline_problem
 from trainer3d.parallel.sequence_parallel import sequence_split_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
@@ -32,7 +37,8 @@ class Plan:
 
     def key(self) -> tuple:
         c = self.candidate
-        return (c.dp, c.tp, c.pp, c.cp, c.schedule, c.virtual_stages, c.zero_stage, c.offload_optimizer, c.recompute)
+        return (c.dp, c.tp, c.pp, c.cp, c.ep, c.schedule, c.virtual_stages, c.zero_stage, c.offload_optimizer,
+                c.recompute)
 
 
 @dataclass
@@ -96,11 +102,13 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
     schedules = list(schedules or ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
     plans = []
     for dp, tp, cp, pp in _grids(cfg, C, global_batch, seq_len, cp_sizes, allow_tp_across_nodes, refuse):
-        for s, v, m, mbs in _pipelines(cfg, pp, global_batch // dp, schedules, max_micro_batch_size, refuse,
-                                       f"dp{dp} tp{tp} pp{pp}"):
-            layout = dict(cfg=cfg, dp=dp, tp=tp, pp=pp, cp=cp, schedule=s, virtual_stages=v, micro_batches=m,
-                          micro_batch_size=mbs, seq_len=seq_len)
-            plans += _fitting(layout, C, zero_stages, offload, recompute, refuse)
+        pipelines = list(_pipelines(cfg, pp, global_batch // dp, schedules, max_micro_batch_size, refuse,
+                                    f"dp{dp} tp{tp} pp{pp}"))
+        for ep in expert_parallel_sizes(cfg, dp, tp, cp, seq_len, refuse):
+            for s, v, m, mbs in pipelines:
+                layout = dict(cfg=cfg, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, schedule=s, virtual_stages=v,
+                              micro_batches=m, micro_batch_size=mbs, seq_len=seq_len)
+                plans += _fitting(layout, C, zero_stages, offload, recompute, refuse)
     plans.sort(key=lambda p: (p.step_time, p.memory))
     return Search(plans, refuse.counts, refuse.examples)
 
@@ -132,6 +140,22 @@ def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_
                 yield dp, tp, cp, pp
 
 
+def expert_parallel_sizes(cfg, dp: int, tp: int, cp: int, seq_len: int, refuse) -> list[int]:
+    """The ep sizes a grid allows: 1, and for a mixture of experts every divisor of dp×cp that the trainer's rule
+    accepts (it divides the experts)."""
+    if cfg.moe is None:
+        return [1]
+    sizes = []
+    for ep in divisors(dp * cp):
+        problem = check_expert_parallel(cfg, ep, tp, seq_len, cp)
+        if problem is None:
+            sizes.append(ep)
+        else:
+            refuse("ep does not divide the experts" if cfg.moe.n_experts % ep else "expert parallelism rule",
+                   f"dp{dp} cp{cp} ep{ep}: {problem}")
+    return sizes
+
+
 def _pipelines(cfg, pp: int, local_batch: int, schedules: list[str], max_micro_batch_size: int, refuse, where: str):
     """(schedule, virtual stages, micro-batches, micro-batch size) that pipeline's rules allow for this dp rank's
     `local_batch` sequences."""
@@ -160,6 +184,9 @@ def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bo
     for z in zero_stages:
         if z and dp == 1:
             continue  # nothing to partition over
+        if z and layout["ep"] > 1:
+            refuse("ZeRO with expert parallelism (the trainer refuses it)", f"ep{layout['ep']} ZeRO-{z}")
+            continue
         if z and SCHEDULES[s].split_backward:
             refuse("ZeRO with a split-backward schedule (trainer3d/zero/ refuses it)", f"{s} ZeRO-{z}")
             continue
@@ -197,18 +224,19 @@ def best_distinct(plans: list[Plan], top: int) -> list[Plan]:
 
 
 def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) -> Candidate:
-    """The candidate of an --evaluate string, e.g. `tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1`."""
-    keys = ("tp", "pp", "cp", "schedule", "v", "mbs", "zero", "offload", "recompute", "sp")
+    """The candidate of an --evaluate string, e.g. `tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1` (`ep=8`: the
+    experts over 8 of the dp×cp ranks)."""
+    keys = ("tp", "pp", "cp", "ep", "schedule", "v", "mbs", "zero", "offload", "recompute", "sp")
     items = [item.split("=", 1) for item in text.replace(" ", "").split(",") if item]
     if any(len(kv) != 2 or kv[0] not in keys for kv in items):
         raise ConfigError(f"--evaluate takes key=value pairs from {', '.join(keys)} separated by commas "
                           f"(e.g. tp=8,pp=16,schedule=1f1b,mbs=1), not {text!r}.")
     kv = dict(items)
     try:
-        tp, pp, cp, mbs, z, v = (int(kv.get(k, d)) for k, d in (("tp", 1), ("pp", 1), ("cp", 1), ("mbs", 1), ("zero", 0),
-                                                                  ("v", 1)))
+        tp, pp, cp, ep, mbs, z, v = (int(kv.get(k, d)) for k, d in (("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1),
+                                                                      ("mbs", 1), ("zero", 0), ("v", 1)))
     except ValueError:
-        raise ConfigError(f"--evaluate: tp, pp, cp, mbs, zero and v are whole numbers, not as in {text!r}.") from None
+        raise ConfigError(f"--evaluate: tp, pp, cp, ep, mbs, zero and v are whole numbers, not as in {text!r}.") from None
     if min(tp, pp, cp, mbs, v) < 1 or C.world % (tp * pp * cp):
         raise ConfigError(f"--evaluate: tp×cp×pp = {tp * cp * pp} must be positive and divide the {C.world} GPUs.")
     if seq_len % (2 * cp):
@@ -218,6 +246,11 @@ def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) ->
     dp = C.world // (tp * pp * cp)
     if global_batch % (dp * mbs):
         raise ConfigError(f"--evaluate: the global batch {global_batch} does not split into dp={dp} × mbs={mbs}.")
+    if ep < 1 or (dp * cp) % ep:
+        raise ConfigError(f"--evaluate: ep={ep} must divide dp×cp = {dp * cp} (its ranks are carved from them).")
+    problem = check_expert_parallel(cfg, ep, tp, seq_len, cp)
+    if problem is not None or (ep > 1 and z):
+        raise ConfigError(f"--evaluate: {problem or f'zero={z} with ep={ep}: the trainer runs expert parallelism under DDP only; use zero=0.'}")
     off = kv.get("offload", "none")
     return Candidate(
         cfg=cfg, dp=dp, tp=tp, pp=pp, schedule=kv.get("schedule", "1f1b"), virtual_stages=v,
@@ -225,7 +258,7 @@ def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) ->
         precision="bf16-autocast" if z == 0 else "bf16-mixed", zero_stage=z,
         offload_optimizer=off in ("opt", "all"), offload_params=off == "all", recompute=kv.get("recompute", "0") in ("1", "true"),
         sequence_parallel=tp > 1 and kv.get("sp", "1") in ("1", "true"),  # on with tp, as the search has it
-        cp=cp,
+        cp=cp, ep=ep,
     )
 
 

@@ -2,8 +2,9 @@
 bytes it writes and reads (issue 22), by the same arithmetic as plan/memory.py, for what the code does today:
 
 - a save (checkpoint/save.py) keeps this rank's pieces in host memory, a 1/dp slice of its tp shard of every fp32
-  value and Adam moment (12 bytes a parameter; a tensor replicated over tp is sliced over dp×tp; a last stage's
-  copy of the tied embedding is saved by the first stage), plus one tensor at a time assembled over dp;
+  value and Adam moment (12 bytes a parameter; a tensor replicated over tp is sliced over dp×tp, this ep rank's
+  experts over edp×tp; a last stage's copy of the tied embedding is saved by the first stage), plus one tensor at a
+  time assembled over dp;
 - start-up (parallel/parallelize.py) materializes every parameter of the rank's stages (its tp shard, fp32), each
   cut from a full tensor (the initialisation is layout-free): whole under DDP and ZeRO-1/2, which keep it so;
   under ZeRO-3 each parameter is partitioned over dp as soon as it exists (zero/engine.ZeroEngineFactory), so the
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer3d.parallel.param_counts import local_params
-from trainer3d.plan.candidate import Candidate, max_param_tensor, rank_params, replicated_params
+from trainer3d.plan.candidate import Candidate, expert_params, max_param_tensor, rank_params, replicated_params
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,14 @@ class StateMemory:
 
 
 def state_memory(cand: Candidate, pp_rank: int) -> StateMemory:
-    stages = cand.stages(pp_rank)
-    n = rank_params(cand.cfg, cand.tp, stages)
-    largest = max_param_tensor(cand.cfg, cand.tp, stages)
+    stages, ep = cand.stages(pp_rank), cand.ep
+    n = rank_params(cand.cfg, cand.tp, stages, ep)
+    largest = max_param_tensor(cand.cfg, cand.tp, stages, ep)
     tied_copy = any(s.last and not s.first for s in stages) and cand.cfg.tie_embeddings  # saved by the first stage
-    replicated = sum(replicated_params(cand.cfg, stages))  # held by every tp rank, written 1/tp by each
+    replicated = sum(replicated_params(cand.cfg, stages, ep))  # held by every tp rank, written 1/tp by each
     saved = n - (local_params(cand.cfg, cand.tp).head if tied_copy else 0) - replicated * (1 - 1 / cand.tp)
-    share = saved * 12 / cand.dp_cp
+    experts = expert_params(cand.cfg, cand.tp, stages, ep) if ep > 1 else 0  # (replicated over tp: 1/tp of them left)
+    share = (saved - experts / cand.tp) * 12 / cand.dp_cp + experts / cand.tp * 12 / cand.edp
     if cand.zero_stage >= 3:  # partitions, plus one parameter's tp shard before it is partitioned
         built = n * cand.prec.param / cand.dp_cp + largest * 4
     else:

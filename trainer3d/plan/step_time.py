@@ -1,8 +1,14 @@
 """Seconds per optimizer step, by component: a model for ranking layouts, not a promise of seconds.
 
-compute (model FLOPs at the cluster's peak × mfu, × 4/3 with recomputation, × the slowest stage's share) +
+compute (model FLOPs at the cluster's peak × mfu, × 4/3 with recomputation, × the busiest pipeline rank's share) +
 pipeline bubble + exposed communication (analytic_comm's payloads with ring factors over the intra- or
 inter-node bandwidth; dp traffic partly hidden behind the backward) + CPU offload (PCIe and CPU Adam).
+
+A mixture of experts' FLOPs are its active ones (the family's flops_per_token: the router and the k experts a token
+uses). Its all-to-alls (ep) sit on the critical path (nothing overlaps them in trainer3d), each rank's payload split
+between the peers in its node (intra-node bandwidth) and the others (inter-node); the experts' gradient all-reduce
+over edp runs after the backward, exposed. The ep and edp groups are lines of the dp×cp line (topology.Topology):
+ep consecutive dp×cp ranks, edp every ep-th.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from trainer3d.distributed.topology import Layout
-from trainer3d.parallel.pipeline import SCHEDULES, stage_cost
+from trainer3d.parallel.pipeline import SCHEDULES, stage_cost, stage_ids
 from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, rank_params
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.comm import analytic_comm
@@ -29,17 +35,38 @@ BUBBLE_COEF = {  # idle time per (p-1) micro-batch slots, relative to 1F1B's
 
 
 @lru_cache(maxsize=None)
-def pipeline_pace(cfg, n: int, seq_len: int) -> tuple[float, float]:
-    """(slowest stage's cost, mean stage cost) of trainer3d's balanced split into `n` stages: the slowest stage
-    sets the pace of a pipeline."""
+def pipeline_pace(cfg, pp: int, schedule: str, virtual_stages: int, seq_len: int) -> tuple[float, float]:
+    """(busiest pipeline rank's cost, mean rank cost) of trainer3d's balanced split, each rank's cost the sum of its
+    stages' (several under an interleaved or V-shaped schedule): the busiest rank sets the pace of a pipeline."""
+    n = n_stages(pp, schedule, virtual_stages)
     ranges = balanced_ranges(cfg, n, seq_len)
     costs = [stage_cost(cfg, len(r), i == n - 1, seq_len) for i, r in enumerate(ranges)]
-    return max(costs), sum(costs) / len(costs)
+    per_rank = [sum(costs[i] for i in stage_ids(r, pp, schedule, virtual_stages)) for r in range(pp)]
+    return max(per_rank), sum(per_rank) / pp
 
 
 def nodes_spanned(stride: int, size: int, gpn: int) -> bool:
     """Does a group of `size` ranks spaced `stride` apart span more than one node (ranks fill nodes in order)?"""
     return size > 1 and stride * size > gpn if stride < gpn else size > 1
+
+
+def group_links(cand: Candidate) -> dict[str, tuple[int, int]]:
+    """(stride, size) in global rank of each group, from the trainer's rank order (topology.ORDER via Layout.stride):
+    neighbours on the dp×cp line are tp apart (cp varies before dp), ep takes consecutive ones, edp every ep-th."""
+    L = Layout(dp=cand.dp, tp=cand.tp, pp=cand.pp, cp=cand.cp, ep=cand.ep)
+    line = L.stride("cp")
+    return {"tp": (L.stride("tp"), L.tp), "cp": (line, L.cp), "dp": (line, L.dp_cp), "pp": (L.stride("pp"), L.pp),
+            "ep": (line, L.ep), "edp": (line * L.ep, L.edp)}
+
+
+def all_to_all_seconds(payload: float, stride: int, size: int, C: Cluster) -> float:
+    """An all-to-all's time: each of the other `size - 1` ranks gets 1/size of the payload, over the intra-node
+    bandwidth for the peers in this rank's node and the inter-node one for the rest (the slower link sets the time)."""
+    if size <= 1:
+        return 0.0
+    in_node = min(size, max(1, C.gpus_per_node // stride))
+    return max(payload * (in_node - 1) / size / (C.intra_node_gbps * 1e9),
+               payload * (size - in_node) / size / (C.inter_node_gbps * 1e9))
 
 
 def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
@@ -48,7 +75,7 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     model_flops = cand.cfg.flops_per_token(cand.seq_len) * tokens
     hw_flops = model_flops * (4 / 3 if cand.recompute else 1.0)
     peak = C.peak_tflops * 1e12 * C.mfu
-    slow, mean = (pipeline_pace(cand.cfg, n_stages(cand.pp, cand.schedule, cand.virtual_stages), cand.seq_len)
+    slow, mean = (pipeline_pace(cand.cfg, cand.pp, cand.schedule, cand.virtual_stages, cand.seq_len)
                   if cand.pp > 1 else (1.0, 1.0))
     compute = hw_flops / cand.world / peak * (slow / mean)
     t_mb = compute / cand.micro_batches  # one micro-batch through this rank's stages, forward + backward
@@ -57,13 +84,31 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
         coef = BUBBLE_COEF[cand.schedule]
         coef = 1.0 / cand.virtual_stages if coef is None else coef
         out["bubble"] = (cand.pp - 1) * t_mb * coef
-    # communication, for the busiest pipeline rank (first or last: embedding / head)
-    L = Layout(dp=cand.dp, tp=cand.tp, pp=cand.pp, cp=cand.cp)  # the trainer's rank order, strides and all
-    groups = {"tp": (L.stride("tp"), L.tp), "cp": (L.stride("cp"), L.cp),
-              "dp": (L.stride("cp"), L.dp_cp),  # gradients reduce over dp × cp: adjacent lines of cp and dp
-              "pp": (L.stride("pp"), L.pp)}
+    worst = _comm_seconds(cand, C)
+    out["tp comm"] = worst.get("tp", 0.0)  # on the critical path (Megatron-style TP)
+    if cand.cp > 1:
+        out["cp comm"] = worst.get("cp", 0.0)  # attention waits for its keys and values (no overlap here)
+    out["pp comm"] = worst.get("pp", 0.0)  # torch's schedules wait for each receive
+    out["embedding"] = worst.get("embedding", 0.0)
+    out["dp comm"] = _exposed_dp(cand, worst.get("dp", 0.0), t_mb, C.overlap)
+    if cand.ep > 1:
+        out["ep comm"] = worst.get("ep", 0.0)  # the tokens wait for their experts (no overlap here)
+        out["edp comm"] = worst.get("edp", 0.0)  # after the backward (parallel/ddp.py: reduce_grads)
+    n_local = max(rank_params(cand.cfg, cand.tp, cand.stages(r), cand.ep) for r in sorted({0, cand.pp - 1}))
+    if cand.offload_optimizer:
+        shard = n_local / cand.dp_cp
+        out["offload"] = shard / C.cpu_adam_params_per_s + shard * (4 + 2) / (C.pcie_gbps * 1e9)
+    if cand.offload_params:
+        out["offload"] = out.get("offload", 0.0) + cand.micro_batches * 2 * n_local / cand.dp_cp * 2 / (C.pcie_gbps * 1e9)
+    return out
+
+
+def _comm_seconds(cand: Candidate, C: Cluster) -> dict[str, float]:
+    """Seconds on the wire per group, for the busiest pipeline rank (first or last: embedding / head); scalars left
+    out."""
+    links = group_links(cand)
     bw = {g: C.inter_node_gbps if nodes_spanned(stride, size, C.gpus_per_node) else C.intra_node_gbps
-          for g, (stride, size) in groups.items()}
+          for g, (stride, size) in links.items()}
     bw["embedding"] = bw["pp"]
     worst: dict[str, float] = {}
     for r in sorted({0, cand.pp - 1}):
@@ -71,22 +116,14 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
         for t in analytic_comm(cand, r):
             if t.group in ("world", "mp"):
                 continue  # scalars
-            per_group[t.group] = per_group.get(t.group, 0.0) + t.wire / (bw[t.group] * 1e9)
+            if t.op == "all_to_all":
+                seconds = all_to_all_seconds(t.payload, *links[t.group], C)
+            else:
+                seconds = t.wire / (bw[t.group] * 1e9)
+            per_group[t.group] = per_group.get(t.group, 0.0) + seconds
         for g, v in per_group.items():
             worst[g] = max(worst.get(g, 0.0), v)
-    out["tp comm"] = worst.get("tp", 0.0)  # on the critical path (Megatron-style TP)
-    if cand.cp > 1:
-        out["cp comm"] = worst.get("cp", 0.0)  # attention waits for its keys and values (no overlap here)
-    out["pp comm"] = worst.get("pp", 0.0)  # torch's schedules wait for each receive
-    out["embedding"] = worst.get("embedding", 0.0)
-    out["dp comm"] = _exposed_dp(cand, worst.get("dp", 0.0), t_mb, C.overlap)
-    n_local = max(rank_params(cand.cfg, cand.tp, cand.stages(r)) for r in sorted({0, cand.pp - 1}))
-    if cand.offload_optimizer:
-        shard = n_local / cand.dp_cp
-        out["offload"] = shard / C.cpu_adam_params_per_s + shard * (4 + 2) / (C.pcie_gbps * 1e9)
-    if cand.offload_params:
-        out["offload"] = out.get("offload", 0.0) + cand.micro_batches * 2 * n_local / cand.dp_cp * 2 / (C.pcie_gbps * 1e9)
-    return out
+    return worst
 
 
 def _exposed_dp(cand: Candidate, t_dp: float, t_mb: float, ov: float) -> float:

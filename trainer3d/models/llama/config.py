@@ -98,18 +98,22 @@ class LlamaConfig:
     def layer_activations(self) -> LayerActivations:
         """Two RMSNorms' inputs (residual dtype) and outputs (matmul inputs) and rstd; SDPA's q and k (after the
         rotation), v and output, o_proj's input, gate and up, silu(gate) and the product (down's input): by head or by
-        column; the log-sum-exp per query head. An MoE block (the mean over blocks): each token's k copies in the
-        experts (their input, gate, up, silu(gate), product), its router logits and scores (fp32); a rank's tokens
-        are split over tp there, so they count as sharded."""
+        column; the log-sum-exp per query head. An MoE block (the mean over blocks), as its saved tensors measure
+        (tests/test_plan.py): the router's input (the second norm's output, fp32, in place of the MLP's matmul-dtype
+        input) and scores, the top-k weights and their sum (fp32), four int64 indices per choice (two fp32 each), and
+        each token's k copies through the experts (their input, gate, up, silu(gate), product, output and weighted
+        output, and the weight); a rank's tokens are split over tp there, so they count as sharded."""
         h = self.n_embd
         attention = 2 * self.q_width + 2 * self.kv_width + self.q_width
         spec, share = self.moe, len(self.moe_layers) / self.n_layer
-        mlp = 4 * self.ffn_hidden * (1 - share)
-        fp32 = 0
+        mlp, matmul, fp32 = 4 * self.ffn_hidden * (1 - share), 2 * h, 0
         if spec is not None:
-            mlp += share * spec.top_k * (h + 4 * spec.expert_hidden) + share * 4 * spec.shared_hidden
-            fp32 = share * 2 * spec.n_experts
-        return LayerActivations(resid=2 * h, matmul=2 * h, sharded_matmul=round(attention + mlp), fp32=2,
+            k = spec.top_k
+            matmul -= share * h
+            mlp += share * k * (3 * h + 4 * spec.expert_hidden + 1)
+            mlp += share * (h + 4 * spec.shared_hidden) if spec.shared_hidden else 0
+            fp32 = share * (h + spec.n_experts + 1 + 9 * k)
+        return LayerActivations(resid=2 * h, matmul=round(matmul), sharded_matmul=round(attention + mlp), fp32=2,
                                 sharded_fp32=round(self.n_head + fp32))
 
 
