@@ -1,10 +1,13 @@
-"""The families against Hugging Face, trained: a random LlamaForCausalLM and GPT2LMHeadModel, each trained by
-tests/reference.py's plain loop (torch's AdamW, nothing of trainer3d's) and by trainer3d (--init-from-hf) on the same
-batches, give the same loss and gradient norm at every step, in one process and at tp 2 × pp 2; and for Llama the round trip import -> train at (1, 2, 2) -> save -> export gives a directory that
-LlamaForCausalLM loads with trainer3d's logits, whose greedy generation is `trainer3d.sample --temperature 0`'s."""
+"""The families against Hugging Face, trained: random LlamaForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM (with
+and without transformers' balance loss) and MixtralForCausalLM, each trained by tests/reference.py's plain loop
+(torch's AdamW, nothing of trainer3d's) and by trainer3d (--init-from-hf) on the same batches, give the same loss and
+gradient norm at every step, in one process and at parallel layouts (tp × pp; experts over ep 2 and 4); and the round
+trip import -> train at a parallel layout -> save -> export gives a directory that transformers loads with
+trainer3d's logits, whose greedy generation is `trainer3d.sample --temperature 0`'s (a tied Llama, a Qwen3-MoE)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 import transformers
@@ -155,34 +158,47 @@ def bpe_tokenizer(directory) -> int:
     return len(fast)
 
 
-def _round_trip(rank, world_size, hf_dir, data, out_dir):
-    return _train_from_hf(hf_dir, dict(tp=2, pp=2), data, out_dir)
+def _round_trip(rank, world_size, hf_dir, layout, data, out_dir):
+    return _train_from_hf(hf_dir, layout, data, out_dir)
 
 
-def test_import_train_export_generate(tmp_path, capsys):
-    """A tied Llama (the Llama 3.2 shape) with its own tokenizer: import at (1, 2, 2) (the head a copy of the embedding
-    on the last stage), train, save; export; LlamaForCausalLM's logits and greedy text equal trainer3d's."""
+ROUND_TRIPS = {  # family -> (a random transformers model, where trainer3d trains it)
+    # a tied Llama (the Llama 3.2 shape): on the last stage the head is a copy of the embedding
+    "llama": (lambda: hf_llama(tie=True, seed=5), dict(tp=2, pp=2)),
+    # Qwen3-MoE with a dense first block: experts over ep 2, two stages
+    "qwen3_moe": (lambda: hf_moe("qwen3", seed=5), dict(dp=2, pp=2, ep=2, lr=MOE_LR)),
+}
+
+
+@pytest.mark.parametrize("family", list(ROUND_TRIPS))
+def test_import_train_export_generate(family, tmp_path, capsys):
+    """A random transformers model with its own tokenizer: import at a parallel layout, train, save; export;
+    AutoModelForCausalLM's logits and greedy text equal trainer3d's."""
     from trainer3d.checkpoint.format import Checkpoint
     from trainer3d.export import main as export_main
     from trainer3d.models import plain_model
     from trainer3d.sample import main as sample_main
 
+    make, layout = ROUND_TRIPS[family]
     hf_dir = tmp_path / "hf"
-    hf = hf_llama(tie=True, seed=5)
+    hf = make()
     hf.save_pretrained(hf_dir)
     n_tokens = bpe_tokenizer(hf_dir)  # the directory's tokenizer is the run's unless --tokenizer says otherwise
     data = batches(4, vocab=n_tokens)
-    results = run_world(4, _round_trip, str(hf_dir), data, str(tmp_path / "run"), timeout=600)
-    run = results[0]
-    assert all(r["losses"] == run["losses"] for r in results)
+    results = run_world(4, _round_trip, str(hf_dir), layout, data, str(tmp_path / "run"), timeout=600)
+    run = next(r for r in results if r is not None and "path" in r)
     ckpt = Checkpoint(run["path"])
-    assert ckpt.meta["model_family"] == "llama" and ckpt.meta["config"]["tokenizer"] == str(hf_dir)
-    assert ("param", "lm_head.weight") not in ckpt.pieces  # tied: stored once, as the embedding
+    assert ckpt.meta["model_family"] == family.split("_")[0] and ckpt.meta["config"]["tokenizer"] == str(hf_dir)
+    if family == "llama":
+        assert all(r["losses"] == run["losses"] for r in results)
+        assert ("param", "lm_head.weight") not in ckpt.pieces  # tied: stored once, as the embedding
 
     assert export_main([run["path"], str(tmp_path / "export")]) == 0
-    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export").eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(exported) is type(hf)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")  # the run's tokenizer, exported with it
-    assert exported.config.tie_word_embeddings and exported.config.eos_token_id == tok.eos_token_id
+    assert exported.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert exported.config.eos_token_id == tok.eos_token_id
     ours = plain_model(ckpt.model_config, ckpt.model_state(), torch.device("cpu"), torch.float32)
     x = data[0, :, :-1]
     with torch.no_grad():

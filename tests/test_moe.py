@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer3d.models.moe import MoE, MoESpec, grouped_mm_applies
+from trainer3d.models.moe import MoE, MoESpec, Routing, grouped_mm_applies
 from trainer3d.parallel.moe_balance import MoEBalance
 
 SPEC = MoESpec(n_experts=8, top_k=2, expert_hidden=24)
@@ -72,7 +72,7 @@ def test_capacity_drops_each_experts_lowest_scores():
     m = block()
     x = torch.randn(1, 40, 32)
     flat = x.view(-1, 32)
-    routing = m.gate(flat)
+    routing = Routing(*m.gate(flat))
     assert m.within_capacity(routing) is None  # dropless by default
     m.capacity_factor = 0.5
     kept = m.within_capacity(routing)
@@ -98,7 +98,7 @@ def test_selection_bias_moves_choices_not_weights():
     flat = torch.randn(50, 32)
     m.gate.expert_bias = torch.zeros(8)
     m.gate.expert_bias[5] = 10.0  # expert 5 wins every token's selection
-    routing = m.gate(flat)
+    routing = Routing(*m.gate(flat))
     assert (routing.experts == 5).any(1).all()
     scores = torch.sigmoid(flat @ m.gate.weight.T)
     torch.testing.assert_close(routing.weights, scores.gather(-1, routing.experts))
@@ -151,7 +151,7 @@ def test_balance_losses_have_their_papers_values_and_gradients(mode):
     for b in blocks:
         b.observer = None
     h = blocks[0](x)
-    routes = [blocks[0].gate(x.view(-1, 32)), blocks[1].gate(h.view(-1, 32))]
+    routes = [Routing(*blocks[0].gate(x.view(-1, 32))), Routing(*blocks[1].gate(h.view(-1, 32)))]
     out_ref = blocks[1](h)
     if mode == "sequence":
         formula = sum(_sequence_aux(r.scores, r.experts, 3, 10) for r in routes)

@@ -70,8 +70,9 @@ class Router(nn.Module):
     def saved_tables(self) -> dict[str, torch.Tensor]:
         return {"expert_bias": self.expert_bias}
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """x [N, H] -> the routing of its tokens."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, H] -> the routing of its tokens: Routing's fields, as a tuple of tensors (ZeRO-3 finds the tensors
+        a module returns to hook its backward, and sees none inside a dataclass)."""
         spec = self.spec
         with torch.autocast(x.device.type, enabled=False):  # routing in fp32 under autocast too
             logits = F.linear(x.float(), self.weight.float())
@@ -81,7 +82,7 @@ class Router(nn.Module):
         weights = scores.gather(-1, experts)
         if spec.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        return Routing(logits, scores, experts, weights if spec.weights_fp32 else weights.to(x.dtype))
+        return logits, scores, experts, weights if spec.weights_fp32 else weights.to(x.dtype)
 
 
 class LocalDispatch:
@@ -119,16 +120,7 @@ class Experts(nn.Module):
             x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
         elif x.dtype != gate_up.dtype:  # a module held in bf16 (DeepSpeed's engine) computes in it
             x = x.to(gate_up.dtype)
-        if grouped_mm_applies(x, gate_up, down):
-            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-            return torch._grouped_mm(_contiguous_grad(F.silu(gate) * up), down.transpose(-2, -1), offs=offsets)
-        out, start = [], 0
-        for e, n in enumerate(counts.tolist()):  # one host read; also where no token came (the weights stay in
-            gate, up = F.linear(x[start:start + n], gate_up[e]).chunk(2, dim=-1)  # the graph with a zero gradient)
-            out.append(F.linear(F.silu(gate) * up, down[e]))
-            start += n
-        return torch.cat(out) if out else x[:0]
+        return _SwiGLUExperts.apply(x, gate_up, down, counts, grouped_mm_applies(x, gate_up, down))
 
 
 def grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -151,20 +143,55 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (the grouped matmul's backward needs one)."""
+def _per_expert(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets) -> torch.Tensor:
+    """Each expert's rows of x [M, K] times its weight transposed (w [E, N, K]) -> [M, N]."""
+    if offsets is not None:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    parts, start = [], 0
+    for e, n in enumerate(counts):
+        parts.append(x[start:start + n] @ w[e].T)
+        start += n
+    return torch.cat(parts)
+
+
+def _weight_grads(dy: torch.Tensor, x: torch.Tensor, counts: list[int], offsets) -> torch.Tensor:
+    """Σ over each expert's rows of dy^T x (dy [M, N], x [M, K]) -> [E, N, K] (zeros for an expert with no row)."""
+    if offsets is not None:
+        return torch._grouped_mm(dy.t(), x, offs=offsets)
+    out, start = dy.new_zeros(len(counts), dy.shape[1], x.shape[1]), 0
+    for e, n in enumerate(counts):
+        out[e] = dy[start:start + n].T @ x[start:start + n]
+        start += n
+    return out
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    """The experts' SwiGLU, y = down_e(silu(gate_e x) · up_e x) for each row's expert e, with its backward written
+    out. It saves the weights themselves, never a view of them: ZeRO-3 empties a parameter after the forward and
+    fills it again before the module's backward, which a saved transpose would not see (DeepSpeed's own linear does
+    the same). One grouped matmul per product where `grouped` (torch._grouped_mm's rules hold), a loop otherwise."""
 
     @staticmethod
-    def forward(ctx, x):
-        return x
+    def forward(ctx, x, gate_up, down, counts, grouped):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32) if grouped else None
+        sizes = None if grouped else counts.tolist()  # the loop's one host read
+        h = _per_expert(x, gate_up, sizes, offsets)
+        gate, up = h.chunk(2, dim=-1)
+        ctx.save_for_backward(x, gate_up, down, h, offsets if grouped else counts)
+        ctx.grouped, ctx.sizes = grouped, sizes
+        return _per_expert(F.silu(gate) * up, down, sizes, offsets)
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
-    return _ContiguousGrad.apply(x)
+    def backward(ctx, dy):
+        x, gate_up, down, h, offsets = ctx.saved_tensors
+        offsets, sizes, dy = (offsets if ctx.grouped else None), ctx.sizes, dy.contiguous()
+        gate, up = h.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        act = gate * sig
+        d_act = _per_expert(dy, down.transpose(-2, -1), sizes, offsets)
+        d_h = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * act], dim=-1)
+        d_x = _per_expert(d_h, gate_up.transpose(-2, -1), sizes, offsets)
+        return d_x, _weight_grads(d_h, x, sizes, offsets), _weight_grads(dy, act * up, sizes, offsets), None, None
 
 
 class SwiGLUExpert(nn.Module):
@@ -204,7 +231,7 @@ class MoE(nn.Module):
     def _route_and_compute(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routing = self.gate(flat)
+        routing = Routing(*self.gate(flat))
         kept = self.within_capacity(routing)
         out = self.routed(flat, routing, kept)
         if self.shared_expert is not None:
