@@ -86,19 +86,19 @@ class Router(nn.Module):
 
 
 class LocalDispatch:
-    """Every expert on this rank: rows (a token's copy for one of its experts) sorted by expert (stably), and back."""
+    """Every expert on this rank: rows (a token's copy for one of its experts) sorted by expert (stably).
+
+    A dispatcher's contract: `dispatch(x, token_of, expert_of, E)` -> (the rows' tokens [M, H] grouped by this rank's
+    experts, rows per local expert (int64), `order`: the permutation of the rows it sent, state); `combine(y, state)`
+    -> the experts' outputs back on this rank, row i that of row `order[i]` (so the block weights and sums them
+    without putting them back in row order first)."""
 
     def dispatch(self, x: torch.Tensor, token_of: torch.Tensor, expert_of: torch.Tensor, n_experts: int):
-        """x [N, H]; row r is token `token_of[r]` for expert `expert_of[r]` -> (the rows' tokens [M, H] in expert
-        order, rows per expert [E] (int64), what `combine` needs)."""
         order = torch.argsort(expert_of, stable=True)
-        return x[token_of[order]], torch.bincount(expert_of, minlength=n_experts), order
+        return x[token_of[order]], torch.bincount(expert_of, minlength=n_experts), order, None
 
-    def combine(self, y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """y [M, H] in expert order -> [M, H] in row order."""
-        out = torch.empty_like(y)
-        out[order] = y
-        return out
+    def combine(self, y: torch.Tensor, state) -> torch.Tensor:
+        return y
 
 
 class Experts(nn.Module):
@@ -186,12 +186,17 @@ class _SwiGLUExperts(torch.autograd.Function):
         x, gate_up, down, h, offsets = ctx.saved_tensors
         offsets, sizes, dy = (offsets if ctx.grouped else None), ctx.sizes, dy.contiguous()
         gate, up = h.chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
-        act = gate * sig
+        act = F.silu(gate)
+        d_down = _weight_grads(dy, act * up, sizes, offsets)
         d_act = _per_expert(dy, down.transpose(-2, -1), sizes, offsets)
-        d_h = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * act], dim=-1)
+        d_h = torch.empty_like(h)  # [d gate | d up], written in place: no concatenated copy
+        d_gate, d_up = d_h.chunk(2, dim=-1)
+        torch.mul(d_act, act, out=d_up)
+        del act
+        torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
+        del d_act
         d_x = _per_expert(d_h, gate_up.transpose(-2, -1), sizes, offsets)
-        return d_x, _weight_grads(d_h, x, sizes, offsets), _weight_grads(dy, act * up, sizes, offsets), None, None
+        return d_x, _weight_grads(d_h, x, sizes, offsets), d_down, None, None
 
 
 class SwiGLUExpert(nn.Module):
@@ -248,10 +253,10 @@ class MoE(nn.Module):
         if kept is not None:
             keep = kept.reshape(-1)
             token_of, expert_of, weight = token_of[keep], expert_of[keep], weight[keep]
-        tokens, counts, state = self.dispatcher.dispatch(x, token_of, expert_of, self.spec.n_experts)
-        y = self.dispatcher.combine(self.experts(tokens, counts), state)
+        tokens, counts, order, state = self.dispatcher.dispatch(x, token_of, expert_of, self.spec.n_experts)
+        y = self.dispatcher.combine(self.experts(tokens, counts), state)  # row i: row order[i]'s
         out = torch.zeros(n, x.shape[-1], dtype=y.dtype, device=x.device)
-        return out.index_add_(0, token_of, y * weight.unsqueeze(-1).to(y.dtype)).to(x.dtype)
+        return out.index_add_(0, token_of[order], y * weight[order].unsqueeze(-1).to(y.dtype)).to(x.dtype)
 
     def within_capacity(self, routing: Routing) -> torch.Tensor | None:
         """Megatron-core's token drop: each expert takes at most ceil(capacity_factor · N·k / E) of this rank's N

@@ -95,8 +95,7 @@ class AllToAllDispatch:
         self.first_expert = rank * self.n_local
 
     def dispatch(self, x: torch.Tensor, token_of: torch.Tensor, expert_of: torch.Tensor, n_experts: int):
-        """x [N, H]; row r is token `token_of[r]` for expert `expert_of[r]` -> (this rank's rows [M, H] in
-        local-expert order, rows per local expert, the state `combine` needs)."""
+        """models/moe.LocalDispatch's contract: the rows arrive from every ep rank, grouped by local expert."""
         order = torch.argsort(expert_of, stable=True)  # by global expert: by destination rank, then its experts
         counts = torch.bincount(expert_of, minlength=n_experts)
         rows = to_compute_dtype(x)[token_of[order]]  # bf16 on the wire under autocast
@@ -106,17 +105,14 @@ class AllToAllDispatch:
         arrived = _AllToAll.apply(rows, received_from, sent_by, self.group)
         per_source = received.view(self.size, self.n_local)
         perm = expert_major(per_source, arrived.shape[0])
-        return arrived[perm], per_source.sum(0), (order, perm, sent_by, received_from)
+        return arrived[perm], per_source.sum(0), order, (perm, sent_by, received_from)
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
-        """y [M, H] in local-expert order -> [N·k kept, H] in this rank's row order."""
-        order, perm, sent_by, received_from = state
+        """y [M, H] in local-expert order -> this rank's rows, in the order they were sent."""
+        perm, sent_by, received_from = state
         by_source = torch.empty_like(y)
         by_source[perm] = y
-        back = _AllToAll.apply(by_source, sent_by, received_from, self.group)
-        out = torch.empty_like(back)
-        out[order] = back
-        return out
+        return _AllToAll.apply(by_source, sent_by, received_from, self.group)
 
 
 def expert_major(per_source: torch.Tensor, rows: int) -> torch.Tensor:
