@@ -10,7 +10,8 @@ resident-set high-water mark read from outside (/proc/<pid>/status VmHWM).
 `--sections ep`: a Qwen3-MoE (16 experts, top 2) at dp 4 with its experts over ep 1, 2 and 4, one world of 4
 processes: each rank's parameter bytes, its all-to-all bytes per step (bench/measure.CommCounter) against the count
 of the dispatch rule (per MoE layer and micro-batch: the rows sent forward, their combine back, and the same two in
-the backward: 4·N·k·H·4 bytes, plus the E·8-byte count exchange), the step time as a ratio to ep 1 (the median of
+the backward: 4·N·k·H·4 bytes as a mean over the ranks, plus the E·8-byte count exchange; what crosses the wire is
+the (ep−1)/ep of it bound for other ranks), the step time as a ratio to ep 1 (the median of
 rounds that rotate the layouts), and each rank's peak malloc during a step.
 
     python bench/moe.py                       # both sections, the bench/README.md tables
@@ -182,13 +183,15 @@ def measure_ep(rank: int, world: int, eps: list[int], rounds: int) -> dict:
 
 
 def expected_a2a(ep: int) -> int:
-    """The dispatch rule's bytes per rank and step (see the module docstring); 0 at ep 1 (no exchange)."""
+    """The dispatch rule's bytes per step, the mean over ranks (see the module docstring); 0 at ep 1 (no exchange).
+    A rank sends its N·k rows and the count exchange's E int64s forward, back the R rows it received, and in the
+    backward the gradients of both: R varies with the routing, its mean over the ranks is N·k."""
     if ep == 1:
         return 0
     case = ep_case(ep)
     mcfg = case.model_config()
     tokens = case.micro_batch_size * case.seq_len  # per micro-batch
-    per_layer = 4 * tokens * mcfg.moe.top_k * mcfg.n_embd * 4 + 2 * mcfg.moe.n_experts * 8
+    per_layer = 4 * tokens * mcfg.moe.top_k * mcfg.n_embd * 4 + mcfg.moe.n_experts * 8
     return per_layer * len(mcfg.moe_layers) * case.micro_batches
 
 
@@ -202,13 +205,15 @@ def ep_section(rounds: int) -> str:
     base = [statistics.median(r[1]["times"]) for r in per_rank]
     for ep in eps:
         ratio = statistics.median(statistics.median(r[ep]["times"]) / b for r, b in zip(per_rank, base))
+        sent = [r[ep]["a2a"] for r in per_rank]
         rows.append([ep, fmt_bytes(max(r[ep]["param_bytes"] for r in per_rank)),
-                     fmt_bytes(max(r[ep]["a2a"] for r in per_rank)), fmt_bytes(expected_a2a(ep)), f"{ratio:.2f}",
+                     f"{sum(sent) / len(sent):.0f} ({min(sent)}-{max(sent)})", expected_a2a(ep), f"{ratio:.2f}",
                      fmt_bytes(max(r[ep]["peak"] for r in per_rank))])
     mcfg = ep_case(1).model_config()
     return (f"qwen3-moe-tiny with {mcfg.moe.n_experts} experts (top {mcfg.moe.top_k}), dp 4, "
             f"{EP_MODEL['global_batch']}×{EP_MODEL['seq_len']} tokens a step, 2 micro-batches:\n\n" + table(
-                rows, ["ep", "params/rank", "all-to-all bytes/rank/step", "by the rule", "step time / ep 1",
+                rows, ["ep", "params/rank", "all-to-all bytes a step, mean over ranks (min-max)", "by the rule",
+                       "step time / ep 1",
                        "step malloc peak (max rank)"]))
 
 
