@@ -21,8 +21,9 @@ MLA attention and its group-limited routing are not built in trainer3d and there
 
 For each expressible run it prints the published rows (tokens/s from the step time where published, else from the
 TFLOP/s and the family's FLOPs per token; MFU and TFLOP/s by the planner's count), the published layout as trainer3d
-would run it (DDP at ep > 1, ep carved from dp: Megatron folds tp into the expert group, trainer3d cannot, so EP 32 at
-TP 2 over DP 16 becomes ep 16) without and with `--recompute full`, and the planner's pick at the same cluster, batch
+would run it (ep carved from dp: Megatron folds tp into the expert group, trainer3d cannot, so EP 32 at TP 2 over
+DP 16 becomes ep 16) under DDP without and with `--recompute full`, and under ZeRO-1 (Megatron's distributed
+optimizer: the dense state over dp, the experts' over edp) with `--recompute full`, and the planner's pick at the same cluster, batch
 and sequence; then the picks for both models on 256 and 2,048 H100 (32 and 256 nodes) at sequence 4096 and 1,024
 sequences a step (4,194,304 tokens); then notes: the worst rank's memory and the kernel efficiency at which the
 estimate of the published layout (no recomputation) matches the first published row.
@@ -126,7 +127,7 @@ def compare_published(mfu: float) -> tuple[list[list], list[str]]:
         pub = published_rows(cfg, gpus, seq, batch, megatron, published, C.peak_tflops)
         rows += pub
         ran = None
-        for extra in ("", ",recompute=1"):
+        for extra in ("", ",recompute=1", ",recompute=1,zero=1"):
             p = evaluate(parse_layout(layout + extra, cfg, C, batch, seq), C)
             ran = ran or p
             rows.append(plan_row(name, p, C, "planner, published layout"))

@@ -363,10 +363,16 @@ def _zero_cases():
     return z3, z2, z1_bf16, reshard
 
 
+# a mixture of experts under ZeRO-3 with offload, experts over ep 2 and partitioned over edp 2 (zero/experts.py)
+ZMOE = dict(dp=4, tp=2, ep=2, deepspeed_config=None, **MOE)
+
+
 ZERO_RESHARD_IDS = ["ddp-1x1x1", "zero1-4x2x1", "zero2-offload-2x1x4-interleaved"]
 
 
 def _zero_scenarios(rank, world_size, tmp):
+    from test_zero import ds_config
+
     tmp = Path(tmp)
     z3, z2, z1_bf16, reshard = _zero_cases()
     r = {}
@@ -379,6 +385,11 @@ def _zero_scenarios(rank, world_size, tmp):
     # world: their construction has world-group barriers)
     r["ddp_straight"] = _run(dict(dp=2, pp=4), tmp / "ddp", 2 * N, save_at=N)
     r["ddp_to_z3"] = _run(dict(z3, dp=4, pp=1), tmp / "ddp", N, resume="latest")
+    zmoe = dict(ZMOE, deepspeed_config=ds_config(3, "all"))
+    r["zmoe_straight"] = _run(zmoe, tmp / "zmoe", 2 * N, save_at=N)
+    r["zmoe_resumed"] = _run(zmoe, tmp / "zmoe", N, resume="latest")
+    r["zmoe_to_ddp"] = _run(dict(dp=2, pp=4, ep=2, **MOE), tmp / "zmoe", N, resume=str(tmp / "zmoe" / "checkpoints" /
+                                                                                    "step_000004"))
     return r
 
 
@@ -427,6 +438,15 @@ def test_zero_reshard_resume(zero_results, i):
     losses match the uninterrupted ZeRO-3 run."""
     _, results = zero_results
     _assert_continues(results, "z3_straight", f"zreshard{i}")
+
+
+def test_moe_under_zero3_with_ep_resumes_and_reshards(zero_results):
+    """A mixture of experts under ZeRO-3 with CPU offload, its experts over ep 2 and their state partitioned over
+    edp 2 beside the rest's over dp 4: it resumes bitwise (experts, moments, biases) and continues under DDP at
+    (2,1,4) ep 2."""
+    _, results = zero_results
+    _assert_resumes_exactly(results, "zmoe_straight", "zmoe_resumed")
+    _assert_continues(results, "zmoe_straight", "zmoe_to_ddp")
 
 
 def test_ddp_checkpoint_resumes_under_zero3(zero_results):

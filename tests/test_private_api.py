@@ -47,12 +47,13 @@ def _aliases(tree: ast.AST) -> dict[str, str]:
 # attribute read there must be trainer3d's own, Python's or torch's, a table entry, or one of these (the standard
 # library's and DeepSpeed's documented API: deepspeed.initialize's engine, deepspeed.utils, op builders).
 ZERO_PUBLIC = {
-    "ArgumentParser", "Enum", "Init", "JSONDecodeError", "LOCK_EX", "Module", "Parameter", "WARNING", "W_OK", "X_OK",
-    "abspath", "access", "add_argument", "asdict", "check_config", "create_op_builder", "current_device", "deepcopy",
-    "dirname", "dp_rank", "dumps", "environ", "exit", "filterwarnings", "flock", "get_backend",
-    "get_process_group_ranks", "get_rank", "get_world_size", "getsize", "getsource", "is_available", "is_compatible",
-    "isdir", "isfile", "lineno", "makedirs", "module", "parse_known_args", "pp_rank", "print_help", "sep", "setLevel",
-    "set_gradient_accumulation_boundary", "stderr", "submod", "time", "tp_rank", "walk", "which",
+    "ArgumentParser", "Enum", "ExitStack", "Init", "JSONDecodeError", "LOCK_EX", "Module", "Parameter", "WARNING",
+    "W_OK", "X_OK", "abspath", "access", "add_argument", "asdict", "check_config", "contextmanager",
+    "create_op_builder", "current_device", "deepcopy", "dirname", "dp_rank", "dumps", "enter_context", "environ",
+    "exit", "filterwarnings", "flock", "get_backend", "get_process_group_ranks", "get_rank", "get_world_size",
+    "getsize", "getsource", "is_available", "is_compatible", "isdir", "isfile", "lineno", "makedirs", "module",
+    "parse_known_args", "pp_rank", "print_help", "sep", "setLevel", "set_gradient_accumulation_boundary", "stderr",
+    "submod", "time", "tp_rank", "walk", "which",
 }
 
 
@@ -63,6 +64,7 @@ def _own_names(sources: dict) -> set[str]:
         own.update(OWN_DEFINITIONS.findall(text))
         for groups in re.findall(r"(?:def |class )(\w+)|self\.(\w+)\s*[=:]|^\s*(\w+)\s*[:=]", text, re.M):
             own.update(n for n in groups if n)
+        own.update(re.findall(r"\.(trainer3d_\w+)\s*=", text))  # what trainer3d puts on a library's objects
     return own
 
 

@@ -29,7 +29,7 @@ import torch
 from distributed import run_world
 from ds_ops import nvme_op_available, require_ops
 from parity import (
-    LLAMA, LOSS_RTOL, MODEL_FLAGS, MOE_BALANCED, NORM_RTOL, PARAM_ATOL, VOCAB, FeatureWatch, global_batches,
+    LLAMA, LOSS_RTOL, MODEL_FLAGS, MOE, MOE_BALANCED, NORM_RTOL, PARAM_ATOL, VOCAB, FeatureWatch, global_batches,
     max_rel as rel, parity_config,
     train_layout,
 )
@@ -107,6 +107,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
     from trainer3d.parallel.parallelize import named_full_params
     from trainer3d.parallel.tensor_parallel import gather_full
     from trainer3d.train.trainer import Trainer
+    from trainer3d.zero.experts import is_expert_param
 
     lay = dict(lay)
     n = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1) * lay.pop("dp", 1)
@@ -134,22 +135,23 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
         # final parameters from ZeRO's fp32 masters (collective over dp, then tp)
         params = {}
         for name, (p, spec) in named_full_params(trainer.pm).items():
-            params[name] = gather_full(zdp.param_value(p), spec, topo.tp_group)
+            params[name] = gather_full(zdp.param_value(p), spec, topo.shard_group(spec))
         head_copy = {}
         for m in trainer.pm.stages:
             if m.head is not None and is_tied_duplicate(m, m.head.weight):
                 w = m.head.weight
                 head_copy[canonical_name(m.cfg, f"{m.HEAD}.weight")] = gather_full(zdp.param_value(w), w.tp_spec,
                                                                                  topo.tp_group)
-        # the memory formula: this rank's stage parameters, each partitioned on its own over dp×cp (ZeRO-3)
+        # the memory formula: this rank's stage parameters, each partitioned on its own over dp×cp (ZeRO-3), an
+        # expert under ep over edp (zero/experts.py)
         seen, numel, part = set(), 0, 0
         for e in zdp.engines:
-            for p in e.module.parameters():
+            for p in zdp.params_of(e):
                 if id(p) not in seen:
                     seen.add(id(p))
                     full = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                     numel += full
-                    part += -(-full // L.dp_cp)
+                    part += -(-full // (L.edp if L.ep > 1 and is_expert_param(p) else L.dp_cp))
         mem = {k: v for k, v in records[-1].items() if k.endswith("_bytes")}
         nvme = (ds["zero_optimization"].get("offload_optimizer") or {}).get("nvme_path")
         swapped = {"optimizer": 0, "params": 0}  # ZeRO-Infinity: this rank's swap files (.../<kind>/rank<r>/)
@@ -161,7 +163,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
                     swapped[kind] += sum(os.path.getsize(os.path.join(root, f)) for f in files)
         result = {
             "losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank),
-            "module_dtypes": sorted({str(p.dtype) for e in zdp.engines for p in e.module.parameters()}),
+            "module_dtypes": sorted({str(p.dtype) for e in zdp.engines for p in zdp.params_of(e)}),
             "compiled_graphs": watch.graphs,
             "memory": mem, "stage_numel": numel, "partition_numel": part, "init_s": t_init, "step_s": t_steps / steps,
             "nvme_swap": swapped,
@@ -304,6 +306,9 @@ def world4_cases():
     cases += [(c, ds_config(1)), (c, ds_config(3, "all"))]
     # context parallelism: gradients reduced and ZeRO's partitions cut over dp×cp (4 ranks), and cp with a pipeline
     cases += [(dict(layout(2), cp=2), ds_config(3, "all")), (dict(layout(1, pp=2), cp=2), ds_config(3, "all"))]
+    # a mixture of experts with its experts over ep 2: their state partitioned over edp 2 (ZeRO-3 with offload) and
+    # whole per edp rank under tp 2 (ZeRO-1), the rest over dp (zero/experts.py)
+    cases += [(dict(layout(4), ep=2, **MOE), ds_config(3, "all")), (dict(layout(2, tp=2), ep=2, **MOE), ds_config(1))]
     return cases
 
 
@@ -317,9 +322,9 @@ def world8_cases():
               (sp, ds_config(1))]
     # Llama (grouped-query attention, rotary, untied head) under ZeRO-3 with CPU offload, sequence parallelism on
     llama = dict(sp, **LLAMA)
-    # a mixture of experts (experts whole on each rank, ep 1: they are ordinary parameters to ZeRO; each tp rank
-    # routes its sequence shard), every balancing feature on, ZeRO-3 with CPU offload
-    moe = dict(sp, **MOE_BALANCED)
+    # a mixture of experts over ep 2 with tp 2 (each tp rank routing its sequence shard) and 2 stages, every balancing
+    # feature on, ZeRO-3 with CPU offload (its experts' engine over edp: zero/experts.py)
+    moe = dict(sp, ep=2, **MOE_BALANCED)
     return cases + [(llama, ds_config(3, "all")), (moe, ds_config(3, "all"))]
 
 

@@ -62,8 +62,8 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
     for name, (p, spec) in named_full_params(trainer.pm).items():
         part = trainer.engine.partition_of(p, moments=adam_step is not None)
         if part is not None:
-            if spec is None and topo.tp_rank != 0:
-                continue  # its tp peers hold the same partition
+            if (spec is None or spec.axis != "tp") and topo.tp_rank != 0:
+                continue  # replicated over tp (an expert split over ep is): its tp peers hold the same partition
             for offset, box in partition_boxes(spec, part.shape, *topo.shard_coords(spec), part.start, part.numel):
                 for kind, flat in part.tensors.items():
                     data = flat.narrow(0, offset, box.numel).view(box.size)

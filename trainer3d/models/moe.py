@@ -256,7 +256,9 @@ class MoE(nn.Module):
         tokens, counts, order, state = self.dispatcher.dispatch(x, token_of, expert_of, self.spec.n_experts)
         y = self.dispatcher.combine(self.experts(tokens, counts), state)  # row i: row order[i]'s
         out = torch.zeros(n, x.shape[-1], dtype=y.dtype, device=x.device)
-        return out.index_add_(0, token_of[order], y * weight[order].unsqueeze(-1).to(y.dtype)).to(x.dtype)
+        # (index_put_ accumulating keeps only the indices for its backward, index_add_ also its source)
+        return out.index_put_((token_of[order],), y * weight[order].unsqueeze(-1).to(y.dtype), accumulate=True
+                              ).to(x.dtype)
 
     def within_capacity(self, routing: Routing) -> torch.Tensor | None:
         """Megatron-core's token drop: each expert takes at most ceil(capacity_factor · N·k / E) of this rank's N

@@ -112,7 +112,7 @@ class Candidate:
     # ZeRO-3 keeps parameters smaller than this unpartitioned (DeepSpeed's stage3_param_persistence_threshold)
     zero3_persistence: int | None = None  # None: the "auto" value (zero.config.auto_buckets)
     zero_bucket_elems: int | None = None  # DeepSpeed reduce_bucket_size; None: the "auto" value
-    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of the dp×cp line (DDP only)
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of the dp×cp line
 
     @property
     def tokens(self) -> int:  # T: a rank's tokens of a micro-batch (its 1/cp share of every sequence)
@@ -189,6 +189,14 @@ def expert_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
     """The rank's share of the experts (each MoE layer's n_experts/ep, whole)."""
     lp = local_params(cfg, tp)
     return sum(b.experts(ep) * k for s in stages for b, k in lp.kinds(s.blocks))
+
+
+def partition_params(cand, stages: list[Stage]) -> float:
+    """A rank's ZeRO partition of its stages' parameters: 1/dp×cp of them, the experts under ep 1/edp of theirs (their
+    own engine partitions over edp: zero/experts.py)."""
+    n = rank_params(cand.cfg, cand.tp, stages, cand.ep)
+    experts = expert_params(cand.cfg, cand.tp, stages, cand.ep) if cand.ep > 1 else 0
+    return (n - experts) / cand.dp_cp + experts / cand.edp
 
 
 def replicated_params(cfg, stages: list[Stage], ep: int = 1) -> list[int]:

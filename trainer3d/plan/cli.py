@@ -18,7 +18,7 @@ when their groups span nodes; DDP's and ZeRO's gradient reduction overlaps the b
 offload (PCIe transfers and CPU Adam). It is a model for ranking layouts, not a promise of seconds.
 
 A mixture of experts (qwen3-30b-a3b, mixtral-8x7b, ...) is planned as the trainer runs it: parameters counted layer by
-layer with each ep rank's n_experts/ep experts, DDP only at ep > 1, the active FLOPs (MFU counts those), and the
+layer with each ep rank's n_experts/ep experts (under ZeRO their state partitioned over edp), the active FLOPs (MFU counts those), and the
 all-to-alls of every MoE layer priced on the links the ep group spans:
 
     python -m trainer3d.plan --model mixtral-8x7b --nodes 8 --seq-len 4096 --global-batch 256 \

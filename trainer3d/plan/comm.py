@@ -191,33 +191,37 @@ def analytic_comm(cand: Candidate, pp_rank: int) -> list[Transfer]:
 
 
 def data_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
-    """Gradients reduced over dp × cp (DDP's all-reduce, ZeRO's reduce-scatter and all-gather); experts split over
-    ep all-reduced over their edp group instead, after the backward (parallel/ddp.py; ZeRO refuses ep > 1)."""
-    P, m = cand.prec, cand.micro_batches
+    """Gradients reduced over dp × cp (DDP's all-reduce, ZeRO's reduce-scatter and all-gather); under ep the experts
+    over their edp group instead (DDP: all-reduced after the backward, parallel/ddp.py; ZeRO: their own engine's
+    partitions, zero/experts.py)."""
     n_local = rank_params(cand.cfg, cand.tp, stages, cand.ep)
     out: list[Transfer] = []
     if cand.ep > 1:
         experts = expert_params(cand.cfg, cand.tp, stages, cand.ep)
         n_local -= experts
-        out.append(Transfer("edp", "all_reduce", experts * P.grad, 1, cand.edp,
-                            "DDP: the experts' gradients all-reduced over edp after the backward"))
-    dp = cand.dp_cp  # gradients are reduced, and ZeRO partitions, over dp × cp
-    if dp > 1:
-        g = P.grad
-        if cand.zero_stage == 0:
-            out.append(Transfer("dp", "all_reduce", n_local * g, 1, dp,
-                                "DDP: one all-reduce of the local gradient per step (no_sync on earlier micro-batches)"))
-        else:
-            rs_calls = m if cand.zero_stage >= 2 else 1
-            out.append(Transfer("dp", "reduce_scatter", n_local * g, rs_calls, dp,
-                                "ZeRO: reduce-scatter of the gradient" + (" every micro-batch" if rs_calls > 1 else "")))
-            if cand.zero_stage < 3:
-                out.append(Transfer("dp", "all_gather", n_local * P.param, 1, dp,
-                                    "ZeRO-1/2: all-gather of the updated parameters after the step"))
-            else:
-                partitioned = n_local - persistent_params(cand, stages)
-                out.append(Transfer("dp", "all_gather", partitioned * P.param, 2 * m, dp,
-                                    "ZeRO-3: all-gather of the parameters before forward and before backward"))
+        out += _reduction(cand, "edp", cand.edp, experts, 0)
+    return out + _reduction(cand, "dp", cand.dp_cp, n_local, persistent_params(cand, stages))
+
+
+def _reduction(cand: Candidate, group: str, size: int, n: int, persistent: int) -> list[Transfer]:
+    """What one gradient reduction over `size` ranks costs a step: DDP's all-reduce, or ZeRO's reduce-scatter (every
+    micro-batch at stage 2-3) and all-gather of the parameters (once after the step at stage 1-2; before forward and
+    backward of every micro-batch at stage 3, the `persistent` small tensors excepted)."""
+    if size <= 1 or n == 0:
+        return []
+    P, m, g = cand.prec, cand.micro_batches, cand.prec.grad
+    if cand.zero_stage == 0:
+        return [Transfer(group, "all_reduce", n * g, 1, size,
+                         "DDP: one all-reduce of the local gradient per step (no_sync on earlier micro-batches)")]
+    rs_calls = m if cand.zero_stage >= 2 else 1
+    out = [Transfer(group, "reduce_scatter", n * g, rs_calls, size,
+                    "ZeRO: reduce-scatter of the gradient" + (" every micro-batch" if rs_calls > 1 else ""))]
+    if cand.zero_stage < 3:
+        out.append(Transfer(group, "all_gather", n * P.param, 1, size,
+                            "ZeRO-1/2: all-gather of the updated parameters after the step"))
+    else:
+        out.append(Transfer(group, "all_gather", (n - persistent) * P.param, 2 * m, size,
+                            "ZeRO-3: all-gather of the parameters before forward and before backward"))
     return out
 
 

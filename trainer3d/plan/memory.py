@@ -22,7 +22,8 @@ from trainer3d.parallel.param_counts import BlockParams, local_params
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
 from trainer3d.zero.config import auto_buckets
 from trainer3d.plan.candidate import (
-    Candidate, Stage, block_params, expert_params, max_param_tensor, persistent_params, rank_params, tp_summed_params,
+    Candidate, Stage, block_params, expert_params, max_param_tensor, partition_params, persistent_params, rank_params,
+    tp_summed_params,
 )
 
 EXPERT_BUCKET = inspect.signature(all_reduce_grads).parameters["bucket_elems"].default  # DDP's experts over edp
@@ -154,7 +155,7 @@ def estimate_memory(cand: Candidate, pp_rank: int) -> MemoryEstimate:
 
 def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> None:
     """Model states (ZeRO paper): stage 1 partitions the optimizer state over dp, stage 2 also the gradients,
-    stage 3 also the parameters. DDP keeps Adam's two moments next to fp32 parameters; DeepSpeed keeps
+    stage 3 also the parameters (under ep the experts over edp). DDP keeps Adam's two moments next to fp32 parameters; DeepSpeed keeps
     K = 12 bytes per parameter (fp32 master + moments) even in fp32, and an fp32 gradient partition."""
     P, cfg, h, n = cand.prec, cand.cfg, cand.cfg.n_embd, e.n_params
     z, dp = cand.zero_stage, cand.dp_cp  # ZeRO partitions over dp × cp
@@ -166,9 +167,10 @@ def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> No
         if dp > 1:  # DDP's flat buckets are a second copy of the gradients (experts split over ep are not in them)
             e.ddp_buckets = (n - (expert_params(cfg, cand.tp, stages, cand.ep) if cand.ep > 1 else 0)) * P.grad
         return
-    e.params = n * P.param / (dp if z >= 3 else 1)
-    e.grads = n * 4 / dp
-    e.optimizer = n * 12 / dp
+    part = partition_params(cand, stages)
+    e.params = (part if z >= 3 else n) * P.param
+    e.grads = part * 4
+    e.optimizer = part * 12
     largest = max_param_tensor(cfg, cand.tp, stages, cand.ep)
     if cand.offload_optimizer:  # ZeRO-Offload: master, moments and the fp32 gradient partition on the host
         e.offloaded += e.optimizer + e.grads
@@ -177,8 +179,8 @@ def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> No
             # DeepSpeed's staging buffers (stage_1_and_2.py): a 16-bit copy of the parameter partition and a
             # largest-parameter gradient buffer on the host, the same gradient buffer and the gradient
             # partition on the device
-            e.host_buffers += n / dp * P.param + largest * P.grad
-            e.zero_buffers += largest * P.grad + n / dp * P.grad
+            e.host_buffers += part * P.param + largest * P.grad
+            e.zero_buffers += largest * P.grad + part * P.grad
     if cand.offload_params and z >= 3:
         e.offloaded += e.params
         e.params = 0.0

@@ -2,8 +2,8 @@
 (each refusal counted under its reason), and rank the rest by estimated step time.
 
 A mixture of experts adds expert parallelism: ep over the divisors of dp×cp that divide the experts (1 included;
-parallel/expert_parallel.check_expert_parallel states the rule), each with DDP only (the trainer refuses ZeRO at
-ep > 1).
+parallel/expert_parallel.check_expert_parallel states the rule), each with DDP or ZeRO 1-3 (ZeRO partitions the
+experts' state over edp, the rest over dp×cp).
 """
 
 from __future__ import annotations
@@ -184,9 +184,6 @@ def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bo
     for z in zero_stages:
         if z and dp == 1:
             continue  # nothing to partition over
-        if z and layout["ep"] > 1:
-            refuse("ZeRO with expert parallelism (the trainer refuses it)", f"ep{layout['ep']} ZeRO-{z}")
-            continue
         if z and SCHEDULES[s].split_backward:
             refuse("ZeRO with a split-backward schedule (trainer3d/zero/ refuses it)", f"{s} ZeRO-{z}")
             continue
@@ -249,8 +246,8 @@ def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) ->
     if ep < 1 or (dp * cp) % ep:
         raise ConfigError(f"--evaluate: ep={ep} must divide dp×cp = {dp * cp} (its ranks are carved from them).")
     problem = check_expert_parallel(cfg, ep, tp, seq_len, cp)
-    if problem is not None or (ep > 1 and z):
-        raise ConfigError(f"--evaluate: {problem or f'zero={z} with ep={ep}: the trainer runs expert parallelism under DDP only; use zero=0.'}")
+    if problem is not None:
+        raise ConfigError(f"--evaluate: {problem}")
     off = kv.get("offload", "none")
     return Candidate(
         cfg=cfg, dp=dp, tp=tp, pp=pp, schedule=kv.get("schedule", "1f1b"), virtual_stages=v,

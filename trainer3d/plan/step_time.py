@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from trainer3d.distributed.topology import Layout
 from trainer3d.parallel.pipeline import SCHEDULES, stage_cost, stage_ids
-from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, rank_params
+from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params, rank_params
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.comm import analytic_comm
 
@@ -93,13 +93,13 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     out["dp comm"] = _exposed_dp(cand, worst.get("dp", 0.0), t_mb, C.overlap)
     if cand.ep > 1:
         out["ep comm"] = worst.get("ep", 0.0)  # the tokens wait for their experts (no overlap here)
-        out["edp comm"] = worst.get("edp", 0.0)  # after the backward (parallel/ddp.py: reduce_grads)
-    n_local = max(rank_params(cand.cfg, cand.tp, cand.stages(r), cand.ep) for r in sorted({0, cand.pp - 1}))
+        edp = worst.get("edp", 0.0)  # DDP: after the backward (parallel/ddp.py); ZeRO: in its hooks, as dp's
+        out["edp comm"] = _exposed_dp(cand, edp, t_mb, C.overlap) if cand.zero_stage else edp
+    shard = max(partition_params(cand, cand.stages(r)) for r in sorted({0, cand.pp - 1}))  # a rank's partition
     if cand.offload_optimizer:
-        shard = n_local / cand.dp_cp
         out["offload"] = shard / C.cpu_adam_params_per_s + shard * (4 + 2) / (C.pcie_gbps * 1e9)
     if cand.offload_params:
-        out["offload"] = out.get("offload", 0.0) + cand.micro_batches * 2 * n_local / cand.dp_cp * 2 / (C.pcie_gbps * 1e9)
+        out["offload"] = out.get("offload", 0.0) + cand.micro_batches * 2 * shard * 2 / (C.pcie_gbps * 1e9)
     return out
 
 

@@ -220,12 +220,12 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         check_sequence_parallel(layout.tp, cfg.seq_len, layout.cp)
     deepspeed = None
     if cfg.deepspeed_config is not None:  # the JSON owns the batch; also checks the JSON itself
-        if layout.ep > 1:
-            raise ConfigError(f"--ep {layout.ep} with a DeepSpeed config is not built: ZeRO would partition experts "
-                              "over ranks that hold other experts; use --ep 1 under ZeRO (experts partitioned like "
-                              "every parameter) or DDP with --ep.")
         deepspeed = resolve_deepspeed(cfg, layout, mcfg.n_embd)
         cfg, plan = deepspeed.cfg, deepspeed.plan
+        if layout.ep > 1 and deepspeed.zero_stage == 0:
+            raise ConfigError(f"--ep {layout.ep} under ZeRO stage 0 is not built (it partitions nothing; the experts "
+                              "would need a reduction of their own): run without the DeepSpeed config (DDP) or at "
+                              "ZeRO stage 1-3.")
     else:
         plan = plan_batch(cfg, layout.dp, layout.pp)
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches, cfg.sequence_parallel)

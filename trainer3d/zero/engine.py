@@ -27,6 +27,7 @@ from trainer3d.parallel.engine import (
 from trainer3d.parallel.tensor_parallel import materialize
 from trainer3d.zero import memory, state
 from trainer3d.zero.config import DeepSpeedSpec
+from trainer3d.zero.experts import ExpertMPU, ExpertShard, detached, expert_config, is_expert_param, moe_blocks
 from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
 from trainer3d.zero.grads import grad_shares, is_zero_param, z3_set_local_grad
 from trainer3d.zero.ops import check_deepspeed_version, default_extensions_dir, use_prebuilt_ops
@@ -44,26 +45,43 @@ class ZeroEngine(DataParallelEngine):
 
         self.spec, self.stages, self.topo, self.device = spec, stages, topo, device
         self.name = f"ZeRO-{spec.zero_stage}"
-        mpu = TopologyMPU(topo)
         # Every rank builds its engines in stage order: ZeRO-3's init has world-group barriers that pair up so.
-        self.engines = []
+        self.engines, self.stage_engines = [], []  # every engine; the one per stage the pipeline drives
+        self._params: dict = {}  # id(engine) -> the parameters it owns
+        self._stage_of: dict = {}  # id(engine) -> its stage module
         for module in stages:
-            engine, *_ = deepspeed.initialize(
-                model=module, optimizer=self._client_optimizer(module), config=copy.deepcopy(spec.ds_config),
-                mpu=mpu, dist_init_required=False,
-            )
-            self.engines.append(engine)
-        self._engine_of = {id(p): e for e in self.engines for p in e.module.parameters()}
+            blocks = moe_blocks(module) if topo.layout.ep > 1 else []
+            with detached(blocks) as experts:  # under ep the experts get an engine of their own (zero/experts.py)
+                engine = self._initialize(deepspeed, module, TopologyMPU(topo), spec.ds_config, module)
+            self.stage_engines.append(engine)
+            engine.trainer3d_companions = []  # the stage's other engines, which glue.py brackets alongside
+            if experts:
+                shard = ExpertShard(experts)
+                engine.trainer3d_companions.append(self._initialize(
+                    deepspeed, shard, ExpertMPU(topo), expert_config(spec.ds_config, topo.layout.edp), module))
+        self._engine_of = {id(p): e for e in self.engines for p in self._params[id(e)]}
         self._grad_mem = None  # (bytes, offloaded) of the gradients as the last step held them (memory.report)
 
-    def _client_optimizer(self, module: nn.Module):
+    def _initialize(self, deepspeed, module: nn.Module, mpu, ds_config: dict, stage: nn.Module):
+        params = list(module.parameters())
+        engine, *_ = deepspeed.initialize(model=module, optimizer=self._client_optimizer(params),
+                                          config=copy.deepcopy(ds_config), mpu=mpu, dist_init_required=False)
+        self.engines.append(engine)
+        self._params[id(engine)], self._stage_of[id(engine)] = params, stage
+        return engine
+
+    def params_of(self, engine) -> list[nn.Parameter]:
+        """The parameters `engine` owns (a stage engine's module also holds its expert engine's, under ep)."""
+        return self._params[id(engine)]
+
+    def _client_optimizer(self, params: list[nn.Parameter]):
         """AdamW with the DDP engine's parameter groups, which ZeRO steps on its fp32 master partitions: torch's
         fused kernel where torch has one for the device (optim.adam; one pass over each flat partition where the
         per-tensor loop makes ~8), or DeepSpeedCPUAdam when the optimizer is offloaded (DeepSpeed's own vectorised
         one-pass C++ step on the host copies: fused/foreach do not apply)."""
         cfg = self.spec.cfg
         kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=self.spec.eps)
-        groups = param_groups(module.parameters(), cfg.weight_decay,
+        groups = param_groups(params, cfg.weight_decay,
                               shape_of=lambda p: p.ds_shape if is_zero_param(p) else p.shape)
         if self.spec.offload_optimizer != "none":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -73,7 +91,7 @@ class ZeroEngine(DataParallelEngine):
 
     @property
     def stage_modules(self) -> list[nn.Module]:
-        return self.engines
+        return self.stage_engines
 
     def zero_grad(self) -> None:
         pass  # ZeRO resets its gradient partitions in engine.step()
@@ -112,16 +130,17 @@ class ZeroEngine(DataParallelEngine):
             finally:
                 opt.loss_scale = 1.0
         else:
-            for p in engine.module.parameters():
+            for p in self.params_of(engine):
                 for share in grad_shares(p, opt):
                     share.tensor.mul_(coef)
             engine.step()
 
     def sync_tied_embedding_grads(self) -> None:
-        sum_tied_grads(tied_copies([e.module for e in self.engines]), self.topo.embedding_group, *self._grad_access())
+        sum_tied_grads(tied_copies([e.module for e in self.stage_engines]), self.topo.embedding_group,
+                       *self._grad_access())
 
     def sum_tp_partial_grads(self) -> None:
-        params = tp_partial_params(e.module for e in self.engines)
+        params = tp_partial_params(e.module for e in self.stage_engines)
         sum_tp_partial_grads(params, self.topo.tp_group, *self._grad_access())
 
     def _grad_access(self):
@@ -149,8 +168,8 @@ class ZeroEngine(DataParallelEngine):
         tp_rank, dp_rank = self.topo.tp_rank, self.topo.dp_cp_rank
         kept_norms = self.spec.zero_stage == 3 and self.spec.offload_optimizer != "none"
         for e in self.engines:
-            module, opt = e.module, e.optimizer
-            counted = [p for p in module.parameters() if counts_in_norm(module, p, tp_rank)]
+            module, opt = self._stage_of[id(e)], e.optimizer
+            counted = [p for p in self.params_of(e) if counts_in_norm(module, p, tp_rank)]
             if kept_norms:  # each partition's norm, as DeepSpeed took it
                 norms = opt.norm_for_param_grads
                 for p in counted:
@@ -226,9 +245,15 @@ class ZeroEngineFactory(EngineFactory):
         if self.spec.zero_stage < 3:
             return super().materialize(module, device, shard_value, coords)
         prepare_deepspeed(self.topo, self.device, self.verbose)
-        if self.topo.dp_cp_rank != 0:  # zero.Init broadcasts each parameter from dp×cp rank 0: nothing to read or compute
-            shard_value = lambda name, spec, local_shape, rank, size: torch.empty(local_shape)  # noqa: E731
-        materialize(module, device, shard_value, coords, after_module=self._partitioner())
+        topo = self.topo
+
+        def value(name, spec, local_shape, rank, size):
+            # zero.Init broadcasts each parameter from rank 0 of the group it partitions over (dp×cp, or edp for an
+            # expert under ep): the other ranks read or compute nothing
+            source = topo.edp_rank if topo.layout.ep > 1 and spec is not None and spec.axis == "ep" else topo.dp_cp_rank
+            return shard_value(name, spec, local_shape, rank, size) if source == 0 else torch.empty(local_shape)
+
+        materialize(module, device, value, coords, after_module=self._partitioner())
 
     def _partitioner(self):
         import deepspeed
@@ -237,17 +262,20 @@ class ZeroEngineFactory(EngineFactory):
         offload = ds["zero_optimization"].get("offload_param") or {}
         remote = offload.get("device", "none")
         kw = dict(
-            data_parallel_group=self.topo.dp_cp_group, mpu=TopologyMPU(self.topo),
             dtype=torch.bfloat16 if (ds.get("bf16") or {}).get("enabled") else torch.float32,
             remote_device=None if remote in (None, "none") else remote, pin_memory=bool(offload.get("pin_memory")),
         )
+        dense = dict(data_parallel_group=self.topo.dp_cp_group, mpu=TopologyMPU(self.topo))
+        experts = dict(data_parallel_group=self.topo.edp_group, mpu=ExpertMPU(self.topo))
 
         def partition(module: nn.Module) -> None:
             own = nn.Module()  # just the module's own parameters (its children may not exist yet)
             for name, p in module.named_parameters(recurse=False):
                 p.data = p.data.to(kw["dtype"])  # what deepspeed.initialize casts before it partitions
                 own.register_parameter(name, p)
-            init = deepspeed.zero.Init(module=own, config_dict_or_path=copy.deepcopy(ds), **kw)
+            split = self.topo.layout.ep > 1 and any(is_expert_param(p) for p in own.parameters())
+            config = expert_config(ds, self.topo.layout.edp) if split else copy.deepcopy(ds)
+            init = deepspeed.zero.Init(module=own, config_dict_or_path=config, **kw, **(experts if split else dense))
             kw["param_swapper"] = init.param_swapper  # NVMe: one swapper for the stage, as one Init would have
 
         return partition

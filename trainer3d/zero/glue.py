@@ -11,6 +11,7 @@ stage over the dp group (docs/zero.md explains each and the measurements behind 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -145,33 +146,45 @@ def patch_zero3_trace_check(dp_group) -> None:
 
 # ---- 3. the pipeline stage that brackets every micro-batch backward ------------------------------------------------
 class ZeroPipelineStage(PipelineStage):
-    """A PipelineStage whose submodule is a DeepSpeedEngine (glue 3, docs/zero.md)."""
+    """A PipelineStage whose submodule is a DeepSpeedEngine (glue 3, docs/zero.md), with the stage's other engines
+    (`trainer3d_companions`: its experts' under expert parallelism, zero/experts.py) bracketed alike."""
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
+        for other in self.submod.trainer3d_companions:
+            other.module()  # its ZeRO-3 start-of-forward hook (its modules run inside the stage's forward)
         # engine.module, not engine(...): docs/zero.md (engine.forward's output hooks).
         return self.submod.module(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        engine = self.submod
         if backward_type != "full":
             raise RuntimeError("ZeRO stages run full backwards only (split-backward schedules are refused in config)")
-        engine.set_gradient_accumulation_boundary(last_backward)
-        zero_opt = is_zero_optimizer(engine.optimizer)
-        if zero_opt:
-            engine.optimizer.clear_backward_seen_flag()
-        # What DeepSpeedEngine.backward does around loss.backward(), minus the loss scaling (ours is in the loss).
-        with engine._running_engine_backward_lock:
-            engine._running_engine_backward_count += 1
-            engine._running_engine_backward = True
-        try:
-            engine._backward_prologue()
+        engines = [self.submod, *self.submod.trainer3d_companions]
+        with contextlib.ExitStack() as stack:
+            for engine in engines:
+                stack.enter_context(_engine_backward(engine, last_backward))
             result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-            engine._backward_epilogue()
-        finally:
-            with engine._running_engine_backward_lock:
-                engine._running_engine_backward_count -= 1
-                engine._running_engine_backward = engine._running_engine_backward_count > 0
+            for engine in reversed(engines):
+                engine._backward_epilogue()
         return result
+
+
+@contextlib.contextmanager
+def _engine_backward(engine, last_backward: bool):
+    """What DeepSpeedEngine.backward does around loss.backward(), minus the loss scaling (ours is in the loss) and
+    the epilogue (run by the caller once the backward is done, before this exits)."""
+    engine.set_gradient_accumulation_boundary(last_backward)
+    if is_zero_optimizer(engine.optimizer):
+        engine.optimizer.clear_backward_seen_flag()
+    with engine._running_engine_backward_lock:
+        engine._running_engine_backward_count += 1
+        engine._running_engine_backward = True
+    try:
+        engine._backward_prologue()
+        yield
+    finally:
+        with engine._running_engine_backward_lock:
+            engine._running_engine_backward_count -= 1
+            engine._running_engine_backward = engine._running_engine_backward_count > 0
 
 
 def is_zero_optimizer(opt) -> bool:

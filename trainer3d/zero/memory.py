@@ -1,6 +1,6 @@
 """What a ZeRO engine holds, by category (parameters, gradients, optimizer states) and how much of each is offloaded,
 read off DeepSpeed's own buffers: the same report the DDP engine gives, so metrics.jsonl reads alike for both.
-`zero`: a ZeroEngine (its spec, engines and device)."""
+`zero`: a ZeroEngine (its spec, engines, their parameters and device)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def grad_bytes(zero) -> tuple[int, int]:
                 total, off = total + n, off + n
         return total, off
     for e in zero.engines:
-        for p in e.module.parameters():
+        for p in zero.params_of(e):
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -51,7 +51,7 @@ def report(zero, grad_mem: tuple[int, int] | None = None) -> dict:
     off_p, off_o = zero.spec.offload_param != "none", zero.spec.offload_optimizer != "none"
     model_storages = set()  # a master "copy" that is the parameters' own storage (ZeRO-3 fp32) is no copy
     for e in zero.engines:
-        for p in e.module.parameters():
+        for p in zero.params_of(e):
             if id(p) in seen:
                 continue
             seen.add(id(p))

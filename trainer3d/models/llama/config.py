@@ -101,8 +101,9 @@ class LlamaConfig:
         column; the log-sum-exp per query head. An MoE block (the mean over blocks), as its saved tensors measure
         (tests/test_plan.py): the router's input (the second norm's output, fp32, in place of the MLP's matmul-dtype
         input) and scores, the top-k weights and their sum (fp32), four int64 indices per choice (two fp32 each), and
-        each token's k copies through the experts (their input, gate, up, silu(gate), product, output and weighted
-        output, and the weight); a rank's tokens are split over tp there, so they count as sharded."""
+        each token's k copies through the experts (their input and gate|up, which models/moe._SwiGLUExperts saves,
+        their output and weight, which the weighting saves); a rank's tokens are split over tp there, so they count as
+        sharded."""
         h = self.n_embd
         attention = 2 * self.q_width + 2 * self.kv_width + self.q_width
         spec, share = self.moe, len(self.moe_layers) / self.n_layer
@@ -110,7 +111,7 @@ class LlamaConfig:
         if spec is not None:
             k = spec.top_k
             matmul -= share * h
-            mlp += share * k * (3 * h + 4 * spec.expert_hidden + 1)
+            mlp += share * k * (2 * h + 2 * spec.expert_hidden + 1)
             mlp += share * (h + 4 * spec.shared_hidden) if spec.shared_hidden else 0
             fp32 = share * (h + spec.n_experts + 1 + 9 * k)
         return LayerActivations(resid=2 * h, matmul=round(matmul), sharded_matmul=round(attention + mlp), fp32=2,
