@@ -9,6 +9,8 @@ ones (ZBV, DualPipeV) give it stages r and 2pp-1-r, which puts the first and las
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -117,8 +119,12 @@ def balance_layers(cfg, n_stages: int, seq_len: int) -> list[range]:
     per stage."""
     L = cfg.n_layer
 
+    @functools.cache  # a stage's cost depends only on its size and whether it is last: 2·L values, not S·L² calls
+    def cost_of(n_blocks: int, last: bool) -> float:
+        return stage_cost(cfg, n_blocks, last, seq_len)
+
     def cost(start: int, end: int, stage: int) -> float:
-        return stage_cost(cfg, end - start, stage == n_stages - 1, seq_len)
+        return cost_of(end - start, stage == n_stages - 1)
 
     # best[s][i]: the smallest max-cost of splitting blocks [0, i) into stages 0..s-1.
     inf = float("inf")
