@@ -4,7 +4,8 @@ Spawning a world costs seconds (imports, rendezvous) while a tiny model's step c
 run many layouts inside one world, and the ranks are forked from a forkserver that has imported torch, DeepSpeed,
 transformers and trainer3d once (a spawned rank imported them again: ~12 s for a world of 8 on 2 cores). The server
 is a clean single-threaded process, as a spawned rank would be; each rank takes the test's environment as it is
-when the world starts. A hang fails the test after `timeout` seconds instead of eating CI's budget.
+when the world starts. Under LD_PRELOAD (bench/measure.preloaded_memhook's malloc counter), which only an exec
+applies, the ranks are spawned. A hang fails the test after `timeout` seconds instead of eating CI's budget.
 """
 
 from __future__ import annotations
@@ -70,10 +71,11 @@ def run_world(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     """fn(rank, world_size, *args) on every rank; returns the list of results (rank order). `fn` must be a
     module-level function (it is pickled into spawned processes)."""
     with tempfile.TemporaryDirectory() as out_dir:
+        method = "spawn" if os.environ.get("LD_PRELOAD") else "forkserver"
         mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
         ctx = mp.start_processes(
             _worker, args=(world_size, free_port(), out_dir, dict(os.environ), fn, args), nprocs=world_size,
-            join=False, start_method="forkserver",
+            join=False, start_method=method,
         )
         deadline = time.monotonic() + timeout
         try:

@@ -5,30 +5,36 @@ at (1,2,2), recomputation under --compile draws the same masks again: selective 
 eagerly between compiled graphs) and full (the checkpoint runs the compiled block) give bitwise the same losses (and
 the same as no recomputation: checked when this was written, left out to save a compile).
 
-One spawned 4-process world for all of it: inductor compiles for ~15 s per process on 2 cores (~60 s in all with an
+A mixture of experts at dp 2 × ep 2 compiles too (the dispatch's all-to-all and its one host read of the splits run
+eagerly between the compiled graphs) and matches its own one-process eager run.
+
+One 4-process world for all of it: inductor compiles for ~15 s per process on 2 cores (~60 s in all with an
 empty cache, ~35 s warm). The cache is inductor's default (/tmp/torchinductor_$USER): CI starts from an empty one, so
 its runs build every kernel with the C++ compiler; a warm local cache only makes the test faster."""
 
 from __future__ import annotations
 
 from distributed import run_world
-from parity import check, run_layouts
+from parity import MOE, check, run_groups
 from test_parity import case
 
 STEPS = 10
 PARITY = [case(compile=True), case(1, 2, 2, compile=True), case(1, 2, cp=2, compile=True)]  # cp: attention eager
 # Blocks share their compiled code (same code, same guards), so the parity model's 8 blocks cost one block's compile.
 DROPOUT = [dict(tp=2, pp=2, micro_batches=4, dropout=0.2, compile=True, recompute=m) for m in ("selective", "full")]
+EXPERTS = [case(2, ep=2, compile=True, **MOE)]
 
 
 def test_compile_matches_eager_and_replays_dropout():
-    results = run_world(4, run_layouts, PARITY + DROPOUT, STEPS, timeout=600)
-    failures = check(results, PARITY)
+    grouped = run_world(4, run_groups, [({}, PARITY + DROPOUT), (MOE, EXPERTS)], STEPS, timeout=600)
+    results, experts = [r[0] for r in grouped], [r[1] for r in grouped]
+    failures = check(results, PARITY) + check(experts, EXPERTS)
     assert not failures, "\n".join(failures)
-    for i, c in enumerate(PARITY + DROPOUT, start=1):  # dynamo compiled graphs on every rank: --compile acted
-        graphs = [r[i]["compiled_graphs"] for r in results if r[i] is not None]
-        assert min(graphs) > 0, (c, graphs)
-    assert results[0][0]["compiled_graphs"] == 0  # the eager reference compiled nothing
+    for runs, cases in ((results, PARITY + DROPOUT), (experts, EXPERTS)):
+        for i, c in enumerate(cases, start=1):  # dynamo compiled graphs on every rank: --compile acted
+            graphs = [r[i]["compiled_graphs"] for r in runs if r[i] is not None]
+            assert min(graphs) > 0, (c, graphs)
+        assert runs[0][0]["compiled_graphs"] == 0  # the eager reference compiled nothing
     ref = results[0][0]["losses"]
     first = 1 + len(PARITY)
     dropout = [next(r[i] for r in results if r[i] is not None)["losses"] for i in range(first, first + len(DROPOUT))]

@@ -1,5 +1,6 @@
-"""Mixed precision: bf16 autocast and fp16 with dynamic loss scaling, at (1,1,1) and composed with tp and pp,
-stay close to the fp32 one-process run; an fp16 overflow skips the step on every rank and halves the scale."""
+"""Mixed precision: bf16 autocast and fp16 with dynamic loss scaling, at (1,1,1) and composed with tp and pp, and a
+mixture of experts in bf16 at ep 2 × tp 2, stay close to the fp32 one-process run of their model; an fp16 overflow
+skips the step on every rank and halves the scale."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import torch
 
 from distributed import run_world
-from parity import VOCAB, global_batches, parity_config, run_layouts
+from parity import MOE, VOCAB, global_batches, parity_config, run_groups
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer
 
@@ -19,17 +20,21 @@ LAYOUTS = [
     dict(dp=1, tp=2, pp=2, precision="fp16", micro_batches=2),
     dict(dp=1, tp=2, cp=2, sequence_parallel=True, precision="bf16", micro_batches=2),  # cp's kernels in bf16
 ]
+# the router in fp32 under autocast, the experts' grouped matmul and the all-to-all's rows in bf16
+MOE_LAYOUTS = [dict(dp=2, tp=2, ep=2, sequence_parallel=True, precision="bf16", **MOE)]
 
 
 def test_mixed_precision_tracks_fp32():
     """Within 2e-3 of fp32, and not equal to it: the modules computed in the precision asked for (the dtypes their
     outputs had in the first step), and the losses moved by more than five times fp32's parity noise (every fp32 layout
     is within 2e-7 of the one-process run: tests/parity.py's tables)."""
-    results = run_world(4, run_layouts, LAYOUTS, 6, timeout=600)
-    ref = results[0][0]["losses"]
-    assert results[0][0]["dtypes"] == set()  # fp32: not watched
-    for i, layout in enumerate(LAYOUTS, start=1):
-        run = next(r[i] for r in results if r[i] is not None)
+    groups = [({}, LAYOUTS), (MOE, MOE_LAYOUTS)]
+    results = run_world(4, run_groups, groups, 6, timeout=600)
+    rows = [(g, i, layout) for g, (_, layouts) in enumerate(groups) for i, layout in enumerate(layouts, start=1)]
+    assert all(results[0][g][0]["dtypes"] == set() for g in range(len(groups)))  # fp32: not watched
+    for g, i, layout in rows:
+        ref = results[0][g][0]["losses"]
+        run = next(r[g][i] for r in results if r[g][i] is not None)
         rel = max(abs(a - b) / b for a, b in zip(run["losses"], ref))
         dtype = {"bf16": "bfloat16", "fp16": "float16"}[layout["precision"]]
         print(f"{layout}: {rel:.1e} from fp32, computed in {sorted(run['dtypes'])}")

@@ -110,6 +110,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(spec.n_experts, hidden, spec.expert_hidden))
         self.grad_scale = 1.0  # what the weights' gradients are multiplied by (expert parallelism: 1/ep)
 
+    # Eager under --compile: the row count is data-dependent (a graph break at the dispatch anyway) and dynamo's fake
+    # torch._grouped_mm accepts bf16 only, where the eager kernel also runs fp32 (CPU).
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, H] sorted by expert, `counts` [E_local] tokens per expert -> [M, H]."""
         gate_up, down = self.gate_up_proj, self.down_proj
