@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -35,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.harness import fmt_bytes, rotated, stamp, table  # noqa: E402
-from bench.measure import MallocCounter, preloaded_memhook  # noqa: E402
+from bench.measure import MallocCounter, run_under_memhook  # noqa: E402
 
 VOCAB = 32768  # a multiple of 128: no padding on trainer3d's side, the same head on both
 SHAPES = {  # model flags, sequence length, sequences per step
@@ -134,19 +133,7 @@ def memory_child(shape: str, side: str) -> None:
 
 
 def memory_of(shape: str, side: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", shape, side]
-    with preloaded_memhook():
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
-    hwm = 0
-    while proc.poll() is None:  # outside: the kernel's high-water mark of the resident set, read while it runs
-        try:
-            with open(f"/proc/{proc.pid}/status") as f:
-                hwm = max([hwm] + [int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")])
-        except OSError:
-            pass
-        time.sleep(0.02)
-    out = json.loads(proc.stdout.read().strip().splitlines()[-1])
-    return {"hwm": hwm, **out}
+    return run_under_memhook([sys.executable, os.path.abspath(__file__), "--child", shape, side], ROOT)
 
 
 def main(argv=None) -> int:

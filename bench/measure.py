@@ -222,6 +222,25 @@ class preloaded_memhook:
             os.environ["LD_PRELOAD"] = self._old
 
 
+def run_under_memhook(cmd: list[str], cwd: str) -> dict:
+    """`cmd` in a process of its own under the malloc counter: the JSON object its last printed line holds, plus
+    `hwm`, the kernel's high-water mark of its resident set, read from outside (/proc/<pid>/status) while it runs."""
+    import json
+    import subprocess
+
+    with preloaded_memhook():
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=cwd)
+    hwm = 0
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                hwm = max([hwm] + [int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")])
+        except OSError:
+            pass
+        time.sleep(0.02)
+    return {"hwm": hwm, **json.loads(proc.stdout.read().strip().splitlines()[-1])}
+
+
 class MallocCounter:
     """In a process started under preloaded_memhook: bytes currently malloc'd and the peak since reset."""
 

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -36,7 +35,7 @@ import torch  # noqa: E402
 
 import trainer3d.models.moe as moe_module  # noqa: E402
 from bench.harness import Case, build_trainer, fmt_bytes, local_batch, rotated, stamp, table  # noqa: E402
-from bench.measure import CommCounter, MallocCounter, preloaded_memhook  # noqa: E402
+from bench.measure import CommCounter, MallocCounter, preloaded_memhook, run_under_memhook  # noqa: E402
 
 BLOCK = dict(hidden=512, experts=32, top_k=4, expert_hidden=256, tokens=2048)
 
@@ -118,18 +117,7 @@ def block_memory_child(side: str) -> None:
 
 def child_memory(args: list[str]) -> dict:
     """Run this file with `args` in a process of its own; its printed JSON plus its VmHWM read from outside."""
-    with preloaded_memhook():
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
-    hwm = 0
-    while proc.poll() is None:
-        try:
-            with open(f"/proc/{proc.pid}/status") as f:
-                hwm = max([hwm] + [int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")])
-        except OSError:
-            pass
-        time.sleep(0.02)
-    return {"hwm": hwm, **json.loads(proc.stdout.read().strip().splitlines()[-1])}
+    return run_under_memhook([sys.executable, os.path.abspath(__file__), *args], ROOT)
 
 
 def block_section(rounds: int) -> str:
