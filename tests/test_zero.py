@@ -107,7 +107,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
     from trainer3d.parallel.parallelize import named_full_params
     from trainer3d.parallel.tensor_parallel import gather_full
     from trainer3d.train.trainer import Trainer
-    from trainer3d.zero.experts import is_expert_param
+    from trainer3d.zero.experts import over_edp
 
     lay = dict(lay)
     n = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1) * lay.pop("dp", 1)
@@ -151,7 +151,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
                     seen.add(id(p))
                     full = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                     numel += full
-                    part += -(-full // (L.edp if L.ep > 1 and is_expert_param(p) else L.dp_cp))
+                    part += -(-full // (L.edp if over_edp(L, getattr(p, "tp_spec", None)) else L.dp_cp))
         mem = {k: v for k, v in records[-1].items() if k.endswith("_bytes")}
         nvme = (ds["zero_optimization"].get("offload_optimizer") or {}).get("nvme_path")
         swapped = {"optimizer": 0, "params": 0}  # ZeRO-Infinity: this rank's swap files (.../<kind>/rank<r>/)

@@ -313,8 +313,8 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
 
 
 def _linear_at(block: nn.Module, path: str) -> nn.Linear | None:
-    """The nn.Linear at `path` in a block, or None where the path leads into a module that is no linear (a mixture
-    of experts in place of the dense MLP: its "gate_up_proj" is a stacked parameter, not a layer)."""
+    """The nn.Linear at `path` in a block, or None where the path leads to something else (a mixture of experts in
+    place of the dense MLP holds its experts' weights as stacked parameters, not layers)."""
     owner, _, leaf = path.rpartition(".")
     module = block.get_submodule(owner) if owner else block
     found = getattr(module, leaf, None)

@@ -27,7 +27,7 @@ from trainer3d.parallel.engine import (
 from trainer3d.parallel.tensor_parallel import materialize
 from trainer3d.zero import memory, state
 from trainer3d.zero.config import DeepSpeedSpec
-from trainer3d.zero.experts import ExpertMPU, ExpertShard, detached, expert_config, is_expert_param, moe_blocks
+from trainer3d.zero.experts import ExpertMPU, ExpertShard, detached, expert_config, moe_blocks, over_edp
 from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
 from trainer3d.zero.grads import grad_shares, is_zero_param, z3_set_local_grad
 from trainer3d.zero.ops import check_deepspeed_version, default_extensions_dir, use_prebuilt_ops
@@ -250,7 +250,7 @@ class ZeroEngineFactory(EngineFactory):
         def value(name, spec, local_shape, rank, size):
             # zero.Init broadcasts each parameter from rank 0 of the group it partitions over (dp×cp, or edp for an
             # expert under ep): the other ranks read or compute nothing
-            source = topo.edp_rank if topo.layout.ep > 1 and spec is not None and spec.axis == "ep" else topo.dp_cp_rank
+            source = topo.edp_rank if over_edp(topo.layout, spec) else topo.dp_cp_rank
             return shard_value(name, spec, local_shape, rank, size) if source == 0 else torch.empty(local_shape)
 
         materialize(module, device, value, coords, after_module=self._partitioner())
@@ -273,7 +273,7 @@ class ZeroEngineFactory(EngineFactory):
             for name, p in module.named_parameters(recurse=False):
                 p.data = p.data.to(kw["dtype"])  # what deepspeed.initialize casts before it partitions
                 own.register_parameter(name, p)
-            split = self.topo.layout.ep > 1 and any(is_expert_param(p) for p in own.parameters())
+            split = any(over_edp(self.topo.layout, getattr(p, "tp_spec", None)) for p in own.parameters())
             config = expert_config(ds, self.topo.layout.edp) if split else copy.deepcopy(ds)
             init = deepspeed.zero.Init(module=own, config_dict_or_path=config, **kw, **(experts if split else dense))
             kw["param_swapper"] = init.param_swapper  # NVMe: one swapper for the stage, as one Init would have

@@ -81,6 +81,7 @@ def expert_config(ds_config: dict, edp: int) -> dict:
     return ds
 
 
-def is_expert_param(p: nn.Parameter) -> bool:
-    spec = getattr(p, "tp_spec", None)
-    return spec is not None and spec.axis == "ep"
+def over_edp(layout, spec) -> bool:
+    """Whether ZeRO partitions a parameter of this split (`spec`: its tp_spec or None) over edp rather than dp×cp:
+    an expert's, under expert parallelism."""
+    return layout.ep > 1 and spec is not None and spec.axis == "ep"
