@@ -7,8 +7,8 @@ rank sends with a ring algorithm. T = micro-batch size × sequence length.
 
 A mixture of experts adds, per MoE layer and micro-batch, expert parallelism's all-to-alls over the ep group (the
 count exchange, then the tokens' dispatch and combine in the forward and their gradients' in the backward, again when
-recomputed), assuming routing balanced over the ep ranks; its experts' gradients are all-reduced over edp (dp×cp/ep)
-instead of dp×cp; at tp > 1 the gradients of its router and experts, which each tp rank holds a share of, are summed
+recomputed), assuming routing balanced over the ep ranks; its experts' gradients are reduced over edp (dp×cp/ep)
+instead of dp×cp (DDP's all-reduce, ZeRO's reduce-scatter); at tp > 1 the gradients of its router and experts, which each tp rank holds a share of, are summed
 over tp once per step, and without sequence parallelism its tokens are split over tp and gathered back.
 """
 

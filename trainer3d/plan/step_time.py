@@ -6,9 +6,9 @@ inter-node bandwidth; dp traffic partly hidden behind the backward) + CPU offloa
 
 A mixture of experts' FLOPs are its active ones (the family's flops_per_token: the router and the k experts a token
 uses). Its all-to-alls (ep) sit on the critical path (nothing overlaps them in trainer3d), each rank's payload split
-between the peers in its node (intra-node bandwidth) and the others (inter-node); the experts' gradient all-reduce
-over edp runs after the backward, exposed. The ep and edp groups are lines of the dp×cp line (topology.Topology):
-ep consecutive dp×cp ranks, edp every ep-th.
+between the peers in its node (intra-node bandwidth) and the others (inter-node); the experts' gradient reduction
+over edp is exposed (DDP: an all-reduce after the backward; ZeRO: as dp's is). The ep and edp groups are lines of
+the dp×cp line (topology.Topology): ep consecutive dp×cp ranks, edp every ep-th.
 """
 
 from __future__ import annotations
