@@ -249,15 +249,15 @@ def test_dp_sharding_3d_layout():
     ref4 = [BatchLoader(blocks, G, r, 4, seed=3) for r in range(4)]
     seen_epoch0: list[int] = []
     for step in range(3 * (103 // G)):  # crosses two epoch boundaries
-        batches = {r: loaders[r].next_batch() for r in ranks}
+        batches = {r: loaders[r].next_batch().tokens for r in ranks}
         for r in ranks:
             assert batches[r].dtype == torch.int64 and batches[r].shape == (G // dp, 8)
             assert torch.equal(batches[r], batches[(r // tp) % dp * tp])  # tp / pp peers identical
         by_dp = [batches[d * tp] for d in range(dp)]
         assert not set(row_ids(by_dp[0])) & set(row_ids(by_dp[1]))  # dp ranks disjoint
-        full = ref1.next_batch()
+        full = ref1.next_batch().tokens
         assert torch.equal(torch.cat(by_dp), full)  # union over dp == the dp=1 global batch
-        assert torch.equal(torch.cat([l.next_batch() for l in ref4]), full)  # ... whatever dp_size is
+        assert torch.equal(torch.cat([l.next_batch().tokens for l in ref4]), full)  # ... whatever dp_size is
         if step < 103 // G:
             seen_epoch0 += row_ids(full)
     assert len(set(seen_epoch0)) == len(seen_epoch0) == (103 // G) * G  # no repeats within an epoch
@@ -269,19 +269,20 @@ def test_arrays_or_token_blocks():
     blocks = synthetic_blocks()
     a, b = BatchLoader(blocks, 8, 1, 2, seed=2), BatchLoader(blocks.train, 8, 1, 2, seed=2)
     for _ in range(20):
-        assert torch.equal(a.next_batch(), b.next_batch())
+        assert torch.equal(a.next_batch().tokens, b.next_batch().tokens)
     assert a.state_dict()["fingerprint"] == "synthetic" and b.state_dict()["fingerprint"] != "synthetic"
-    assert [t.tolist() for t in val_batches(blocks, 8, 1, 2)] == [t.tolist() for t in val_batches(blocks.val, 8, 1, 2)]
+    assert [t.tokens.tolist() for t in val_batches(blocks, 8, 1, 2)] == [
+        t.tokens.tolist() for t in val_batches(blocks.val, 8, 1, 2)]
 
 
 def test_epochs_reshuffle_and_seed():
     blocks = synthetic_blocks()
     a = BatchLoader(blocks, 10, 0, 1, seed=0)
-    epoch0 = [row_ids(a.next_batch()) for _ in range(a.steps_per_epoch)]
-    epoch1 = [row_ids(a.next_batch()) for _ in range(a.steps_per_epoch)]
+    epoch0 = [row_ids(a.next_batch().tokens) for _ in range(a.steps_per_epoch)]
+    epoch1 = [row_ids(a.next_batch().tokens) for _ in range(a.steps_per_epoch)]
     assert epoch0 != epoch1 and a.epoch == 1
-    assert row_ids(BatchLoader(blocks, 10, 0, 1, seed=1).next_batch()) != epoch0[0]
-    assert row_ids(BatchLoader(blocks, 10, 0, 1, seed=0).next_batch()) == epoch0[0]
+    assert row_ids(BatchLoader(blocks, 10, 0, 1, seed=1).next_batch().tokens) != epoch0[0]
+    assert row_ids(BatchLoader(blocks, 10, 0, 1, seed=0).next_batch().tokens) == epoch0[0]
 
 
 @pytest.mark.parametrize("dp_before,dp_after", [(2, 2), (2, 4), (4, 1), (1, 2)])
@@ -290,7 +291,7 @@ def test_resume_exact(dp_before, dp_after):
     G = 8
 
     def global_batch(loaders):
-        return torch.cat([l.next_batch() for l in loaders])
+        return torch.cat([l.next_batch().tokens for l in loaders])
 
     uninterrupted = [BatchLoader(blocks, G, r, 1, seed=5) for r in range(1)]
     expected = [global_batch(uninterrupted) for _ in range(40)]
@@ -318,14 +319,14 @@ def test_resume_refuses_other_data():
 
 def test_val_batches():
     blocks = synthetic_blocks(n_val=20)
-    full = list(val_batches(blocks, 8, 0, 1))
+    full = [b.tokens for b in val_batches(blocks, 8, 0, 1)]
     assert len(full) == 2 and row_ids(torch.cat(full)) == list(range(103, 119))  # in order, partial tail skipped
     for dp in (2, 4):
-        shards = [list(val_batches(blocks, 8, r, dp)) for r in range(dp)]
+        shards = [[b.tokens for b in val_batches(blocks, 8, r, dp)] for r in range(dp)]
         for i in range(2):
             assert torch.equal(torch.cat([s[i] for s in shards]), full[i])
     assert len(list(val_batches(blocks, 8, 1, 2, max_batches=1))) == 1
-    assert [b.tolist() for b in val_batches(blocks, 8, 0, 1)] == [b.tolist() for b in full]  # deterministic
+    assert [b.tokens.tolist() for b in val_batches(blocks, 8, 0, 1)] == [b.tolist() for b in full]  # deterministic
 
 
 def test_val_split_sizes(tmp_path):

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer3d.data.batch import Batch, LabeledRows, padding, supervised_count, take
 from trainer3d.data.cache import TokenBlocks
 from trainer3d.errors import DataError
 
@@ -34,9 +35,11 @@ def _check_layout(global_batch: int, dp_rank: int, dp_size: int) -> int:
 
 
 def _as_rows(blocks: TokenBlocks | np.ndarray, part: str) -> tuple[np.ndarray, str]:
-    """(rows, fingerprint) from a TokenBlocks (its `part`) or a bare [N, seq_len + 1] array."""
+    """(rows, fingerprint) from a TokenBlocks (its `part`), LabeledRows, or a bare [N, seq_len + 1] array."""
     if isinstance(blocks, TokenBlocks):
         return getattr(blocks, part), blocks.fingerprint
+    if isinstance(blocks, LabeledRows):
+        return blocks, _as_rows(blocks.tokens, part)[1]
     rows = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
     if rows.ndim != 2:
         raise DataError(f"Blocks must be a 2-D [n, seq_len + 1] array, not {tuple(rows.shape)}; pass TokenBlocks.")
@@ -50,8 +53,8 @@ class BatchLoader:
     ``blocks`` is the TokenBlocks (its ``.train`` is used; its fingerprint guards resumes) or a bare
     ``[n, seq_len + 1]`` array of training blocks.
 
-    ``next_batch()`` returns this dp rank's ``[global_batch // dp_size, seq_len + 1]`` LongTensor; use
-    ``b[:, :-1]`` as inputs and ``b[:, 1:]`` as targets. An epoch is ``len(train) // global_batch`` steps (the
+    ``next_batch()`` returns this dp rank's Batch (data/batch.py) of ``global_batch // dp_size`` rows of
+    ``seq_len + 1`` tokens (inputs ``[:, :-1]``, targets ``[:, 1:]``) with the global batch's supervised count. An epoch is ``len(train) // global_batch`` steps (the
     remainder of the permutation is skipped); the next epoch reshuffles with seed ``(seed, epoch)``.
     """
 
@@ -80,18 +83,18 @@ class BatchLoader:
             self._perm, self._perm_epoch = rng.permutation(len(self.rows)), epoch
         return self._perm
 
-    def next_batch(self) -> torch.Tensor:
+    def next_batch(self) -> Batch:
         if self.position + self.global_batch > len(self.rows):
             self.epoch, self.position = self.epoch + 1, 0
-        start = self.position + self.dp_rank * self.per
-        idx = self._permutation(self.epoch)[start : start + self.per]
+        rows = self._permutation(self.epoch)[self.position : self.position + self.global_batch]
         self.position += self.global_batch
-        return torch.from_numpy(self.rows[idx].astype(np.int64))
+        mine = rows[self.dp_rank * self.per : (self.dp_rank + 1) * self.per]
+        return take(self.rows, mine, supervised_count(self.rows, rows))
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def __next__(self) -> torch.Tensor:
+    def __next__(self) -> Batch:
         return self.next_batch()
 
     def state_dict(self) -> dict[str, int | str]:
@@ -121,14 +124,14 @@ class BatchLoader:
 
 def val_batches(
     blocks: TokenBlocks | np.ndarray, global_batch: int, dp_rank: int, dp_size: int, max_batches: int | None = None
-) -> Iterator[torch.Tensor]:
+) -> Iterator[Batch]:
     """Deterministic pass over the validation blocks in order, in full global batches, sharded like training.
 
     ``blocks`` is the TokenBlocks (its ``.val`` is used) or a bare ``[n, seq_len + 1]`` array of blocks.
 
-    Yields ``min(len(val) // global_batch, max_batches)`` batches of ``[global_batch // dp_size, seq_len + 1]``
-    (a partial last batch is skipped so every batch has the same shape on every rank). Errors are raised here,
-    at the call, not at the first ``next()``.
+    Yields ``min(len(val) // global_batch, max_batches)`` Batches of ``global_batch // dp_size`` rows (a partial last
+    batch is skipped so every batch has the same shape on every rank). Errors are raised here, at the call, not at
+    the first ``next()``.
     """
     per = _check_layout(global_batch, dp_rank, dp_size)
     rows, _ = _as_rows(blocks, "val")
@@ -140,9 +143,27 @@ def val_batches(
         )
     count = n // global_batch if max_batches is None else min(n // global_batch, max_batches)
 
-    def gen() -> Iterator[torch.Tensor]:
+    def gen() -> Iterator[Batch]:
         for i in range(count):
             start = i * global_batch + dp_rank * per
-            yield torch.from_numpy(rows[start : start + per].astype(np.int64))
+            whole = np.arange(i * global_batch, (i + 1) * global_batch)
+            yield take(rows, np.arange(start, start + per), supervised_count(rows, whole))
 
     return gen()
+
+
+def corpus_batches(rows, global_batch: int, dp_rank: int, dp_size: int) -> tuple[int, Iterator[Batch]]:
+    """Every row of `rows` once, in order, in global batches sharded like validation; the last batch is filled with
+    rows in no loss, so every rank runs the same passes. (number of passes, the Batches)."""
+    per = _check_layout(global_batch, dp_rank, dp_size)
+    n = len(rows)
+    passes = -(-n // global_batch)
+
+    def gen() -> Iterator[Batch]:
+        for i in range(passes):
+            whole = np.arange(i * global_batch, min(n, (i + 1) * global_batch))
+            mine = np.arange(i * global_batch + dp_rank * per, i * global_batch + (dp_rank + 1) * per)
+            real = mine[mine < n]
+            yield padding(take(rows, real, supervised_count(rows, whole)), per - len(real))
+
+    return passes, gen()

@@ -11,7 +11,7 @@ Why not torch's `context_parallel`: it is ring attention over DTensor, SDPA's CU
 buffers it shards at entry (no pipeline stages, no packed-document mask).
 
 Document masking: a packed row holds several documents, each opened by the end-of-text token that precedes it (the
-prepared shards' convention, llm.c's); with --document-mask a token attends only to earlier tokens of its own
+prepared shards' convention, llm.c's), or, for chat rows, known from the data (data/batch.py); with --document-mask a token attends only to earlier tokens of its own
 document, and with --reset-position-ids its position restarts at each document's first token (Megatron-LM's flag).
 The documents of a row are known from its tokens, which every rank of the replica has (Trainer.begin_pass), so no
 stage needs them sent; the stage class tells the layout which micro-batch runs (`micro_batch`), for the forward and
@@ -181,12 +181,14 @@ class SequenceLayout:
         return self.document_mask or self.reset_position_ids
 
     # ---- the data side: called by the trainer ------------------------------------------------------------------
-    def begin_pass(self, inputs: torch.Tensor, micro_batches: int) -> None:
+    def begin_pass(self, inputs: torch.Tensor, micro_batches: int, documents: torch.Tensor | None = None) -> None:
         """Before a schedule pass over `inputs` [local_batch, seq_len] (whole rows): the documents of each of its
-        micro-batches, split as the schedule splits its arguments."""
+        micro-batches, split as the schedule splits its arguments; `documents` [local_batch, seq_len] where the data
+        knows them (chat rows: an end-of-text token inside a conversation opens none), else from the boundary token."""
         self._masks.clear()
         if self.needs_documents:
-            docs = document_ids(inputs.to(self.positions.device), self.boundary)
+            docs = (documents.to(self.positions.device) if documents is not None
+                    else document_ids(inputs.to(self.positions.device), self.boundary))
             self.documents = list(docs.tensor_split(micro_batches))
         if self.reset_position_ids:
             self.document_positions = [positions_in_document(d)[:, self.positions] for d in self.documents]

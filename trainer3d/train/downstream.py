@@ -50,7 +50,8 @@ def forward_rows(trainer, n_rows: int, make_batch: MakeBatch, reduction: Reducti
         return torch.cat([targets[:, -1:].float(), reduction(logits, targets[:, :-1]).float()], dim=1)
 
     index = np.arange(passes * gb, dtype=np.int64)[:, None]  # sharded over dp like validation rows
-    for rows in val_batches(index, gb, topo.dp_rank, topo.layout.dp):
+    for batch in val_batches(index, gb, topo.dp_rank, topo.layout.dp):
+        rows = batch.tokens
         inputs, targets = make_batch(rows[:, 0].numpy())
         results = trainer.forward_only(inputs, torch.cat([targets, rows], dim=1), tagged)
         if writes:

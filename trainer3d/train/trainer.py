@@ -1,8 +1,9 @@
 """One optimizer step = one run of the pipeline schedule over this dp rank's micro-batches, then the data-parallel
 engine's step (dp reduction, tied embedding, global norm, clip, AdamW): DDP or ZeRO alike, through one interface.
 
-Loss scale: every micro-batch's loss is its token mean divided by the number of micro-batches, and the engine
-averages over dp, so the gradient is that of the mean loss over all tokens of the global batch at every layout.
+Loss scale: every micro-batch's loss is the sum over its supervised targets times dp·cp / (the supervised targets of
+the whole global batch, which the Batch carries), and the engine averages over dp·cp, so the gradient is that of the
+mean loss over the global batch's supervised tokens at every layout, packing and accumulation (data/batch.py).
 
 Host syncs: the step's loss stays on the device and goes to the engine's step, which reads it together with the
 global norm in the step's one device-to-host transfer (parallel/engine.py: read_scalars).
@@ -15,6 +16,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from trainer3d.data.batch import Batch
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.errors import TrainingError
 from trainer3d.optim import DynamicLossScale, lr_at
@@ -56,6 +58,7 @@ class Trainer:
         self.logging_rank = topo.global_rank(topo.last_stage_pp_rank, 0, 0)
         self.is_logging_rank = dist.get_rank() == self.logging_rank
         self._reduction = None  # set by forward_only for one pass
+        self._weight = 1.0  # of a supervised target's loss in the running pass: dp·cp / the global batch's targets
 
     def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy from this rank's vocab shard of the logits (collective over tp); where gradients
@@ -68,20 +71,23 @@ class Trainer:
         if self._reduction is not None:  # a forward-only pass with its own reduction (forward_only)
             return self._reduction(logits, targets)
         scale = self.loss_scale.scale if self.loss_scale else 1.0
-        return self.token_losses(logits, targets).mean() * (scale / self.plan.micro_batches)
+        supervised = targets >= 0  # the Batch's unsupervised targets are negative (_schedule_pass)
+        losses = self.token_losses(logits, targets.clamp(min=0))
+        return torch.where(supervised, losses, 0.0).sum() * (scale * self._weight)
 
     def _autocast(self):
         if self.precision == "fp32" or self.engine.casts_module:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[self.precision])
 
-    def _schedule_pass(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> list[torch.Tensor]:
+    def _schedule_pass(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
+                       documents: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One run of the pipeline schedule over this dp rank's rows (whole sequences: under context parallelism
         this rank takes its tokens of them); what the loss function returned for each micro-batch on the last stage's
-        ranks, [] elsewhere."""
+        ranks, [] elsewhere. `documents`: each input token's document, where the data knows it."""
         sequence = self.pm.sequence
         if sequence is not None:
-            sequence.begin_pass(inputs, self.plan.micro_batches)
+            sequence.begin_pass(inputs, self.plan.micro_batches, documents)
             inputs, targets = sequence.split(inputs), sequence.split(targets)
         args = (inputs.to(self.device, non_blocking=True).contiguous(),) if self.pm.has_first else ()
         kwargs = {"target": targets.to(self.device, non_blocking=True).contiguous()} if self.pm.has_last else {}
@@ -94,13 +100,21 @@ class Trainer:
                     self.schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
         return losses
 
-    def _run_schedule(self, batch: torch.Tensor, train: bool, stop_requested: bool = False):
-        """Run the pipeline over this rank's share of the global batch; return the global mean loss, a float64
-        device scalar on every rank, and the world's count of stop requests (`stop_requested` summed in the same
-        all-reduce, so agreeing on a stop costs no collective of its own); neither is read here."""
-        losses = self._schedule_pass(batch[:, :-1], batch[:, 1:], train)
-        # One rank per dp replica and context shard (last stage, tp rank 0) contributes its tokens' mean (every shard
-        # holds as many tokens); the world sums.
+    def _run_schedule(self, batch: Batch | torch.Tensor, train: bool, stop_requested: bool = False):
+        """Run the pipeline over this rank's share of the global batch; return the global mean loss over its
+        supervised targets, a float64 device scalar on every rank, and the world's count of stop requests
+        (`stop_requested` summed in the same all-reduce, so agreeing on a stop costs no collective of its own);
+        neither is read here."""
+        batch = batch if isinstance(batch, Batch) else Batch(batch)
+        tokens, targets = batch.tokens, batch.tokens[:, 1:]
+        if batch.supervised is not None:
+            targets = targets.masked_fill(~batch.supervised, -1)
+        count = batch.targets if batch.targets is not None else self.plan.global_batch * self.cfg.seq_len
+        self._weight = self.topo.layout.dp_cp / max(1, count)
+        documents = batch.documents[:, :-1] if batch.documents is not None else None
+        losses = self._schedule_pass(tokens[:, :-1], targets, train, documents)
+        # One rank per dp replica and context shard (last stage, tp rank 0) contributes its targets' share; the world
+        # sums.
         local = torch.zeros(2, device=self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
@@ -109,8 +123,9 @@ class Trainer:
         total = all_reduce(local, self.topo.world_group).double()
         return total[0] / self.topo.layout.dp_cp, total[1]
 
-    def train_step(self, batch: torch.Tensor, stop_requested: bool = False) -> dict:
-        """One optimizer step on this dp rank's rows of the global batch ([local_batch, seq_len + 1]); one
+    def train_step(self, batch: Batch | torch.Tensor, stop_requested: bool = False) -> dict:
+        """One optimizer step on this dp rank's rows of the global batch (a Batch, or its tokens [local_batch,
+        seq_len + 1] when every target is supervised); one
         device-to-host read (the engine's, for the norm, the loss and the stop requests together).
         `stop_requested`: this rank was asked to stop (SIGTERM); the record's "stop" says whether any rank was."""
         self.engine.train()
@@ -151,7 +166,11 @@ class Trainer:
             self._reduction = None
 
     def evaluate(self, batches) -> float:
+        """The mean loss over the supervised targets of all `batches` (Batches or token rows)."""
         self.engine.train(False)
-        losses = [self._run_schedule(b, train=False)[0] for b in batches]
+        losses, counts = [], []
+        for b in batches:
+            losses.append(self._run_schedule(b, train=False)[0])
+            counts.append(b.targets if isinstance(b, Batch) and b.targets is not None else 1)
         values = torch.stack(losses).tolist() if losses else []  # one device read for the whole evaluation
-        return sum(values) / max(1, len(values))
+        return sum(v * c for v, c in zip(values, counts)) / max(1, sum(counts))

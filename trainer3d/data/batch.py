@@ -1,0 +1,77 @@
+"""What one pass's rows carry to the trainer, and the row stores they are taken from.
+
+A row is ``seq_len + 1`` token ids (inputs ``[:-1]``, targets ``[1:]``). Pre-training rows are a plain
+``[n, seq_len + 1]`` array (the cache's blocks, a prepared split's windows): every target is supervised and the
+documents of a packed row are found from its end-of-text tokens. Chat rows (data/chat.py) are a `LabeledRows`: beside
+the tokens, which targets are supervised and which conversation each token belongs to, both known from the data.
+
+The loss of a step is the sum over its supervised targets divided by their count over the whole global batch
+(`Batch.targets`), so it does not depend on packing, accumulation or layout (torchtune #1875's bug avoided): the loader
+counts them from each row's count, with no collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, seq_len + 1] int64: this dp rank's rows
+    supervised: torch.Tensor | None = None  # [B, seq_len] bool: target t is in the loss; None: every target
+    documents: torch.Tensor | None = None  # [B, seq_len + 1] int64: the document of each token; None: from end-of-text
+    targets: int | None = None  # supervised targets of the whole global batch; None: global rows × seq_len
+
+
+class LabeledRows:
+    """Rows with a supervised flag and a document index per token, indexed like a ``[n, seq_len + 1]`` array.
+
+    ``tokens``, ``flags`` (1 where the token is a supervised target) and ``documents`` are ``[n, seq_len + 1]``
+    arrays (memory-mapped from the cache); ``counts[i]`` is the number of supervised targets of row i."""
+
+    def __init__(self, tokens: np.ndarray, flags: np.ndarray, documents: np.ndarray):
+        self.tokens, self.flags, self.documents = tokens, flags, documents
+        self.counts = np.asarray(flags[:, 1:].sum(axis=1), dtype=np.int64) if len(flags) else np.zeros(0, np.int64)
+        self.shape = tokens.shape
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index) -> LabeledRows:
+        return LabeledRows(self.tokens[index], self.flags[index], self.documents[index])
+
+
+def supervised_count(rows, index: np.ndarray) -> int:
+    """Supervised targets of rows[index] (every target of a plain row)."""
+    if isinstance(rows, LabeledRows):
+        return int(rows.counts[index].sum())
+    return len(index) * (rows.shape[1] - 1)
+
+
+def take(rows, index: np.ndarray, targets: int | None = None) -> Batch:
+    """The Batch of rows[index]; `targets`: the global batch's supervised count it belongs to."""
+    if not isinstance(rows, LabeledRows):
+        return Batch(torch.from_numpy(np.asarray(rows[index]).astype(np.int64)), targets=targets)
+    return Batch(
+        tokens=torch.from_numpy(rows.tokens[index].astype(np.int64)),
+        supervised=torch.from_numpy(rows.flags[index][:, 1:].astype(bool)),
+        documents=torch.from_numpy(rows.documents[index].astype(np.int64)),
+        targets=targets,
+    )
+
+
+def padding(batch: Batch, rows: int) -> Batch:
+    """`batch` followed by `rows` rows that are in no loss (the last, partial batch of a whole-corpus pass)."""
+    if rows == 0:
+        return batch
+    T1 = batch.tokens.shape[1]
+    supervised = batch.supervised if batch.supervised is not None else torch.ones(len(batch.tokens), T1 - 1,
+                                                                                   dtype=torch.bool)
+    tokens = torch.cat([batch.tokens, batch.tokens.new_zeros(rows, T1)])
+    documents = None
+    if batch.documents is not None:
+        documents = torch.cat([batch.documents, batch.documents.new_zeros(rows, T1)])
+    return Batch(tokens, torch.cat([supervised, supervised.new_zeros(rows, T1 - 1)]), documents, batch.targets)
