@@ -39,6 +39,11 @@ class DataConfig:
     min_val_blocks: int = 128  # ...but at least this many blocks (capped at 10% of the corpus) when > 0
     cache_dir: str | None = None  # default: $TRAINER3D_CACHE or ~/.cache/trainer3d
     num_proc: int | None = None  # tokenization processes; None -> 1 for small corpora, else up to 8
+    format: str = "text"  # "text": documents packed into blocks; "chat": conversations (data/chat.py)
+    messages_field: str = "messages"  # chat: the column holding each row's list of {role, content}
+    train_on: str = "assistant"  # chat: which targets are supervised, "assistant" turns or "all"
+    overlong: str = "truncate"  # chat: a conversation longer than a row is "truncate"d or "drop"ped
+    pack: bool = True  # chat: conversations packed into rows (documents masked apart), or one per row, padded
 
 
 def bundled_corpus_files() -> list[Path]:
