@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer3d.config import TrainConfig
+from trainer3d.data.batch import Batch
 from trainer3d.train.setup import validate
 from trainer3d.models import MODEL_PRESETS, canonical_name
 from trainer3d.parallel.engine import is_tied_duplicate
@@ -41,7 +42,7 @@ MOE = dict(model="qwen3-moe-tiny", n_kv_heads=4, ffn_hidden=160, lr=3e-4)
 # cp 2 × tp 2 layout that rounding picks the other: its gradient norm then differs by 1.5e-5 for that one step)
 MOE_BALANCED = dict(MOE, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001, moe_bias_update_rate=1e-3)
 MODEL_FLAGS = ("model", "n_kv_heads", "ffn_hidden", "lr", "moe_aux_loss_coef", "moe_z_loss_coef",
-               "moe_bias_update_rate")
+               "moe_bias_update_rate", "sft")
 
 
 def parity_config(**layout) -> TrainConfig:
@@ -66,6 +67,55 @@ def global_batches(steps: int, boundary: int | None = None) -> torch.Tensor:
     return batches
 
 
+# Supervised fine-tuning's rows (`sft` in a layout): every row holds two conversations of random lengths and the rest is
+# padding; a conversation's targets are supervised in random runs (never its first token), so the supervised counts
+# differ between rows, micro-batches and dp ranks. "packed": 16 such rows a step, attention and positions per
+# conversation (what --data-format chat does); "unpacked": the same conversations one per row (32 rows, --no-pack).
+SFT = {"packed": dict(document_mask=True, reset_position_ids=True), "unpacked": dict(global_batch=2 * GLOBAL_BATCH)}
+
+
+def chat_batches(steps: int, packed: bool) -> list[Batch]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+        runs = torch.rand(GLOBAL_BATCH, SEQ + 1, generator=g) < 0.5
+        flags = runs & torch.roll(runs, 1, 1)  # runs of supervised tokens
+        docs = torch.full((GLOBAL_BATCH, SEQ + 1), 2)
+        ends = []
+        for r in range(GLOBAL_BATCH):
+            a = int(torch.randint(4, 21, (1,), generator=g))
+            b = a + int(torch.randint(4, SEQ + 2 - a, (1,), generator=g))
+            docs[r, :a], docs[r, a:b] = 0, 1
+            ends.append((a, b))
+        flags &= docs < 2
+        flags[(docs != torch.roll(docs, 1, 1)) | (torch.arange(SEQ + 1) == 0)] = False  # a conversation's first token
+        if packed:
+            out.append(Batch(tokens, flags[:, 1:], docs, int(flags[:, 1:].sum())))
+            continue
+        rows = torch.zeros(2 * GLOBAL_BATCH, SEQ + 1, dtype=torch.long)
+        kept = torch.zeros(2 * GLOBAL_BATCH, SEQ + 1, dtype=torch.bool)
+        for r, (a, b) in enumerate(ends):
+            rows[2 * r, :a], kept[2 * r, :a] = tokens[r, :a], flags[r, :a]
+            rows[2 * r + 1, : b - a], kept[2 * r + 1, : b - a] = tokens[r, a:b], flags[r, a:b]
+        out.append(Batch(rows, kept[:, 1:], None, int(kept[:, 1:].sum())))
+    return out
+
+
+def step_batches(steps: int, boundary: int | None = None, sft: str | None = None) -> list:
+    """The global batches of a parity run: token rows, or (`sft`) Batches of chat rows."""
+    return chat_batches(steps, sft == "packed") if sft else list(global_batches(steps, boundary))
+
+
+def rows_of(batch, dp_rank: int, per: int):
+    """A dp rank's rows of a global batch (its supervised count stays the global batch's)."""
+    mine = slice(dp_rank * per, (dp_rank + 1) * per)
+    if not isinstance(batch, Batch):
+        return batch[mine]
+    docs = batch.documents[mine] if batch.documents is not None else None
+    return Batch(batch.tokens[mine], batch.supervised[mine], docs, batch.targets)
+
+
 def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
     """Run on every rank of the world (group creation is collective); ranks outside the layout idle.
     Returns, on active ranks: the per-step losses, and on tp rank 0 of dp replica 0 the full values of its
@@ -74,9 +124,12 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
     boundary = layout.pop("boundary", None)  # the token opening a document (document masking), also in the data
     # an injected bug: every gradient multiplied by this before the norm and the step (2: a missing 1/dp at dp 2)
     scale_error = layout.pop("grad_scale_error", None)
+    sft = layout.pop("sft", None)
+    if sft == "packed":
+        boundary = VOCAB  # a token that never occurs: the documents come with the rows
 
     n = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.pop("dp", 1)
-    cfg = parity_config(**layout)
+    cfg = parity_config(**layout, **SFT.get(sft, {}))
     setup = validate(cfg, n, VOCAB)
     cfg_layout, plan = setup.layout, setup.plan
     topo = setup.topology(list(range(n)))
@@ -89,8 +142,8 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
         per = plan.global_batch // cfg_layout.dp
         losses, norms = [], []
         watch = FeatureWatch(trainer, dtypes=cfg.precision != "fp32", compiled=cfg.compile)
-        for batch in global_batches(steps, boundary):
-            rec = trainer.train_step(batch[topo.dp_rank * per : (topo.dp_rank + 1) * per])
+        for batch in step_batches(steps, boundary, sft):
+            rec = trainer.train_step(rows_of(batch, topo.dp_rank, per))
             losses.append(rec["loss"])
             norms.append(rec["grad_norm"])
             watch.stop()

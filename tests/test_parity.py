@@ -82,10 +82,21 @@ def llama_matrix() -> list[dict]:
             case(2, 2, 2, "zbv", recompute="full", **LLAMA), case(2, 1, 4, "dualpipev", **LLAMA)]
 
 
-def test_loss_parity_world4():
-    matrix = world4_matrix()
-    results = run_world(4, run_layouts, matrix, STEPS, timeout=900)
-    failures = check(results, matrix)
+def sft_matrix() -> list[dict]:
+    """Supervised fine-tuning's rows (tests/parity.py: SFT) against the one-process packed run: tp 2 × pp 2 and dp 2 ×
+    cp 2 packed (each micro-batch, dp rank and cp chunk holding its own count of supervised targets), and the same
+    conversations one per row (--no-pack) at one process and at dp 2 × pp 2: packed equals unpacked."""
+    return [case(1, 2, 2, sft="packed"), case(2, 1, 1, cp=2, sft="packed"), case(1, sft="unpacked"),
+            case(2, 1, 2, sft="unpacked")]
+
+
+def test_loss_parity_world4_and_sft():
+    groups = [({}, world4_matrix()), ({"sft": "packed"}, sft_matrix())]
+    results = run_world(4, run_groups, groups, STEPS, timeout=900)
+    failures = []
+    for g, (reference, matrix) in enumerate(groups):
+        print(f"\nreference: {reference or 'GPT-2'}")
+        failures += check([r[g] for r in results], matrix)
     assert not failures, "\n".join(failures)
 
 

@@ -29,9 +29,8 @@ import torch
 from distributed import run_world
 from ds_ops import nvme_op_available, require_ops
 from parity import (
-    LLAMA, LOSS_RTOL, MODEL_FLAGS, MOE, MOE_BALANCED, NORM_RTOL, PARAM_ATOL, VOCAB, FeatureWatch, global_batches,
-    max_rel as rel, parity_config,
-    train_layout,
+    LLAMA, LOSS_RTOL, MODEL_FLAGS, MOE, MOE_BALANCED, NORM_RTOL, PARAM_ATOL, SFT, VOCAB, FeatureWatch,
+    max_rel as rel, parity_config, rows_of, step_batches, train_layout,
 )
 from trainer3d.zero import config as deepspeed_config
 from trainer3d.zero import ops as zero_ops
@@ -110,22 +109,23 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
     from trainer3d.zero.experts import over_edp
 
     lay = dict(lay)
+    sft = lay.pop("sft", None)
     n = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1) * lay.pop("dp", 1)
-    cfg = parity_config(**lay, deepspeed_config=copy.deepcopy(ds))
+    cfg = parity_config(**lay, **SFT.get(sft, {}), deepspeed_config=copy.deepcopy(ds))
     setup = validate(cfg, n, VOCAB)
     L, plan = setup.layout, setup.plan
     topo = setup.topology(list(range(n)))
     result = None
     if topo.active:
         t0 = time.perf_counter()
-        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB))
+        trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(VOCAB), boundary=VOCAB)
         t_init = time.perf_counter() - t0
         per = plan.global_batch // L.dp
         losses, norms, records = [], [], []
         t0 = time.perf_counter()
         watch = FeatureWatch(trainer, dtypes=False, compiled=cfg.compile)
-        for batch in global_batches(steps):
-            rec = trainer.train_step(batch[topo.dp_rank * per : (topo.dp_rank + 1) * per])
+        for batch in step_batches(steps, sft=sft):
+            rec = trainer.train_step(rows_of(batch, topo.dp_rank, per))
             losses.append(rec["loss"])
             norms.append(rec["grad_norm"])
             records.append(rec)
@@ -274,6 +274,7 @@ def world2_cases():
     cases = [(lay, ds_config(s)) for s in (0, 1, 2, 3)]
     cases += [(lay, ds_config(1, "opt")), (lay, ds_config(3, "all"))]  # ZeRO-2 + offload: worlds 4 and 8
     cases += [(dict(lay, compile=True), ds_config(3))]  # ZeRO-3's parameter hooks inside compiled blocks
+    cases += [(dict(lay, sft="packed"), ds_config(3))]  # supervised fine-tuning's rows (tests/parity.py: SFT)
     return cases
 
 

@@ -76,6 +76,11 @@ class TrainConfig:
     data_config: str | None = None
     data_split: str = "train"
     text_field: str = "text"
+    data_format: str = "text"  # "chat": conversations rendered by the tokenizer's chat template (data/chat.py)
+    messages_field: str = "messages"  # chat: the column of {role, content} lists
+    train_on: str = "assistant"  # chat: the supervised targets, the assistant turns' or "all"
+    overlong: str = "truncate"  # chat: a conversation longer than a row is truncated or dropped
+    pack: bool = True  # chat: conversations packed into rows (attention and positions per conversation)
     tokenizer: str | None = None
     eval_every: int = 100
     eval_batches: int = 4
@@ -247,6 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--data-split", default=d.data_split)
     da.add_argument("--text-field", default=d.text_field)
     da.add_argument("--tokenizer", default=None, help="HF tokenizer name or path (default: bundled GPT-2 BPE)")
+    da.add_argument("--data-format", default=d.data_format, choices=("text", "chat"),
+                    help="chat: rows of {role, content} messages, rendered by the tokenizer's chat template, the loss on "
+                         "the assistant turns (supervised fine-tuning)")
+    da.add_argument("--messages-field", default=d.messages_field, help="chat: the column holding the messages")
+    da.add_argument("--train-on", default=d.train_on, choices=("assistant", "all"),
+                    help="chat: which targets are in the loss")
+    da.add_argument("--overlong", default=d.overlong, choices=("truncate", "drop"),
+                    help="chat: a conversation longer than --seq-len + 1 tokens keeps its head, or is left out")
+    da.add_argument("--no-pack", dest="pack", action="store_false",
+                    help="chat: one conversation per row, padded (default: packed, attention per conversation)")
     da.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validations; 0: only at end")
     da.add_argument("--eval-batches", type=int, default=d.eval_batches)
     ds_ = p.add_argument_group("downstream: HellaSwag and samples")

@@ -13,7 +13,8 @@ import importlib
 
 _HOMES = {
     "BUNDLED_TOKENIZER_DIR": "tokenizer", "load_tokenizer": "tokenizer",
-    "BatchLoader": "loader", "val_batches": "loader",
+    "BatchLoader": "loader", "val_batches": "loader", "corpus_batches": "loader", "Batch": "batch",
+    "build_rows": "sft",
     "DataConfig": "sources", "bundled_corpus_files": "sources",
     "TokenBlocks": "cache", "build_token_blocks": "cache", "check_seq_len": "cache", "default_cache_dir": "cache",
 }

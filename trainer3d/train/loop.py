@@ -12,7 +12,7 @@ import torch.distributed as dist
 from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.signals import Checkpointer
 from trainer3d.config import parse_args
-from trainer3d.data import BatchLoader, DataConfig, build_token_blocks, val_batches
+from trainer3d.data import BatchLoader, build_rows, val_batches
 from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.leader import leader_first
 from trainer3d.distributed.failure import Heartbeat, run_reported
@@ -24,7 +24,7 @@ from trainer3d.train.downstream import Downstream
 from trainer3d.train.metrics import device_peak_tflops
 from trainer3d.train.report import Report
 from trainer3d.train.profiling import StepProfiler
-from trainer3d.train.setup import check_out_dir, validate
+from trainer3d.train.setup import check_out_dir, data_config, validate
 from trainer3d.train.trainer import Trainer
 
 
@@ -54,14 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                     error = f"--overwrite could not remove the earlier run in {cfg.out_dir} ({first_line(e)})."
             agree_on_error(error, dist.group.WORLD, UsageError)
         topo = setup.topology()
-        data_cfg = DataConfig(
-            data=cfg.data,
-            data_config=cfg.data_config,
-            split=cfg.data_split,
-            text_field=cfg.text_field,
-            tokenizer=cfg.tokenizer,
-        )
-        blocks = leader_first("tokenize the data into the cache", lambda: build_token_blocks(data_cfg, cfg.seq_len),
+        data_cfg = data_config(cfg)
+        blocks = leader_first("tokenize the data into the cache", lambda: build_rows(data_cfg, cfg.seq_len),
                               env.rank, env.local_rank)
         mcfg = setup.model_config(blocks.vocab_size)
         start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built

@@ -14,7 +14,8 @@ from trainer3d.checkpoint.format import checkpoints_root, resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import PRECISIONS, RECOMPUTE_MODES, SIZE_FLAGS, TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
-from trainer3d.data.sources import check_data_path, looks_like_path
+from trainer3d.data.shards import looks_prepared
+from trainer3d.data.sources import DataConfig, check_data_path, looks_like_path
 from trainer3d.distributed.topology import Layout, Topology, device_type, infer_layout
 from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.rundir import CHECKPOINTS, earlier_run
@@ -187,6 +188,34 @@ def check_size_flags(cfg: TrainConfig, base) -> None:
                               f"({cfg.init_from_hf or '--model ' + cfg.model}); drop it.")
 
 
+def data_config(cfg: TrainConfig) -> DataConfig:
+    """The run's data options, as the data layer takes them."""
+    return DataConfig(data=cfg.data, data_config=cfg.data_config, split=cfg.data_split, text_field=cfg.text_field,
+                      tokenizer=cfg.tokenizer, format=cfg.data_format, messages_field=cfg.messages_field,
+                      train_on=cfg.train_on, overlong=cfg.overlong, pack=cfg.pack)
+
+
+def check_chat(cfg: TrainConfig) -> TrainConfig:
+    """Chat data needs a fast tokenizer with a chat template and a corpus of conversations (checked here, before any
+    process group); packed conversations are masked apart and their positions restarted, so that packing changes
+    nothing a conversation sees (the flags --document-mask and --reset-position-ids, set here)."""
+    if cfg.data_format != "chat":
+        chat_only = {"train_on": "assistant", "overlong": "truncate", "messages_field": "messages", "pack": True}
+        if any(getattr(cfg, k) != v for k, v in chat_only.items()):
+            raise ConfigError("--train-on, --overlong, --messages-field and --no-pack apply to chat data; add "
+                              "--data-format chat or drop them.")
+        return cfg
+    from trainer3d.data.chat import check_chat_tokenizer
+    from trainer3d.data.tokenizer import load_tokenizer
+
+    if cfg.data is None or looks_prepared(cfg.data):
+        raise ConfigError("--data-format chat reads conversations from a jsonl/json/parquet file, a folder, a "
+                          "save_to_disk directory or a Hugging Face dataset; pass one with --data.")
+    check_chat_tokenizer(load_tokenizer(cfg.tokenizer), cfg.tokenizer or "gpt2 (bundled)")
+    return dataclasses.replace(cfg, document_mask=cfg.document_mask or cfg.pack,
+                               reset_position_ids=cfg.reset_position_ids or cfg.pack)
+
+
 def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_model=None) -> RunSetup:
     """Every check of `cfg` at `world_size` processes. `base_model`: the config of weights the run evaluates
     (trainer3d.evaluate); --init-from-hf's is read here."""
@@ -203,6 +232,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         base_model = hf_model_config(cfg.init_from_hf)
         if cfg.tokenizer is None and has_tokenizer_files(cfg.init_from_hf):  # the weights' own tokenizer
             cfg = dataclasses.replace(cfg, tokenizer=cfg.init_from_hf)
+    cfg = check_chat(cfg)
     check_size_flags(cfg, base_model or MODEL_PRESETS[cfg.model])
     mcfg = cfg.model_config(vocab_size, base=base_model)
     if cfg.seq_len > mcfg.n_positions:
