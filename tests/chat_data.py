@@ -1,6 +1,7 @@
-"""Chat data for the tests, offline: the bundled GPT-2 BPE with a turn-opening token and a ChatML-like template that
-closes every turn with the end-of-text token (as Llama 3's closes turns with <|eot_id|>), so an end-of-text inside a
-conversation must split nothing; the same template with {% generation %} tags; and conversations in a jsonl file."""
+"""Chat data for the tests, offline: a small byte-level BPE (trained here, about 400 tokens) with a turn-opening token
+and a ChatML-like template that closes every turn with the end-of-text token (as Llama 3's closes turns with
+<|eot_id|>), so an end-of-text inside a conversation must split nothing; the same template with {% generation %}
+tags; and conversations in a jsonl file."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ import json
 import random
 from pathlib import Path
 
-from trainer3d.data.tokenizer import BUNDLED_TOKENIZER_DIR
-
-TURN = "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|endoftext|>' + '\\n' }}"
+EOS, START, PAD = "<|end_of_text|>", "<|im_start|>", "<|pad|>"
+TURN = "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|end_of_text|>' + '\\n' }}"
 TAGGED_TURN = ("{{ '<|im_start|>' + message['role'] + '\\n' }}{%- if message['role'] == 'assistant' %}{% generation %}"
-               "{{ message['content'] + '<|endoftext|>' + '\\n' }}{% endgeneration %}{%- else %}"
-               "{{ message['content'] + '<|endoftext|>' + '\\n' }}{%- endif %}")
+               "{{ message['content'] + '<|end_of_text|>' + '\\n' }}{% endgeneration %}{%- else %}"
+               "{{ message['content'] + '<|end_of_text|>' + '\\n' }}{%- endif %}")
 
 
 def template(tags: bool = False) -> str:
@@ -21,16 +21,22 @@ def template(tags: bool = False) -> str:
             "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def chat_tokenizer(directory: Path, tags: bool = False) -> Path:
-    """A tokenizer directory with a chat template (and a pad token), written once."""
-    from transformers import AutoTokenizer
+def chat_tokenizer(directory: Path, tags: bool = False) -> int:
+    """Write a fast tokenizer with a chat template (and a pad token) into `directory`; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
-    if not (directory / "tokenizer_config.json").exists():
-        tok = AutoTokenizer.from_pretrained(str(BUNDLED_TOKENIZER_DIR))
-        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"], "pad_token": "<|pad|>"})
-        tok.chat_template = template(tags)
-        tok.save_pretrained(str(directory))
-    return directory
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [" ".join(WORDS), "system user assistant Be brief."] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS, START, PAD],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
+                                   additional_special_tokens=[START])
+    fast.chat_template = template(tags)
+    fast.save_pretrained(str(directory))
+    return len(fast)
 
 
 WORDS = ("the king is dead long live the queen what light through yonder window breaks it is the east and juliet "

@@ -1,21 +1,28 @@
-"""HellaSwag accuracy of a saved checkpoint, at any layout, launched like training:
+"""A saved checkpoint's HellaSwag accuracy, and its loss and perplexity over any corpus, at any layout, launched like
+training:
 
     python -m trainer3d.evaluate CKPT --hellaswag hellaswag_val.jsonl
-    torchrun --nproc_per_node 4 -m trainer3d.evaluate CKPT --hellaswag hellaswag_val.jsonl --tp 2 --pp 2 --output r.json
+    python -m trainer3d.evaluate CKPT --data held_out.jsonl --data-format chat --output r.json
+    torchrun --nproc_per_node 4 -m trainer3d.evaluate CKPT --data data/fineweb_val --tp 2 --pp 2 --output r.json
 
 CKPT is a step_* directory, a `checkpoints` directory or a run's --out-dir (both follow `latest`). The model is built
-the way training builds it, so the number is the one training logs as `hellaswag_acc`: a TrainConfig with the
-checkpoint's model shape, run seed and tokenizer and this command's layout, then validate, the Trainer, and the
-weights through checkpoint.load.prepare (every file's sha256 checked), then train/downstream.py. Bad input fails
-with one sentence before any model is built (a path that is no checkpoint, a flag, the HellaSwag file, --output: before
-any process group too); --output (a JSON of the accuracies and every example's per-ending losses) is written
-atomically by one rank after the last collective, so it is whole or absent.
+the way training builds it, so the numbers are the ones training logs: a TrainConfig with the checkpoint's model
+shape, run seed and tokenizer and this command's layout, then validate, the Trainer, and the weights through
+checkpoint.load.prepare (every file's sha256 checked). --data takes what training's --data takes: every row of it
+(text: blocks of seq_len + 1 tokens, each token after a block's first predicted once; chat: the supervised targets of
+every conversation, --train-on's rule) goes through the model once, the last global batch padded with rows in no loss,
+and `loss` is the mean over all those targets (`tokens`), `ppl` its exponential. Bad input fails with one sentence
+before any model is built (a path that is no checkpoint, a flag, the HellaSwag file, --output: before any process
+group too); --output (a JSON of the results, with HellaSwag's per-ending losses) is written atomically by one rank
+after the last collective, so it is whole or absent.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -26,14 +33,16 @@ import torch.distributed as dist
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.load import prepare
 from trainer3d.config import PRECISIONS, SCHEDULE_NAMES, TrainConfig
+from trainer3d.data import build_rows, corpus_batches
 from trainer3d.distributed.failure import run_reported
+from trainer3d.distributed.leader import leader_first
 from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.errors import ConfigError, UsageError
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import MODEL_PRESETS
 from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.train.downstream import Downstream, hellaswag
-from trainer3d.train.setup import RunSetup, validate
+from trainer3d.train.setup import RunSetup, data_config, validate
 from trainer3d.train.trainer import Trainer
 
 ROWS_PER_MICRO_BATCH = 8  # the default --global-batch: this many rows per micro-batch and dp rank
@@ -46,7 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="step_* directory, checkpoints directory, or a run's --out-dir")
-    p.add_argument("--hellaswag", required=True, metavar="PATH", help="HellaSwag jsonl, e.g. hellaswag_val.jsonl")
+    p.add_argument("--hellaswag", default=None, metavar="PATH", help="HellaSwag jsonl, e.g. hellaswag_val.jsonl")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a corpus (anything training's --data takes): its loss and perplexity over every row")
+    p.add_argument("--data-format", default="text", choices=("text", "chat"))
+    p.add_argument("--data-config", default=None, help="HF dataset config name")
+    p.add_argument("--data-split", default="train")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--messages-field", default="messages")
+    p.add_argument("--train-on", default="assistant", choices=("assistant", "all"), help="chat: the targets scored")
     p.add_argument("--hellaswag-examples", type=int, default=None, metavar="N", help="the first N examples only")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -81,9 +98,16 @@ def eval_config(ckpt: Checkpoint, args, world_size: int) -> TrainConfig:
         precision=args.precision, seed=int(run.get("seed", 1337)),
         tokenizer=args.tokenizer or run.get("tokenizer"),
         eval_hellaswag=args.hellaswag, hellaswag_examples=args.hellaswag_examples,
+        data=args.data, data_config=args.data_config, data_split=args.data_split, text_field=args.text_field,
+        data_format=args.data_format, messages_field=args.messages_field, train_on=args.train_on,
         resume=str(ckpt.path), out_dir=tempfile.gettempdir(),  # evaluation writes nothing there
         dist_timeout=args.dist_timeout,
     )
+
+
+def check_asked(args) -> None:
+    if args.hellaswag is None and args.data is None:
+        raise ConfigError("Nothing to evaluate: pass --hellaswag FILE, --data PATH, or both.")
 
 
 def check_output(path: str | None) -> None:
@@ -96,15 +120,57 @@ def check_output(path: str | None) -> None:
         raise ConfigError(f"--output {path} cannot be written ({out.parent} is not a writable directory).")
 
 
-def evaluate(setup: RunSetup, topo, device, vocab_size: int):
-    """The Trainer on the checkpoint's weights, then HellaSwag; (result, trainer)."""
+def load_trainer(setup: RunSetup, topo, device, vocab_size: int, boundary: int | None) -> Trainer:
+    """The Trainer on the checkpoint's weights."""
     mcfg = setup.model_config(vocab_size)
     start = prepare(setup.cfg, mcfg, topo)  # the checkpoint checked on every rank, its sha256 verified
-    trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value)
+    trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value, boundary=boundary)
     trainer.step = start.checkpoint.step
     start.checkpoint.close()
-    downstream = Downstream(trainer, setup.hellaswag)
-    return hellaswag(trainer, downstream.rows, downstream.pad_id), trainer
+    return trainer
+
+
+def corpus_rows(setup: RunSetup, env: LaunchEnv):
+    """Every row of --data (none held out), built once per node like training's."""
+    cfg = setup.cfg
+    data = dataclasses.replace(data_config(cfg), val_fraction=0.0)
+    return leader_first("tokenize the data into the cache", lambda: build_rows(data, cfg.seq_len), env.rank,
+                        env.local_rank)
+
+
+def corpus_loss(trainer: Trainer, rows) -> dict:
+    """The mean loss over every supervised target of `rows` (one forward pass each), its count and perplexity."""
+    topo = trainer.topo
+    passes, batches = corpus_batches(rows, trainer.plan.global_batch, topo.dp_rank, topo.layout.dp)
+    counted = []
+
+    def counting():
+        for b in batches:
+            counted.append(b.targets)
+            yield b
+
+    loss = trainer.evaluate(counting())
+    return {"loss": loss, "tokens": int(sum(counted)), "ppl": math.exp(min(loss, 50.0)), "rows": len(rows),
+            "passes": passes}
+
+
+def hellaswag_report(path: str, result) -> dict:
+    return {"hellaswag": path, "examples": len(result.labels), **result.metrics(),
+            "per_example": [{"label": y, "pick": p, "pick_sum": q, "loss_mean": m, "loss_sum": s}
+                            for y, p, q, m, s in zip(result.labels, result.picks, result.picks_sum, result.loss_mean,
+                                                     result.loss_sum)]}
+
+
+def say(report: dict, setup: RunSetup, topo, trainer: Trainer) -> None:
+    head = (f"trainer3d.evaluate: {report['checkpoint']} (step {report['step']}) at {topo.layout} "
+            f"schedule={setup.cfg.schedule} precision={trainer.precision}")
+    if "loss" in report:
+        print(f"{head}, {report['data']} ({report['data_format']}): loss {report['loss']:.6f} over "
+              f"{report['tokens']:,} tokens, ppl {report['ppl']:.4f}", flush=True)
+    if "hellaswag" in report:
+        print(f"{head}, {report['examples']} HellaSwag examples: hellaswag_acc {report['hellaswag_acc']:.4f} (by mean "
+              f"token loss: llm.c's acc_norm), hellaswag_acc_sum {report['hellaswag_acc_sum']:.4f} (by summed loss: "
+              "llm.c's acc)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     env = LaunchEnv.from_environ()
     try:  # before any process group: the checkpoint's meta.json, the flags, the HellaSwag file, --output
         ckpt = Checkpoint(resolve_checkpoint(args.checkpoint), check=False)
+        check_asked(args)
         setup = validate(eval_config(ckpt, args, env.world_size), env.world_size, base_model=ckpt.model_config)
         check_output(args.output)
     except UsageError as e:
@@ -126,22 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         topo = setup.topology()
         made.append(topo)
-        result, trainer = evaluate(setup, topo, device, ckpt.model_config.vocab_size)
+        rows = corpus_rows(setup, env) if args.data else None
+        trainer = load_trainer(setup, topo, device, ckpt.model_config.vocab_size,
+                               rows.eos_id if rows is not None else None)
+        report = {"checkpoint": str(ckpt.path), "step": trainer.step,
+                  "layout": {"dp": topo.layout.dp, "tp": topo.layout.tp, "pp": topo.layout.pp, "cp": topo.layout.cp,
+                             "schedule": setup.cfg.schedule, "precision": trainer.precision}}
+        if rows is not None:  # loss, tokens, ppl at the top, beside HellaSwag's keys
+            report.update(data=args.data, data_format=args.data_format, **corpus_loss(trainer, rows.train))
+        if args.hellaswag:
+            downstream = Downstream(trainer, setup.hellaswag)
+            report.update(hellaswag_report(args.hellaswag, hellaswag(trainer, downstream.rows, downstream.pad_id)))
         if trainer.is_logging_rank:
-            print(f"trainer3d.evaluate: {ckpt.path} (step {trainer.step}) at {topo.layout} "
-                  f"schedule={setup.cfg.schedule} precision={trainer.precision}, {len(result.labels)} HellaSwag "
-                  f"examples: hellaswag_acc {result.acc:.4f} (by mean token loss: llm.c's acc_norm), "
-                  f"hellaswag_acc_sum {result.acc_sum:.4f} (by summed loss: llm.c's acc)", flush=True)
+            say(report, setup, topo, trainer)
             if args.output:
-                report = {
-                    "checkpoint": str(ckpt.path), "step": trainer.step, "hellaswag": args.hellaswag,
-                    "examples": len(result.labels), **result.metrics(),
-                    "layout": {"dp": topo.layout.dp, "tp": topo.layout.tp, "pp": topo.layout.pp, "cp": topo.layout.cp,
-                               "schedule": setup.cfg.schedule, "precision": trainer.precision},
-                    "per_example": [{"label": y, "pick": p, "pick_sum": q, "loss_mean": m, "loss_sum": s}
-                                    for y, p, q, m, s in zip(result.labels, result.picks, result.picks_sum,
-                                                             result.loss_mean, result.loss_sum)],
-                }
                 write_text_atomic(args.output, json.dumps(report, indent=1) + "\n")
 
     def cleanup() -> None:

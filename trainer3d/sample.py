@@ -2,12 +2,16 @@
 
     python -m trainer3d.sample CKPT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
                                     [--num-samples N] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+                                    [--chat [--system TEXT]]
 
 CKPT is a checkpoint directory (`<out-dir>/checkpoints/step_000123`), a `checkpoints` directory or a run's --out-dir
 (both follow `latest`), or a Hugging Face directory written by `python -m trainer3d.export`. The weights are read
 from safetensors (nothing is unpickled) into the plain model, the prompt is encoded with the tokenizer the run used,
 and the samples are drawn with a KV cache (trainer3d/generate.py) from one CPU generator seeded with --seed, so a
-seed prints the same text on every run. Samples go to stdout, one header line each; timing goes to stderr.
+seed prints the same text on every run. Samples go to stdout, one header line each; timing goes to stderr. With --chat
+the prompt is a user's turn (after --system's, if given), rendered by the tokenizer's chat template with the
+assistant's generation prompt, as transformers' `apply_chat_template(..., add_generation_prompt=True)` renders it, and
+each sample is the assistant's reply.
 Bad input (not a checkpoint, a bad number, a prompt longer than the context) is one sentence and exit code 2,
 before any weights are read.
 """
@@ -54,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--chat", action="store_true", help="--prompt is a user's turn, rendered by the chat template")
+    p.add_argument("--system", default=None, help="with --chat: a system turn before the user's")
     return p.parse_args(argv)
 
 
@@ -67,6 +73,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be at least 1 (got {value}).")
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed must be in [0, {MAX_SEED}] (got {args.seed}).")
+    if args.system is not None and not args.chat:
+        raise UsageError("--system is a turn of a conversation; add --chat.")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda needs a CUDA GPU and torch sees none; use --device cpu.")
 
@@ -98,10 +106,24 @@ def open_source(path: str) -> tuple[object, str | None, Callable[[], dict[str, t
     return ckpt.model_config, ckpt.meta["config"].get("tokenizer"), read_checkpoint
 
 
-def encode_prompt(tok, prompt: str, cfg) -> list[int]:
-    """The prompt's token ids (the end-of-text token for an empty prompt, as GPT-2 starts a document), checked
-    against the model's vocabulary and context."""
-    ids = tok.encode(prompt) if prompt else [tok.eos_token_id]
+def chat_prompt(tok, prompt: str, system: str | None) -> list[int]:
+    """The conversation [system, user] rendered by the chat template up to the assistant's turn, tokenized with
+    nothing added (what the model saw in training: data/chat.py)."""
+    from trainer3d.data.chat import check_chat_tokenizer, render
+
+    check_chat_tokenizer(tok, "of this checkpoint")
+    turns = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}]
+    return tok(render(tok, turns, generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+def encode_prompt(tok, prompt: str, cfg, chat: bool = False, system: str | None = None) -> list[int]:
+    """The prompt's token ids (the end-of-text token for an empty prompt, as GPT-2 starts a document; with `chat`,
+    the rendered conversation), checked against the model's vocabulary and context."""
+    if chat:
+        ids = chat_prompt(tok, prompt, system)
+    else:
+        ids = tok.encode(prompt) if prompt else [tok.eos_token_id]
     bad = [i for i in ids if i >= cfg.vocab_size]
     if bad:
         what = "--prompt" if prompt else "The end-of-text token that starts an empty --prompt"
@@ -131,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         cfg, tok_name, read_state = open_source(args.checkpoint)
         tok = load_tokenizer(tok_name)
-        ids = encode_prompt(tok, args.prompt, cfg)
+        ids = encode_prompt(tok, args.prompt, cfg, args.chat, args.system)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_model(cfg, read_state(), device, DTYPES[args.dtype])
     except UsageError as e:
@@ -150,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, row in enumerate(new):
         if tok.eos_token_id in row:
             row = row[: row.index(tok.eos_token_id)]
-        text = tok.decode(ids + row) if args.prompt else tok.decode(row)
+        text = tok.decode(ids + row) if args.prompt and not args.chat else tok.decode(row)
         print(f"--- sample {i + 1} of {args.num_samples} ---")
         print(text)
     print(f"trainer3d.sample: {args.num_samples} sample(s), {out.shape[1] - len(ids)} steps in {seconds:.2f} s "

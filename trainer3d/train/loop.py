@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg, layout, plan = setup.cfg, setup.layout, setup.plan
     device = default_device(env.local_rank)
+    owns_group = not dist.is_initialized()  # (a caller's process group, the tests', is left to the caller)
     init_distributed(env, device, timeout_s=cfg.dist_timeout)
     Heartbeat().beat(0)
+    made: list = []  # the Topology, once built
 
     def train() -> None:
         if cfg.overwrite:  # the earlier run goes before anything of this one is written (validate checked the rest)
@@ -54,9 +56,16 @@ def main(argv: list[str] | None = None) -> int:
                     error = f"--overwrite could not remove the earlier run in {cfg.out_dir} ({first_line(e)})."
             agree_on_error(error, dist.group.WORLD, UsageError)
         topo = setup.topology()
+        made.append(topo)
         data_cfg = data_config(cfg)
         blocks = leader_first("tokenize the data into the cache", lambda: build_rows(data_cfg, cfg.seq_len),
                               env.rank, env.local_rank)
+        if env.rank == 0 and "conversations" in blocks.stats:
+            st = blocks.stats
+            print(f"[trainer3d] chat data: {st['conversations']:,} conversations in {st['rows']:,} rows "
+                  f"({st['n_train']:,} train, {st['n_val']:,} val), {st['supervised']:,} of {st['tokens']:,} tokens "
+                  f"supervised (--train-on {cfg.train_on}), {st['truncated']} truncated and {st['dropped']} dropped as "
+                  f"longer than --seq-len + 1", flush=True)
         mcfg = setup.model_config(blocks.vocab_size)
         start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
         trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
@@ -66,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches),
             downstream)
 
-    return run_reported(env.rank, env.world_size, train, dist.destroy_process_group)
+    def cleanup() -> None:
+        if owns_group:
+            dist.destroy_process_group()
+        elif made:
+            made[0].destroy()
+
+    return run_reported(env.rank, env.world_size, train, cleanup)
 
 
 def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | None = None) -> None:
