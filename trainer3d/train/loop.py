@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
         trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
         loader = BatchLoader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
+        val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp)  # too few rows to validate: said before step 1
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
         run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches),
