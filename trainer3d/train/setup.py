@@ -14,6 +14,7 @@ from trainer3d.checkpoint.format import checkpoints_root, resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import PRECISIONS, RECOMPUTE_MODES, SIZE_FLAGS, TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
+from trainer3d.data.mixture import read_mixture
 from trainer3d.data.sources import check_data_path, looks_like_path
 from trainer3d.distributed.topology import Layout, Topology, device_type, infer_layout
 from trainer3d.errors import ConfigError, LayoutError
@@ -114,6 +115,12 @@ def check_combinations(cfg: TrainConfig) -> None:
         raise ConfigError("--on-nonfinite skip cannot be kept under a DeepSpeed config (each ZeRO optimizer judges "
                           "overflow from its own partition); drop it: a non-finite step then stops the run with the "
                           "last finite step's checkpoints, to resume from.")
+    if cfg.data_mixture and cfg.data:
+        raise ConfigError("--data and --data-mixture both name the training data; pass only one of them (a mixture's "
+                          "file lists its sources).")
+    if cfg.data_mixture and cfg.data_config:
+        raise ConfigError("--data-config names one dataset's config; with --data-mixture give the source its own "
+                          "\"data_config\" in the file.")
     if cfg.hellaswag_examples is not None and not cfg.eval_hellaswag:
         raise ConfigError("--hellaswag-examples needs --eval-hellaswag PATH, the file to take them from.")
     if cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].multi_stage and not SCHEDULES[cfg.schedule].v_shape \
@@ -135,6 +142,8 @@ def check_paths(cfg: TrainConfig) -> None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out-dir {cfg.out_dir} cannot be written ({existing} is not writable); pick another path.")
     check_data_path(cfg.data)  # --init-from-hf is checked by hf_model_config, in validate
+    if cfg.data_mixture:
+        read_mixture(cfg.data_mixture, cfg.text_field)  # the file and every source in it
     if cfg.tokenizer and looks_like_path(cfg.tokenizer) and not Path(cfg.tokenizer).expanduser().exists():
         raise ConfigError(f"--tokenizer {cfg.tokenizer} does not exist; pass an existing path or a Hugging Face name.")
     if cfg.resume not in (None, "latest"):
