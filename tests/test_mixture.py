@@ -213,8 +213,8 @@ def test_mixture_run_logs_data_mix_and_resumes_at_dp2(mixture_file, tmp_path, mo
     monkeypatch.setenv("TRAINER3D_CACHE", str(cache))
     monkeypatch.setenv("TQDM_DISABLE", "1")
     args = TINY + ["--data-mixture", str(path)]
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert _main(0, 1, args + ["--max-steps", "20", "--out-dir", str(straight)]) == 0
+    straight, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    assert _main(0, 1, args + ["--max-steps", "20", "--save-every", "10", "--out-dir", str(straight)]) == 0
     records = _records(straight)
     last = records[-1]
     assert last["step"] == 20 and sum(last["data_mix"].values()) == 80
@@ -228,12 +228,14 @@ def test_mixture_run_logs_data_mix_and_resumes_at_dp2(mixture_file, tmp_path, mo
     assert evals[-1]["val_loss/plays"] < evals[0]["val_loss/plays"]
     assert evals[-1]["val_loss/garden"] < evals[0]["val_loss/garden"]
 
-    assert _main(0, 1, args + ["--max-steps", "10", "--out-dir", str(stopped)]) == 0
-    assert run_world(2, _main, args + ["--max-steps", "20", "--out-dir", str(stopped), "--resume"],
+    # the run as stopped after its step-10 checkpoint, resumed from it at dp 2 (a world of two processes)
+    step10 = straight / "checkpoints" / "step_000010"
+    assert json.loads((step10 / "meta.json").read_text())["loader"]["drawn"] == {"plays": 30, "garden": 10}
+    assert run_world(2, _main, args + ["--max-steps", "20", "--out-dir", str(resumed_dir), "--resume", str(step10)],
                      timeout=120) == [0, 0]
-    resumed = _records(stopped)
+    resumed = _records(resumed_dir)
     assert resumed[-1]["data_mix"] == last["data_mix"]
     want, got = _losses(records), _losses(resumed)
-    assert sorted(got) == list(range(1, 21))
+    assert sorted(got) == list(range(11, 21))
     for step in range(11, 21):
         assert got[step] == pytest.approx(want[step], rel=LOSS_RTOL), step
