@@ -16,6 +16,7 @@ import torch
 
 from distributed import run_world
 from parity import LOSS_RTOL
+from wandb_reader import read_history
 from trainer3d.data.batch import LabeledRows, supervised_count
 from trainer3d.data.cache import TokenBlocks
 from trainer3d.data.mixture import MixtureBlocks, MixtureLoader, draw
@@ -214,12 +215,21 @@ def test_mixture_run_logs_data_mix_and_resumes_at_dp2(mixture_file, tmp_path, mo
     monkeypatch.setenv("TQDM_DISABLE", "1")
     args = TINY + ["--data-mixture", str(path)]
     straight, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    assert _main(0, 1, args + ["--max-steps", "20", "--save-every", "10", "--out-dir", str(straight)]) == 0
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    (tmp_path / "wandb").mkdir()
+    assert _main(0, 1, args + ["--max-steps", "20", "--save-every", "10", "--out-dir", str(straight),
+                               "--wandb-mode", "offline"]) == 0
     records = _records(straight)
     last = records[-1]
     assert last["step"] == 20 and sum(last["data_mix"].values()) == 80
     assert abs(last["data_mix"]["plays"] / 80 - 0.75) <= 0.02
     assert [r["data_mix"]["garden"] for r in records if "loss" in r][:4] == [1, 2, 3, 4]  # one row a global batch
+    (wandb_file,) = (tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    history = {row["_step"]: row for row in read_history(str(wandb_file))}
+    for r in records:
+        for name, count in r.get("data_mix", {}).items():
+            assert history[r["step"]][f"data_mix/{name}"] == count
+    assert history[20]["data_mix/plays"] == last["data_mix"]["plays"] and "val_loss/garden" in history[20]
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 10, 20]
     for r in evals:
