@@ -1,6 +1,7 @@
 """Weighted data mixtures (trainer3d/data/mixture.py, --data-mixture): the share of rows each source gets, the draw
 rule, epochs, exact resume at another dp, the file's bad input, and one end-to-end run (data_mix in metrics.jsonl,
-per-source validation, stopped at step 10 and resumed at dp 2 with the uninterrupted losses).
+per-source validation, stopped at step 10 and resumed at dp 2 with the uninterrupted losses; one source a prepared
+directory).
 
 The loader tests run in this process over synthetic blocks whose first token names the source and row."""
 
@@ -153,6 +154,9 @@ def _bad_cases(tmp: Path):
         (["--data", corpus], _write(tmp, "ok.json", [{"source": corpus, "weight": 1}]),
          lambda p: "--data and --data-mixture both name the training data; pass only one of them (a mixture's file "
                    "lists its sources)."),
+        (["--data-config", "all"], _write(tmp, "ok2.json", [{"source": corpus, "weight": 1}]),
+         lambda p: "--data-config names one dataset's config; with --data-mixture give the source its own "
+                   "\"data_config\" in the file."),
     ]
 
 
@@ -179,6 +183,9 @@ TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", 
 
 @pytest.fixture(scope="module")
 def mixture_file(tmp_path_factory):
+    """Two small corpora of different words: plays.txt, tokenized by the run, and garden/, a prepared directory."""
+    from trainer3d.data.prepare import main as prepare
+
     d = tmp_path_factory.mktemp("mixture")
     rng = random.Random(0)
     for name, words in (("plays", "king queen castle crown sword ghost night"),
@@ -186,9 +193,10 @@ def mixture_file(tmp_path_factory):
         words = words.split()
         (d / f"{name}.txt").write_text(
             "\n\n".join(" ".join(rng.choice(words) for _ in range(120)) + "." for _ in range(30)))
+    assert prepare([str(d / "garden.txt"), str(d / "garden"), "--num-proc", "1", "--val-tokens", "600"]) == 0
     path = d / "mix.json"
     path.write_text(json.dumps([{"source": str(d / "plays.txt"), "weight": 3},
-                                {"source": str(d / "garden.txt"), "weight": 1}]))
+                                {"source": str(d / "garden"), "weight": 1}]))
     return path, d / "cache"
 
 
