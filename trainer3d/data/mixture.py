@@ -190,16 +190,13 @@ class MixtureLoader:
 
     def next_batch(self) -> Batch:
         src = draw(self.shares, self.drawn_rows, self.samples, self.global_batch)
-        k = np.empty(len(src), dtype=np.int64)  # each row's draw number within its source
+        index, targets = np.empty(len(src), dtype=np.int64), 0  # each row's index in its source's rows
         for s in np.unique(src):
-            at = src == s
-            k[at] = self.drawn_rows[s] + np.arange(int(at.sum()))
+            at = src == s  # the source's next draws, in order
+            index[at] = self._row_index(int(s), self.drawn_rows[s] + np.arange(int(at.sum())))
+            targets += supervised_count(self.rows[s], index[at])
         self.drawn_rows += np.bincount(src, minlength=len(self.rows))
         self.samples += self.global_batch
-        index = np.empty(len(src), dtype=np.int64)
-        for s in np.unique(src):
-            index[src == s] = self._row_index(int(s), k[src == s])
-        targets = sum(supervised_count(self.rows[s], index[src == s]) for s in np.unique(src))
         mine = slice(self.dp_rank * self.per, (self.dp_rank + 1) * self.per)
         return self._assemble(src[mine], index[mine], int(targets))
 
@@ -235,7 +232,7 @@ class MixtureLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         drawn = state.get("drawn")
-        if state.get("fingerprint") != self.fingerprint or not isinstance(drawn, dict) or list(drawn) != self.names:
+        if state.get("fingerprint") != self.fingerprint or not isinstance(drawn, dict) or sorted(drawn) != sorted(self.names):
             raise DataError(
                 f"The checkpoint's data {state.get('fingerprint')} is not this run's mixture {self.fingerprint}; "
                 "resume with the same --data-mixture file (sources, weights and order), tokenizer and --seq-len.")
