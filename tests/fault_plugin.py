@@ -92,9 +92,9 @@ def _install() -> None:
 
     from trainer3d.checkpoint import save, signals
     from trainer3d.data import prepare
-    from trainer3d.train import loop
+    from trainer3d.train import data_setup
 
-    build_blocks = loop.build_token_blocks
+    build_blocks = data_setup.build_rows
 
     @functools.wraps(build_blocks)
     def slow_leader_then_build(*args, **kwargs):
@@ -102,7 +102,7 @@ def _install() -> None:
             time.sleep(float(os.environ.get(SLOW_DATA_ENV, "0")))
         return build_blocks(*args, **kwargs)
 
-    loop.build_token_blocks = slow_leader_then_build
+    data_setup.build_rows = slow_leader_then_build
 
     write_file = save._save_safetensors
 

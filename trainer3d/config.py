@@ -73,6 +73,7 @@ class TrainConfig:
     seed: int = 1337
     # data
     data: str | None = None
+    data_mixture: str | None = None  # a JSON list of {"source", "weight", ...}: a weighted mixture (data/mixture.py)
     data_config: str | None = None
     data_split: str = "train"
     text_field: str = "text"
@@ -248,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     da = p.add_argument_group("data")
     da.add_argument("--data", default=None,
                     help="file, folder, save_to_disk dir, HF dataset name, or a python -m trainer3d.prepare directory")
+    da.add_argument("--data-mixture", default=None, metavar="FILE.json",
+                    help='a weighted mixture instead of --data: a JSON list of {"source": ..., "weight": ...} objects '
+                         '(optional "format", "text_field", "data_config"); weights are shares of the rows drawn')
     da.add_argument("--data-config", default=None, help="HF dataset config name")
     da.add_argument("--data-split", default=d.data_split)
     da.add_argument("--text-field", default=d.text_field)

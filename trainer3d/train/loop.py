@@ -12,14 +12,14 @@ import torch.distributed as dist
 from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.signals import Checkpointer
 from trainer3d.config import parse_args
-from trainer3d.data import BatchLoader, build_rows, val_batches
+from trainer3d.data.mixture import MixtureValidation
 from trainer3d.distributed.collectives import agree_on_error
-from trainer3d.distributed.leader import leader_first
 from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
 from trainer3d.plugins import load_plugins
 from trainer3d.errors import UsageError, first_line
 from trainer3d.rundir import clear_run
+from trainer3d.train.data_setup import build_blocks, make_loader, make_val_batches
 from trainer3d.train.downstream import Downstream
 from trainer3d.train.metrics import device_peak_tflops
 from trainer3d.train.report import Report
@@ -57,11 +57,9 @@ def main(argv: list[str] | None = None) -> int:
             agree_on_error(error, dist.group.WORLD, UsageError)
         topo = setup.topology()
         made.append(topo)
-        data_cfg = data_config(cfg)
-        blocks = leader_first("tokenize the data into the cache", lambda: build_rows(data_cfg, cfg.seq_len),
-                              env.rank, env.local_rank)
-        if env.rank == 0 and "conversations" in blocks.stats:
-            st = blocks.stats
+        blocks = build_blocks(cfg, data_config(cfg), env.rank, env.local_rank)  # one source, or a mixture's
+        st = getattr(blocks, "stats", {})  # (a mixture's sources speak for themselves in the cache's log)
+        if env.rank == 0 and "conversations" in st:
             print(f"[trainer3d] chat data: {st['conversations']:,} conversations in {st['rows']:,} rows "
                   f"({st['n_train']:,} train, {st['n_val']:,} val), {st['supervised']:,} of {st['tokens']:,} tokens "
                   f"supervised (--train-on {cfg.train_on}), {st['truncated']} truncated and {st['dropped']} dropped as "
@@ -69,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         mcfg = setup.model_config(blocks.vocab_size)
         start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
         trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
-        loader = BatchLoader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
-        val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp)  # too few rows to validate: said before step 1
+        loader = make_loader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
+        make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, None)  # too few rows: said before step 1
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
-        run(trainer, loader, lambda: val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches),
-            downstream)
+        run(trainer, loader,
+            lambda: make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches), downstream)
 
     def cleanup() -> None:
         if owns_group:
@@ -107,6 +105,8 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
             record = trainer.train_step(loader.next_batch(), stop_requested=saver.stop_requested)
             stop = record.pop("stop")  # every rank's signals, agreed in the step's own all-reduce
             record.update(speed.of(trainer.step, time.perf_counter() - t0))
+            if hasattr(loader, "drawn"):  # a mixture: the rows drawn from each source so far
+                record["data_mix"] = loader.drawn()
             profiler.stop(trainer.step)
             last = trainer.step == cfg.max_steps
             if (cfg.eval_every and trainer.step % cfg.eval_every == 0) or last:
@@ -128,8 +128,12 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
 
 def evaluation(trainer: Trainer, make_val_batches, downstream: Downstream) -> dict:
     """The validation loss (and perplexity) and the downstream scores (HellaSwag), every rank."""
-    val = trainer.evaluate(make_val_batches())
-    return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **downstream.evaluate()}
+    batches = make_val_batches()
+    if isinstance(batches, MixtureValidation):  # each source's own held-out part: val_loss/<source> and their mean
+        record = batches.record(trainer.evaluate)
+    else:
+        record = {"val_loss": trainer.evaluate(batches)}
+    return {**record, "val_ppl": math.exp(min(record["val_loss"], 50.0)), **downstream.evaluate()}
 
 
 class Throughput:

@@ -14,6 +14,7 @@ from trainer3d.checkpoint.format import checkpoints_root, resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import PRECISIONS, RECOMPUTE_MODES, SIZE_FLAGS, TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
+from trainer3d.data.mixture import read_mixture
 from trainer3d.data.shards import looks_prepared
 from trainer3d.data.sources import DataConfig, check_data_path, looks_like_path
 from trainer3d.distributed.topology import Layout, Topology, device_type, infer_layout
@@ -115,6 +116,12 @@ def check_combinations(cfg: TrainConfig) -> None:
         raise ConfigError("--on-nonfinite skip cannot be kept under a DeepSpeed config (each ZeRO optimizer judges "
                           "overflow from its own partition); drop it: a non-finite step then stops the run with the "
                           "last finite step's checkpoints, to resume from.")
+    if cfg.data_mixture and cfg.data:
+        raise ConfigError("--data and --data-mixture both name the training data; pass only one of them (a mixture's "
+                          "file lists its sources).")
+    if cfg.data_mixture and cfg.data_config:
+        raise ConfigError("--data-config names one dataset's config; with --data-mixture give the source its own "
+                          "\"data_config\" in the file.")
     if cfg.hellaswag_examples is not None and not cfg.eval_hellaswag:
         raise ConfigError("--hellaswag-examples needs --eval-hellaswag PATH, the file to take them from.")
     if cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].multi_stage and not SCHEDULES[cfg.schedule].v_shape \
@@ -136,6 +143,8 @@ def check_paths(cfg: TrainConfig) -> None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out-dir {cfg.out_dir} cannot be written ({existing} is not writable); pick another path.")
     check_data_path(cfg.data)  # --init-from-hf is checked by hf_model_config, in validate
+    if cfg.data_mixture:
+        read_mixture(cfg.data_mixture, cfg.text_field)  # the file and every source in it
     if cfg.tokenizer and looks_like_path(cfg.tokenizer) and not Path(cfg.tokenizer).expanduser().exists():
         raise ConfigError(f"--tokenizer {cfg.tokenizer} does not exist; pass an existing path or a Hugging Face name.")
     if cfg.resume not in (None, "latest"):
@@ -199,7 +208,8 @@ def check_chat(cfg: TrainConfig) -> TrainConfig:
     """Chat data needs a fast tokenizer with a chat template and a corpus of conversations (checked here, before any
     process group); packed conversations are masked apart and their positions restarted, so that packing changes
     nothing a conversation sees (the flags --document-mask and --reset-position-ids, set here)."""
-    if cfg.data_format != "chat":
+    mixed_chat = cfg.data_mixture and any(s.format == "chat" for s in read_mixture(cfg.data_mixture, cfg.text_field))
+    if cfg.data_format != "chat" and not mixed_chat:
         chat_only = {"train_on": "assistant", "overlong": "truncate", "messages_field": "messages", "pack": True}
         if any(getattr(cfg, k) != v for k, v in chat_only.items()):
             raise ConfigError("--train-on, --overlong, --messages-field and --no-pack apply to chat data; add "
@@ -208,7 +218,7 @@ def check_chat(cfg: TrainConfig) -> TrainConfig:
     from trainer3d.data.chat import check_chat_tokenizer
     from trainer3d.data.tokenizer import load_tokenizer
 
-    if cfg.data is None or looks_prepared(cfg.data):
+    if not mixed_chat and (cfg.data is None or looks_prepared(cfg.data)):
         raise ConfigError("--data-format chat reads conversations from a jsonl/json/parquet file, a folder, a "
                           "save_to_disk directory or a Hugging Face dataset; pass one with --data.")
     check_chat_tokenizer(load_tokenizer(cfg.tokenizer), cfg.tokenizer or "gpt2 (bundled)")

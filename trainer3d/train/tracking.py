@@ -8,7 +8,7 @@ the API key is never logged (wandb itself never prints it).
 
 The config logged is the TrainConfig as a dict, the layout, the batch plan, the model's sizes and, with
 `--deepspeed_config`, the DeepSpeed JSON. Each step logs the same record that metrics.jsonl gets (None values
-dropped); text samples (`--sample-every`) go to a table, `samples`. A resumed run (trainer.step > 0 at start)
+dropped, a mapping such as a mixture's `data_mix` spread into `data_mix/<source>`); text samples (`--sample-every`) go to a table, `samples`. A resumed run (trainer.step > 0 at start)
 continues the W&B run whose id is in `<out-dir>/wandb_run_id`.
 
 tests/wandb_reader.py decodes the `.wandb` files back, to compare the logged history with metrics.jsonl.
@@ -77,6 +77,18 @@ def run_config(trainer) -> dict:
     return config
 
 
+def flat(record: dict) -> dict:
+    """A record as W&B logs it: None values and the step dropped, a mapping (a mixture's `data_mix`) spread into one
+    series per key, `data_mix/<source>`."""
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update({f"{k}/{sub}": x for sub, x in v.items() if x is not None})
+        elif v is not None and k != "step":
+            out[k] = v
+    return out
+
+
 class Tracker:
     """A W&B run on the logging rank; a no-op everywhere else and when tracking is off."""
 
@@ -108,7 +120,7 @@ class Tracker:
 
     def log(self, record: dict) -> None:
         if self.run is not None:
-            self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+            self.run.log(flat(record), step=record["step"])
 
     def log_samples(self, step: int, texts: list[str]) -> None:
         """Text samples as a W&B table (step, sample, text); each log carries all samples so far, so the newest
