@@ -21,6 +21,8 @@ def _cases(tmp):
     hellaswag = tmp / "hellaswag.jsonl"
     good_line = json.dumps({"ctx": "A man", "endings": ["runs.", "sits.", "eats.", "sleeps."], "label": 0})
     hellaswag.write_text(good_line + "\n" + good_line + "\n")
+    chat = tmp / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     bad_hellaswag = tmp / "bad_hellaswag.jsonl"
     bad_hellaswag.write_text(good_line + "\n\n" + json.dumps({"ctx": "A man", "endings": ["runs."] * 4, "label": 4}) + "\n")
     return [
@@ -116,6 +118,14 @@ def _cases(tmp):
         (["--deepspeed_config", str(bad_json)],
          f"--deepspeed_config {bad_json} is not valid JSON (Expecting property name enclosed in double quotes at line 1); "
          "fix the file."),
+        # chat data (supervised fine-tuning)
+        (["--train-on", "all"], "--train-on, --overlong, --messages-field and --no-pack apply to chat data; add "
+                                "--data-format chat or drop them."),
+        (["--data-format", "chat"], "--data-format chat reads conversations from a jsonl/json/parquet file, a folder, a "
+                                    "save_to_disk directory or a Hugging Face dataset; pass one with --data."),
+        (["--data-format", "chat", "--data", str(chat)],
+         "The tokenizer gpt2 (bundled) has no chat template; pass --tokenizer (or --init-from-hf) a directory whose "
+         "tokenizer_config.json or chat_template.jinja holds one."),
     ]
 
 

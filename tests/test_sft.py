@@ -1,9 +1,10 @@
 """Supervised fine-tuning on chat data: the loss masks (the assistant spans by rendering prefixes, the template's
 {% generation %} tags where it has them, refusals instead of guesses), the packed rows (conversations whole, an
 end-of-text inside one splitting nothing, padding in no loss), and the user's whole loop: a random Hugging Face Llama
-with a chat tokenizer, fine-tuned at tp 2 × pp 2, resumed exactly, evaluated on the chat file at dp 2 × tp 2, exported,
-and read back by transformers: its mean cross-entropy over the assistant tokens (masks written here from the rule)
-equals `trainer3d.evaluate --data-format chat`'s, and its chat generation equals `trainer3d.sample --chat`'s.
+with a chat tokenizer, fine-tuned at tp 2 × pp 2, resumed exactly, evaluated at dp 2 × tp 2 on the chat file and on
+a text corpus, exported, and read back by transformers: its mean cross-entropy over the assistant tokens (masks written
+here from the rule) equals `trainer3d.evaluate --data-format chat`'s, over the text corpus's rows the plain
+evaluation's, and its chat generation equals `trainer3d.sample --chat`'s.
 (Packed = unpacked = any layout, ZeRO-3 included, per step in loss and gradient norm: test_parity.py's world of 4 and
 test_zero.py's world of 2.)"""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -91,6 +93,9 @@ def test_rows_hold_whole_conversations(tmp_path):
                 val_fraction=0.0)
     seq = max(len(ids) for ids, _ in convs) + 8
     packed = build_chat_rows(DataConfig(**base), seq).train
+    saved = tmp_path / "saved"  # the same conversations from a save_to_disk directory: the same rows
+    datasets.Dataset.from_list([{"messages": m} for m in conversations(60, seed=4)]).save_to_disk(str(saved))
+    assert np.array_equal(build_chat_rows(DataConfig(**dict(base, data=str(saved))), seq).train.tokens, packed.tokens)
     unpacked = build_chat_rows(DataConfig(**base, pack=False), seq).train
     assert len(unpacked) == 60 and len(packed) < 40
     eos = tok.eos_token_id
@@ -121,7 +126,7 @@ def test_rows_hold_whole_conversations(tmp_path):
 STEPS, SEQ, GB = 4, 192, 4  # SEQ: every conversation whole (none truncated)
 
 
-def _loop(rank: int, world_size: int, hf_dir: str, data: str, runs: dict, evaluate_argv: list) -> dict:
+def _loop(rank: int, world_size: int, hf_dir: str, data: str, runs: dict, evaluations: dict) -> dict:
     """Every run's exit code (the training entry point at tp 2 × pp 2, then trainer3d.evaluate at dp 2 × tp 2)."""
     from trainer3d.evaluate import main as evaluate_main
     from trainer3d.train.loop import main as train_main
@@ -130,7 +135,7 @@ def _loop(rank: int, world_size: int, hf_dir: str, data: str, runs: dict, evalua
               "--global-batch", str(GB), "--tp", "2", "--pp", "2", "--lr", "3e-3", "--warmup-steps", "1",
               "--eval-every", "0", "--grad-clip", "1.0", "--log-every", "1"]
     codes = {name: train_main(common + argv) for name, argv in runs}
-    codes["evaluate"] = evaluate_main(evaluate_argv)
+    codes.update({name: evaluate_main(argv) for name, argv in evaluations.items()})
     return codes
 
 
@@ -146,11 +151,15 @@ def test_sft_from_an_hf_llama_to_an_export_that_chats(tmp_path, capsys):
     runs = [("whole", ["--max-steps", str(STEPS), "--out-dir", str(whole)]),
             ("part", ["--max-steps", "2", "--out-dir", str(part)]),
             ("resumed", ["--max-steps", str(STEPS), "--out-dir", str(part), "--resume"])]
-    report = tmp_path / "eval.json"
-    evaluate_argv = [str(whole), "--data", str(data), "--data-format", "chat", "--tp", "2", "--global-batch", "4",
-                     "--output", str(report)]
-    codes = run_world(4, _loop, str(hf_dir), str(data), runs, evaluate_argv, timeout=600)
-    assert codes[0] == {"whole": 0, "part": 0, "resumed": 0, "evaluate": 0}, codes
+    report, text_report = tmp_path / "eval.json", tmp_path / "text.json"
+    texts = [" ".join(m["content"] for m in c) for c in conversations(30, seed=8)]
+    corpus = tmp_path / "text.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    at = ["--tp", "2", "--global-batch", "4"]
+    evaluations = {"chat": [str(whole), "--data", str(data), "--data-format", "chat", *at, "--output", str(report)],
+                   "text": [str(whole), "--data", str(corpus), *at, "--output", str(text_report)]}
+    codes = run_world(4, _loop, str(hf_dir), str(data), runs, evaluations, timeout=600)
+    assert codes[0] == {"whole": 0, "part": 0, "resumed": 0, "chat": 0, "text": 0}, codes
     metrics = {name: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
                for name, d in (("whole", whole), ("part", part))}
     assert [r["loss"] for r in metrics["part"] if "loss" in r] == [r["loss"] for r in metrics["whole"] if "loss" in r]
@@ -172,6 +181,14 @@ def test_sft_from_an_hf_llama_to_an_export_that_chats(tmp_path, capsys):
     assert got["rows"] < 120 and got["tokens"] == count and got["layout"]["dp"] == 2 and got["layout"]["tp"] == 2
     assert abs(got["loss"] - total / count) <= 1e-5 * total / count, (got["loss"], total / count)
     assert abs(all_total / all_count - total / count) > 0.05  # the mask matters: the all-token loss differs
+
+    # a text corpus: documents, each followed by the end-of-text token, cut into rows of SEQ + 1 tokens
+    stream = [i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    rows = torch.tensor(stream[: len(stream) // (SEQ + 1) * (SEQ + 1)]).view(-1, SEQ + 1)
+    with torch.no_grad():
+        text_loss = F.cross_entropy(model(rows[:, :-1]).logits.double().flatten(0, 1), rows[:, 1:].flatten()).item()
+    got = json.loads(text_report.read_text())
+    assert got["tokens"] == rows[:, 1:].numel() and abs(got["loss"] - text_loss) <= 1e-5 * text_loss, (got, text_loss)
 
     prompt = "what light through yonder window breaks"
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
