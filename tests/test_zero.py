@@ -91,6 +91,8 @@ def label(lay: dict, ds: dict | None) -> str:
         name += " compile"
     if "model" in lay:
         name += f" {lay['model']}"
+    if "sft" in lay:
+        name += f" sft {lay['sft']}"
     if ds is None:
         return name + " DDP"
     z = ds["zero_optimization"]
