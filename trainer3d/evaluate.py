@@ -28,15 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch.distributed as dist
-
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.load import prepare
 from trainer3d.config import PRECISIONS, SCHEDULE_NAMES, TrainConfig
 from trainer3d.data import build_rows, corpus_batches
 from trainer3d.distributed.failure import run_reported
 from trainer3d.distributed.leader import leader_first
-from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
+from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.errors import ConfigError, UsageError
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import MODEL_PRESETS
@@ -186,13 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trainer3d: error: {e}", file=sys.stderr)
         return 2
     device = default_device(env.local_rank)
-    owns_group = not dist.is_initialized()  # (tests run this inside a world they made)
-    init_distributed(env, device, timeout_s=setup.cfg.dist_timeout)
-    made: list = []  # the Topology, once built (cleanup destroys it when the caller owns the group)
+    group = WorldGroup(env, device, setup.cfg.dist_timeout)
 
     def run() -> None:
-        topo = setup.topology()
-        made.append(topo)
+        topo = group.topology = setup.topology()
         rows = corpus_rows(setup, env) if args.data else None
         trainer = load_trainer(setup, topo, device, ckpt.model_config.vocab_size,
                                rows.eos_id if rows is not None else None)
@@ -209,13 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.output:
                 write_text_atomic(args.output, json.dumps(report, indent=1) + "\n")
 
-    def cleanup() -> None:
-        if owns_group:
-            dist.destroy_process_group()
-        elif made:
-            made[0].destroy()
-
-    return run_reported(env.rank, env.world_size, run, cleanup)
+    return run_reported(env.rank, env.world_size, run, group.close)
 
 
 if __name__ == "__main__":

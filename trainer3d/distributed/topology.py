@@ -188,6 +188,22 @@ def init_distributed(env: LaunchEnv, device: torch.device, timeout_s: float = 60
     )
 
 
+class WorldGroup:
+    """An entry point's process group: made (and destroyed by `close`) here, unless the caller made one already (the
+    tests run entry points inside their worlds), which is left to it with only this run's sub-groups destroyed."""
+
+    def __init__(self, env: LaunchEnv, device: torch.device, timeout_s: float):
+        self.owned = not dist.is_initialized()
+        init_distributed(env, device, timeout_s=timeout_s)
+        self.topology = None  # set by the entry point once built
+
+    def close(self) -> None:
+        if self.owned:
+            dist.destroy_process_group()
+        elif self.topology is not None:
+            self.topology.destroy()
+
+
 def _tcp_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store at MASTER_ADDR:MASTER_PORT: torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE),
     else rank 0. Keys get a per-attempt prefix: torchrun keeps one store across `--max-restarts` attempts, and a

@@ -15,7 +15,7 @@ from trainer3d.config import parse_args
 from trainer3d.data.mixture import MixtureValidation
 from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.failure import Heartbeat, run_reported
-from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
+from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.plugins import load_plugins
 from trainer3d.errors import UsageError, first_line
 from trainer3d.rundir import clear_run
@@ -41,10 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg, layout, plan = setup.cfg, setup.layout, setup.plan
     device = default_device(env.local_rank)
-    owns_group = not dist.is_initialized()  # (a caller's process group, the tests', is left to the caller)
-    init_distributed(env, device, timeout_s=cfg.dist_timeout)
+    group = WorldGroup(env, device, cfg.dist_timeout)
     Heartbeat().beat(0)
-    made: list = []  # the Topology, once built
 
     def train() -> None:
         if cfg.overwrite:  # the earlier run goes before anything of this one is written (validate checked the rest)
@@ -55,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                 except OSError as e:
                     error = f"--overwrite could not remove the earlier run in {cfg.out_dir} ({first_line(e)})."
             agree_on_error(error, dist.group.WORLD, UsageError)
-        topo = setup.topology()
-        made.append(topo)
+        topo = group.topology = setup.topology()
         blocks = build_blocks(cfg, data_config(cfg), env.rank, env.local_rank)  # one source, or a mixture's
         st = getattr(blocks, "stats", {})  # (a mixture's sources speak for themselves in the cache's log)
         if env.rank == 0 and "conversations" in st:
@@ -74,13 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         run(trainer, loader,
             lambda: make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches), downstream)
 
-    def cleanup() -> None:
-        if owns_group:
-            dist.destroy_process_group()
-        elif made:
-            made[0].destroy()
-
-    return run_reported(env.rank, env.world_size, train, cleanup)
+    return run_reported(env.rank, env.world_size, train, group.close)
 
 
 def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | None = None) -> None:
