@@ -181,6 +181,10 @@ def test_sft_from_an_hf_llama_to_an_export_that_chats(tmp_path, capsys):
     assert got["rows"] < 120 and got["tokens"] == count and got["layout"]["dp"] == 2 and got["layout"]["tp"] == 2
     assert abs(got["loss"] - total / count) <= 1e-5 * total / count, (got["loss"], total / count)
     assert abs(all_total / all_count - total / count) > 0.05  # the mask matters: the all-token loss differs
+    with capsys.disabled():
+        print(f"\nassistant tokens ({count}): trainer3d.evaluate {got['loss']:.8f}, transformers {total / count:.8f} "
+              f"(relative {abs(got['loss'] - total / count) / (total / count):.1e}); all {all_count} tokens "
+              f"{all_total / all_count:.6f}")
 
     # a text corpus: documents, each followed by the end-of-text token, cut into rows of SEQ + 1 tokens
     stream = [i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
@@ -189,6 +193,8 @@ def test_sft_from_an_hf_llama_to_an_export_that_chats(tmp_path, capsys):
         text_loss = F.cross_entropy(model(rows[:, :-1]).logits.double().flatten(0, 1), rows[:, 1:].flatten()).item()
     got = json.loads(text_report.read_text())
     assert got["tokens"] == rows[:, 1:].numel() and abs(got["loss"] - text_loss) <= 1e-5 * text_loss, (got, text_loss)
+    with capsys.disabled():
+        print(f"text corpus ({got['tokens']} tokens): trainer3d.evaluate {got['loss']:.8f}, transformers {text_loss:.8f}")
 
     prompt = "what light through yonder window breaks"
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
