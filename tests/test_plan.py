@@ -514,3 +514,60 @@ def test_published_megatron_moe_layout_lands_near_its_throughput():
     recomputed = evaluate(parse_layout(layout + ",recompute=1", cfg, C, 256, s), C)
     assert not recomputed.notes
     assert 0.75 <= model_flops_utilization(recomputed, C) * C.peak_tflops * 4 / 3 / published <= 1.25
+
+
+# ---- calibration (plan/calibrate.py) -------------------------------------------------------------------------------
+def test_latency_is_priced_per_ring_step_of_every_call():
+    """A per-step latency adds calls × ring steps × latency to each group's time, nothing where there is no call."""
+    from dataclasses import replace
+
+    from trainer3d.plan.comm import ring_steps
+
+    cfg = MODEL_PRESETS["gpt2"]
+    C = Cluster(nodes=1, **H100)
+    cand = parse_layout("tp=4,pp=2,mbs=1,sp=0", cfg, C, 8, 1024)
+    slow = replace(C, intra_node_latency_s=1e-3)
+    base, lat = evaluate(cand, C).times, evaluate(cand, slow).times
+    steps = {g: sum(t.calls * ring_steps(t.op, t.n) for t in analytic_comm(cand, 0) if t.group == g)
+             for g in ("tp", "pp")}
+    assert steps["tp"] > 0 and steps["pp"] > 0
+    assert lat["tp comm"] - base["tp comm"] >= steps["tp"] * 1e-3 - 1e-9  # the busiest pp rank: at least rank 0's
+    assert lat["compute"] == base["compute"] and lat["dp comm"] == base["dp comm"] == 0.0  # dp 1: no dp traffic
+    assert [ring_steps(op, 4) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")] == \
+        [6, 3, 3, 3, 1] and ring_steps("all_reduce", 1) == 0
+
+
+def _calibrate(rank: int, world: int) -> int:
+    from trainer3d.models import MODEL_PRESETS
+    from trainer3d.plan.calibrate import run
+
+    return run(MODEL_PRESETS["tiny"], 64)
+
+
+def test_calibration_measures_caches_and_replaces_the_assumed_constants(tmp_path, monkeypatch, capsys):
+    """A world of 2 measures this machine (`python -m trainer3d.plan --calibrate`'s body), rank 0 caches it; the
+    planner's --calibrated then plans with the measured speed, bandwidth, latency and overlap instead of its
+    assumptions."""
+    from distributed import run_world
+
+    from trainer3d.plan import calibrate
+
+    monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path))
+    assert run_world(2, _calibrate, timeout=120) == [0, 0]
+    calib = calibrate.load(torch.device("cpu"), 2, "fp32")
+    assert calib is not None and calib.nodes == 1 and calib.inter is None
+    assert 1e-4 < calib.matmul_tflops < 10 and 0.0 <= calib.overlap <= 1.0
+    assert 1e-7 < calib.intra.latency_s < 1.0 and 1e-3 < calib.intra.gbps < 1e3
+    C = calibrate.apply(Cluster(nodes=1, **dict(H100, gpus_per_node=2)), calib)
+    assert (C.peak_tflops, C.mfu, C.intra_node_gbps, C.intra_node_latency_s, C.overlap) == (
+        calib.matmul_tflops, 1.0, calib.intra.gbps, calib.intra.latency_s, calib.overlap)
+    assert C.inter_node_gbps == H100["inter_node_gbps"]  # nothing measured across nodes: the assumption stays
+    capsys.readouterr()
+    assert main(["--model", "tiny", "--seq-len", "64", "--gpus-per-node", "2", "--global-batch", "8",
+                 "--calibrated", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"calibration: {calib.describe()}" in out and f"{calib.matmul_tflops:g} TFLOP/s peak at 100%" in out
+    monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "none"))
+    with pytest.raises(SystemExit, match="no calibration at .*run `torchrun --nproc_per_node 2 -m trainer3d.plan "
+                                         "--calibrate"):
+        main(["--model", "tiny", "--gpus-per-node", "2", "--calibrated"])

@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overlap", type=float, default=0.5,
                    help="fraction of a compute window that dp communication can hide behind (0: none, 1: perfect)")
     c.add_argument("--pcie-gbps", type=float, default=25.0, help="host <-> GPU GB/s, for offload")
+    c.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmuls at the model's shapes, each link's latency and bandwidth, the "
+                        "overlap) under torchrun on every rank of a node, cache it, and stop (plan/calibrate.py)")
+    c.add_argument("--calibrated", action="store_true",
+                   help="plan with this machine's cached calibration instead of --peak-tflops/--mfu/--overlap and "
+                        "the bandwidths (the cluster's shape still comes from --nodes and --gpus-per-node)")
+    c.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="with --calibrate/--calibrated: the matmuls' dtype (default bf16 on a GPU, fp32 on a CPU)")
     c.add_argument("--host-memory-gib", type=float, default=1024.0, help="per node, for offload")
     b = p.add_argument_group("batch")
     b.add_argument("--global-batch", type=int, default=None, help="sequences per step")
@@ -137,9 +145,32 @@ def resolve(args) -> tuple[str | None, object, Cluster, int]:
     return args.model or "gpt2", cfg, C, gb
 
 
+def with_calibration(C: Cluster, precision: str | None) -> Cluster:
+    """The cluster with this machine's cached measurements (plan/calibrate.py), or a one-sentence error."""
+    import torch
+
+    from trainer3d.plan import calibrate
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = precision or ("bf16" if device.type == "cuda" else "fp32")
+    calib = calibrate.load(device, C.gpus_per_node, dtype)
+    if calib is None:
+        path = calibrate.cache_path(calibrate.device_name(device), C.gpus_per_node, dtype)
+        raise SystemExit(f"plan: no calibration at {path}; run `torchrun --nproc_per_node {C.gpus_per_node} -m "
+                         "trainer3d.plan --calibrate --model ...` on this machine first.")
+    print(f"calibration: {calib.describe()}")
+    return calibrate.apply(C, calib)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     name, cfg, C, gb = resolve(args)
+    if args.calibrate:
+        from trainer3d.plan import calibrate
+
+        return calibrate.run(cfg, args.seq_len, args.precision)
+    if args.calibrated:
+        C = with_calibration(C, args.precision)
     try:
         evaluated = parse_layout(args.evaluate, cfg, C, gb, args.seq_len) if args.evaluate else None
     except UsageError as e:

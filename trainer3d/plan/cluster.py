@@ -24,6 +24,8 @@ class Cluster:
     cpu_adam_params_per_s: float = 2e8  # DeepSpeedCPUAdam throughput per GPU's share of the host
     mfu: float = 0.5  # fraction of peak the kernels reach (compute only; bubble and comm come on top)
     overlap: float = 0.5  # fraction of a compute window that communication running beside it can hide behind
+    intra_node_latency_s: float = 0.0  # per ring step of a collective (plan/calibrate.py measures it; 0: not modeled)
+    inter_node_latency_s: float = 0.0
     reserve_gib: float = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
     host_memory_gib: float = 1024.0  # per node, for offloaded state
 

@@ -35,6 +35,18 @@ def ring_factor(op: str, n: int) -> float:
     return 1.0  # send, broadcast
 
 
+def ring_steps(op: str, n: int) -> int:
+    """The messages one call sends one after another with a ring algorithm (what a per-message latency multiplies):
+    all-reduce 2(n-1), all-gather, reduce-scatter and all-to-all n-1, point-to-point 1."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1)
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return n - 1
+    return 1
+
+
 @dataclass(frozen=True)
 class Transfer:
     """`calls` calls of one collective with `nbytes` payload each, on a group of `n` ranks."""

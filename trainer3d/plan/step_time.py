@@ -19,7 +19,7 @@ from trainer3d.distributed.topology import Layout
 from trainer3d.parallel.pipeline import SCHEDULES, stage_cost, stage_ids
 from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params, rank_params
 from trainer3d.plan.cluster import Cluster
-from trainer3d.plan.comm import analytic_comm
+from trainer3d.plan.comm import analytic_comm, ring_steps
 
 BUBBLE_COEF = {  # idle time per (p-1) micro-batch slots, relative to 1F1B's
     "gpipe": 1.0,
@@ -107,9 +107,10 @@ def _comm_seconds(cand: Candidate, C: Cluster) -> dict[str, float]:
     """Seconds on the wire per group, for the busiest pipeline rank (first or last: embedding / head); scalars left
     out."""
     links = group_links(cand)
-    bw = {g: C.inter_node_gbps if nodes_spanned(stride, size, C.gpus_per_node) else C.intra_node_gbps
-          for g, (stride, size) in links.items()}
-    bw["embedding"] = bw["pp"]
+    across = {g: nodes_spanned(stride, size, C.gpus_per_node) for g, (stride, size) in links.items()}
+    across["embedding"] = across["pp"]
+    bw = {g: C.inter_node_gbps if a else C.intra_node_gbps for g, a in across.items()}
+    latency = {g: C.inter_node_latency_s if a else C.intra_node_latency_s for g, a in across.items()}
     worst: dict[str, float] = {}
     for r in sorted({0, cand.pp - 1}):
         per_group: dict[str, float] = {}
@@ -120,6 +121,7 @@ def _comm_seconds(cand: Candidate, C: Cluster) -> dict[str, float]:
                 seconds = all_to_all_seconds(t.payload, *links[t.group], C)
             else:
                 seconds = t.wire / (bw[t.group] * 1e9)
+            seconds += t.calls * ring_steps(t.op, t.n) * latency[t.group]
             per_group[t.group] = per_group.get(t.group, 0.0) + seconds
         for g, v in per_group.items():
             worst[g] = max(worst.get(g, 0.0), v)
