@@ -15,6 +15,7 @@ cache's folder and read back by the planner (`apply`), so `--layout auto` plans 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -102,14 +103,22 @@ def apply(C: Cluster, calib: Calibration) -> Cluster:
 
 
 # ---- the measurements: every rank calls them together ------------------------------------------------------------
-def _timed(fn, rounds: int, group=None) -> float:
-    """The median seconds of `fn` over `rounds` runs, the ranks starting each together."""
+def _timed(fn, rounds: int, group=None, min_seconds: float = 0.02) -> float:
+    """The median seconds of one `fn` over `rounds` rounds, the ranks starting each round together; a round repeats
+    `fn` until it lasts `min_seconds` (the same count on every rank: `fn` may be a collective), so that a small
+    kernel is not timed at the clock's and the scheduler's grain."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    repeats = torch.tensor(max(1, math.ceil(min_seconds / max(time.perf_counter() - t0, 1e-9))))
+    dist.all_reduce(repeats, op=dist.ReduceOp.MAX, group=group)
     times = []
     for _ in range(rounds):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        for _ in range(int(repeats)):
+            fn()
+        times.append((time.perf_counter() - t0) / int(repeats))
     return statistics.median(times)
 
 
