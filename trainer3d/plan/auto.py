@@ -169,8 +169,8 @@ def estimate(p: Plan) -> dict:
 def refusal(cfg: TrainConfig, mcfg, m: Machine, found, feasible: int) -> str:
     """One sentence: why no layout of this world fits, and what to change."""
     given = ", ".join(f"--{a.replace('_', '-')} {getattr(cfg, a)}" for a in AXES if cfg.given(a))
-    head = (f"--layout auto finds no layout of {m.world} processes for this {mcfg.num_params() / 1e6:.1f}M-parameter "
-            f"model at global batch {global_batch_of(cfg)} × {cfg.seq_len} tokens in {m.memory_gib:.1f} GiB per rank")
+    head = (f"--layout auto finds no layout of {m.world} process{'es' if m.world > 1 else ''} for this {mcfg.num_params() / 1e6:.1f}M-parameter "
+            f"model at global batch {global_batch_of(cfg)} × {cfg.seq_len} tokens in {m.memory_gib:.3g} GiB per rank")
     if feasible:
         return f"{head} that keeps {given} ({feasible} layouts fit without them); drop or change those flags."
     reason, n = max(found.refused.items(), key=lambda kv: kv[1]) if found.refused else ("nothing to try", 0)

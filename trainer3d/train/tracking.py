@@ -48,7 +48,6 @@ def run_config(trainer) -> dict:
             "schedule": cfg.schedule,
             "stages": trainer.pm.n_stages,
             "layers_per_stage": [len(r) for r in trainer.pm.layer_ranges],
-            "auto": cfg.layout_choice,  # --layout auto: the pick, the runner-up and why (None: the flags' layout)
         },
         "batch": {
             "global_batch": plan.global_batch,
@@ -65,6 +64,8 @@ def run_config(trainer) -> dict:
         "device": str(trainer.device),
         "precision": trainer.precision,
     }
+    if cfg.layout_choice is not None:  # --layout auto: the pick, the runner-up and why
+        config["layout"]["auto"] = cfg.layout_choice
     if isinstance(cfg.deepspeed_config, dict):
         config["deepspeed"] = cfg.deepspeed_config
     elif cfg.deepspeed_config:
