@@ -85,21 +85,41 @@ def machine_cluster(m: Machine, constants: Mapping[str, float] | None = None) ->
     return Cluster(nodes=m.world // m.ranks_per_node, gpus_per_node=m.ranks_per_node, **base)
 
 
-def zero_mode(cfg: TrainConfig) -> str:
-    """'none' (DDP only), 'auto' (--deepspeed_config auto: the JSON is written from the pick) or 'json' (a JSON whose
-    zero_optimization is "auto": that section from the pick), or 'fixed' (a JSON that sets ZeRO itself)."""
+def user_json(cfg: TrainConfig) -> dict | None:
+    """The user's DeepSpeed JSON (None: none, or `auto`)."""
     from trainer3d.zero.config import load_ds_json
 
     ds = cfg.deepspeed_config
+    return None if ds is None or (isinstance(ds, str) and ds.lower() == "auto") else load_ds_json(ds)[0]
+
+
+def zero_mode(cfg: TrainConfig) -> str:
+    """'none' (DDP only), 'auto' (--deepspeed_config auto: the JSON is written from the pick), 'json' (a JSON whose
+    zero_optimization is "auto": that section from the pick) or 'fixed' (a JSON that sets ZeRO itself)."""
+    ds = user_json(cfg)
     if ds is None:
-        return "none"
-    if isinstance(ds, str) and ds.lower() == "auto":
-        return "auto"
-    return "json" if str(load_ds_json(ds)[0].get("zero_optimization", "")).lower() == "auto" else "fixed"
+        return "none" if cfg.deepspeed_config is None else "auto"
+    return "json" if str(ds.get("zero_optimization", "")).lower() == "auto" else "fixed"
+
+
+def json_batch(cfg: TrainConfig) -> dict[str, int]:
+    """A user JSON's concrete batch values (zero/config.py lets them win over the flags): constraints of the plan."""
+    ds = user_json(cfg) or {}
+    keys = {"train_batch_size": "global_batch", "train_micro_batch_size_per_gpu": "micro_batch_size",
+            "gradient_accumulation_steps": "micro_batches"}
+    return {name: ds[k] for k, name in keys.items() if isinstance(ds.get(k), int)}
+
+
+def zero_stages(cfg: TrainConfig, zero: str) -> tuple[int, ...]:
+    """The ZeRO stages to plan: 0 (DDP) without a JSON, the JSON's own stage, or all four where asked to choose."""
+    if zero == "fixed":
+        return (int((user_json(cfg).get("zero_optimization") or {}).get("stage", 0)),)
+    return (0,) if zero == "none" else (0, 1, 2, 3)
 
 
 def satisfies(c: Candidate, cfg: TrainConfig, zero: str) -> bool:
-    """The explicit flags hold for `c` (recompute: full is the planner's True; none and selective its False)."""
+    """The explicit flags hold for `c` (recompute: full is the planner's True; none and selective its False), and a
+    user JSON's batch values."""
     for axis in AXES:
         if not cfg.given(axis):
             continue
@@ -107,6 +127,8 @@ def satisfies(c: Candidate, cfg: TrainConfig, zero: str) -> bool:
         wanted = cfg.recompute == "full" if axis == "recompute" else getattr(cfg, axis)
         if value != wanted and not (axis == "schedule" and c.pp == 1):
             return False
+    if cfg.sequence_parallel and c.tp == 1 or any(getattr(c, k) != v for k, v in json_batch(cfg).items()):
+        return False
     return not (zero == "json" and c.zero_stage == 0 and c.ep > 1)  # DeepSpeed's ZeRO-0 runs no ep (setup.py)
 
 
@@ -126,8 +148,9 @@ def search(cfg: TrainConfig, mcfg, C: Cluster, zero: str, device: str):
         fixed, cp_sizes = dict(tp=1, pp=1), (1,)
     fp32 = cfg.resolved_precision(device) == "fp32"
     return enumerate_plans(
-        mcfg, C, global_batch_of(cfg), cfg.seq_len, schedules=[cfg.schedule] if cfg.given("schedule") else SCHEDULES,
-        zero_stages=(0, 1, 2, 3) if zero in ("auto", "json") else (0,), offload=zero in ("auto", "json"),
+        mcfg, C, json_batch(cfg).get("global_batch", global_batch_of(cfg)), cfg.seq_len,
+        schedules=[cfg.schedule] if cfg.given("schedule") else SCHEDULES,
+        zero_stages=zero_stages(cfg, zero), offload=zero in ("auto", "json"),
         recompute=not pooled and (not cfg.given("recompute") or cfg.recompute == "full"), fixed=fixed,
         cp_sizes=cp_sizes, precision="fp32" if fp32 else None)
 
@@ -169,8 +192,9 @@ def estimate(p: Plan) -> dict:
 def refusal(cfg: TrainConfig, mcfg, m: Machine, found, feasible: int) -> str:
     """One sentence: why no layout of this world fits, and what to change."""
     given = ", ".join(f"--{a.replace('_', '-')} {getattr(cfg, a)}" for a in AXES if cfg.given(a))
-    head = (f"--layout auto finds no layout of {m.world} process{'es' if m.world > 1 else ''} for this {mcfg.num_params() / 1e6:.1f}M-parameter "
-            f"model at global batch {global_batch_of(cfg)} × {cfg.seq_len} tokens in {m.memory_gib:.3g} GiB per rank")
+    head = (f"--layout auto finds no layout of {m.world} process{'es' if m.world > 1 else ''} for this "
+            f"{mcfg.num_params() / 1e6:.1f}M-parameter model at global batch {global_batch_of(cfg)} × {cfg.seq_len} "
+            f"tokens in {m.memory_gib:.3g} GiB per rank")
     if feasible:
         return f"{head} that keeps {given} ({feasible} layouts fit without them); drop or change those flags."
     reason, n = max(found.refused.items(), key=lambda kv: kv[1]) if found.refused else ("nothing to try", 0)
