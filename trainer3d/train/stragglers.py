@@ -5,7 +5,7 @@ What a rank reports is its own work in the step, the part no peer's slowness lea
 loop's time in loader.next_batch) plus its stages' forward passes. A whole step's wall time would not do: every
 collective inside it (DDP's reduction in the last backward, tp's all-reduces, pipeline receives) makes the fast
 ranks wait for the slow one, and all of them then show the same time. A forward has no dp or pipeline wait inside
-(tp, cp and ep peers do wait for each other there), and the backward costs about twice the forward, so a slow
+(tp, cp and ep peers do wait for each other there, and ZeRO-3's dp ranks gather parameters there), and the backward costs about twice the forward, so a slow
 device, a throttled or shared CPU and a slow input pipeline all show on the rank they happen on. On CPU the clock is
 the host's; on CUDA the forwards are timed by CUDA events and reported one step late, when the step's own read has
 completed them (reading them earlier would be a device sync).
