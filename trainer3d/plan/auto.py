@@ -3,7 +3,7 @@
 Every rank computes the same pick with no collective, so the inputs are only what every rank reads alike: the flags,
 the model, the world size, ranks per node (the launcher's variables), memory per rank (the device's total, never its
 free memory; on CPU the host's memory over its ranks; or --device-memory-gib) and a peak per device. The machine
-becomes the planner's Cluster (`machine_cluster`, whose constants a calibration can replace), enumerate_plans
+becomes the planner's Cluster (`machine_cluster`; Machine.measured: a calibration's constants), enumerate_plans
 searches it with the explicit flags as constraints, and the fastest plan the trainer's own rules accept wins; the
 runner-up and the reason (report.why) go with it into the TrainConfig (`layout_choice`: meta.json, W&B).
 """
@@ -44,6 +44,9 @@ class Machine:
     peak_tflops: float | None  # per rank, in the run's precision; None: the device's preset or CPU_CONSTANTS
     host_memory_gib: float  # per node
     name: str = ""  # the device's name, for the log
+    # Cluster fields (mfu, overlap, intra/inter_node_gbps, pcie_gbps, ...) measured on this machine, replacing the
+    # presets: where a calibration's numbers go
+    measured: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def ranks_per_node(world: int, environ: Mapping[str, str]) -> int:
@@ -71,9 +74,9 @@ def read_machine(world: int, local_rank: int = 0, environ: Mapping[str, str] = o
     return Machine(world, rpn, "cpu", memory_gib or host / rpn, peak_tflops, host, "cpu")
 
 
-def machine_cluster(m: Machine, constants: Mapping[str, float] | None = None) -> Cluster:
+def machine_cluster(m: Machine) -> Cluster:
     """The planner's Cluster for `m`: a GPU's preset by name (A100, else H100's numbers), CPU_CONSTANTS on a CPU;
-    `constants` (Cluster fields: mfu, overlap, bandwidths, peak_tflops, ...) replace them, e.g. measured ones."""
+    the machine's `measured` constants replace them."""
     if m.device == "cpu":
         base = dict(CPU_CONSTANTS)
     else:
@@ -81,7 +84,7 @@ def machine_cluster(m: Machine, constants: Mapping[str, float] | None = None) ->
     base.update(gpu_memory_gib=m.memory_gib, host_memory_gib=m.host_memory_gib)
     if m.peak_tflops:
         base["peak_tflops"] = m.peak_tflops
-    base.update(constants or {})
+    base.update(m.measured)
     return Cluster(nodes=m.world // m.ranks_per_node, gpus_per_node=m.ranks_per_node, **base)
 
 
@@ -155,10 +158,10 @@ def search(cfg: TrainConfig, mcfg, C: Cluster, zero: str, device: str):
         cp_sizes=cp_sizes, precision="fp32" if fp32 else None)
 
 
-def choose(cfg: TrainConfig, mcfg, m: Machine, constants=None) -> tuple[Plan, Plan | None, dict]:
+def choose(cfg: TrainConfig, mcfg, m: Machine) -> tuple[Plan, Plan | None, dict]:
     """(pick, runner-up, the record of the choice). The runner-up: the best plan that differs in more than its
     micro-batch split (report.best_distinct's key). Refuses with one sentence where nothing fits."""
-    C, zero = machine_cluster(m, constants), zero_mode(cfg)
+    C, zero = machine_cluster(m), zero_mode(cfg)
     found = search(cfg, mcfg, C, zero, m.device)
     ok = ranked([p for p in found.plans if satisfies(p.candidate, cfg, zero)])
     valid = (p for p in ok if trainer_problem(p.candidate, mcfg, cfg.seq_len) is None)
@@ -172,7 +175,8 @@ def choose(cfg: TrainConfig, mcfg, m: Machine, constants=None) -> tuple[Plan, Pl
         runner_up=describe(runner_up.candidate) if runner_up else None, feasible=len(ok),
         refused=sum(found.refused.values()), constraints=given, zero=zero,
         estimate=estimate(pick), runner_up_estimate=estimate(runner_up) if runner_up else None,
-        machine=dict(dataclasses.asdict(m), nodes=C.nodes, constants="cpu-nominal" if m.device == "cpu" else "preset"))
+        machine=dict(dataclasses.asdict(m), nodes=C.nodes,
+                     constants="measured" if m.measured else "cpu-nominal" if m.device == "cpu" else "preset"))
     return pick, runner_up, record
 
 
@@ -230,9 +234,9 @@ def ds_config_of(cfg: TrainConfig, pick: Plan, zero: str):
     return dict(load_ds_json(cfg.deepspeed_config)[0], zero_optimization=ds["zero_optimization"])
 
 
-def resolve_auto(cfg: TrainConfig, mcfg, machine: Machine, constants=None) -> TrainConfig:
+def resolve_auto(cfg: TrainConfig, mcfg, machine: Machine) -> TrainConfig:
     """--layout auto: the TrainConfig with the planner's pick for `machine` applied (a pure function of its inputs)."""
-    pick, _, record = choose(cfg, mcfg, machine, constants)
+    pick, _, record = choose(cfg, mcfg, machine)
     return apply_pick(cfg, pick, record)
 
 
