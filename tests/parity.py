@@ -171,7 +171,7 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
     return result
 
 
-SLOW_S = 0.2  # a slowed rank's sleep in each forward (a forward of the parity model takes a few ms)
+SLOW_S = 0.3  # a slowed rank's sleep in each forward (a forward of the parity model: 5-40 ms on 2 shared cores)
 
 
 def resolved_layout(setup) -> dict:

@@ -80,18 +80,18 @@ AUTO8 = [dict(layout="auto", world=8)]
 
 def assert_straggler_named(run: dict, rank: int, every: int = 2, intervals: int = 3) -> None:
     """The step times the loss all-reduce gathered name `rank`, slowed, from its `intervals`-th logging interval of
-    `every` steps on, and only it (factor 5: a slowed forward takes ~20 times an unslowed one; the other ranks'
-    jitter on shared cores stays far below 5 times the median)."""
+    `every` steps on, and only it (factor 3: a slowed forward takes 7-60 times an unslowed one on 2 shared cores;
+    the other ranks' jitter stays well below 3 times the median)."""
     from trainer3d.train.stragglers import StragglerWatch
 
-    watch, named = StragglerWatch(5.0, intervals), []
+    watch, named = StragglerWatch(3.0, intervals), []
     times = run["rank_step_times"]
     assert len(times) == STEPS and all(len(t) == 4 for t in times)
     for k in range(0, STEPS, every):
         for t in times[k:k + every]:
             watch.add(t)
         report = watch.report()
-        assert report["step_time_max"] > parity.SLOW_S > 5 * report["step_time_median"], report
+        assert report["step_time_max"] > parity.SLOW_S > 3 * report["step_time_median"], report
         named.append(sorted(report.get("stragglers", {})))
     print(f"\nstragglers by logging interval: {named}; {watch.lines()}")
     assert named == [[]] * (intervals - 1) + [[f"rank{rank}"]] * (STEPS // every - intervals + 1), named
