@@ -152,3 +152,31 @@ def test_the_work_clock_counts_training_forwards_only():
     stage(torch.ones(1, 4))  # an evaluation pass after the step's all-reduce: not counted
     clock.begin(data_s=0.0)
     assert clock.seconds() == 0.0
+
+
+def test_the_work_clock_on_cuda_reports_the_previous_steps_events(monkeypatch):
+    """On CUDA the forwards are timed by events and read one step late, when the step's own read has completed them
+    (reading them sooner would be a device sync): checked here with a host-clock stand-in for torch.cuda.Event."""
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end) -> float:  # milliseconds, as CUDA's
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    stage = torch.nn.Linear(4, 4)
+    clock = WorkClock([stage], torch.device("cuda"))
+    pause = stage.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    clock.begin(data_s=0.1)
+    stage(torch.ones(1, 4))
+    assert clock.seconds() == 0.1  # its own forward is not read yet
+    pause.remove()
+    clock.begin(data_s=0.0)
+    stage(torch.ones(1, 4))
+    assert 0.02 <= clock.seconds() < 0.5  # the previous step's forward
