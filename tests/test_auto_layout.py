@@ -4,7 +4,8 @@ refused with one sentence; ZeRO is planned only when asked for; the entry point 
 meta.json, the W&B config and metrics.jsonl; the straggler rule names a rank after N slow intervals running.
 
 The multi-process proofs ride in worlds that already spawn: the pick at 4 and 8 processes against the one-process
-run and a slowed rank named (tests/test_parity.py), a run saved at world 4 resumed at world 2 (tests/test_checkpoint.py).
+run and a slowed rank named (tests/test_parity.py), a run saved at world 4 resumed at world 2
+(tests/test_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def test_the_entry_point_prints_and_records_the_pick(tmp_path, monkeypatch, caps
     assert all(r["step_time_min"] == r["step_time_median"] == r["step_time_max"] > 0 for r in records if "loss" in r)
     assert not any("rank_step_times" in r for r in records)
     cfg = TrainConfig(layout="auto", layout_choice=choice)
-    trainer = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(layout=SimpleNamespace(dp=1, tp=1, pp=1, cp=1, world_size=1)),
+    layout = SimpleNamespace(dp=1, tp=1, pp=1, cp=1, world_size=1)
+    trainer = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(layout=layout),
                               mcfg=cfg.model_config(50257), device="cpu", precision="fp32", deepspeed=None,
                               plan=SimpleNamespace(global_batch=4, micro_batches=1, micro_batch_size=4),
                               pm=SimpleNamespace(n_stages=1, layer_ranges=[range(0, 2)]))
