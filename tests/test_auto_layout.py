@@ -182,3 +182,18 @@ def test_the_work_clock_on_cuda_reports_the_previous_steps_events(monkeypatch):
     clock.begin(data_s=0.0)
     stage(torch.ones(1, 4))
     assert 0.02 <= clock.seconds() < 0.5  # the previous step's forward
+
+
+def test_ranks_that_planned_differently_are_refused_together(monkeypatch):
+    """Mixed nodes: a rank that read another memory size picks another layout, and would build other process groups
+    and hang in them; the one gather at launch finds it, and every rank raises the same sentence."""
+    from trainer3d.plan import auto
+
+    same, other = _pick(4).layout_choice, _pick(4, _machine(4, memory_gib=8.0, per_node=2), pp=2).layout_choice
+    auto.agree_on_pick(same, None)  # one process: nothing to compare
+    mine = lambda r: (r["pick"], round(r["machine"]["memory_gib"], 3), r["machine"]["ranks_per_node"], "cpu")  # noqa: E731
+    monkeypatch.setattr(auto, "all_gather_object", lambda obj, group: [mine(same), mine(same), mine(other)])
+    with pytest.raises(ConfigError) as e:
+        auto.agree_on_pick(same, None)
+    assert str(e.value).startswith(f"--layout auto planned {same['pick']} on rank 0 (4.0 GiB, 4 ranks a node, cpu) "
+                                   f"but {other['pick']} on rank 2 (8.0 GiB, 2 ranks a node, cpu): the nodes differ")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from trainer3d.config import TrainConfig
+from trainer3d.distributed.collectives import all_gather_object
 from trainer3d.errors import ConfigError
 from trainer3d.parallel.batch import global_batch_of
 from trainer3d.parallel.expert_parallel import check_expert_parallel
@@ -238,6 +239,20 @@ def resolve_auto(cfg: TrainConfig, mcfg, machine: Machine) -> TrainConfig:
     """--layout auto: the TrainConfig with the planner's pick for `machine` applied (a pure function of its inputs)."""
     pick, _, record = choose(cfg, mcfg, machine)
     return apply_pick(cfg, pick, record)
+
+
+def agree_on_pick(record: dict, group) -> None:
+    """Collective, once at launch: every rank planned alike, else every rank raises the same sentence. Ranks that
+    read different machines (mixed nodes) would build different process groups and hang in them."""
+    m = record["machine"]
+    mine = (record["pick"], round(m["memory_gib"], 3), m["ranks_per_node"], m["name"])
+    seen = all_gather_object(mine, group)
+    odd = next((r for r, p in enumerate(seen) if p != seen[0]), None)
+    if odd is not None:
+        (a, ma, na, da), (b, mb, nb, db) = seen[0], seen[odd]
+        raise ConfigError(f"--layout auto planned {a} on rank 0 ({ma} GiB, {na} ranks a node, {da}) but {b} on rank "
+                          f"{odd} ({mb} GiB, {nb} ranks a node, {db}): the nodes differ; pass --device-memory-gib "
+                          "(and launch as many ranks on every node) so that every rank plans for the same machine.")
 
 
 def choice_lines(record: dict) -> list[str]:

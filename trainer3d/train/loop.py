@@ -16,7 +16,7 @@ from trainer3d.data.mixture import MixtureValidation
 from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, default_device, init_distributed
-from trainer3d.plan.auto import choice_lines
+from trainer3d.plan.auto import agree_on_pick, choice_lines
 from trainer3d.plugins import load_plugins
 from trainer3d.errors import UsageError, first_line
 from trainer3d.rundir import clear_run
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     made: list = []  # the Topology, once built
 
     def train() -> None:
+        if cfg.layout_choice is not None:  # --layout auto: every rank planned alike (one gather, before any group)
+            agree_on_pick(cfg.layout_choice, dist.group.WORLD)
         if cfg.overwrite:  # the earlier run goes before anything of this one is written (validate checked the rest)
             error = None
             if env.rank == 0:
