@@ -51,9 +51,10 @@ class Machine:
 
 
 def ranks_per_node(world: int, environ: Mapping[str, str]) -> int:
-    """From the launcher: torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node, Open MPI's local size; else one node.
-    Clamped to a divisor of the world (the planner's nodes are whole)."""
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+    """From the launcher: torchrun's LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE, SLURM's tasks per node, Open MPI's local
+    size; else one node. Clamped to a divisor of the world (the planner's nodes are whole)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"):
         text = environ.get(key, "").split("(")[0]  # SLURM may say "4(x2)"
         if text.isdigit() and int(text) > 0:
             return math.gcd(world, int(text))
