@@ -48,7 +48,7 @@ def _rows(n: int = 40) -> np.ndarray:
 
 
 def _cfg(out_dir, dp=1, tp=1, pp=1, schedule="1f1b", virtual_stages=1, micro_batches=None, **kw) -> TrainConfig:
-    if micro_batches is None:  # the default, and at least 2 (accumulation)
+    if micro_batches is None and kw.get("layout") != "auto":  # the default, and at least 2 (accumulation)
         micro_batches = max(2, default_micro_batches(schedule, pp))
     base = dict(
         model="tiny", n_layer=8, n_head=8, n_embd=64, vocab_size=VOCAB, seq_len=SEQ, global_batch=GB, lr=1e-3,
@@ -88,8 +88,9 @@ def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: 
 
     layout = dict(layout)
     dp = layout.get("dp", 1)
+    world = layout.pop("world", None)  # --layout auto: the planner picks for this many processes
     cfg = _cfg(out_dir, resume=resume, **layout)
-    n = dp * cfg.tp * cfg.pp * cfg.cp
+    n = world or dp * cfg.tp * cfg.pp * cfg.cp
     setup = validate(cfg, n, VOCAB)
     L = setup.layout
     topo = setup.topology(list(range(n)))
@@ -117,6 +118,7 @@ def _run(layout: dict, out_dir, steps: int, save_at: int | None = None, resume: 
             "losses": losses, "grad_norms": norms, "start_step": start_step, "loader": loader.state_dict(),
             "bytes_read": start.source.bytes_read if start.source is not None else 0, "dp_rank": topo.dp_rank,
             "loss_scale": None if trainer.loss_scale is None else vars(trainer.loss_scale).copy(),
+            "trained_at": (L.dp, L.tp, L.pp, setup.plan.micro_batches, setup.plan.micro_batch_size),
         }
         if topo.dp_rank == 0 and topo.tp_rank == 0:
             out.update(params=params, state_start=state_start, state_saved=state_saved)
@@ -165,6 +167,10 @@ def _world_scenarios(rank, world_size, tmp, hf_dir, hf_batches):
     r["moe_resumed"] = _run(dict(L222, ep=2, **MOE), tmp / "moe", N, resume="latest")
     for key, layout in MOE_RESHARD.items():
         r[key] = _run(dict(layout, **MOE), tmp / "moe", N, resume=moe_ckpt)
+    # --layout auto restarted at another world size: planned for 4 processes and saved after step N, then resumed with
+    # --layout auto at 2 ("fewer nodes"): planned again, resharded, the same global batch in twice the rows per rank
+    r["auto4_straight"] = _run(dict(layout="auto", world=4), tmp / "auto", 2 * N, save_at=N)
+    r["auto2_resumed"] = _run(dict(layout="auto", world=2), tmp / "auto", N, resume="latest")
     # a format-1 checkpoint (tests/assets), resumed at (2,2,2)
     r["v1"] = _run(dict(L222, **V1_MODEL), tmp / "v1", 1, resume=str(V1_CHECKPOINT))
     # Hugging Face weights imported at (1,2,2) (ranks 0-3), trained, saved (test_hf_import_train_export)
@@ -252,6 +258,16 @@ def test_exact_resume(world_results, layout):
     ref, res = _assert_resumes_exactly(results, f"{layout}_straight", f"{layout}_resumed")
     if layout == "111":  # the loss scale was restored (the resumed run was built with a different one)
         assert res["loss_scale"] == ref["loss_scale"] and ref["loss_scale"]["good_steps"] == 2 * N
+
+
+def test_auto_layout_resumes_at_another_world_size(world_results):
+    """A --layout auto run saved at world 4 and restarted with --layout auto --resume at world 2 continues the
+    uninterrupted run's losses and gradient norms within the parity tolerances, from exactly the saved state."""
+    tmp, results, *_ = world_results
+    res = _assert_continues(results, "auto4_straight", "auto2_resumed")
+    (dp4, *_, m4, mbs4), (dp2, *_, m2, mbs2) = _merged(results, "auto4_straight")[0]["trained_at"], res["trained_at"]
+    assert (dp4, dp2) == (4, 2) and dp4 * m4 * mbs4 == dp2 * m2 * mbs2 == GB  # the global batch kept
+    assert m2 * mbs2 == 2 * m4 * mbs4  # twice the rows per rank
 
 
 @pytest.mark.parametrize("i", range(len(RESHARD)), ids=["1x2x4-interleaved", "8x1x1", "1x1x1"])

@@ -86,6 +86,19 @@ def _cases(tmp):
                                   "--tp 2 or more (drop the flag at --tp 1)."),
         (["--n-layer", "1", "--schedule", "zbv"],
          "2 pipeline stages (pp=1 × 2 per rank) exceed the model's 1 layers; lower --pp or --virtual-stages."),
+        # --layout auto (plan/auto.py) and the stragglers
+        (["--layout", "auto", "--device-memory-gib", "0.001"],
+         "--layout auto finds no layout of 1 process for this 6.9M-parameter model at global batch 8 × 128 tokens in "
+         "0.001 GiB per rank (8 refused because does not fit in GPU memory, e.g. dp1 tp1 pp1 m8x1 ZeRO-0: 0.2 GiB); "
+         "launch more processes, lower --global-batch or --seq-len, or give --device-memory-gib if the memory read is "
+         "wrong."),
+        (["--layout", "auto", "--device-memory-gib", "4", "--micro-batches", "3"],
+         "--layout auto finds no layout of 1 process for this 6.9M-parameter model at global batch 8 × 128 tokens in "
+         "4 GiB per rank that keeps --micro-batches 3 (8 layouts fit without them); drop or change those flags."),
+        (["--deepspeed_config", "auto"], "--device-memory-gib and --deepspeed_config auto feed the layout planner; add "
+                                         "--layout auto or drop them."),
+        (["--straggler-factor", "0.5"], "--straggler-factor must be at least 1.0 (got 0.5)."),
+        (["--straggler-intervals", "0"], "--straggler-intervals must be at least 1 (got 0)."),
         # paths
         (["--out-dir", str(a_file)], f"--out-dir {a_file} is a file; pass a directory (it is created if missing)."),
         (["--out-dir", str(a_file / "run")], f"--out-dir {a_file / 'run'} cannot be written ({a_file} is not writable); "

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+import parity
 from distributed import run_world
-from parity import LLAMA, LOSS_RTOL, MOE, MOE_BALANCED, PARAM_ATOL, check, compare, run_groups, run_layouts
+from parity import LLAMA, LOSS_RTOL, MOE, MOE_BALANCED, PARAM_ATOL, as_trained, check, compare, run_groups, run_layouts
 from trainer3d.config import RECOMPUTE_MODES
 from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.parallel.pipeline import PIPELINING_BEFORE_2_13, SCHEDULES
@@ -63,12 +64,37 @@ def world8_matrix() -> list[dict]:
     cases += [case(2, 2, 2, **sp), case(1, 2, 4, "interleaved-1f1b", recompute="selective", **sp), case(1, 4, 2, **sp)]
     if not PIPELINING_BEFORE_2_13:  # refused there (check_pipeline; test_layout)
         cases.append(case(2, 2, 2, "zbv", recompute="full", **sp))
-    return cases
+    return cases + AUTO8
 
 
 def world4_matrix() -> list[dict]:
-    """Every layout of 4 processes, and sequence parallelism at (1,2,1)."""
-    return full_matrix(4) + [case(1, 2, 1, sequence_parallel=True)]
+    """Every layout of 4 processes, and sequence parallelism at (1,2,1); then --layout auto (AUTO4)."""
+    return full_matrix(4) + [case(1, 2, 1, sequence_parallel=True)] + AUTO4
+
+
+# --layout auto: the planner's pick for the world (plan/auto.py), free and with --pp 2 kept (it then picks the schedule,
+# virtual stages and micro-batches); the free one with rank 3 slowed (parity.SLOW_S in each forward): a straggler
+AUTO4 = [dict(layout="auto", world=4, slow_rank=3), dict(layout="auto", world=4, pp=2)]
+AUTO8 = [dict(layout="auto", world=8)]
+
+
+def assert_straggler_named(run: dict, rank: int, every: int = 2, intervals: int = 3) -> None:
+    """The step times the loss all-reduce gathered name `rank`, slowed, from its `intervals`-th logging interval of
+    `every` steps on, and only it (factor 3: a slowed forward takes 7-60 times an unslowed one on 2 shared cores;
+    the other ranks' jitter stays well below 3 times the median)."""
+    from trainer3d.train.stragglers import StragglerWatch
+
+    watch, named = StragglerWatch(3.0, intervals), []
+    times = run["rank_step_times"]
+    assert len(times) == STEPS and all(len(t) == 4 for t in times)
+    for k in range(0, STEPS, every):
+        for t in times[k:k + every]:
+            watch.add(t)
+        report = watch.report()
+        assert report["step_time_max"] > parity.SLOW_S > 3 * report["step_time_median"], report
+        named.append(sorted(report.get("stragglers", {})))
+    print(f"\nstragglers by logging interval: {named}; {watch.lines()}")
+    assert named == [[]] * (intervals - 1) + [[f"rank{rank}"]] * (STEPS // every - intervals + 1), named
 
 
 def llama_matrix() -> list[dict]:
@@ -96,8 +122,12 @@ def test_loss_parity_world4_and_sft():
     failures = []
     for g, (reference, matrix) in enumerate(groups):
         print(f"\nreference: {reference or 'GPT-2'}")
-        failures += check([r[g] for r in results], matrix)
+        failures += check([r[g] for r in results], as_trained([r[g] for r in results], matrix))
     assert not failures, "\n".join(failures)
+    slowed = world4_matrix().index(AUTO4[0]) + 1
+    assert_straggler_named(results[0][0][slowed], 3)
+    assert results[0][0][slowed]["layout_choice"]["pick"].startswith("dp4 tp1 pp1")  # the plan's ranking on CPU
+    assert results[0][0][slowed + 1]["resolved"]["pp"] == 2  # --pp 2 kept
 
 
 def test_loss_parity_world2_and_the_check_catches_a_gradient_scale_error():
@@ -151,7 +181,7 @@ def test_loss_parity_world8_gpt2_llama_and_moe():
     failures = []
     for g, (reference, matrix) in enumerate(groups):
         print(f"\nreference: {reference or 'GPT-2'}")
-        failures += check([r[g] for r in results], matrix)
+        failures += check([r[g] for r in results], as_trained([r[g] for r in results], matrix))
     assert not failures, "\n".join(failures)
 
 

@@ -35,6 +35,8 @@ class TrainConfig:
     vocab_size: int | None = None  # default: the tokenizer's
     init_from_hf: str | None = None
     # layout
+    layout: str = "manual"  # "auto": the planner picks what the flags below leave open (plan/auto.py)
+    device_memory_gib: float | None = None  # --layout auto: memory per rank (default: the device's, or host / ranks)
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (parallel/context_parallel.py)
@@ -105,6 +107,8 @@ class TrainConfig:
     resume: str | None = None  # "latest" (the newest in --out-dir; fresh start if none) or a checkpoint path
     overwrite: bool = False  # --out-dir holds an earlier run: replace it (its metrics.jsonl and checkpoints)
     log_every: int = 25
+    straggler_factor: float = 1.2  # a rank slower than this × the median step time ...
+    straggler_intervals: int = 3  # ... for this many consecutive logging intervals is named (train/stragglers.py)
     peak_tflops: float | None = None  # per device, for MFU; known GPUs are recognised
     verbose: bool = False
     profile_steps: str | None = None  # "A:B": torch.profiler trace of steps A..B under <out-dir>/profile/
@@ -118,6 +122,16 @@ class TrainConfig:
     # flags typed on the command line (parse_args); None for programmatic configs, where a value that differs
     # from its default counts as given. The DeepSpeed JSON may not contradict a given flag (zero/config.py).
     explicit_flags: tuple[str, ...] | None = None
+    # --layout auto's pick, runner-up and why (plan/auto.py): set by train/setup.py, recorded in meta.json and W&B
+    layout_choice: dict | None = None
+
+    def given(self, name: str) -> bool:
+        """Did the user set this flag? From the command line: it was typed. Programmatic configs: it differs from
+        its default."""
+        if self.explicit_flags is not None:
+            return name in self.explicit_flags
+        default = {f.name: f.default for f in dataclasses.fields(self)}[name]
+        return getattr(self, name) != default
 
     @property
     def uses_documents(self) -> bool:
@@ -177,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a save_pretrained directory (GPT2LMHeadModel or LlamaForCausalLM; sharded or not): its config "
                    "sets the model, its weights the start; its tokenizer is used unless --tokenizer is given")
     lay = p.add_argument_group("layout (dp is world size / (tp·cp·pp))")
+    lay.add_argument(
+        "--layout", default=d.layout, choices=("manual", "auto"),
+        help="auto: every rank runs the layout planner for this world (tp, pp, cp, ep, schedule, virtual stages, "
+        "micro-batches, recomputation; ZeRO with --deepspeed_config auto); flags given explicitly are kept",
+    )
+    lay.add_argument("--device-memory-gib", type=float, default=None,
+                     help="--layout auto: memory per rank (default: the GPU's total; CPU: host memory / ranks per node)")
     lay.add_argument("--tp", type=int, default=d.tp)
     lay.add_argument("--pp", type=int, default=d.pp)
     lay.add_argument(
@@ -311,7 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
              "this flag or --resume such a run is refused, so that nothing of it is lost)",
     )
     out.add_argument("--log-every", type=int, default=d.log_every)
-    out.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
+    out.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (and --layout auto)")
+    out.add_argument("--straggler-factor", type=float, default=d.straggler_factor,
+                     help="name a rank whose step time is above this × the median ...")
+    out.add_argument("--straggler-intervals", type=int, default=d.straggler_intervals,
+                     help="... for this many consecutive logging intervals (log line, W&B stragglers/rank<R>)")
     out.add_argument("--verbose", action="store_true", help="let every rank print")
     out.add_argument("--profile-steps", default=None, metavar="A:B", help="torch.profiler trace of steps A..B")
     out.add_argument("--wandb-project", default=None, help="log to this W&B project (also WANDB_PROJECT)")
@@ -323,7 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dist-timeout", type=float, default=d.dist_timeout, help="seconds a collective waits for a peer before failing"
     )
     ds = p.add_argument_group("deepspeed")
-    ds.add_argument("--deepspeed_config", "--deepspeed-config", "--deepspeed", dest="deepspeed_config", default=None)
+    ds.add_argument("--deepspeed_config", "--deepspeed-config", "--deepspeed", dest="deepspeed_config", default=None,
+                    help="a DeepSpeed JSON; with --layout auto also `auto` (the planner picks ZeRO stage and offload) "
+                         "or a JSON whose \"zero_optimization\" is \"auto\"")
     ds.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 

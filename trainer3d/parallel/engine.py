@@ -15,7 +15,7 @@ the same transfer and the trainer reads nothing else.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -48,6 +48,7 @@ class StepResult:
     stepped: bool  # False: a non-finite loss or norm skipped the update
     loss: float  # the `loss` handed to step(), read in the same transfer as the norm
     stop: bool  # the `stop` handed to step() was positive: some rank asked the run to stop after this step
+    extra: list[float] = field(default_factory=list)  # the `extra` vector handed to step(), in the same transfer
 
 
 class DataParallelEngine:
@@ -70,20 +71,20 @@ class DataParallelEngine:
         raise NotImplementedError
 
     def step(self, lr: float, max_norm: float, grad_scale: float = 1.0, *, loss: torch.Tensor,
-             stop: torch.Tensor) -> StepResult:
+             stop: torch.Tensor, extra: torch.Tensor | None = None) -> StepResult:
         """After the schedule's backward: reduce over dp, sum the tied embedding, multiply gradients by
         `grad_scale` (fp16's 1/loss-scale), take the global norm, clip to `max_norm` (0: off), step at `lr`.
-        `loss` (and `stop`, the world's count of stop requests): device scalars not yet read; they come back in
-        StepResult from the step's only device-to-host transfer, which also brings the norm that decides whether to
-        step and the clip."""
+        `loss` (and `stop`, the world's count of stop requests; `extra`, a vector such as every rank's step time):
+        device tensors not yet read; they come back in StepResult from the step's only device-to-host transfer, which
+        also brings the norm that decides whether to step and the clip."""
         norm_t = self.reduce_grads(grad_scale)
-        norm, loss_value, stop_requests = read_scalars(norm_t, loss, stop)
+        norm, loss_value, stop_requests, *rest = read_scalars(norm_t, loss, stop, *(() if extra is None else (extra,)))
         stop_agreed = stop_requests > 0
         if not (math.isfinite(norm) and math.isfinite(loss_value)):  # alike on every rank: both reduced over the world
             self.skip_step(norm)
-            return StepResult(norm, stepped=False, loss=loss_value, stop=stop_agreed)
+            return StepResult(norm, stepped=False, loss=loss_value, stop=stop_agreed, extra=rest)
         self.update(lr, clip_coefficient(norm, max_norm))
-        return StepResult(norm, stepped=True, loss=loss_value, stop=stop_agreed)
+        return StepResult(norm, stepped=True, loss=loss_value, stop=stop_agreed, extra=rest)
 
     def reduce_grads(self, grad_scale: float) -> torch.Tensor:
         """step()'s first half, without reading the device: reduce over dp, sum the tied embedding and the
@@ -147,10 +148,11 @@ class EngineFactory:
 
 
 def read_scalars(*scalars: torch.Tensor) -> list[float]:
-    """THE device-to-host read of a training step: every scalar the host needs, stacked on the device and copied
-    in one transfer. float64 holds float32 and float64 values exactly, so each equals its own `.item()`."""
+    """THE device-to-host read of a training step: every scalar (or vector, flattened in order) the host needs,
+    concatenated on the device and copied in one transfer. float64 holds float32 and float64 values exactly, so each
+    equals its own `.item()`."""
     device = scalars[0].device
-    return torch.stack([s.detach().reshape(()).to(device, torch.float64) for s in scalars]).tolist()
+    return torch.cat([s.detach().reshape(-1).to(device, torch.float64) for s in scalars]).tolist()
 
 
 # ---- gradient rules shared by every engine ---------------------------------------------------------------------------

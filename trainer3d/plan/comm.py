@@ -253,8 +253,8 @@ def _tied_and_scalars(cand: Candidate, pp_rank: int) -> list[Transfer]:
             out.append(Transfer("embedding", "all_reduce", shard * (4 if cand.zero_stage else P.grad), 1, 2,
                                 "tied embedding/head: gradient of the two copies summed (first and last stage)"))
     # Scalars: one per step, not part of the minimum.
-    out.append(Transfer("world", "all_reduce", 8, 1, cand.world,
-                        "loss for logging and the count of stop requests (two fp32 scalars)"))
+    out.append(Transfer("world", "all_reduce", 4 * (2 + cand.world), 1, cand.world,
+                        "loss for logging, the count of stop requests and each rank's step time (fp32)"))
     if cand.zero_stage:  # the ZeRO engine: every rank sums the squares it owns over the whole world
         out.append(Transfer("world", "all_reduce", 4, 1, cand.world, "global grad norm over all shards (one fp32 scalar)"))
     elif cand.tp * cand.pp > 1:

@@ -94,29 +94,35 @@ class Refusals:
 def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, schedules=None,
                     zero_stages=(0, 1, 2, 3), offload: bool = True, recompute: bool = True,
                     max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False,
-                    cp_sizes: tuple[int, ...] | None = None) -> Search:
+                    cp_sizes: tuple[int, ...] | None = None, fixed: dict[str, int] | None = None,
+                    precision: str | None = None) -> Search:
     """Every feasible plan, fastest first; offload only where the plan does not fit without it. `cp_sizes`: the
-    context-parallel sizes to try (default_cp_sizes)."""
+    context-parallel sizes to try (default_cp_sizes); `fixed`: tp and/or pp held at a value (a launch's explicit
+    flags, plan/auto.py); `precision`: one of candidate.PRECISIONS for every plan (default: bf16 autocast for DDP,
+    bf16 mixed precision under ZeRO, what a GPU run does)."""
     refuse = Refusals()
     cfg = replace(model, n_positions=max(model.n_positions, seq_len))
     schedules = list(schedules or ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
     plans = []
-    for dp, tp, cp, pp in _grids(cfg, C, global_batch, seq_len, cp_sizes, allow_tp_across_nodes, refuse):
+    for dp, tp, cp, pp in _grids(cfg, C, global_batch, seq_len, cp_sizes, allow_tp_across_nodes, refuse, fixed or {}):
         pipelines = list(_pipelines(cfg, pp, global_batch // dp, schedules, max_micro_batch_size, refuse,
                                     f"dp{dp} tp{tp} pp{pp}"))
         for ep in expert_parallel_sizes(cfg, dp, tp, cp, seq_len, refuse):
             for s, v, m, mbs in pipelines:
                 layout = dict(cfg=cfg, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, schedule=s, virtual_stages=v,
                               micro_batches=m, micro_batch_size=mbs, seq_len=seq_len)
-                plans += _fitting(layout, C, zero_stages, offload, recompute, refuse)
+                plans += _fitting(layout, C, zero_stages, offload, recompute, refuse, precision)
     plans.sort(key=lambda p: (p.step_time, p.memory))
     return Search(plans, refuse.counts, refuse.examples)
 
 
-def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_across_nodes: bool, refuse):
-    """(dp, tp, cp, pp) of the cluster's world that the model, the batch and the sequence allow."""
+def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_across_nodes: bool, refuse,
+           fixed: dict[str, int]):
+    """(dp, tp, cp, pp) of the cluster's world that the model, the batch and the sequence allow (tp, pp as `fixed`)."""
     N = C.world
     for tp in divisors(N):
+        if fixed.get("tp", tp) != tp:
+            continue
         try:
             family_of(cfg).check(cfg, tp)
         except LayoutError as e:
@@ -133,6 +139,8 @@ def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_
                 refuse("sequence parallelism cannot split a rank's tokens over tp", f"cp{cp} tp{tp}")
                 continue
             for pp in divisors(N // (tp * cp)):
+                if fixed.get("pp", pp) != pp:
+                    continue
                 dp = N // (tp * cp * pp)
                 if global_batch % dp:
                     refuse("global batch not divisible by dp", f"dp{dp}, batch {global_batch}")
@@ -176,7 +184,8 @@ def _pipelines(cfg, pp: int, local_batch: int, schedules: list[str], max_micro_b
             yield s, v, m, mbs
 
 
-def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bool, refuse) -> list[Plan]:
+def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bool, refuse,
+             precision: str | None = None) -> list[Plan]:
     """The plans of one layout that fit, over ZeRO stages, offload and recomputation; offload only where the plan
     does not fit without it."""
     plans = []
@@ -193,7 +202,8 @@ def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bo
         for (off_o, off_p), rc in ((o, r) for o in offloads for r in ((False, True) if recompute else (False,))):
             if off_o and rc in fits_without_offload:
                 continue  # offloading only costs time when the plan fits without it
-            cand = Candidate(**layout, precision="bf16-autocast" if z == 0 else "bf16-mixed", zero_stage=z,
+            prec = precision or ("bf16-autocast" if z == 0 else "bf16-mixed")
+            cand = Candidate(**layout, precision=prec, zero_stage=z,
                              offload_optimizer=off_o, offload_params=off_p, recompute=rc,
                              sequence_parallel=layout["tp"] > 1)  # the same tp bytes, activations /tp: always on
             mem, host = memory_per_gpu(cand)

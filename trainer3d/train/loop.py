@@ -16,6 +16,7 @@ from trainer3d.data.mixture import MixtureValidation
 from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
+from trainer3d.plan.auto import agree_on_pick, choice_lines
 from trainer3d.plugins import load_plugins
 from trainer3d.errors import UsageError, first_line
 from trainer3d.rundir import clear_run
@@ -40,11 +41,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trainer3d: error: {e}", file=sys.stderr)
         return 2
     cfg, layout, plan = setup.cfg, setup.layout, setup.plan
+    if env.rank == 0 and cfg.layout_choice is not None:  # --layout auto: the pick, why, the runner-up
+        print("\n".join(f"[trainer3d] {line}" for line in choice_lines(cfg.layout_choice)), flush=True)
     device = default_device(env.local_rank)
     group = WorldGroup(env, device, cfg.dist_timeout)
     Heartbeat().beat(0)
 
     def train() -> None:
+        if cfg.layout_choice is not None:  # --layout auto: every rank planned alike (one gather, before any group)
+            agree_on_pick(cfg.layout_choice, dist.group.WORLD)
         if cfg.overwrite:  # the earlier run goes before anything of this one is written (validate checked the rest)
             error = None
             if env.rank == 0:
@@ -93,7 +98,8 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
             heartbeat.beat(trainer.step + 1)
             profiler.start(trainer.step + 1)
             t0 = time.perf_counter()
-            record = trainer.train_step(loader.next_batch(), stop_requested=saver.stop_requested)
+            batch = loader.next_batch()
+            record = trainer.train_step(batch, stop_requested=saver.stop_requested, data_s=time.perf_counter() - t0)
             stop = record.pop("stop")  # every rank's signals, agreed in the step's own all-reduce
             record.update(speed.of(trainer.step, time.perf_counter() - t0))
             if hasattr(loader, "drawn"):  # a mixture: the rows drawn from each source so far

@@ -10,6 +10,7 @@ import sys
 import torch.distributed as dist
 
 from trainer3d.train.metrics import MetricsFile, PeakMemory, RunSummary
+from trainer3d.train.stragglers import StragglerWatch
 from trainer3d.train.tracking import Tracker
 
 
@@ -23,6 +24,9 @@ class Report:
         self.tracker = Tracker(trainer)  # W&B, on the logging rank only
         self.memory = PeakMemory(trainer.device, trainer.topo.world_group)
         self.summary = RunSummary(trainer.step)
+        layout = trainer.topo.layout
+        self.stragglers = StragglerWatch(self.cfg.straggler_factor, self.cfg.straggler_intervals,
+                                         lambda r: " ".join(f"{a}{v}" for a, v in layout.coords(r)._asdict().items()))
         self.bar = None
 
     def start(self, tokens_per_step: int) -> None:
@@ -58,8 +62,11 @@ class Report:
         """A step's (or step 0's evaluation) record. Collective on logged steps (every rank must call it)."""
         step = record["step"]
         trained = "loss" in record
+        if trained:
+            self.stragglers.add(record.pop("rank_step_times", None) or [])
         if trained and self.logged(step):  # the highest of any rank since the previous logged step
             record["peak_mem_bytes"] = self.memory.report()
+            record.update(self.stragglers.report())  # the interval's per-rank step times (host values: no read)
         self.metrics.write(record)
         self.summary.observe(record)
         self.tracker.log(record)
@@ -75,6 +82,8 @@ class Report:
             eta = None if last or fd["n"] <= fd["initial"] else \
                 fd["elapsed"] / (fd["n"] - fd["initial"]) * (self.cfg.max_steps - step)
             self.bar.write(step_line(record, eta))
+            for line in self.stragglers.lines():
+                self.bar.write(f"[trainer3d] {line}")
 
     def samples(self, step: int, texts: list[str]) -> None:
         self.tracker.log_samples(step, texts)

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from trainer3d.checkpoint.format import checkpoints_root, resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import PRECISIONS, RECOMPUTE_MODES, SIZE_FLAGS, TrainConfig
@@ -17,7 +19,7 @@ from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.mixture import read_mixture
 from trainer3d.data.shards import looks_prepared
 from trainer3d.data.sources import DataConfig, check_data_path, looks_like_path
-from trainer3d.distributed.topology import Layout, Topology, device_type, infer_layout
+from trainer3d.distributed.topology import LaunchEnv, Layout, Topology, device_type, infer_layout
 from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.rundir import CHECKPOINTS, earlier_run
 from trainer3d.data.tokenizer import has_tokenizer_files
@@ -28,6 +30,8 @@ from trainer3d.parallel.context_parallel import check_context_parallel
 from trainer3d.parallel.expert_parallel import check_expert_parallel
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline, last_stage_pp_rank
 from trainer3d.parallel.sequence_parallel import check_sequence_parallel
+from trainer3d.plan.auto import Machine, read_machine, resolve_auto
+from trainer3d.train.metrics import device_peak_tflops
 from trainer3d.train.profiling import parse_step_range
 from trainer3d.zero.config import DeepSpeedSpec, resolve_deepspeed
 
@@ -76,9 +80,10 @@ RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("sample_every", 0, None, False), ("sample_count", 1, None, False), ("sample_tokens", 1, None, False),
     ("sample_temperature", 0.0, None, False), ("sample_top_k", 0, None, False),
     ("moe_aux_loss_coef", 0.0, None, False), ("moe_z_loss_coef", 0.0, None, False),
-    ("moe_bias_update_rate", 0.0, None, False),
+    ("moe_bias_update_rate", 0.0, None, False), ("straggler_factor", 1.0, None, False),
+    ("straggler_intervals", 1, None, False),
 )
-POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor")  # strictly above 0
+POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor", "device_memory_gib")  # strictly above 0
 
 
 def flag(field: str) -> str:
@@ -122,6 +127,11 @@ def check_combinations(cfg: TrainConfig) -> None:
     if cfg.data_mixture and cfg.data_config:
         raise ConfigError("--data-config names one dataset's config; with --data-mixture give the source its own "
                           "\"data_config\" in the file.")
+    if cfg.layout not in ("manual", "auto"):
+        raise ConfigError(f"--layout must be manual or auto (got {cfg.layout!r}).")
+    if cfg.layout != "auto" and (cfg.device_memory_gib is not None or str(cfg.deepspeed_config).lower() == "auto"):
+        raise ConfigError("--device-memory-gib and --deepspeed_config auto feed the layout planner; add --layout auto "
+                          "or drop them.")
     if cfg.hellaswag_examples is not None and not cfg.eval_hellaswag:
         raise ConfigError("--hellaswag-examples needs --eval-hellaswag PATH, the file to take them from.")
     if cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].multi_stage and not SCHEDULES[cfg.schedule].v_shape \
@@ -226,9 +236,21 @@ def check_chat(cfg: TrainConfig) -> TrainConfig:
                                reset_position_ids=cfg.reset_position_ids or cfg.pack)
 
 
-def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_model=None) -> RunSetup:
+def auto_machine(cfg: TrainConfig, world_size: int) -> Machine:
+    """--layout auto's view of this machine: launcher variables, the device's total memory and peak (alike on every
+    rank of a homogeneous job), or --device-memory-gib and --peak-tflops."""
+    env = LaunchEnv.from_environ()
+    dev = device_type()
+    peak = device_peak_tflops(torch.device(dev, 0) if dev == "cuda" else torch.device("cpu"),
+                              cfg.resolved_precision(dev), cfg.peak_tflops)
+    return read_machine(world_size, env.local_rank, os.environ, cfg.device_memory_gib, peak)
+
+
+def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_model=None,
+             machine: Machine | None = None) -> RunSetup:
     """Every check of `cfg` at `world_size` processes. `base_model`: the config of weights the run evaluates
-    (trainer3d.evaluate); --init-from-hf's is read here."""
+    (trainer3d.evaluate); --init-from-hf's is read here. --layout auto is resolved here, for `machine` (default:
+    this process's, auto_machine), so every rank picks alike and every check below sees the pick."""
     check_ranges(cfg)
     check_combinations(cfg)
     check_paths(cfg)
@@ -237,7 +259,8 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
     for name, value, choices in (("precision", cfg.precision, PRECISIONS), ("recompute", cfg.recompute, RECOMPUTE_MODES)):
         if value not in choices:
             raise ConfigError(f"{flag(name)} must be one of {', '.join(choices)} (got {value!r}).")
-    layout = infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+    # a layout that cannot be is said first (under --layout auto: the axes given, ep once dp is known)
+    infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep if cfg.layout != "auto" else 1)
     if cfg.init_from_hf:
         base_model = hf_model_config(cfg.init_from_hf)
         if cfg.tokenizer is None and has_tokenizer_files(cfg.init_from_hf):  # the weights' own tokenizer
@@ -250,6 +273,9 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
             f"--seq-len {cfg.seq_len} exceeds the model's context of {mcfg.n_positions} positions; "
             f"use --seq-len {mcfg.n_positions} or less."
         )
+    if cfg.layout == "auto":
+        cfg = resolve_auto(cfg, mcfg, machine or auto_machine(cfg, world_size))
+    layout = infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
     family_of(mcfg).check(mcfg, layout.tp)
     problem = check_expert_parallel(mcfg, layout.ep, layout.tp, cfg.seq_len, layout.cp)
     if problem is not None:

@@ -6,7 +6,7 @@ variables (WANDB_ENTITY, WANDB_DIR, WANDB_API_KEY, ...) are read by wandb itself
 `<out-dir>/wandb/` unless WANDB_DIR says otherwise. Nothing from the environment is put into the logged config, so
 the API key is never logged (wandb itself never prints it).
 
-The config logged is the TrainConfig as a dict, the layout, the batch plan, the model's sizes and, with
+The config logged is the TrainConfig as a dict, the layout (with --layout auto's choice), the batch plan, the model's sizes and, with
 `--deepspeed_config`, the DeepSpeed JSON. Each step logs the same record that metrics.jsonl gets (None values
 dropped, a mapping such as a mixture's `data_mix` spread into `data_mix/<source>`); text samples (`--sample-every`) go to a table, `samples`. A resumed run (trainer.step > 0 at start)
 continues the W&B run whose id is in `<out-dir>/wandb_run_id`.
@@ -64,6 +64,8 @@ def run_config(trainer) -> dict:
         "device": str(trainer.device),
         "precision": trainer.precision,
     }
+    if cfg.layout_choice is not None:  # --layout auto: the pick, the runner-up and why
+        config["layout"]["auto"] = cfg.layout_choice
     if isinstance(cfg.deepspeed_config, dict):
         config["deepspeed"] = cfg.deepspeed_config
     elif cfg.deepspeed_config:

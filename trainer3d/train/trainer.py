@@ -26,6 +26,7 @@ from trainer3d.parallel.moe_balance import MoEBalance
 from trainer3d.parallel.parallelize import parallelize
 from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 from trainer3d.train.setup import RunSetup
+from trainer3d.train.stragglers import WorkClock
 from trainer3d.zero.engine import zero_engine_factory
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,6 +60,7 @@ class Trainer:
         self.is_logging_rank = dist.get_rank() == self.logging_rank
         self._reduction = None  # set by forward_only for one pass
         self._weight = 1.0  # of a supervised target's loss in the running pass: dp·cp / the global batch's targets
+        self.clock = WorkClock(self.pm.stages, device)  # this rank's step time, for the stragglers (stragglers.py)
 
     def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy from this rank's vocab shard of the logits (collective over tp); where gradients
@@ -100,11 +102,13 @@ class Trainer:
                     self.schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
         return losses
 
-    def _run_schedule(self, batch: Batch | torch.Tensor, train: bool, stop_requested: bool = False):
+    def _run_schedule(self, batch: Batch | torch.Tensor, train: bool, stop_requested: bool = False,
+                      data_s: float = 0.0):
         """Run the pipeline over this rank's share of the global batch; return the global mean loss over its
-        supervised targets, a float64 device scalar on every rank, and the world's count of stop requests
-        (`stop_requested` summed in the same all-reduce, so agreeing on a stop costs no collective of its own);
-        neither is read here."""
+        supervised targets, a float64 device scalar on every rank, the world's count of stop requests
+        (`stop_requested` summed in the same all-reduce, so agreeing on a stop costs no collective of its own) and,
+        training, every rank's step time in its own slot of that all-reduce (WorkClock: `data_s` and its forwards;
+        None in evaluation); none is read here."""
         batch = batch if isinstance(batch, Batch) else Batch(batch)
         tokens, targets = batch.tokens, batch.tokens[:, 1:]
         if batch.supervised is not None:
@@ -112,28 +116,34 @@ class Trainer:
         count = batch.targets if batch.targets is not None else self.plan.global_batch * self.cfg.seq_len
         self._weight = self.topo.layout.dp_cp / max(1, count)
         documents = batch.documents[:, :-1] if batch.documents is not None else None
+        if train:
+            self.clock.begin(data_s)
         losses = self._schedule_pass(tokens[:, :-1], targets, train, documents)
         # One rank per dp replica and context shard (last stage, tp rank 0) contributes its targets' share; the world
-        # sums.
-        local = torch.zeros(2, device=self.device)
+        # sums. Training, each rank also puts its step time in its own slot after those two.
+        world = self.topo.layout.world_size
+        local = torch.zeros(2 + (world if train else 0), device=self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
             local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
         local[1] = float(stop_requested)
+        if train:
+            local[2 + self.topo.rank] = self.clock.seconds()
         total = all_reduce(local, self.topo.world_group).double()
-        return total[0] / self.topo.layout.dp_cp, total[1]
+        return total[0] / self.topo.layout.dp_cp, total[1], total[2:] if train else None
 
-    def train_step(self, batch: Batch | torch.Tensor, stop_requested: bool = False) -> dict:
+    def train_step(self, batch: Batch | torch.Tensor, stop_requested: bool = False, data_s: float = 0.0) -> dict:
         """One optimizer step on this dp rank's rows of the global batch (a Batch, or its tokens [local_batch,
         seq_len + 1] when every target is supervised); one
-        device-to-host read (the engine's, for the norm, the loss and the stop requests together).
-        `stop_requested`: this rank was asked to stop (SIGTERM); the record's "stop" says whether any rank was."""
+        device-to-host read (the engine's, for the norm, the loss, the stop requests and the ranks' step times).
+        `stop_requested`: this rank was asked to stop (SIGTERM); the record's "stop" says whether any rank was.
+        `data_s`: the seconds this rank took to fetch `batch`, part of its step time (`rank_step_times`)."""
         self.engine.train()
         self.engine.zero_grad()
-        loss, stop = self._run_schedule(batch, train=True, stop_requested=stop_requested)
+        loss, stop, times = self._run_schedule(batch, train=True, stop_requested=stop_requested, data_s=data_s)
         lr = lr_at(self.step, self.cfg)
         grad_scale = 1.0 / self.loss_scale.scale if self.loss_scale else 1.0
-        result = self.engine.step(lr, self.cfg.grad_clip, grad_scale, loss=loss, stop=stop)
+        result = self.engine.step(lr, self.cfg.grad_clip, grad_scale, loss=loss, stop=stop, extra=times)
         if self.loss_scale:
             self.loss_scale.update(result.stepped)
         elif not result.stepped and self.cfg.on_nonfinite == "stop":
@@ -144,7 +154,7 @@ class Trainer:
                                                  "steps)."))
         self.step += 1
         record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                  "skipped": not result.stepped, "stop": result.stop}
+                  "skipped": not result.stepped, "stop": result.stop, "rank_step_times": result.extra}
         if self.loss_scale:
             record.update(loss_scale=self.loss_scale.scale)
         if self.balance is not None:  # one all-reduce and one read of the step's routing statistics

@@ -1,0 +1,199 @@
+"""--layout auto (trainer3d/plan/auto.py) and the stragglers' step times (trainer3d/train/stragglers.py), in one
+process: the pick is a pure, fast function of its inputs that keeps the flags given; what cannot be planned is
+refused with one sentence; ZeRO is planned only when asked for; the entry point prints the pick and records it in
+meta.json, the W&B config and metrics.jsonl; the straggler rule names a rank after N slow intervals running.
+
+The multi-process proofs ride in worlds that already spawn: the pick at 4 and 8 processes against the one-process
+run and a slowed rank named (tests/test_parity.py), a run saved at world 4 resumed at world 2
+(tests/test_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer3d.config import TrainConfig, parse_args
+from trainer3d.errors import ConfigError
+from trainer3d.plan.auto import Machine, choice_lines, read_machine, resolve_auto
+from trainer3d.train.stragglers import StragglerWatch, WorkClock
+
+PARITY = dict(model="tiny", n_layer=8, n_head=8, n_embd=64, vocab_size=500, seq_len=32, global_batch=16,
+              precision="fp32", layout="auto")
+
+
+def _machine(world: int, memory_gib: float = 4.0, per_node: int | None = None) -> Machine:
+    return Machine(world, per_node or world, "cpu", memory_gib, None, 64.0, "cpu")
+
+
+def _pick(world: int, machine: Machine | None = None, **flags) -> TrainConfig:
+    cfg = TrainConfig(**{**PARITY, **flags})
+    return resolve_auto(cfg, cfg.model_config(500), machine or _machine(world))
+
+
+def test_the_pick_is_deterministic_fast_and_keeps_the_flags_given():
+    t0 = time.perf_counter()
+    free = _pick(8)
+    assert time.perf_counter() - t0 < 1.0
+    assert free == _pick(8) and free.layout_choice == _pick(8).layout_choice  # every rank picks alike
+    assert (free.tp, free.pp) == (1, 1) and free.layout_choice["pick"].startswith("dp8 ")
+    assert free.layout_choice["runner_up"] and "fastest of" in free.layout_choice["why"]
+    tp2 = _pick(8, tp=2)
+    assert tp2.tp == 2 and tp2.sequence_parallel and tp2.layout_choice["constraints"] == {"tp": 2}
+    pp2 = _pick(8, pp=2, schedule="gpipe", recompute="full")
+    assert (pp2.pp, pp2.schedule, pp2.recompute) == (2, "gpipe", "full")
+    assert 16 % (pp2.micro_batches * 8 // (pp2.tp * pp2.pp)) == 0  # the global batch splits over dp × micro-batches
+    assert _pick(4, micro_batches=2).micro_batches == 2
+    # from the command line, a flag typed at its default value is a constraint too
+    typed = parse_args(["--layout", "auto", "--tp", "1", "--model", "tiny", "--n-layer", "8", "--n-head", "8",
+                        "--n-embd", "64", "--vocab-size", "500", "--seq-len", "32", "--global-batch", "16"])
+    assert resolve_auto(typed, typed.model_config(500), _machine(8)).layout_choice["constraints"] == {"tp": 1}
+    # a node's ranks: tp stays inside one (2 nodes of 2: tp 4 would cross the network)
+    two_nodes = _pick(4, _machine(4, per_node=2), tp=2)
+    assert two_nodes.layout_choice["machine"]["nodes"] == 2
+    with pytest.raises(ConfigError):
+        _pick(4, _machine(4, per_node=2), tp=4)
+
+
+def test_what_cannot_be_planned_is_refused_with_one_sentence():
+    with pytest.raises(ConfigError) as e:
+        _pick(4, _machine(4, memory_gib=0.001))
+    text = str(e.value)
+    assert text.startswith("--layout auto finds no layout of 4 processes for this ") and "0.001 GiB per rank" in text
+    assert not re.search(r"\.\s+[A-Z]", text) and "\n" not in text  # one sentence
+    assert "does not fit in GPU memory" in text and "--device-memory-gib" in text and text.endswith(".")
+    with pytest.raises(ConfigError) as e:
+        _pick(4, micro_batches=3)
+    assert "that keeps --micro-batches 3 (" in str(e.value) and "drop or change those flags" in str(e.value)
+
+
+def test_zero_is_planned_only_when_asked_for():
+    """GPT-2 small (124M, fp32 on CPU: 16 bytes of state a parameter, ~2 GiB) on 8 ranks of 1.5 GiB at --tp 1 --pp 1:
+    DDP cannot fit, ZeRO can. Without --deepspeed_config auto nothing fits; with it the pick is a ZeRO stage and its
+    JSON."""
+    cfg = TrainConfig(model="gpt2", seq_len=128, global_batch=16, precision="fp32", layout="auto",
+                      explicit_flags=("layout", "tp", "pp", "model", "seq_len", "global_batch", "precision"))
+    mcfg, small = cfg.model_config(50257), _machine(8, memory_gib=1.5)
+    with pytest.raises(ConfigError):
+        resolve_auto(cfg, mcfg, small)
+    z = resolve_auto(dataclasses.replace(cfg, deepspeed_config="auto"), mcfg, small)
+    ds = z.deepspeed_config
+    assert ds["zero_optimization"]["stage"] >= 1 and ds["bf16"] == {"enabled": False}
+    assert ds["train_batch_size"] == 16 and f"ZeRO-{ds['zero_optimization']['stage']}" in z.layout_choice["pick"]
+    # a JSON of the user's with "zero_optimization": "auto": that section planned, the rest kept
+    own = resolve_auto(dataclasses.replace(cfg, deepspeed_config={"zero_optimization": "auto", "steps_per_print": 7}),
+                       mcfg, small)
+    assert own.deepspeed_config["steps_per_print"] == 7 and own.deepspeed_config["zero_optimization"]["stage"] >= 1
+
+
+def test_machine_from_the_launcher():
+    assert read_machine(8, environ={"LOCAL_WORLD_SIZE": "4"}).ranks_per_node == 4
+    assert read_machine(8, environ={"SLURM_NTASKS_PER_NODE": "2(x4)"}).ranks_per_node == 2
+    m = read_machine(4, environ={}, memory_gib=3.0)
+    assert (m.ranks_per_node, m.memory_gib, m.device) == (4, 3.0, "cpu")
+
+
+def test_the_entry_point_prints_and_records_the_pick(tmp_path, monkeypatch, capsys):
+    from trainer3d.train.loop import main
+    from trainer3d.train.tracking import run_config
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    out = tmp_path / "run"
+    assert main(["--layout", "auto", "--model", "tiny", "--n-layer", "2", "--seq-len", "32", "--global-batch", "4",
+                 "--max-steps", "2", "--eval-every", "0", "--log-every", "1", "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[trainer3d] --layout auto on 1 node(s) × 1 cpu ranks" in printed and "  why: fastest of" in printed
+    meta = json.loads((out / "checkpoints" / "step_000002" / "meta.json").read_text())
+    choice = meta["config"]["layout_choice"]
+    assert choice["pick"].startswith("dp1 tp1 pp1") and choice["machine"]["world"] == 1
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["step_time_min"] == r["step_time_median"] == r["step_time_max"] > 0 for r in records if "loss" in r)
+    assert not any("rank_step_times" in r for r in records)
+    cfg = TrainConfig(layout="auto", layout_choice=choice)
+    layout = SimpleNamespace(dp=1, tp=1, pp=1, cp=1, world_size=1)
+    trainer = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(layout=layout),
+                              mcfg=cfg.model_config(50257), device="cpu", precision="fp32", deepspeed=None,
+                              plan=SimpleNamespace(global_batch=4, micro_batches=1, micro_batch_size=4),
+                              pm=SimpleNamespace(n_stages=1, layer_ranges=[range(0, 2)]))
+    assert run_config(trainer)["layout"]["auto"] == choice  # the W&B config
+    assert choice_lines(choice)[0].startswith("--layout auto on 1 node(s)")
+
+
+def test_a_straggler_is_named_after_n_slow_intervals_running():
+    watch = StragglerWatch(1.2, 3, where=lambda r: f"pp0 dp{r}")
+    slow = [0.1, 0.1, 0.13, 0.1]  # rank 2 at 1.3× the median
+    named = []
+    for times in [slow] * 4 + [[0.1] * 4] + [slow]:
+        watch.add(times)
+        report = watch.report()
+        named.append(report.get("stragglers"))
+    assert report["step_time_min"] == 0.1 and report["step_time_max"] == 0.13 and report["step_time_median"] == 0.1
+    assert named[:2] == [None, None] and named[2] == named[3] == {"rank2": pytest.approx(1.3)}
+    assert named[4] is None and named[5] is None  # a fast interval ends the run of slow ones
+    watch = StragglerWatch(1.2, 1, where=lambda r: f"pp0 dp{r}")
+    watch.add(slow)
+    watch.report()
+    assert watch.lines() == ["straggler: rank 2 (pp0 dp2) took 1.30× the median step time (130.0 ms vs 100.0 ms) "
+                             "for 1 consecutive logging intervals"]
+
+
+def test_the_work_clock_counts_training_forwards_only():
+    stage = torch.nn.Linear(4, 4)
+    clock = WorkClock([stage], torch.device("cpu"))
+    stage.register_forward_pre_hook(lambda *_: time.sleep(0.02))  # after the clock's own: counted
+    clock.begin(data_s=0.5)
+    stage(torch.ones(1, 4))
+    assert 0.52 <= clock.seconds() < 1.0
+    stage(torch.ones(1, 4))  # an evaluation pass after the step's all-reduce: not counted
+    clock.begin(data_s=0.0)
+    assert clock.seconds() == 0.0
+
+
+def test_the_work_clock_on_cuda_reports_the_previous_steps_events(monkeypatch):
+    """On CUDA the forwards are timed by events and read one step late, when the step's own read has completed them
+    (reading them sooner would be a device sync): checked here with a host-clock stand-in for torch.cuda.Event."""
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end) -> float:  # milliseconds, as CUDA's
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    stage = torch.nn.Linear(4, 4)
+    clock = WorkClock([stage], torch.device("cuda"))
+    pause = stage.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    clock.begin(data_s=0.1)
+    stage(torch.ones(1, 4))
+    assert clock.seconds() == 0.1  # its own forward is not read yet
+    pause.remove()
+    clock.begin(data_s=0.0)
+    stage(torch.ones(1, 4))
+    assert 0.02 <= clock.seconds() < 0.5  # the previous step's forward
+
+
+def test_ranks_that_planned_differently_are_refused_together(monkeypatch):
+    """Mixed nodes: a rank that read another memory size picks another layout, and would build other process groups
+    and hang in them; the one gather at launch finds it, and every rank raises the same sentence."""
+    from trainer3d.plan import auto
+
+    same, other = _pick(4).layout_choice, _pick(4, _machine(4, memory_gib=8.0, per_node=2), pp=2).layout_choice
+    auto.agree_on_pick(same, None)  # one process: nothing to compare
+    mine = lambda r: (r["pick"], round(r["machine"]["memory_gib"], 3), r["machine"]["ranks_per_node"], "cpu")  # noqa: E731
+    monkeypatch.setattr(auto, "all_gather_object", lambda obj, group: [mine(same), mine(same), mine(other)])
+    with pytest.raises(ConfigError) as e:
+        auto.agree_on_pick(same, None)
+    assert str(e.value).startswith(f"--layout auto planned {same['pick']} on rank 0 (4.0 GiB, 4 ranks a node, cpu) "
+                                   f"but {other['pick']} on rank 2 (8.0 GiB, 2 ranks a node, cpu): the nodes differ")
