@@ -191,9 +191,33 @@ def test_ranks_that_planned_differently_are_refused_together(monkeypatch):
 
     same, other = _pick(4).layout_choice, _pick(4, _machine(4, memory_gib=8.0, per_node=2), pp=2).layout_choice
     auto.agree_on_pick(same, None)  # one process: nothing to compare
-    mine = lambda r: (r["pick"], round(r["machine"]["memory_gib"], 3), r["machine"]["ranks_per_node"], "cpu")  # noqa: E731
+    mine = lambda r: (r["pick"], round(r["machine"]["memory_gib"], 3), r["machine"]["ranks_per_node"], "cpu",  # noqa: E731
+                      "none")
     monkeypatch.setattr(auto, "all_gather_object", lambda obj, group: [mine(same), mine(same), mine(other)])
     with pytest.raises(ConfigError) as e:
         auto.agree_on_pick(same, None)
-    assert str(e.value).startswith(f"--layout auto planned {same['pick']} on rank 0 (4.0 GiB, 4 ranks a node, cpu) "
-                                   f"but {other['pick']} on rank 2 (8.0 GiB, 2 ranks a node, cpu): the nodes differ")
+    assert str(e.value).startswith(f"--layout auto planned {same['pick']} on rank 0 (4.0 GiB, 4 ranks a node, cpu, "
+                                   f"calibrated none) but {other['pick']} on rank 2 (8.0 GiB, 2 ranks a node, cpu, "
+                                   "calibrated none): the nodes differ")
+
+
+def test_a_calibration_of_this_machine_replaces_the_nominal_constants(tmp_path, monkeypatch):
+    """Where `python -m trainer3d.plan --calibrate` cached this kind of machine, --layout auto plans with its numbers
+    and says so; a fast measured link moves the pick toward tensor parallelism, which the nominal constants avoid."""
+    from trainer3d.plan import calibrate
+    from trainer3d.plan.auto import choice_lines
+    from trainer3d.train.setup import auto_machine
+
+    monkeypatch.setenv("TRAINER3D_CALIBRATION", str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = TrainConfig(**PARITY)
+    assert auto_machine(cfg, 8).measured == {}
+    fast = calibrate.Calibration(host="h", device=calibrate.device_name(torch.device("cpu")), ranks_per_node=8,
+                                 nodes=1, dtype="fp32", matmul_tflops=1e-3, intra=calibrate.Link(1e-9, 1e4),
+                                 inter=None, overlap=0.0, seconds=1.0, date="2026-11-26 18:00 UTC")
+    calibrate.save(fast, torch.device("cpu"))
+    m = auto_machine(cfg, 8)
+    assert m.measured == calibrate.constants(fast) and m.calibrated == fast.date
+    nominal, measured = _pick(8), _pick(8, m)
+    assert nominal.tp == 1 and measured.tp > 1, (nominal.layout_choice["pick"], measured.layout_choice["pick"])
+    assert "calibrated on this machine 2026-11-26 18:00 UTC" in choice_lines(measured.layout_choice)[0]

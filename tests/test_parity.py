@@ -6,7 +6,6 @@ Each world is spawned once and runs its reference and all its layouts in sequenc
 
 from __future__ import annotations
 
-import pytest
 
 import parity
 from distributed import run_world

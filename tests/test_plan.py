@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer3d.errors import UsageError
 from trainer3d.models import MODEL_PRESETS
 from trainer3d.models.gpt2 import GPTConfig
 from trainer3d.plan.candidate import Candidate, rank_params
@@ -552,7 +551,7 @@ def test_calibration_measures_caches_and_replaces_the_assumed_constants(tmp_path
 
     from trainer3d.plan import calibrate
 
-    monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path))
+    monkeypatch.setenv("TRAINER3D_CALIBRATION", str(tmp_path))
     assert run_world(2, _calibrate, timeout=120) == [0, 0]
     calib = calibrate.load(torch.device("cpu"), 2, "fp32")
     assert calib is not None and calib.nodes == 1 and calib.inter is None
@@ -567,7 +566,7 @@ def test_calibration_measures_caches_and_replaces_the_assumed_constants(tmp_path
                  "--calibrated", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert f"calibration: {calib.describe()}" in out and f"{calib.matmul_tflops:g} TFLOP/s peak at 100%" in out
-    monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "none"))
+    monkeypatch.setenv("TRAINER3D_CALIBRATION", str(tmp_path / "none"))
     with pytest.raises(SystemExit, match="no calibration at .*run `torchrun --nproc_per_node 2 -m trainer3d.plan "
                                          "--calibrate"):
         main(["--model", "tiny", "--gpus-per-node", "2", "--calibrated"])

@@ -48,6 +48,7 @@ class Machine:
     # Cluster fields (mfu, overlap, intra/inter_node_gbps, pcie_gbps, ...) measured on this machine, replacing the
     # presets: where a calibration's numbers go
     measured: dict[str, float] = dataclasses.field(default_factory=dict)
+    calibrated: str = ""  # when the calibration was measured ("": none, the presets' constants)
 
 
 def ranks_per_node(world: int, environ: Mapping[str, str]) -> int:
@@ -246,14 +247,15 @@ def agree_on_pick(record: dict, group) -> None:
     """Collective, once at launch: every rank planned alike, else every rank raises the same sentence. Ranks that
     read different machines (mixed nodes) would build different process groups and hang in them."""
     m = record["machine"]
-    mine = (record["pick"], round(m["memory_gib"], 3), m["ranks_per_node"], m["name"])
+    mine = (record["pick"], round(m["memory_gib"], 3), m["ranks_per_node"], m["name"], m.get("calibrated") or "none")
     seen = all_gather_object(mine, group)
     odd = next((r for r, p in enumerate(seen) if p != seen[0]), None)
     if odd is not None:
-        (a, ma, na, da), (b, mb, nb, db) = seen[0], seen[odd]
-        raise ConfigError(f"--layout auto planned {a} on rank 0 ({ma} GiB, {na} ranks a node, {da}) but {b} on rank "
-                          f"{odd} ({mb} GiB, {nb} ranks a node, {db}): the nodes differ; pass --device-memory-gib "
-                          "(and launch as many ranks on every node) so that every rank plans for the same machine.")
+        (a, ma, na, da, ca), (b, mb, nb, db, cb) = seen[0], seen[odd]
+        raise ConfigError(f"--layout auto planned {a} on rank 0 ({ma} GiB, {na} ranks a node, {da}, calibrated {ca}) "
+                          f"but {b} on rank {odd} ({mb} GiB, {nb} ranks a node, {db}, calibrated {cb}): the nodes "
+                          "differ; pass --device-memory-gib (and launch as many ranks on every node), and give every "
+                          "node the same calibration (a shared $TRAINER3D_CACHE), so that every rank plans alike.")
 
 
 def choice_lines(record: dict) -> list[str]:
@@ -261,6 +263,8 @@ def choice_lines(record: dict) -> list[str]:
     m, est = record["machine"], record["estimate"]
     nominal = " (nominal CPU constants: the estimates rank layouts, they are no CPU's seconds)" \
         if m["device"] == "cpu" else ""
+    if m.get("calibrated"):
+        nominal = f" (calibrated on this machine {m['calibrated']}: python -m trainer3d.plan --calibrate)"
     lines = [f"--layout auto on {m['nodes']} node(s) × {m['ranks_per_node']} {m['name'] or m['device']} ranks, "
              f"{m['memory_gib']:.1f} GiB each{nominal}: {record['pick']} (est. {est['step_s'] * 1e3:.3g} ms/step, "
              f"{est['memory_gib']:.2f} GiB/rank)", f"  why: {record['why']}"]

@@ -6,8 +6,9 @@ what it gets): the matmul throughput at the model's shapes in the run's precisio
 pairs of ranks inside a node and across nodes (where the launcher says there are several), the latency and bandwidth
 of all-reduce, all-gather and send/recv, fitted as `time = steps × latency + wire bytes / bandwidth` from a small and a
 large payload (steps: a ring's, 2(n−1) for an all-reduce); and how much of an all-reduce running beside a matmul
-hides behind it (the overlap). The result is cached per machine (host, device, ranks per node, dtype) under the data
-cache's folder and read back by the planner (`apply`), so `--layout auto` plans with what this machine measured.
+hides behind it (the overlap). The result is cached per kind of machine (device, ranks per node, dtype) under the data
+cache's folder and read back by the planner (`apply`, `constants`), so `--layout auto` plans with what this machine
+measured.
 
     torchrun --nproc_per_node 8 -m trainer3d.plan --calibrate --model gpt2 --seq-len 1024
 """
@@ -62,10 +63,11 @@ class Calibration:
 
 
 def cache_path(device: str, ranks_per_node: int, dtype: str, root: str | os.PathLike | None = None) -> Path:
-    """Per machine: this host, its device kind, how many ranks share it, the precision."""
-    base = Path(root or os.environ.get("TRAINER3D_CACHE") or Path.home() / ".cache" / "trainer3d")
-    name = f"{socket.gethostname()}-{device.replace(' ', '_')}-{ranks_per_node}ranks-{dtype}.json"
-    return base / "calibration" / name
+    """Per kind of machine: its device, how many ranks share it, the precision (not the host's name: the nodes of a
+    homogeneous cluster share one calibration, through a shared $TRAINER3D_CACHE or a copy on each node)."""
+    base = Path(root or os.environ.get("TRAINER3D_CALIBRATION") or Path(
+        os.environ.get("TRAINER3D_CACHE") or Path.home() / ".cache" / "trainer3d") / "calibration")
+    return base / f"{device.replace(' ', '_')}-{ranks_per_node}ranks-{dtype}.json"
 
 
 def device_name(device: torch.device) -> str:
@@ -91,15 +93,19 @@ def save(calib: Calibration, device: torch.device, root=None) -> Path:
     return path
 
 
-def apply(C: Cluster, calib: Calibration) -> Cluster:
-    """The cluster with the measured constants: the matmul throughput as the kernels' speed (mfu 1 of it), the
-    links' bandwidths and latencies, the overlap."""
-    out = replace(C, peak_tflops=calib.matmul_tflops, mfu=1.0, overlap=calib.overlap)
+def constants(calib: Calibration) -> dict[str, float]:
+    """The Cluster fields a calibration measures: the matmul throughput as the kernels' speed (mfu 1 of it), the
+    links' bandwidths and latencies (those measured), the overlap."""
+    out = dict(peak_tflops=calib.matmul_tflops, mfu=1.0, overlap=calib.overlap)
     if calib.intra is not None:
-        out = replace(out, intra_node_gbps=calib.intra.gbps, intra_node_latency_s=calib.intra.latency_s)
+        out.update(intra_node_gbps=calib.intra.gbps, intra_node_latency_s=calib.intra.latency_s)
     if calib.inter is not None:
-        out = replace(out, inter_node_gbps=calib.inter.gbps, inter_node_latency_s=calib.inter.latency_s)
+        out.update(inter_node_gbps=calib.inter.gbps, inter_node_latency_s=calib.inter.latency_s)
     return out
+
+
+def apply(C: Cluster, calib: Calibration) -> Cluster:
+    return replace(C, **constants(calib))
 
 
 # ---- the measurements: every rank calls them together ------------------------------------------------------------

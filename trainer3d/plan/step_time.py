@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from trainer3d.distributed.topology import Layout
 from trainer3d.parallel.pipeline import SCHEDULES, stage_cost, stage_ids
-from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params, rank_params
+from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.comm import analytic_comm, ring_steps
 

@@ -30,6 +30,7 @@ from trainer3d.parallel.context_parallel import check_context_parallel
 from trainer3d.parallel.expert_parallel import check_expert_parallel
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline, last_stage_pp_rank
 from trainer3d.parallel.sequence_parallel import check_sequence_parallel
+from trainer3d.plan import calibrate
 from trainer3d.plan.auto import Machine, read_machine, resolve_auto
 from trainer3d.train.metrics import device_peak_tflops
 from trainer3d.train.profiling import parse_step_range
@@ -238,12 +239,15 @@ def check_chat(cfg: TrainConfig) -> TrainConfig:
 
 def auto_machine(cfg: TrainConfig, world_size: int) -> Machine:
     """--layout auto's view of this machine: launcher variables, the device's total memory and peak (alike on every
-    rank of a homogeneous job), or --device-memory-gib and --peak-tflops."""
+    rank of a homogeneous job), or --device-memory-gib and --peak-tflops; the constants of `python -m trainer3d.plan
+    --calibrate` where this kind of machine has been calibrated (plan/calibrate.py)."""
     env = LaunchEnv.from_environ()
     dev = device_type()
     peak = device_peak_tflops(torch.device(dev, 0) if dev == "cuda" else torch.device("cpu"),
                               cfg.resolved_precision(dev), cfg.peak_tflops)
-    return read_machine(world_size, env.local_rank, os.environ, cfg.device_memory_gib, peak)
+    machine = read_machine(world_size, env.local_rank, os.environ, cfg.device_memory_gib, peak)
+    calib = calibrate.load(torch.device(dev), machine.ranks_per_node, cfg.resolved_precision(dev))
+    return dataclasses.replace(machine, measured=calibrate.constants(calib), calibrated=calib.date) if calib else machine
 
 
 def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_model=None,
