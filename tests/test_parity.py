@@ -72,7 +72,7 @@ def world4_matrix() -> list[dict]:
 
 
 # --layout auto: the planner's pick for the world (plan/auto.py), free and with --pp 2 kept (it then picks the schedule,
-# virtual stages and micro-batches); the free one with rank 3 slowed (parity.SLOW_S in each forward): a straggler
+# virtual stages and micro-batches); the free one with rank 3 slowed (parity.SLOW_S of batch fetch a step): a straggler
 AUTO4 = [dict(layout="auto", world=4, slow_rank=3), dict(layout="auto", world=4, pp=2)]
 AUTO8 = [dict(layout="auto", world=8)]
 

@@ -56,7 +56,7 @@ def test_no_final_save_saves_nothing_and_says_so(tmp_path):
 
 def test_peak_memory_is_the_highest_rank_and_restarts_each_interval(tmp_path):
     """metrics.jsonl's peak_mem_bytes, on logged steps (--log-every 2: 1, 2, 4, 6): the highest peak of any rank since
-    the previous logged step. The first stage's rank (not the logging one) holds 400 MiB for a moment after step 2:
+    the previous logged step. The first stage's rank (not the logging one) holds 800 MiB for a moment after step 2:
     step 4's peak shows it, step 6's (peaks restarted at step 4) does not."""
     import json
 
@@ -64,7 +64,7 @@ def test_peak_memory_is_the_highest_rank_and_restarts_each_interval(tmp_path):
     from distributed import free_port
 
     out = tmp_path / "run"
-    env = dict(_env(), **fault_plugin.env(TRAINER3D_FAULT="alloc:rank=0:step=2:mib=400"))
+    env = dict(_env(), **fault_plugin.env(TRAINER3D_FAULT="alloc:rank=0:step=2:mib=800"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "launch" / "train_gpt2.py"), *SMALL, "--pp", "2", "--max-steps", "6", "--log-every", "2",
            "--eval-every", "0", "--out-dir", str(out)]
@@ -73,4 +73,4 @@ def test_peak_memory_is_the_highest_rank_and_restarts_each_interval(tmp_path):
     peaks = {r["step"]: r.get("peak_mem_bytes") for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     print(f"\npeak_mem_bytes by step (MiB): { {k: v and round(v / 2**20) for k, v in peaks.items()} }")
     assert [s for s, v in peaks.items() if v is not None] == [1, 2, 4, 6]
-    assert peaks[4] > peaks[2] + 350 * 2**20 and peaks[6] < peaks[4] - 350 * 2**20
+    assert peaks[4] > peaks[2] + 700 * 2**20 and peaks[6] < peaks[4] - 700 * 2**20  # 100 MiB for drift

@@ -9,6 +9,8 @@ import sys
 
 import torch.distributed as dist
 
+from trainer3d.distributed.topology import ORDER
+
 from trainer3d.train.metrics import MetricsFile, PeakMemory, RunSummary
 from trainer3d.train.stragglers import StragglerWatch
 from trainer3d.train.tracking import Tracker
@@ -26,7 +28,7 @@ class Report:
         self.summary = RunSummary(trainer.step)
         layout = trainer.topo.layout
         self.stragglers = StragglerWatch(self.cfg.straggler_factor, self.cfg.straggler_intervals,
-                                         lambda r: " ".join(f"{a}{v}" for a, v in layout.coords(r)._asdict().items()))
+                                         lambda r: " ".join(f"{a}{getattr(layout.coords(r), a)}" for a in reversed(ORDER)))
         self.bar = None
 
     def start(self, tokens_per_step: int) -> None:
