@@ -28,10 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.load import prepare
 from trainer3d.config import PRECISIONS, SCHEDULE_NAMES, TrainConfig
 from trainer3d.data import build_rows, corpus_batches
+from trainer3d.data.batch import supervised_count
 from trainer3d.distributed.failure import run_reported
 from trainer3d.distributed.leader import leader_first
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
@@ -140,16 +143,9 @@ def corpus_loss(trainer: Trainer, rows) -> dict:
     """The mean loss over every supervised target of `rows` (one forward pass each), its count and perplexity."""
     topo = trainer.topo
     passes, batches = corpus_batches(rows, trainer.plan.global_batch, topo.dp_rank, topo.layout.dp)
-    counted = []
-
-    def counting():
-        for b in batches:
-            counted.append(b.targets)
-            yield b
-
-    loss = trainer.evaluate(counting())
-    return {"loss": loss, "tokens": int(sum(counted)), "ppl": math.exp(min(loss, 50.0)), "rows": len(rows),
-            "passes": passes}
+    loss = trainer.evaluate(batches)
+    return {"loss": loss, "tokens": supervised_count(rows, np.arange(len(rows))), "ppl": math.exp(min(loss, 50.0)),
+            "rows": len(rows), "passes": passes}
 
 
 def hellaswag_report(path: str, result) -> dict:

@@ -63,13 +63,19 @@ def take(rows, index: np.ndarray, targets: int | None = None) -> Batch:
     )
 
 
+def supervised_mask(batch: Batch) -> torch.Tensor:
+    """[B, seq_len] bool: which targets are in the loss (every one of a plain batch)."""
+    if batch.supervised is not None:
+        return batch.supervised
+    return torch.ones(batch.tokens.shape[0], batch.tokens.shape[1] - 1, dtype=torch.bool)
+
+
 def padding(batch: Batch, rows: int) -> Batch:
     """`batch` followed by `rows` rows that are in no loss (the last, partial batch of a whole-corpus pass)."""
     if rows == 0:
         return batch
     T1 = batch.tokens.shape[1]
-    supervised = batch.supervised if batch.supervised is not None else torch.ones(len(batch.tokens), T1 - 1,
-                                                                                   dtype=torch.bool)
+    supervised = supervised_mask(batch)
     tokens = torch.cat([batch.tokens, batch.tokens.new_zeros(rows, T1)])
     documents = None
     if batch.documents is not None:

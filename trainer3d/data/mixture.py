@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer3d.data.batch import Batch, supervised_count, take
+from trainer3d.data.batch import Batch, supervised_count, supervised_mask, take
 from trainer3d.data.loader import _as_rows, _check_layout, val_batches
 from trainer3d.data.sources import check_data_path
 from trainer3d.errors import ConfigError, DataError, UsageError
@@ -210,8 +210,7 @@ class MixtureLoader:
         tokens = torch.cat([p.tokens for p in parts])
         supervised = documents = None
         if any(p.supervised is not None for p in parts):
-            supervised = torch.cat([p.supervised if p.supervised is not None else
-                                    torch.ones(len(p.tokens), p.tokens.shape[1] - 1, dtype=torch.bool) for p in parts])
+            supervised = torch.cat([supervised_mask(p) for p in parts])
         if any(p.documents is not None for p in parts):  # a plain row's documents: opened by end-of-text tokens
             eos = -1 if self.blocks.eos_id is None else self.blocks.eos_id
             documents = torch.cat([p.documents if p.documents is not None else torch.cumsum(p.tokens == eos, dim=1)

@@ -2,11 +2,11 @@
 constants (`--mfu`, `--overlap`, the bandwidths, no latency).
 
 Every rank measures at once, as training runs (on a host with fewer cores than ranks, each rank's share of them is
-what it gets): the matmul throughput at the model's shapes in the run's precision; then, over the world and over
-pairs of ranks inside a node and across nodes (where the launcher says there are several), the latency and bandwidth
-of all-reduce, all-gather and send/recv, fitted as `time = steps × latency + wire bytes / bandwidth` from a small and a
-large payload (steps: a ring's, 2(n−1) for an all-reduce); and how much of an all-reduce running beside a matmul
-hides behind it (the overlap). The result is cached per kind of machine (device, ranks per node, dtype) under the data
+what it gets): the matmul throughput at the model's shapes in the run's precision; then, over the ranks of a node and
+over one rank per node (where the launcher says there are several), each link's latency per ring step and bandwidth,
+fitted as `time = steps × latency + wire bytes / bandwidth` from an all-reduce of a small and of a large payload
+(steps: a ring's, 2(n−1) for an all-reduce; the cost model prices every other collective by its own ring steps and
+wire bytes over the same link); and how much of an all-reduce running beside a matmul hides behind it (the overlap). The result is cached per kind of machine (device, ranks per node, dtype) under the data
 cache's folder and read back by the planner (`apply`, `constants`), so `--layout auto` plans with what this machine
 measured.
 
@@ -128,19 +128,34 @@ def _timed(fn, rounds: int, group=None, min_seconds: float = 0.02) -> float:
     return statistics.median(times)
 
 
+def _operands(shapes, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random [m, k] and [k, n] matrices for each (m, k, n) of `shapes`."""
+    return [(torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
+            for m, k, n in shapes]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _all_reduce(nbytes: int, group, device: torch.device):
+    """An all-reduce of `nbytes` over `group`, to call again and again (async_op=True: its Work)."""
+    x = torch.ones(max(1, nbytes // 4), device=device)
+    return lambda async_op=False: dist.all_reduce(x, group=group, async_op=async_op)
+
+
 def matmul_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, rounds: int) -> float:
     """TFLOP/s of the forward and backward matmuls of one block, [m, k] @ [k, n] for each (m, k, n), every rank
     at once; the slowest rank's (a step waits for it)."""
-    mats = [(torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
-            for m, k, n in shapes]
+    mats = _operands(shapes, dtype, device)
     flops = sum(3 * 2 * m * k * n for m, k, n in shapes)  # forward + the two backward matmuls
 
     def run() -> None:
         for a, b in mats:
             c = a @ b
             c @ b.T, a.T @ c  # noqa: B018 - the input's and the weight's gradients
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
 
     run()
     seconds = torch.tensor(_timed(run, rounds), dtype=torch.float64)
@@ -148,19 +163,10 @@ def matmul_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device
     return flops / float(seconds) / 1e12
 
 
-def _collective(op: str, nbytes: int, group, n: int, device: torch.device):
-    numel = max(n, nbytes // 4 // n * n)
-    x = torch.ones(numel, device=device)
-    if op == "all_reduce":
-        return lambda: dist.all_reduce(x, group=group)
-    out = torch.empty(numel * n, device=device)
-    return lambda: dist.all_gather_into_tensor(out, x, group=group)
-
-
 def link(group, n: int, device: torch.device, rounds: int) -> Link:
     """Latency per ring step and bandwidth of a group, fitted from all-reduces of SMALL and LARGE bytes."""
-    small = _timed(_collective("all_reduce", SMALL, group, n, device), rounds, group)
-    large = _timed(_collective("all_reduce", LARGE, group, n, device), max(2, rounds // 2), group)
+    small = _timed(_all_reduce(SMALL, group, device), rounds, group)
+    large = _timed(_all_reduce(LARGE, group, device), max(2, rounds // 2), group)
     steps, factor = ring_steps("all_reduce", n), ring_factor("all_reduce", n)
     latency = small / steps
     gbps = LARGE * factor / max(large - steps * latency, 1e-9) / 1e9
@@ -170,21 +176,15 @@ def link(group, n: int, device: torch.device, rounds: int) -> Link:
 def overlap(device: torch.device, shapes, dtype: torch.dtype, rounds: int) -> float:
     """The share of a LARGE all-reduce over the world that a matmul running beside it hides: (alone + alone −
     together) / the shorter of the two, in [0, 1]."""
-    n = dist.get_world_size()
-    reduce = _collective("all_reduce", LARGE, None, n, device)
-    mats = [(torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n_, device=device, dtype=dtype))
-            for m, k, n_ in shapes]
+    reduce, mats = _all_reduce(LARGE, None, device), _operands(shapes, dtype, device)
 
     def compute() -> None:
         for a, b in mats:
             a @ b  # noqa: B018
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    x = torch.ones(LARGE // 4, device=device)
+        _synchronize(device)
 
     def both() -> None:
-        work = dist.all_reduce(x, async_op=True)
+        work = reduce(async_op=True)
         compute()
         work.wait()
 

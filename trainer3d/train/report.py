@@ -10,7 +10,6 @@ import sys
 import torch.distributed as dist
 
 from trainer3d.distributed.topology import ORDER
-
 from trainer3d.train.metrics import MetricsFile, PeakMemory, RunSummary
 from trainer3d.train.stragglers import StragglerWatch
 from trainer3d.train.tracking import Tracker
