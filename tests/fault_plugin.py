@@ -5,9 +5,12 @@ set, the module wraps three trainer3d functions from outside; elsewhere it patch
 
     TRAINER3D_TEST_PAUSE_SAVE_AT_STEP=S        writer ranks stop after writing their file of step S's save
     TRAINER3D_FAULT=kill|hang|raise:rank=R:step=S   rank R fails after optimizer step S
+    TRAINER3D_FAULT=node:rank=R:step=S          rank R's node is lost: its torchrun agent and the rank SIGKILLed
     TRAINER3D_FAULT=alloc:rank=R:step=S:mib=N       rank R holds N MiB for a moment after step S
     TRAINER3D_TEST_PAUSE_PREPARE_AFTER_SHARDS=N   prepare stops once N shards are committed
     TRAINER3D_TEST_SLOW_DATA_S=S               local rank 0 takes S seconds more to build the data cache
+    TRAINER3D_TEST_HOLD=world=W:step=S        in a world of W ranks, every rank waits after step S until a signal
+                                               asks it to stop (SIGTERM from torchrun when a node joins)
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ def inject_fault(step: int, rank: int) -> None:
     opts = dict(f.split("=", 1) for f in fields)
     if int(opts.get("rank", -1)) != rank or int(opts.get("step", -1)) != step:
         return
-    print(f"[trainer3d] TRAINER3D_FAULT={spec}: rank {rank} {kind}s after step {step}", file=sys.stderr, flush=True)
-    if kind == "kill":
+    print(f"[trainer3d] TRAINER3D_FAULT={spec}: rank {rank}, {kind}, after step {step}", file=sys.stderr, flush=True)
+    if kind == "node":  # the agent first (else it would restart the rank), then the rank; its siblings fail alone
+        os.kill(os.getppid(), signal.SIGKILL)
+    if kind in ("kill", "node"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "hang":
         while True:
@@ -70,7 +75,7 @@ def inject_fault(step: int, rank: int) -> None:
         block[::4096] = b"\1" * len(block[::4096])  # touch every page: resident, not just reserved
         del block
     else:
-        raise ValueError(f"TRAINER3D_FAULT: unknown fault {kind!r} (kill, hang, raise or alloc)")
+        raise ValueError(f"TRAINER3D_FAULT: unknown fault {kind!r} (kill, node, hang, raise or alloc)")
 
 
 # `python -m trainer3d.prepare` stops (sleeps, after creating `PAUSED` in the output) once this many shards are
@@ -84,6 +89,18 @@ def pause_after_shard(n_shards: int, out_dir) -> None:
 
 # Local rank 0 sleeps this many seconds before it builds the data cache (its peers wait for it: tests/test_faults.py).
 SLOW_DATA_ENV = "TRAINER3D_TEST_SLOW_DATA_S"
+
+
+# In a world of this many ranks, every rank holds after this step until SIGTERM/SIGUSR1 asks it to stop: a test starts
+# a node while the job waits for it (tests/test_faults.py). The signal is then agreed in the next step, as ever.
+HOLD_ENV = "TRAINER3D_TEST_HOLD"
+
+
+def hold_for_signal(step: int, checkpointer) -> None:
+    opts = dict(f.split("=", 1) for f in os.environ.get(HOLD_ENV, "").split(":") if f)
+    if opts and int(opts["world"]) == int(os.environ.get("WORLD_SIZE", "1")) and int(opts["step"]) == step:
+        while not checkpointer.stop_requested:
+            time.sleep(0.1)
 
 
 # ---- the wrappers, installed on import ------------------------------------------------------------------------------
@@ -120,6 +137,7 @@ def _install() -> None:
     @functools.wraps(after_step)
     def fault_then_after_step(self, stop):
         inject_fault(self.trainer.step, dist.get_rank())
+        hold_for_signal(self.trainer.step, self)
         return after_step(self, stop)
 
     signals.Checkpointer.after_step = fault_then_after_step
@@ -135,5 +153,5 @@ def _install() -> None:
     prepare.ShardWriter.commit = commit_then_maybe_pause
 
 
-if any(os.environ.get(v) for v in (PAUSE_SAVE_ENV, "TRAINER3D_FAULT", PAUSE_PREPARE_ENV, SLOW_DATA_ENV)):
+if any(os.environ.get(v) for v in (PAUSE_SAVE_ENV, "TRAINER3D_FAULT", PAUSE_PREPARE_ENV, SLOW_DATA_ENV, HOLD_ENV)):
     _install()  # (a test importing the module for env() patches nothing)

@@ -213,7 +213,7 @@ def test_a_calibration_of_this_machine_replaces_the_nominal_constants(tmp_path, 
     cfg = TrainConfig(**PARITY)
     assert auto_machine(cfg, 8).measured == {}
     fast = calibrate.Calibration(host="h", device=calibrate.device_name(torch.device("cpu")), ranks_per_node=8,
-                                 nodes=1, dtype="fp32", matmul_tflops=1e-3, intra=calibrate.Link(1e-9, 1e4),
+                                 nodes=1, dtype="fp32", matmul_tflops=1e-3, intra={op: calibrate.Link(1e-9, 1e4) for op in calibrate.OPS},
                                  inter=None, overlap=0.0, seconds=1.0, date="2026-11-26 18:00 UTC")
     calibrate.save(fast, torch.device("cpu"))
     m = auto_machine(cfg, 8)

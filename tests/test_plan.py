@@ -536,6 +536,27 @@ def test_latency_is_priced_per_ring_step_of_every_call():
         [6, 3, 3, 3, 1] and ring_steps("all_reduce", 1) == 0
 
 
+def test_each_call_is_priced_by_its_own_measured_link():
+    """A calibration's numbers for one kind of call (here send/recv, the pipeline's) change the time of that call only;
+    a reduce-scatter takes the all-gather's (the same ring), and an op nothing measured keeps the link's."""
+    from dataclasses import replace
+
+    from trainer3d.plan.comm import ring_steps
+
+    cfg = MODEL_PRESETS["gpt2"]
+    C = Cluster(nodes=1, **H100)
+    cand = parse_layout("tp=4,pp=2,mbs=1,sp=0", cfg, C, 8, 1024)
+    slow_send = replace(C, op_links=(("intra", "send", C.intra_node_gbps, 1e-3),))
+    base, lat = evaluate(cand, C).times, evaluate(cand, slow_send).times
+    sends = sum(t.calls * ring_steps(t.op, t.n) for t in analytic_comm(cand, 0) if t.op == "send")
+    assert sends > 0 and lat["pp comm"] - base["pp comm"] >= sends * 1e-3 - 1e-9
+    assert lat["tp comm"] == base["tp comm"] and lat["compute"] == base["compute"]
+    gather = replace(C, op_links=(("intra", "all_gather", 1.0, 0.0),))
+    assert gather.link(False, "reduce_scatter") == (1.0, 0.0) == gather.link(False, "all_gather")
+    assert gather.link(False, "all_reduce") == (C.intra_node_gbps, 0.0)
+    assert gather.link(True, "all_gather") == (C.inter_node_gbps, 0.0)
+
+
 def _calibrate(rank: int, world: int) -> int:
     from trainer3d.models import MODEL_PRESETS
     from trainer3d.plan.calibrate import run
@@ -556,10 +577,15 @@ def test_calibration_measures_caches_and_replaces_the_assumed_constants(tmp_path
     calib = calibrate.load(torch.device("cpu"), 2, "fp32")
     assert calib is not None and calib.nodes == 1 and calib.inter is None
     assert 1e-4 < calib.matmul_tflops < 10 and 0.0 <= calib.overlap <= 1.0
-    assert 1e-7 < calib.intra.latency_s < 1.0 and 1e-3 < calib.intra.gbps < 1e3
+    assert list(calib.intra) == ["all_reduce", "all_gather", "send"]
+    assert all(1e-7 < v.latency_s < 1.0 and 1e-3 < v.gbps < 1e3 for v in calib.intra.values()), calib.intra
     C = calibrate.apply(Cluster(nodes=1, **dict(H100, gpus_per_node=2)), calib)
+    reduce = calib.intra["all_reduce"]
     assert (C.peak_tflops, C.mfu, C.intra_node_gbps, C.intra_node_latency_s, C.overlap) == (
-        calib.matmul_tflops, 1.0, calib.intra.gbps, calib.intra.latency_s, calib.overlap)
+        calib.matmul_tflops, 1.0, reduce.gbps, reduce.latency_s, calib.overlap)
+    for op, priced_as in (("all_reduce", "all_reduce"), ("all_gather", "all_gather"),
+                          ("reduce_scatter", "all_gather"), ("send", "send")):
+        assert C.link(False, op) == (calib.intra[priced_as].gbps, calib.intra[priced_as].latency_s)
     assert C.inter_node_gbps == H100["inter_node_gbps"]  # nothing measured across nodes: the assumption stays
     capsys.readouterr()
     assert main(["--model", "tiny", "--seq-len", "64", "--gpus-per-node", "2", "--global-batch", "8",

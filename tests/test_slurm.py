@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,12 +19,14 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
+from parity import LOSS_RTOL, NORM_RTOL
 from slurm_cluster import ClusterError, SlurmCluster, in_ci
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = str(ROOT / "launch" / "slurm" / "train_gpt2.sbatch")
 TINY = ["--model", "tiny", "--n-layer", "2", "--seq-len", "32", "--global-batch", "8", "--tp", "2",
         "--eval-every", "0", "--log-every", "1", "--dist-timeout", "120"]
+AUTO = [*TINY[:8], *TINY[10:], "--layout", "auto"]  # TINY without --tp 2: the planner picks
 JOB_TIMEOUT = 300
 
 pytestmark = pytest.mark.timeout(900)
@@ -86,8 +89,9 @@ def _log(submit_dir: Path, name: str, job: int) -> str:
     return path.read_text(errors="replace") if path.exists() else f"(no log file {path})"
 
 
-def _metrics(submit_dir: Path, name: str, job: int) -> list[dict]:
-    path = submit_dir / "runs" / f"{name}-{job}" / "metrics.jsonl"
+def _metrics(submit_dir: Path, name: str, job: int | None) -> list[dict]:
+    """The job's metrics.jsonl (job None: the run in submit_dir/name)."""
+    path = (submit_dir / "runs" / f"{name}-{job}" if job else submit_dir / name) / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -140,12 +144,19 @@ def test_sbatch_trains_on_two_nodes(cluster, submit_dir, launcher):
 
 
 @pytest.mark.needs("root")
-def test_time_limit_signal_checkpoints_and_requeues(cluster, submit_dir):
+def test_time_limit_signal_checkpoints_and_requeues_onto_fewer_nodes(cluster, submit_dir):
     """What `--signal=B:USR1@120` does near the time limit, sent by hand: the script forwards USR1, the trainer
-    saves and stops, the script requeues the job, and the requeued job resumes and finishes."""
+    saves and stops, the script requeues the job. Node n2 is then lost (drained) and the held job resized to the
+    node left (`scontrol update NumNodes=1 NumTasks=1`: one launcher task per node), so it starts again on n1 alone:
+    `--layout auto --resume` plans again for 2 processes instead of 4, resumes with the same global batch, and every
+    step's loss and gradient norm equal the one-process run's."""
     name = "t3d-requeue"
     steps = 24
-    job, t0 = _submit(cluster, submit_dir, name, [*TINY, "--max-steps", str(steps), "--save-every", "8"])
+    args = [*AUTO, "--max-steps", str(steps)]
+    ref = subprocess.run([sys.executable, str(ROOT / "launch" / "train_gpt2.py"), *args, "--out-dir",
+                          str(submit_dir / "ref")], env=_job_env(), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
+    job, t0 = _submit(cluster, submit_dir, name, [*args, "--save-every", "8"])
     deadline = time.monotonic() + JOB_TIMEOUT
     while len(_metrics(submit_dir, name, job)) < 3:  # training is under way
         assert time.monotonic() < deadline, f"no progress\n{_log(submit_dir, name, job)[-4000:]}"
@@ -157,22 +168,33 @@ def test_time_limit_signal_checkpoints_and_requeues(cluster, submit_dir):
         assert time.monotonic() < deadline, f"not requeued\n{_log(submit_dir, name, job)[-4000:]}"
         time.sleep(0.5)
     t_requeued = time.monotonic()
-    # SLURM holds a requeued job for ~2 minutes (Reason=BeginTime). Once the nodes have cleaned up after the first
-    # run (idle again: a relaunch before that is refused, "Job credential revoked"), let it start now.
-    idle_polls = 0
-    while idle_polls < 3:
-        assert time.monotonic() < deadline, f"nodes not idle\n{cluster.logs()}"
-        idle = cluster.cmd(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], check=False).stdout.split()
-        idle_polls = idle_polls + 1 if {"n1", "n2"} <= set(idle) else 0
-        time.sleep(0.5)
-    cluster.cmd(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-    t_released = time.monotonic()
-    info = cluster.wait(job, JOB_TIMEOUT)
+    cluster.cmd(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=lost"])
+    cluster.cmd(["scontrol", "update", f"JobId={job}", "NumNodes=1", "NumTasks=1"])
+    try:
+        # SLURM holds a requeued job for ~2 minutes (Reason=BeginTime). Once n1 has cleaned up after the first run
+        # (idle again: a relaunch before that is refused, "Job credential revoked"), let it start now.
+        idle_polls = 0
+        while idle_polls < 3:
+            assert time.monotonic() < deadline, f"n1 not idle\n{cluster.logs()}"
+            idle = cluster.cmd(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], check=False).stdout.split()
+            idle_polls = idle_polls + 1 if "n1" in idle else 0
+            time.sleep(0.5)
+        cluster.cmd(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+        t_released = time.monotonic()
+        info = cluster.wait(job, JOB_TIMEOUT)
+    finally:
+        cluster.cmd(["scontrol", "update", "NodeName=n2", "State=RESUME"], check=False)
     print(f"\n[slurm] requeue: USR1 {t_signal - t0:.1f} s after submit; requeued {t_requeued - t_signal:.1f} s "
-          f"later; nodes idle and job released after {t_released - t_requeued:.1f} s more; second run done "
+          f"later; n1 idle and job released after {t_released - t_requeued:.1f} s more; second run on one node done "
           f"{time.monotonic() - t_released:.1f} s later ({time.monotonic() - t0:.1f} s in all)")
     log = _log(submit_dir, name, job)
-    assert info["Restarts"] == "1", info
-    assert "USR1: time limit near" in log and "SIGUSR1 received: stopped after step" in log, log[-6000:]
-    assert "requeueing job" in log and "(restart 1)" in log and "[trainer3d] resuming from" in log, log[-6000:]
-    _check_trained(cluster, submit_dir, name, job, info, "torchrun", steps=steps)
+    context = f"{info}\n--- job log\n{log[-6000:]}\n--- daemons\n{cluster.logs()}"
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1" and info["NodeList"] == "n1", context
+    assert "USR1: time limit near" in log and "SIGUSR1 received: stopped after step" in log, context
+    assert "requeueing job" in log and "(restart 1) on 1 node(s) n1: 2 process(es) per node" in log, context
+    assert "--layout auto on 2 node(s) × 2 cpu ranks" in log and "--layout auto on 1 node(s) × 2 cpu ranks" in log
+    assert "[trainer3d] resuming from" in log, context
+    got, want = _metrics(submit_dir, name, job), _metrics(submit_dir, "ref", None)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, steps + 1)), context
+    for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", NORM_RTOL)):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=rtol), key

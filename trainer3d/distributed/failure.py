@@ -13,6 +13,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from trainer3d.distributed.collectives import rendezvous_store
+from trainer3d.distributed.topology import ORDER, Layout
 from trainer3d.errors import UsageError
 
 
@@ -45,9 +46,10 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - best effort: the error itself is what matters
                 pass
 
-    def describe(self, wait_s: float = 5.0) -> str:
+    def describe(self, wait_s: float = 5.0, layout: Layout | None = None) -> str:
         """Record this rank's failed collective, wait up to `wait_s` for the others' reports, and name the ranks
-        that failed on their own or never reported (died or hang). Never raises."""
+        that failed on their own or never reported (died or hang), with their coordinates in `layout` and the group
+        of this rank's they belong to (where this rank waits for them). Never raises."""
         if self.store is None or self.world == 1:
             return ""
         try:
@@ -73,7 +75,11 @@ class Heartbeat:
         except Exception as e:  # noqa: BLE001 - the store's host (rank 0 or the agent) may be gone too
             return f"could not read the other ranks' state ({type(e).__name__}: {e})"
         silent = [r for r in range(self.world) if r not in failed]
-        where = lambda r: f"{seen[r][1]} pid {seen[r][2]}, last started step {seen[r][0]}" if r in seen else "never started"  # noqa: E731
+
+        def where(r: int) -> str:
+            text = f"{seen[r][1]} pid {seen[r][2]}, last started step {seen[r][0]}" if r in seen else "never started"
+            return text + (f"; {shared_group(layout, self.rank, r)}" if layout is not None else "")
+
         lines = [f"rank {r} ({where(r)}) failed with its own error: {msg}" for r, msg in sorted(own.items())]
         lines += [f"rank {r} ({where(r)}) did not report the failure: it died or hangs" for r in silent]
         if own or silent:
@@ -84,15 +90,29 @@ class Heartbeat:
         return "; ".join(lines) + f" (last step started per rank: {steps})"
 
 
+def shared_group(layout: Layout, me: int, other: int) -> str:
+    """`other`'s coordinates, and the axis group it shares with `me` (where `me` waits for it), if any: ranks that
+    differ in one coordinate meet in that axis's collectives (or its pipeline sends), others only in the world's."""
+    a, b = layout.coords(me), layout.coords(other)
+    coords = " ".join(f"{axis}{getattr(b, axis)}" for axis in reversed(ORDER))
+    differ = [axis for axis in ORDER if getattr(a, axis) != getattr(b, axis)]
+    if len(differ) != 1:
+        return f"{coords}; in no axis group of rank {me}'s: they meet in world-wide collectives"
+    axis = differ[0]
+    ranks = [other + (i - getattr(b, axis)) * layout.stride(axis) for i in range(getattr(layout, axis))]
+    return f"{coords}; in rank {me}'s {axis} group, ranks {_ranks(ranks)}"
+
+
 def _is_comm_error(e: BaseException) -> bool:
     """A failed collective or rendezvous (a peer's fault, as far as this rank can tell)."""
     text = str(e)
     return isinstance(e, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "c10d", "Connection closed"))
 
 
-def report_failure(rank: int, error: BaseException, wait_s: float = 5.0) -> None:
-    """On a failed collective, print (stderr) the root error at once, then which ranks died or hang. On an error of
-    this rank's own, record it for the peers it leaves waiting (the traceback that follows says the rest)."""
+def report_failure(rank: int, error: BaseException, wait_s: float = 5.0, layout: Layout | None = None) -> None:
+    """On a failed collective, print (stderr) the root error at once, then which ranks died or hang (and, given the
+    run's layout, where they sit and which of this rank's groups waits for them). On an error of this rank's own,
+    record it for the peers it leaves waiting (the traceback that follows says the rest)."""
     root = error
     while root.__cause__ is not None:  # torch.distributed.pipelining wraps the backend's error
         root = root.__cause__
@@ -101,17 +121,19 @@ def report_failure(rank: int, error: BaseException, wait_s: float = 5.0) -> None
         Heartbeat().record_own_failure(f"{type(root).__name__}: {msg}")
         return
     print(f"trainer3d: rank {rank}: a collective failed: {msg}", file=sys.stderr, flush=True)
-    print(f"trainer3d: rank {rank}: {Heartbeat().describe(wait_s)}", file=sys.stderr, flush=True)
+    print(f"trainer3d: rank {rank}: {Heartbeat().describe(wait_s, layout)}", file=sys.stderr, flush=True)
 
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def run_reported(rank: int, world_size: int, body: Callable[[], None], cleanup: Callable[[], None]) -> int:
+def run_reported(rank: int, world_size: int, body: Callable[[], None], cleanup: Callable[[], None],
+                 layout: Callable[[], Layout | None] = lambda: None) -> int:
     """Run an entry point's `body` once its process group exists: a UsageError (a corpus or checkpoint that cannot be
     used, found on every rank alike) becomes its sentence on rank 0 and exit code 2; any other error names the rank
-    that died or hangs (report_failure) and is raised; `cleanup` runs either way. Returns the exit code."""
+    that died or hangs (report_failure, with `layout()`: the run's layout once built) and is raised; `cleanup` runs
+    either way. Returns the exit code."""
     try:
         body()
     except UsageError as e:
@@ -120,7 +142,7 @@ def run_reported(rank: int, world_size: int, body: Callable[[], None], cleanup: 
         return 2
     except Exception as e:  # a collective failed (a peer died, or hung past --dist-timeout): name it
         if world_size > 1:
-            report_failure(rank, e)
+            report_failure(rank, e, layout=layout())
         raise
     finally:
         cleanup()

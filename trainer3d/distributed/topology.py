@@ -206,14 +206,20 @@ class WorldGroup:
 
 def _tcp_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store at MASTER_ADDR:MASTER_PORT: torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE),
-    else rank 0. Keys get a per-attempt prefix: torchrun keeps one store across `--max-restarts` attempts, and a
-    restarted worker that reads a dead attempt's keys (gloo's peer addresses) fails with "connection refused"."""
+    else rank 0. The agent's store outlives a restart, so its keys get a per-attempt prefix (a restarted worker that
+    reads a dead attempt's keys, gloo's peer addresses, fails with "connection refused"): the restart count and the
+    world size, as a node that joins an elastic job (--nnodes MIN:MAX) restarts the workers at a new size without
+    counting a restart. A store of rank 0's is new every attempt and needs none (under
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 a joining node's agent, whose restart count is 0, meets the others there)."""
     host_is_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_master = env.rank == 0 and not host_is_agent
     store = dist.TCPStore(  # world_size on every rank: the master waits until that many clients joined
         env.master_addr, env.master_port, env.world_size, is_master, timeout=timeout, multi_tenant=True
     )
-    return dist.PrefixStore(f"trainer3d/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    if not host_is_agent:
+        return store
+    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-world{env.world_size}"
+    return dist.PrefixStore(f"trainer3d/attempt{attempt}/", store)
 
 
 class Topology:

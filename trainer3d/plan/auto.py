@@ -47,7 +47,7 @@ class Machine:
     name: str = ""  # the device's name, for the log
     # Cluster fields (mfu, overlap, intra/inter_node_gbps, pcie_gbps, ...) measured on this machine, replacing the
     # presets: where a calibration's numbers go
-    measured: dict[str, float] = dataclasses.field(default_factory=dict)
+    measured: dict[str, object] = dataclasses.field(default_factory=dict)
     calibrated: str = ""  # when the calibration was measured ("": none, the presets' constants)
 
 

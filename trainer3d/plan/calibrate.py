@@ -3,12 +3,14 @@ constants (`--mfu`, `--overlap`, the bandwidths, no latency).
 
 Every rank measures at once, as training runs (on a host with fewer cores than ranks, each rank's share of them is
 what it gets): the matmul throughput at the model's shapes in the run's precision; then, over the ranks of a node and
-over one rank per node (where the launcher says there are several), each link's latency per ring step and bandwidth,
-fitted as `time = steps × latency + wire bytes / bandwidth` from an all-reduce of a small and of a large payload
-(steps: a ring's, 2(n−1) for an all-reduce; the cost model prices every other collective by its own ring steps and
-wire bytes over the same link); and how much of an all-reduce running beside a matmul hides behind it (the overlap). The result is cached per kind of machine (device, ranks per node, dtype) under the data
-cache's folder and read back by the planner (`apply`, `constants`), so `--layout auto` plans with what this machine
-measured.
+over one rank per node (where the launcher says there are several), the latency per ring step and the bandwidth of
+each kind of call the trainer makes (OPS: all-reduce, all-gather, send/recv to a neighbour), fitted as
+`time = steps × latency + wire bytes / bandwidth` from a small and a large payload (steps and wire bytes: a ring's,
+plan/comm.py); and how much of an all-reduce running beside a matmul hides behind it (the overlap). The cost model
+prices each call by its own kind's numbers (a reduce-scatter by the all-gather's: the same ring; an all-to-all by the
+link's all-reduce bandwidth). The result is cached per kind of machine (device, ranks per node, dtype) under the
+data cache's folder and read back by the planner (`apply`, `constants`), so `--layout auto` plans with what this
+machine measured.
 
     torchrun --nproc_per_node 8 -m trainer3d.plan --calibrate --model gpt2 --seq-len 1024
 """
@@ -32,6 +34,7 @@ from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.comm import ring_factor, ring_steps
 
 SMALL, LARGE = 4 << 10, 16 << 20  # payload bytes of the latency and the bandwidth measurement
+OPS = ("all_reduce", "all_gather", "send")  # the calls measured on each link (plan/cluster.Cluster.link reads them)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -49,17 +52,21 @@ class Calibration:
     nodes: int
     dtype: str
     matmul_tflops: float  # per rank, every rank busy
-    intra: Link | None  # ranks of one node
-    inter: Link | None  # ranks of different nodes
+    intra: dict[str, Link] | None  # per op of OPS, over the ranks of one node
+    inter: dict[str, Link] | None  # per op, over ranks of different nodes
     overlap: float  # the fraction of an all-reduce beside a matmul that the matmul hides
     seconds: float  # what the measurement took
     date: str
 
     def describe(self) -> str:
-        link = lambda k, v: f"{k} {v.gbps:.2f} GB/s, {v.latency_s * 1e6:.0f} µs/step" if v else f"{k} n/a"  # noqa: E731
-        return (f"{self.matmul_tflops:.3g} TFLOP/s per rank ({self.dtype} matmuls), {link('in a node', self.intra)}, "
-                f"{link('across nodes', self.inter)}, overlap {self.overlap:.2f} ({self.device}, {self.nodes} node(s) "
-                f"× {self.ranks_per_node} ranks, measured {self.date} in {self.seconds:.1f} s)")
+        def link(where: str, ops: dict[str, Link] | None) -> str:
+            return f"{where} " + (" / ".join(f"{op.replace('_', '-')} {v.gbps:.2f} GB/s {v.latency_s * 1e6:.0f} µs"
+                                              for op, v in ops.items()) if ops else "n/a")
+
+        return (f"{self.matmul_tflops:.3g} TFLOP/s per rank ({self.dtype} matmuls); {link('in a node:', self.intra)}; "
+                f"{link('across nodes:', self.inter)} (latency per ring step); overlap {self.overlap:.2f} "
+                f"({self.device}, {self.nodes} node(s) × {self.ranks_per_node} ranks, measured {self.date} in "
+                f"{self.seconds:.1f} s)")
 
 
 def cache_path(device: str, ranks_per_node: int, dtype: str, root: str | os.PathLike | None = None) -> Path:
@@ -79,8 +86,8 @@ def load(device: torch.device, ranks_per_node: int, dtype: str, root=None) -> Ca
     path = cache_path(device_name(device), ranks_per_node, dtype, root)
     try:
         d = json.loads(path.read_text())
-        d["intra"] = Link(**d["intra"]) if d.get("intra") else None
-        d["inter"] = Link(**d["inter"]) if d.get("inter") else None
+        for where in ("intra", "inter"):
+            d[where] = {op: Link(**d[where][op]) for op in OPS} if d.get(where) else None
         return Calibration(**d)
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -93,14 +100,17 @@ def save(calib: Calibration, device: torch.device, root=None) -> Path:
     return path
 
 
-def constants(calib: Calibration) -> dict[str, float]:
-    """The Cluster fields a calibration measures: the matmul throughput as the kernels' speed (mfu 1 of it), the
-    links' bandwidths and latencies (those measured), the overlap."""
-    out = dict(peak_tflops=calib.matmul_tflops, mfu=1.0, overlap=calib.overlap)
-    if calib.intra is not None:
-        out.update(intra_node_gbps=calib.intra.gbps, intra_node_latency_s=calib.intra.latency_s)
-    if calib.inter is not None:
-        out.update(inter_node_gbps=calib.inter.gbps, inter_node_latency_s=calib.inter.latency_s)
+def constants(calib: Calibration) -> dict[str, object]:
+    """The Cluster fields a calibration measures: the matmul throughput as the kernels' speed (mfu 1 of it), each
+    measured link's all-reduce bandwidth and latency as the link's, every op's own (`op_links`), the overlap."""
+    out: dict[str, object] = dict(peak_tflops=calib.matmul_tflops, mfu=1.0, overlap=calib.overlap)
+    op_links = []
+    for where, ops in (("intra", calib.intra), ("inter", calib.inter)):
+        if ops is not None:
+            out.update({f"{where}_node_gbps": ops["all_reduce"].gbps,
+                        f"{where}_node_latency_s": ops["all_reduce"].latency_s})
+            op_links += [(where, op, v.gbps, v.latency_s) for op, v in ops.items()]
+    out["op_links"] = tuple(op_links)
     return out
 
 
@@ -139,10 +149,28 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _all_reduce(nbytes: int, group, device: torch.device):
-    """An all-reduce of `nbytes` over `group`, to call again and again (async_op=True: its Work)."""
-    x = torch.ones(max(1, nbytes // 4), device=device)
-    return lambda async_op=False: dist.all_reduce(x, group=group, async_op=async_op)
+def _call(op: str, nbytes: int, group, device: torch.device):
+    """One call of `op` with a payload of `nbytes` over `group` (plan/comm.py's payloads: an all-gather's gathered
+    output; send: each rank sends it to the next rank of the group and receives as much from the previous, as a
+    pipeline's neighbours do), to call again and again; async_op=True returns what to wait on."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    x = torch.ones(max(n, nbytes // 4), device=device)
+    if op == "all_reduce":
+        return lambda async_op=False: dist.all_reduce(x, group=group, async_op=async_op)
+    if op == "all_gather":
+        part = x[: x.numel() // n].clone()
+        return lambda async_op=False: dist.all_gather_into_tensor(x[: part.numel() * n], part, group=group,
+                                                                  async_op=async_op)
+    peer = lambda i: dist.get_global_rank(group, i % n) if group is not None else i % n  # noqa: E731
+    got = torch.empty_like(x)
+
+    def exchange(async_op: bool = False):
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer(me + 1), group),
+                                        dist.P2POp(dist.irecv, got, peer(me - 1), group)])
+        for w in works:
+            w.wait()
+
+    return exchange
 
 
 def matmul_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, rounds: int) -> float:
@@ -163,20 +191,22 @@ def matmul_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device
     return flops / float(seconds) / 1e12
 
 
-def link(group, n: int, device: torch.device, rounds: int) -> Link:
-    """Latency per ring step and bandwidth of a group, fitted from all-reduces of SMALL and LARGE bytes."""
-    small = _timed(_all_reduce(SMALL, group, device), rounds, group)
-    large = _timed(_all_reduce(LARGE, group, device), max(2, rounds // 2), group)
-    steps, factor = ring_steps("all_reduce", n), ring_factor("all_reduce", n)
-    latency = small / steps
-    gbps = LARGE * factor / max(large - steps * latency, 1e-9) / 1e9
-    return Link(latency_s=latency, gbps=gbps)
+def links(group, n: int, device: torch.device, rounds: int) -> dict[str, Link]:
+    """Per op of OPS over a group: the latency per ring step and the bandwidth, fitted from SMALL and LARGE bytes."""
+    out = {}
+    for op in OPS:
+        small = _timed(_call(op, SMALL, group, device), rounds, group)
+        large = _timed(_call(op, LARGE, group, device), max(2, rounds // 2), group)
+        steps, factor = ring_steps(op, n), ring_factor(op, n)
+        latency = small / steps
+        out[op] = Link(latency_s=latency, gbps=LARGE * factor / max(large - steps * latency, 1e-9) / 1e9)
+    return out
 
 
 def overlap(device: torch.device, shapes, dtype: torch.dtype, rounds: int) -> float:
     """The share of a LARGE all-reduce over the world that a matmul running beside it hides: (alone + alone −
     together) / the shorter of the two, in [0, 1]."""
-    reduce, mats = _all_reduce(LARGE, None, device), _operands(shapes, dtype, device)
+    reduce, mats = _call("all_reduce", LARGE, None, device), _operands(shapes, dtype, device)
 
     def compute() -> None:
         for a, b in mats:
@@ -228,23 +258,24 @@ def calibrate(cfg, tokens: int, dtype: torch.dtype, device: torch.device, ranks_
     shapes = block_shapes(cfg, tokens)
     tflops = matmul_tflops(shapes, dtype, device, rounds)
     intra_group, inter_group, nodes = node_groups(ranks_per_node)
-    intra = link(intra_group, ranks_per_node, device, rounds) if ranks_per_node > 1 else None
-    inter = link(inter_group, nodes, device, rounds) if inter_group is not None else None
+    intra = links(intra_group, ranks_per_node, device, rounds) if ranks_per_node > 1 else None
+    inter = links(inter_group, nodes, device, rounds) if inter_group is not None else None
     ov = overlap(device, shapes, dtype, rounds) if dist.get_world_size() > 1 else 0.0
-    links = [_agreed(v) for v in (intra, inter)]
+    agreed = [_agreed(v) for v in (intra, inter)]
     return Calibration(host=socket.gethostname(), device=device_name(device), ranks_per_node=ranks_per_node,
-                       nodes=nodes, dtype={v: k for k, v in DTYPES.items()}[dtype], matmul_tflops=tflops, intra=links[0],
-                       inter=links[1], overlap=ov, seconds=time.perf_counter() - t0,
+                       nodes=nodes, dtype={v: k for k, v in DTYPES.items()}[dtype], matmul_tflops=tflops, intra=agreed[0],
+                       inter=agreed[1], overlap=ov, seconds=time.perf_counter() - t0,
                        date=time.strftime("%Y-%m-%d %H:%M %Z"))
 
 
-def _agreed(v: Link | None) -> Link | None:
-    """The slowest rank's link (the largest latency, the smallest bandwidth): a step waits for it."""
-    if v is None:
+def _agreed(ops: dict[str, Link] | None) -> dict[str, Link] | None:
+    """Per op, the slowest rank's link (the largest latency, the smallest bandwidth): a step waits for it. Every rank
+    calls it alike (a node's group measured on each node)."""
+    if ops is None:
         return None
-    t = torch.tensor([v.latency_s, -v.gbps], dtype=torch.float64)
+    t = torch.tensor([x for v in ops.values() for x in (v.latency_s, -v.gbps)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return Link(latency_s=float(t[0]), gbps=float(-t[1]))
+    return {op: Link(latency_s=float(t[2 * i]), gbps=float(-t[2 * i + 1])) for i, op in enumerate(ops)}
 
 
 def run(cfg, tokens: int, precision: str | None = None, root=None) -> int:

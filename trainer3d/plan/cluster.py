@@ -28,6 +28,20 @@ class Cluster:
     inter_node_latency_s: float = 0.0
     reserve_gib: float = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
     host_memory_gib: float = 1024.0  # per node, for offloaded state
+    # (link "intra"/"inter", op, GB/s, latency per ring step) of the calls a calibration measured (plan/calibrate.OPS)
+    op_links: tuple[tuple[str, str, float, float], ...] = ()
+
+    def link(self, across_nodes: bool, op: str) -> tuple[float, float]:
+        """(GB/s, seconds per ring step) of one `op` call: its own where measured (a reduce-scatter is priced as an
+        all-gather, the same ring; a broadcast as a send), else the link's (an all-reduce's)."""
+        where = "inter" if across_nodes else "intra"
+        op = {"reduce_scatter": "all_gather", "broadcast": "send"}.get(op, op)
+        for w, o, gbps, latency in self.op_links:
+            if (w, o) == (where, op):
+                return gbps, latency
+        if across_nodes:
+            return self.inter_node_gbps, self.inter_node_latency_s
+        return self.intra_node_gbps, self.intra_node_latency_s
 
     @property
     def world(self) -> int:

@@ -109,19 +109,18 @@ def _comm_seconds(cand: Candidate, C: Cluster) -> dict[str, float]:
     links = group_links(cand)
     across = {g: nodes_spanned(stride, size, C.gpus_per_node) for g, (stride, size) in links.items()}
     across["embedding"] = across["pp"]
-    bw = {g: C.inter_node_gbps if a else C.intra_node_gbps for g, a in across.items()}
-    latency = {g: C.inter_node_latency_s if a else C.intra_node_latency_s for g, a in across.items()}
     worst: dict[str, float] = {}
     for r in sorted({0, cand.pp - 1}):
         per_group: dict[str, float] = {}
         for t in analytic_comm(cand, r):
             if t.group in ("world", "mp"):
                 continue  # scalars
+            gbps, latency = C.link(across[t.group], t.op)
             if t.op == "all_to_all":
                 seconds = all_to_all_seconds(t.payload, *links[t.group], C)
             else:
-                seconds = t.wire / (bw[t.group] * 1e9)
-            seconds += t.calls * ring_steps(t.op, t.n) * latency[t.group]
+                seconds = t.wire / (gbps * 1e9)
+            seconds += t.calls * ring_steps(t.op, t.n) * latency
             per_group[t.group] = per_group.get(t.group, 0.0) + seconds
         for g, v in per_group.items():
             worst[g] = max(worst.get(g, 0.0), v)

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         run(trainer, loader,
             lambda: make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches), downstream)
 
-    return run_reported(env.rank, env.world_size, train, group.close)
+    return run_reported(env.rank, env.world_size, train, group.close,
+                        layout=lambda: group.topology.layout if group.topology is not None else None)
 
 
 def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | None = None) -> None:
