@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 import pytest
 import torch
@@ -437,7 +439,7 @@ def test_moe_memory_divides_expert_state_by_ep_and_zero_by_edp():
     """At ep 8 a rank holds an eighth of each MoE layer's experts (parameters, gradients and Adam's moments), DDP's
     buckets leave them out (they are all-reduced over edp after the backward); ZeRO partitions the dense state over
     dp×cp and the experts' over edp (zero/experts.py), and the search offers ZeRO at ep > 1 as the trainer runs it."""
-    from trainer3d.plan.candidate import expert_params
+    from trainer3d.plan.candidate import expert_params, tp_summed_pieces
 
     cfg = MODEL_PRESETS["mixtral-8x7b"]
     base = dict(cfg=cfg, dp=8, pp=4, micro_batches=8, seq_len=4096, precision="bf16-autocast", recompute=True)
@@ -456,6 +458,13 @@ def test_moe_memory_divides_expert_state_by_ep_and_zero_by_edp():
     assert {p.candidate.zero_stage for p in search.plans if p.candidate.ep > 1} == {0, 1, 2, 3}
     plan = parse_layout("ep=2,zero=1", MODEL_PRESETS["qwen3-moe-tiny"], Cluster(nodes=1, **H100), 16, 1024)
     assert (plan.ep, plan.zero_stage) == (2, 1)
+    # ZeRO-3 at tp 2: the gradients tp ranks hold shares of are summed over tp on each rank's own partition, an
+    # expert's over edp (2 here), the rest over dp×cp (4)
+    z3 = Candidate(**dict(base, dp=4, pp=1, micro_batches=1), tp=2, ep=2, zero_stage=3)
+    pieces = tp_summed_pieces(z3, z3.stages(0))
+    summed = next(t for t in analytic_comm(z3, 0) if t.group == "tp" and t.why.startswith("once per step"))
+    assert any(e for _, e in pieces) and any(not e for _, e in pieces)
+    assert summed.nbytes == 4 * sum(math.ceil(n / (2 if e else 4)) for n, e in pieces)
 
 
 def test_moe_groups_are_priced_on_the_links_the_topology_builds(monkeypatch):

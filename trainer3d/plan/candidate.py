@@ -217,14 +217,23 @@ def tp_summed_params(cand: Candidate, stages: list[Stage]) -> list[int]:
     """Sizes of the parameters whose gradient each tp rank holds only a share of, summed over tp once per step
     (engine.sum_tp_partial_grads): under sequence parallelism every replicated one, else an MoE's and Qwen3's
     q/k norms."""
+    return [n for n, _ in tp_summed_pieces(cand, stages)]
+
+
+def tp_summed_pieces(cand: Candidate, stages: list[Stage]) -> list[tuple[int, bool]]:
+    """(elements, is an expert tensor) of each of tp_summed_params: ZeRO-3 partitions an expert's over edp, the rest
+    over dp×cp."""
     if cand.tp == 1:
         return []
-    if cand.sequence_parallel:
-        return replicated_params(cand.cfg, stages, cand.ep)
     lp, out = local_params(cand.cfg, 1), []
     for s in stages:
+        if cand.sequence_parallel and s.first:
+            out += [(n, False) for n in lp.first_extra]
         for b, k in lp.kinds(s.blocks):
-            out += [p.on_rank(cand.ep) for p in b.pieces if p.partial] * k
+            summed = [p for p in b.pieces if (p.replicated if cand.sequence_parallel else p.partial)]
+            out += [(p.on_rank(cand.ep), p.expert) for p in summed] * k
+        if cand.sequence_parallel and s.last:
+            out += [(n, False) for n in lp.last_extra]
     return out
 
 

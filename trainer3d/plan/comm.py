@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from trainer3d.parallel.pipeline import last_stage_pp_rank
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
 from trainer3d.parallel.param_counts import local_params
-from trainer3d.plan.candidate import Candidate, expert_params, persistent_params, rank_params, tp_summed_params
+from trainer3d.plan.candidate import Candidate, expert_params, persistent_params, rank_params, tp_summed_pieces
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -130,11 +130,14 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
 def _tp_summed_grads(cand: Candidate, stages) -> list[Transfer]:
     """Once per step, the gradients tp ranks hold shares of summed in one fp32 all-reduce (engine.sum_tp_partial_grads:
     norms, row-parallel biases and positions under SP; an MoE's router and experts at every tp > 1)."""
-    summed = tp_summed_params(cand, stages)
+    summed = tp_summed_pieces(cand, stages)
     if not summed:
         return []
-    share = cand.dp_cp if cand.zero_stage == 3 else 1  # ZeRO-3 sums each parameter's own dp×cp partition
-    return [Transfer("tp", "all_reduce", sum(math.ceil(n / share) for n in summed) * 4, 1, cand.tp,
+
+    def share(expert: bool) -> int:  # ZeRO-3 sums each parameter's own partition: an expert's over edp, else dp×cp
+        return (cand.dp_cp // cand.ep if expert else cand.dp_cp) if cand.zero_stage == 3 else 1
+
+    return [Transfer("tp", "all_reduce", sum(math.ceil(n / share(e)) for n, e in summed) * 4, 1, cand.tp,
                      "once per step: the gradients tp ranks hold shares of, summed (fp32)")]
 
 
