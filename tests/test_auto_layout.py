@@ -212,9 +212,11 @@ def test_a_calibration_of_this_machine_replaces_the_nominal_constants(tmp_path, 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = TrainConfig(**PARITY)
     assert auto_machine(cfg, 8).measured == {}
+    fast_link = {op: calibrate.Link(1e-9, 1e4) for op in calibrate.OPS}
     fast = calibrate.Calibration(host="h", device=calibrate.device_name(torch.device("cpu")), ranks_per_node=8,
-                                 nodes=1, dtype="fp32", matmul_tflops=1e-3, intra={op: calibrate.Link(1e-9, 1e4) for op in calibrate.OPS},
-                                 inter=None, overlap=0.0, seconds=1.0, date="2026-11-26 18:00 UTC")
+                                 nodes=1, dtype="fp32", matmul_tflops=1e-3, intra=fast_link, inter=None, overlap=0.0,
+                                 ranks_per_processor=1.0, adam_params_per_s=7e10, seconds=1.0,
+                                 date="2026-11-26 18:00 UTC")
     calibrate.save(fast, torch.device("cpu"))
     m = auto_machine(cfg, 8)
     assert m.measured == calibrate.constants(fast) and m.calibrated == fast.date

@@ -99,6 +99,8 @@ def _cases(tmp):
                                          "--layout auto or drop them."),
         (["--straggler-factor", "0.5"], "--straggler-factor must be at least 1.0 (got 0.5)."),
         (["--straggler-intervals", "0"], "--straggler-intervals must be at least 1 (got 0)."),
+        (["--val-fraction", "0.5"], "--val-fraction must be in [0.0, 0.5) (got 0.5)."),
+        (["--val-fraction", "0"], "--val-fraction must be a positive finite number (got 0.0)."),
         # paths
         (["--out-dir", str(a_file)], f"--out-dir {a_file} is a file; pass a directory (it is created if missing)."),
         (["--out-dir", str(a_file / "run")], f"--out-dir {a_file / 'run'} cannot be written ({a_file} is not writable); "

@@ -590,8 +590,10 @@ def test_calibration_measures_caches_and_replaces_the_assumed_constants(tmp_path
     assert all(1e-7 < v.latency_s < 1.0 and 1e-3 < v.gbps < 1e3 for v in calib.intra.values()), calib.intra
     C = calibrate.apply(Cluster(nodes=1, **dict(H100, gpus_per_node=2)), calib)
     reduce = calib.intra["all_reduce"]
-    assert (C.peak_tflops, C.mfu, C.intra_node_gbps, C.intra_node_latency_s, C.overlap) == (
-        calib.matmul_tflops, 1.0, reduce.gbps, reduce.latency_s, calib.overlap)
+    assert (C.peak_tflops, C.mfu, C.intra_node_gbps, C.intra_node_latency_s, C.overlap, C.ranks_per_processor) == (
+        calib.matmul_tflops, 1.0, reduce.gbps, reduce.latency_s, calib.overlap, calib.ranks_per_processor)
+    assert 1.0 <= calib.ranks_per_processor <= 2.0  # 2 ranks: at most both on one core
+    assert C.adam_params_per_s == calib.adam_params_per_s and 1e5 < calib.adam_params_per_s < 1e11
     for op, priced_as in (("all_reduce", "all_reduce"), ("all_gather", "all_gather"),
                           ("reduce_scatter", "all_gather"), ("send", "send")):
         assert C.link(False, op) == (calib.intra[priced_as].gbps, calib.intra[priced_as].latency_s)

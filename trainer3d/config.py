@@ -87,6 +87,7 @@ class TrainConfig:
     tokenizer: str | None = None
     eval_every: int = 100
     eval_batches: int = 4
+    val_fraction: float = 0.01  # the corpus's tail held out for validation (at least 128 blocks, at most 10%)
     # downstream (train/downstream.py): HellaSwag at every evaluation, text samples
     eval_hellaswag: str | None = None  # a HellaSwag jsonl (ctx, endings, label), e.g. hellaswag_val.jsonl
     hellaswag_examples: int | None = None  # its first N examples; default all
@@ -289,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chat: one conversation per row, padded (default: packed, attention per conversation)")
     da.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validations; 0: only at end")
     da.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    da.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                    help="the share of each corpus's blocks held out for validation, from its end (at least 128 "
+                         "blocks, at most 10%%); part of the data cache's key")
     ds_ = p.add_argument_group("downstream: HellaSwag and samples")
     ds_.add_argument(
         "--eval-hellaswag", default=None, metavar="PATH",

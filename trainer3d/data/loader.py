@@ -111,7 +111,7 @@ class BatchLoader:
         if state.get("fingerprint") != self.fingerprint:
             raise DataError(
                 f"The checkpoint's data fingerprint {state.get('fingerprint')} differs from this run's "
-                f"{self.fingerprint}; resume with the same corpus, tokenizer, --seq-len and val_fraction."
+                f"{self.fingerprint}; resume with the same corpus, tokenizer, --seq-len and --val-fraction."
             )
         position = int(state["position"])
         if not 0 <= position <= len(self.rows):
@@ -139,7 +139,7 @@ def val_batches(
     if n < global_batch:
         raise DataError(
             f"The validation split has {n} blocks but one global batch needs {global_batch}; lower --global-batch "
-            "or raise DataConfig.val_fraction / min_val_blocks."
+            "or raise --val-fraction."
         )
     count = n // global_batch if max_batches is None else min(n // global_batch, max_batches)
 

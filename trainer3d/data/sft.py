@@ -93,6 +93,16 @@ def build_chat_rows(cfg: DataConfig, seq_len: int) -> TokenBlocks:
                        fingerprint=_hash({"chat": key, "n_val": n_val})[:16], stats=stats)
 
 
+def describe(stats: dict) -> str | None:
+    """The one line a run prints about its chat rows (None for other data): conversations, rows, what is supervised,
+    what did not fit."""
+    if "conversations" not in stats:
+        return None
+    return (f"chat data: {stats['conversations']:,} conversations in {stats['rows']:,} rows ({stats['n_train']:,} "
+            f"train, {stats['n_val']:,} val), {stats['supervised']:,} of {stats['tokens']:,} tokens supervised, "
+            f"{stats['truncated']} truncated and {stats['dropped']} dropped as longer than --seq-len + 1")
+
+
 def _pad_id(tok) -> int:
     return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 

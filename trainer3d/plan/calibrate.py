@@ -1,16 +1,14 @@
 """Calibration: a few seconds of micro-benchmarks on the machine a run will use, in place of the planner's assumed
 constants (`--mfu`, `--overlap`, the bandwidths, no latency).
 
-Every rank measures at once, as training runs (on a host with fewer cores than ranks, each rank's share of them is
-what it gets): the matmul throughput at the model's shapes in the run's precision; then, over the ranks of a node and
-over one rank per node (where the launcher says there are several), the latency per ring step and the bandwidth of
-each kind of call the trainer makes (OPS: all-reduce, all-gather, send/recv to a neighbour), fitted as
-`time = steps × latency + wire bytes / bandwidth` from a small and a large payload (steps and wire bytes: a ring's,
-plan/comm.py); and how much of an all-reduce running beside a matmul hides behind it (the overlap). The cost model
-prices each call by its own kind's numbers (a reduce-scatter by the all-gather's: the same ring; an all-to-all by the
-link's all-reduce bandwidth). The result is cached per kind of machine (device, ranks per node, dtype) under the
-data cache's folder and read back by the planner (`apply`, `constants`), so `--layout auto` plans with what this
-machine measured.
+Every rank measures at once, as training runs: the matmuls of a block at the model's shapes in the run's precision;
+for each link (the ranks of a node, one rank per node) and each kind of call the trainer makes (OPS), the latency per
+ring step and the bandwidth, fitted as `time = steps × latency + wire bytes / bandwidth` from a small and a large
+payload (plan/comm.py's ring steps and wire bytes); the share of an all-reduce a matmul beside it hides; how many
+ranks share a processor (one rank's matmuls alone against all at once: 1 with a GPU each; more on a CPU host with
+more ranks than cores, where a rank idle in a pipeline bubble leaves its share to the others); and the optimizer
+step's rate. Cached per kind of machine (device, ranks per node, dtype) and read back by the planner (`apply`,
+`constants`), so `--layout auto` plans with what this machine measured.
 
     torchrun --nproc_per_node 8 -m trainer3d.plan --calibrate --model gpt2 --seq-len 1024
 """
@@ -55,6 +53,8 @@ class Calibration:
     intra: dict[str, Link] | None  # per op of OPS, over the ranks of one node
     inter: dict[str, Link] | None  # per op, over ranks of different nodes
     overlap: float  # the fraction of an all-reduce beside a matmul that the matmul hides
+    ranks_per_processor: float  # one rank's matmul speed alone over its speed with every rank busy (1: its own device)
+    adam_params_per_s: float  # the optimizer step (trainer3d.optim.adam), parameters per second per rank, every rank busy
     seconds: float  # what the measurement took
     date: str
 
@@ -64,7 +64,8 @@ class Calibration:
                                               for op, v in ops.items()) if ops else "n/a")
 
         return (f"{self.matmul_tflops:.3g} TFLOP/s per rank ({self.dtype} matmuls); {link('in a node:', self.intra)}; "
-                f"{link('across nodes:', self.inter)} (latency per ring step); overlap {self.overlap:.2f} "
+                f"{link('across nodes:', self.inter)} (latency per ring step); overlap {self.overlap:.2f}; "
+                f"{self.ranks_per_processor:.1f} ranks per processor; AdamW {self.adam_params_per_s:.3g} params/s "
                 f"({self.device}, {self.nodes} node(s) × {self.ranks_per_node} ranks, measured {self.date} in "
                 f"{self.seconds:.1f} s)")
 
@@ -103,7 +104,9 @@ def save(calib: Calibration, device: torch.device, root=None) -> Path:
 def constants(calib: Calibration) -> dict[str, object]:
     """The Cluster fields a calibration measures: the matmul throughput as the kernels' speed (mfu 1 of it), each
     measured link's all-reduce bandwidth and latency as the link's, every op's own (`op_links`), the overlap."""
-    out: dict[str, object] = dict(peak_tflops=calib.matmul_tflops, mfu=1.0, overlap=calib.overlap)
+    out: dict[str, object] = dict(peak_tflops=calib.matmul_tflops, mfu=1.0, overlap=calib.overlap,
+                                  ranks_per_processor=calib.ranks_per_processor,
+                                  adam_params_per_s=calib.adam_params_per_s)
     op_links = []
     for where, ops in (("intra", calib.intra), ("inter", calib.inter)):
         if ops is not None:
@@ -126,15 +129,16 @@ def _timed(fn, rounds: int, group=None, min_seconds: float = 0.02) -> float:
     dist.barrier(group=group)
     t0 = time.perf_counter()
     fn()
-    repeats = torch.tensor(max(1, math.ceil(min_seconds / max(time.perf_counter() - t0, 1e-9))))
-    dist.all_reduce(repeats, op=dist.ReduceOp.MAX, group=group)
+    slowest = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)  # the count from the slowest rank's time
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # (a rank with nothing to do must not set it)
+    repeats = max(1, math.ceil(min_seconds / max(float(slowest), 1e-9)))
     times = []
     for _ in range(rounds):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        for _ in range(int(repeats)):
+        for _ in range(repeats):
             fn()
-        times.append((time.perf_counter() - t0) / int(repeats))
+        times.append((time.perf_counter() - t0) / repeats)
     return statistics.median(times)
 
 
@@ -173,10 +177,11 @@ def _call(op: str, nbytes: int, group, device: torch.device):
     return exchange
 
 
-def matmul_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, rounds: int) -> float:
+def matmul_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, rounds: int,
+                  alone: bool = False) -> float:
     """TFLOP/s of the forward and backward matmuls of one block, [m, k] @ [k, n] for each (m, k, n), every rank
-    at once; the slowest rank's (a step waits for it)."""
-    mats = _operands(shapes, dtype, device)
+    at once (the slowest rank's: a step waits for it), or rank 0's while the others wait (`alone`)."""
+    mats = _operands(shapes, dtype, device) if not alone or dist.get_rank() == 0 else []
     flops = sum(3 * 2 * m * k * n for m, k, n in shapes)  # forward + the two backward matmuls
 
     def run() -> None:
@@ -189,6 +194,25 @@ def matmul_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device
     seconds = torch.tensor(_timed(run, rounds), dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return flops / float(seconds) / 1e12
+
+
+def adam_params_per_s(device: torch.device, rounds: int, n: int = 1 << 21) -> float:
+    """Parameters per second of the trainer's AdamW step (trainer3d.optim.adam: fused where torch has it) over `n`
+    fp32 parameters, every rank at once; the slowest rank's."""
+    from trainer3d.optim import adam
+
+    p = torch.nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn(n, device=device)
+    opt = adam([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+
+    def step() -> None:
+        opt.step()
+        _synchronize(device)
+
+    step()  # the moments allocated
+    seconds = torch.tensor(_timed(step, rounds), dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return n / float(seconds)
 
 
 def links(group, n: int, device: torch.device, rounds: int) -> dict[str, Link]:
@@ -257,6 +281,9 @@ def calibrate(cfg, tokens: int, dtype: torch.dtype, device: torch.device, ranks_
     t0 = time.perf_counter()
     shapes = block_shapes(cfg, tokens)
     tflops = matmul_tflops(shapes, dtype, device, rounds)
+    # a processor shared by several ranks (more ranks than cores) runs one rank faster while the others wait
+    shared = min(max(matmul_tflops(shapes, dtype, device, rounds, alone=True) / tflops, 1.0), ranks_per_node)
+    adam_rate = adam_params_per_s(device, rounds)
     intra_group, inter_group, nodes = node_groups(ranks_per_node)
     intra = links(intra_group, ranks_per_node, device, rounds) if ranks_per_node > 1 else None
     inter = links(inter_group, nodes, device, rounds) if inter_group is not None else None
@@ -264,7 +291,8 @@ def calibrate(cfg, tokens: int, dtype: torch.dtype, device: torch.device, ranks_
     agreed = [_agreed(v) for v in (intra, inter)]
     return Calibration(host=socket.gethostname(), device=device_name(device), ranks_per_node=ranks_per_node,
                        nodes=nodes, dtype={v: k for k, v in DTYPES.items()}[dtype], matmul_tflops=tflops, intra=agreed[0],
-                       inter=agreed[1], overlap=ov, seconds=time.perf_counter() - t0,
+                       inter=agreed[1], overlap=ov, ranks_per_processor=shared, adam_params_per_s=adam_rate,
+                       seconds=time.perf_counter() - t0,
                        date=time.strftime("%Y-%m-%d %H:%M %Z"))
 
 

@@ -22,12 +22,18 @@ class Cluster:
     inter_node_gbps: float
     pcie_gbps: float = 25.0  # host <-> GPU, per GPU
     cpu_adam_params_per_s: float = 2e8  # DeepSpeedCPUAdam throughput per GPU's share of the host
+    # the optimizer step on the device, parameters per second per rank: fused AdamW reads a parameter, its gradient and
+    # two moments and writes three (28 bytes in fp32), memory-bound: ~60% of an H100's 3.35 TB/s (calibrated)
+    adam_params_per_s: float = 7e10
     mfu: float = 0.5  # fraction of peak the kernels reach (compute only; bubble and comm come on top)
     overlap: float = 0.5  # fraction of a compute window that communication running beside it can hide behind
     intra_node_latency_s: float = 0.0  # per ring step of a collective (plan/calibrate.py measures it; 0: not modeled)
     inter_node_latency_s: float = 0.0
     reserve_gib: float = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
     host_memory_gib: float = 1024.0  # per node, for offloaded state
+    # ranks that share one processor's throughput (a CPU host with more ranks than cores; calibrated): a rank idle in a
+    # pipeline bubble leaves its share to the busy ones. 1: a device per rank
+    ranks_per_processor: float = 1.0
     # (link "intra"/"inter", op, GB/s, latency per ring step) of the calls a calibration measured (plan/calibrate.OPS)
     op_links: tuple[tuple[str, str, float, float], ...] = ()
 

@@ -2,7 +2,8 @@
 
 compute (model FLOPs at the cluster's peak × mfu, × 4/3 with recomputation, × the busiest pipeline rank's share) +
 pipeline bubble + exposed communication (analytic_comm's payloads with ring factors over the intra- or
-inter-node bandwidth; dp traffic partly hidden behind the backward) + CPU offload (PCIe and CPU Adam).
+inter-node bandwidth; dp traffic partly hidden behind the backward) + the optimizer step over the rank's partition (on
+the device, or CPU Adam and PCIe when offloaded).
 
 A mixture of experts' FLOPs are its active ones (the family's flops_per_token: the router and the k experts a token
 uses). Its all-to-alls (ep) sit on the critical path (nothing overlaps them in trainer3d), each rank's payload split
@@ -17,7 +18,7 @@ from functools import lru_cache
 
 from trainer3d.distributed.topology import Layout
 from trainer3d.parallel.pipeline import SCHEDULES, stage_cost, stage_ids
-from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params
+from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params, rank_params
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.comm import analytic_comm, ring_steps
 
@@ -83,7 +84,7 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     if cand.pp > 1:
         coef = BUBBLE_COEF[cand.schedule]
         coef = 1.0 / cand.virtual_stages if coef is None else coef
-        out["bubble"] = (cand.pp - 1) * t_mb * coef
+        out["bubble"] = (cand.pp - 1) * t_mb * coef / C.ranks_per_processor  # shared: the busy ranks use it
     worst = _comm_seconds(cand, C)
     out["tp comm"] = worst.get("tp", 0.0)  # on the critical path (Megatron-style TP)
     if cand.cp > 1:
@@ -98,6 +99,10 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     shard = max(partition_params(cand, cand.stages(r)) for r in sorted({0, cand.pp - 1}))  # a rank's partition
     if cand.offload_optimizer:
         out["offload"] = shard / C.cpu_adam_params_per_s + shard * (4 + 2) / (C.pcie_gbps * 1e9)
+    else:  # each rank steps what it holds under DDP, its partition (1/dp×cp) under ZeRO
+        held = shard if cand.zero_stage else max(rank_params(cand.cfg, cand.tp, cand.stages(r), cand.ep)
+                                                 for r in sorted({0, cand.pp - 1}))
+        out["optimizer"] = held / C.adam_params_per_s
     if cand.offload_params:
         out["offload"] = out.get("offload", 0.0) + cand.micro_batches * 2 * shard * 2 / (C.pcie_gbps * 1e9)
     return out

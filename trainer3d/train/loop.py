@@ -13,6 +13,7 @@ from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.signals import Checkpointer
 from trainer3d.config import parse_args
 from trainer3d.data.mixture import MixtureValidation
+from trainer3d.data.sft import describe as describe_chat_rows
 from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
@@ -60,12 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             agree_on_error(error, dist.group.WORLD, UsageError)
         topo = group.topology = setup.topology()
         blocks = build_blocks(cfg, data_config(cfg), env.rank, env.local_rank)  # one source, or a mixture's
-        st = getattr(blocks, "stats", {})  # (a mixture's sources speak for themselves in the cache's log)
-        if env.rank == 0 and "conversations" in st:
-            print(f"[trainer3d] chat data: {st['conversations']:,} conversations in {st['rows']:,} rows "
-                  f"({st['n_train']:,} train, {st['n_val']:,} val), {st['supervised']:,} of {st['tokens']:,} tokens "
-                  f"supervised (--train-on {cfg.train_on}), {st['truncated']} truncated and {st['dropped']} dropped as "
-                  f"longer than --seq-len + 1", flush=True)
+        chat = describe_chat_rows(getattr(blocks, "stats", {}))  # (a mixture's sources speak in the cache's log)
+        if env.rank == 0 and chat:
+            print(f"[trainer3d] {chat} (--train-on {cfg.train_on})", flush=True)
         mcfg = setup.model_config(blocks.vocab_size)
         start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
         trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)

@@ -82,9 +82,10 @@ RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("sample_temperature", 0.0, None, False), ("sample_top_k", 0, None, False),
     ("moe_aux_loss_coef", 0.0, None, False), ("moe_z_loss_coef", 0.0, None, False),
     ("moe_bias_update_rate", 0.0, None, False), ("straggler_factor", 1.0, None, False),
-    ("straggler_intervals", 1, None, False),
+    ("straggler_intervals", 1, None, False), ("val_fraction", 0.0, 0.5, True),
 )
-POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor", "device_memory_gib")  # strictly above 0
+POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor", "device_memory_gib",  # strictly above 0
+            "val_fraction")
 
 
 def flag(field: str) -> str:
@@ -212,7 +213,7 @@ def data_config(cfg: TrainConfig) -> DataConfig:
     """The run's data options, as the data layer takes them."""
     return DataConfig(data=cfg.data, data_config=cfg.data_config, split=cfg.data_split, text_field=cfg.text_field,
                       tokenizer=cfg.tokenizer, format=cfg.data_format, messages_field=cfg.messages_field,
-                      train_on=cfg.train_on, overlong=cfg.overlong, pack=cfg.pack)
+                      train_on=cfg.train_on, overlong=cfg.overlong, pack=cfg.pack, val_fraction=cfg.val_fraction)
 
 
 def check_chat(cfg: TrainConfig) -> TrainConfig:
