@@ -70,6 +70,17 @@ def supervised_mask(batch: Batch) -> torch.Tensor:
     return torch.ones(batch.tokens.shape[0], batch.tokens.shape[1] - 1, dtype=torch.bool)
 
 
+def document_ids(tokens: torch.Tensor, boundary: int) -> torch.Tensor:
+    """[B, T] -> [B, T]: how many documents opened at or before each token (each `boundary` token opens one): a plain
+    row's documents, where a packed chat row stores its own."""
+    return torch.cumsum(tokens == boundary, dim=1)
+
+
+def documents_of(batch: Batch, boundary: int) -> torch.Tensor:
+    """[B, T] document ids: the batch's stored ones, else those its `boundary` tokens open."""
+    return batch.documents if batch.documents is not None else document_ids(batch.tokens, boundary)
+
+
 def padding(batch: Batch, rows: int) -> Batch:
     """`batch` followed by `rows` rows that are in no loss (the last, partial batch of a whole-corpus pass)."""
     if rows == 0:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer3d.data.batch import Batch, supervised_count, supervised_mask, take
+from trainer3d.data.batch import Batch, documents_of, supervised_count, supervised_mask, take
 from trainer3d.data.loader import _as_rows, _check_layout, val_batches
 from trainer3d.data.sources import check_data_path
 from trainer3d.errors import ConfigError, DataError, UsageError
@@ -213,8 +213,7 @@ class MixtureLoader:
             supervised = torch.cat([supervised_mask(p) for p in parts])
         if any(p.documents is not None for p in parts):  # a plain row's documents: opened by end-of-text tokens
             eos = -1 if self.blocks.eos_id is None else self.blocks.eos_id
-            documents = torch.cat([p.documents if p.documents is not None else torch.cumsum(p.tokens == eos, dim=1)
-                                   for p in parts])
+            documents = torch.cat([documents_of(p, eos) for p in parts])
         pick = lambda t: None if t is None else t[order]  # noqa: E731
         return Batch(tokens[order], pick(supervised), pick(documents), targets)
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from trainer3d.data.batch import document_ids
 from trainer3d.distributed.collectives import group_size
 from trainer3d.errors import LayoutError
 from trainer3d.models.attention import gqa
@@ -51,11 +52,6 @@ def local_positions(seq_len: int, rank: int, size: int) -> torch.Tensor:
     """The global positions of a rank's tokens, in its local order."""
     c = seq_len // (2 * size) if size > 1 else seq_len
     return torch.cat([torch.arange(s, s + c) for s in chunk_starts(seq_len, rank, size)])
-
-
-def document_ids(tokens: torch.Tensor, boundary: int) -> torch.Tensor:
-    """[B, T] -> [B, T]: how many documents opened at or before each token (each `boundary` token opens one)."""
-    return torch.cumsum(tokens == boundary, dim=1)
 
 
 def positions_in_document(documents: torch.Tensor) -> torch.Tensor:
