@@ -124,7 +124,8 @@ def test_elastic_restarts_on_fewer_ranks_and_grows_back(tmp_path):
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
     def start() -> subprocess.Popen:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=str(ROOT))
 
     t0 = time.monotonic()
     agents = [start(), start()]
@@ -143,14 +144,16 @@ def test_elastic_restarts_on_fewer_ranks_and_grows_back(tmp_path):
     lost = next(i for i in (0, 1) if "node:rank=3:step=3: rank 3, node, after step 3" in logs[i])
     kept, joined = logs[1 - lost], logs[2]
     assert [a.returncode for a in agents] == [0, 0, 0][:lost] + [-9] + [0, 0][lost:], kept[-4000:]
-    plans = [line.split(" cpu ranks")[0].split("auto on ")[1] for line in kept.splitlines() if "--layout auto on" in line]
+    plans = [line.split(" cpu ranks")[0].split("auto on ")[1] for line in kept.splitlines()
+             if "--layout auto on" in line]
     assert plans == ["2 node(s) × 2", "1 node(s) × 2", "2 node(s) × 2"], kept[-4000:]
     assert "step_000002 (step 2)" in kept and "SIGTERM received" in kept and "step_000009 (step 9)" in kept + joined
     got, want = _steps(out), _steps(tmp_path / "ref")
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 13))
     for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", NORM_RTOL)):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=rtol), key
-    worlds = {s: Checkpoint(resolve_checkpoint(out / "checkpoints" / f"step_{s:06d}")).meta["layout"] for s in (2, 8, 12)}
+    worlds = {s: Checkpoint(resolve_checkpoint(out / "checkpoints" / f"step_{s:06d}")).meta["layout"]
+              for s in (2, 8, 12)}
     assert [math.prod(worlds[s][a] for a in ("dp", "tp", "pp", "cp")) for s in (2, 8, 12)] == [4, 2, 4], worlds
 
 

@@ -92,12 +92,13 @@ class Heartbeat:
 
 def shared_group(layout: Layout, me: int, other: int) -> str:
     """`other`'s coordinates, and the axis group it shares with `me` (where `me` waits for it), if any: ranks that
-    differ in one coordinate meet in that axis's collectives (or its pipeline sends), others only in the world's."""
+    differ in one coordinate meet in that axis's collectives (or its pipeline sends), others only in collectives over
+    several axes (the gradient norm's over tp and pp, the loss's over the world)."""
     a, b = layout.coords(me), layout.coords(other)
     coords = " ".join(f"{axis}{getattr(b, axis)}" for axis in reversed(ORDER))
     differ = [axis for axis in ORDER if getattr(a, axis) != getattr(b, axis)]
     if len(differ) != 1:
-        return f"{coords}; in no axis group of rank {me}'s: they meet in world-wide collectives"
+        return f"{coords}; in none of rank {me}'s axis groups: they meet in the gradient norm's or the loss's sums"
     axis = differ[0]
     ranks = [other + (i - getattr(b, axis)) * layout.stride(axis) for i in range(getattr(layout, axis))]
     return f"{coords}; in rank {me}'s {axis} group, ranks {_ranks(ranks)}"

@@ -54,7 +54,7 @@ class Calibration:
     inter: dict[str, Link] | None  # per op, over ranks of different nodes
     overlap: float  # the fraction of an all-reduce beside a matmul that the matmul hides
     ranks_per_processor: float  # one rank's matmul speed alone over its speed with every rank busy (1: its own device)
-    adam_params_per_s: float  # the optimizer step (trainer3d.optim.adam), parameters per second per rank, every rank busy
+    adam_params_per_s: float  # the optimizer step (optim.adam), parameters per second per rank, every rank busy
     seconds: float  # what the measurement took
     date: str
 
@@ -290,9 +290,9 @@ def calibrate(cfg, tokens: int, dtype: torch.dtype, device: torch.device, ranks_
     ov = overlap(device, shapes, dtype, rounds) if dist.get_world_size() > 1 else 0.0
     agreed = [_agreed(v) for v in (intra, inter)]
     return Calibration(host=socket.gethostname(), device=device_name(device), ranks_per_node=ranks_per_node,
-                       nodes=nodes, dtype={v: k for k, v in DTYPES.items()}[dtype], matmul_tflops=tflops, intra=agreed[0],
-                       inter=agreed[1], overlap=ov, ranks_per_processor=shared, adam_params_per_s=adam_rate,
-                       seconds=time.perf_counter() - t0,
+                       nodes=nodes, dtype={v: k for k, v in DTYPES.items()}[dtype], matmul_tflops=tflops,
+                       intra=agreed[0], inter=agreed[1], overlap=ov, ranks_per_processor=shared,
+                       adam_params_per_s=adam_rate, seconds=time.perf_counter() - t0,
                        date=time.strftime("%Y-%m-%d %H:%M %Z"))
 
 
