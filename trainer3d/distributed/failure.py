@@ -95,7 +95,7 @@ def shared_group(layout: Layout, me: int, other: int) -> str:
     differ in one coordinate meet in that axis's collectives (or its pipeline sends), others only in collectives over
     several axes (the gradient norm's over tp and pp, the loss's over the world)."""
     a, b = layout.coords(me), layout.coords(other)
-    coords = " ".join(f"{axis}{getattr(b, axis)}" for axis in reversed(ORDER))
+    coords = b.label()
     differ = [axis for axis in ORDER if getattr(a, axis) != getattr(b, axis)]
     if len(differ) != 1:
         return f"{coords}; in none of rank {me}'s axis groups: they meet in the gradient norm's or the loss's sums"

@@ -26,6 +26,10 @@ class Coords(NamedTuple):
     tp: int
     cp: int = 0
 
+    def label(self) -> str:
+        """"pp1 dp0 cp0 tp1": how log lines name a rank's place (outermost axis first)."""
+        return " ".join(f"{axis}{getattr(self, axis)}" for axis in reversed(ORDER))
+
 
 ORDER = ("tp", "cp", "dp", "pp")  # THE rank order, fastest-varying axis first (the module docstring says why)
 

@@ -9,7 +9,6 @@ import sys
 
 import torch.distributed as dist
 
-from trainer3d.distributed.topology import ORDER
 from trainer3d.train.metrics import MetricsFile, PeakMemory, RunSummary
 from trainer3d.train.stragglers import StragglerWatch
 from trainer3d.train.tracking import Tracker
@@ -27,7 +26,7 @@ class Report:
         self.summary = RunSummary(trainer.step)
         layout = trainer.topo.layout
         self.stragglers = StragglerWatch(self.cfg.straggler_factor, self.cfg.straggler_intervals,
-                                         lambda r: " ".join(f"{a}{getattr(layout.coords(r), a)}" for a in reversed(ORDER)))
+                                         lambda r: layout.coords(r).label())
         self.bar = None
 
     def start(self, tokens_per_step: int) -> None:
