@@ -122,6 +122,13 @@ def apply(C: Cluster, calib: Calibration) -> Cluster:
 
 
 # ---- the measurements: every rank calls them together ------------------------------------------------------------
+def _slowest(values: list[float], group=None) -> list[float]:
+    """Each value's maximum over the ranks (a step waits for the slowest rank)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def _timed(fn, rounds: int, group=None, min_seconds: float = 0.02) -> float:
     """The median seconds of one `fn` over `rounds` rounds, the ranks starting each round together; a round repeats
     `fn` until it lasts `min_seconds` (the same count on every rank: `fn` may be a collective), so that a small
@@ -129,9 +136,9 @@ def _timed(fn, rounds: int, group=None, min_seconds: float = 0.02) -> float:
     dist.barrier(group=group)
     t0 = time.perf_counter()
     fn()
-    slowest = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)  # the count from the slowest rank's time
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # (a rank with nothing to do must not set it)
-    repeats = max(1, math.ceil(min_seconds / max(float(slowest), 1e-9)))
+    # the count from the slowest rank's time (a rank with nothing to do must not set it)
+    [slowest] = _slowest([time.perf_counter() - t0], group)
+    repeats = max(1, math.ceil(min_seconds / max(slowest, 1e-9)))
     times = []
     for _ in range(rounds):
         dist.barrier(group=group)
@@ -156,7 +163,7 @@ def _synchronize(device: torch.device) -> None:
 def _call(op: str, nbytes: int, group, device: torch.device):
     """One call of `op` with a payload of `nbytes` over `group` (plan/comm.py's payloads: an all-gather's gathered
     output; send: each rank sends it to the next rank of the group and receives as much from the previous, as a
-    pipeline's neighbours do), to call again and again; async_op=True returns what to wait on."""
+    pipeline's neighbours do), to call again and again; an all-reduce's async_op=True returns what to wait on."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     x = torch.ones(max(n, nbytes // 4), device=device)
     if op == "all_reduce":
@@ -191,9 +198,8 @@ def matmul_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device
         _synchronize(device)
 
     run()
-    seconds = torch.tensor(_timed(run, rounds), dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return flops / float(seconds) / 1e12
+    [seconds] = _slowest([_timed(run, rounds)])
+    return flops / seconds / 1e12
 
 
 def adam_params_per_s(device: torch.device, rounds: int, n: int = 1 << 21) -> float:
@@ -210,9 +216,8 @@ def adam_params_per_s(device: torch.device, rounds: int, n: int = 1 << 21) -> fl
         _synchronize(device)
 
     step()  # the moments allocated
-    seconds = torch.tensor(_timed(step, rounds), dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return n / float(seconds)
+    [seconds] = _slowest([_timed(step, rounds)])
+    return n / seconds
 
 
 def links(group, n: int, device: torch.device, rounds: int) -> dict[str, Link]:
@@ -301,9 +306,8 @@ def _agreed(ops: dict[str, Link] | None) -> dict[str, Link] | None:
     calls it alike (a node's group measured on each node)."""
     if ops is None:
         return None
-    t = torch.tensor([x for v in ops.values() for x in (v.latency_s, -v.gbps)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {op: Link(latency_s=float(t[2 * i]), gbps=float(-t[2 * i + 1])) for i, op in enumerate(ops)}
+    t = _slowest([x for v in ops.values() for x in (v.latency_s, -v.gbps)])
+    return {op: Link(latency_s=t[2 * i], gbps=-t[2 * i + 1]) for i, op in enumerate(ops)}
 
 
 def run(cfg, tokens: int, precision: str | None = None, root=None) -> int:
