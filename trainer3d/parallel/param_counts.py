@@ -50,9 +50,6 @@ class BlockParams:
     def experts(self, ep: int = 1) -> int:
         return sum(p.on_rank(ep) for p in self.pieces if p.expert)
 
-    def replicated(self, ep: int = 1) -> list[int]:
-        return [p.on_rank(ep) for p in self.pieces if p.replicated]
-
 
 @dataclass(frozen=True)
 class LocalParams:

@@ -199,18 +199,24 @@ def partition_params(cand, stages: list[Stage]) -> float:
     return (n - experts) / cand.dp_cp + experts / cand.edp
 
 
+def _stage_pieces(cfg, stages: list[Stage], ep: int, keep, extras: bool) -> list[tuple[int, bool]]:
+    """(elements on a rank, is an expert tensor) of the block tensors of a rank's stages that `keep` selects, and
+    with `extras` the first and last stages' replicated extras (positions, the final norm)."""
+    lp, out = local_params(cfg, 1), []
+    for s in stages:
+        if extras and s.first:
+            out += [(n, False) for n in lp.first_extra]
+        for b, k in lp.kinds(s.blocks):
+            out += [(p.on_rank(ep), p.expert) for p in b.pieces if keep(p)] * k
+        if extras and s.last:
+            out += [(n, False) for n in lp.last_extra]
+    return out
+
+
 def replicated_params(cfg, stages: list[Stage], ep: int = 1) -> list[int]:
     """Sizes of the tp-replicated parameters of a rank's stages (norms, row-parallel biases, positions, an MoE's
     router and experts): every tp rank holds them whole."""
-    lp, out = local_params(cfg, 1), []
-    for s in stages:
-        if s.first:
-            out += lp.first_extra
-        for b, k in lp.kinds(s.blocks):
-            out += b.replicated(ep) * k
-        if s.last:
-            out += lp.last_extra
-    return out
+    return [n for n, _ in _stage_pieces(cfg, stages, ep, lambda p: p.replicated, extras=True)]
 
 
 def tp_summed_params(cand: Candidate, stages: list[Stage]) -> list[int]:
@@ -225,16 +231,9 @@ def tp_summed_pieces(cand: Candidate, stages: list[Stage]) -> list[tuple[int, bo
     over dp×cp."""
     if cand.tp == 1:
         return []
-    lp, out = local_params(cand.cfg, 1), []
-    for s in stages:
-        if cand.sequence_parallel and s.first:
-            out += [(n, False) for n in lp.first_extra]
-        for b, k in lp.kinds(s.blocks):
-            summed = [p for p in b.pieces if (p.replicated if cand.sequence_parallel else p.partial)]
-            out += [(p.on_rank(cand.ep), p.expert) for p in summed] * k
-        if cand.sequence_parallel and s.last:
-            out += [(n, False) for n in lp.last_extra]
-    return out
+    if cand.sequence_parallel:  # every replicated tensor, the stages' extras included
+        return _stage_pieces(cand.cfg, stages, cand.ep, lambda p: p.replicated, extras=True)
+    return _stage_pieces(cand.cfg, stages, cand.ep, lambda p: p.partial, extras=False)
 
 
 def max_param_tensor(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
