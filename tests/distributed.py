@@ -28,6 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment of a trainer3d process a test launches: the test's, without launcher variables and the user's
+    W&B and TRAINER3D_ settings, except the calibration folder tests/conftest.py chose (so that --layout auto plans
+    with the presets' constants there too); one thread; the repository importable; `extra` on top."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES
+           and (k == "TRAINER3D_CALIBRATION" or not k.startswith(("WANDB_", "TRAINER3D_")))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {**env, **extra}
+
+
 # imported once by the forkserver, before it forks a rank (each rank re-imports nothing of these)
 PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "trainer3d.train.trainer", "parity"]
 

@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 import fault_plugin
-from distributed import free_port
+from distributed import free_port, launch_env
 from parity import LOSS_RTOL, NORM_RTOL
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 
@@ -158,12 +158,7 @@ def test_elastic_restarts_on_fewer_ranks_and_grows_back(tmp_path):
 
 
 def _env(**plugin_env: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WANDB_", "TRAINER3D_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    if plugin_env:
-        env.update(fault_plugin.env(**plugin_env))
-    return env
+    return launch_env(**fault_plugin.env(**plugin_env)) if plugin_env else launch_env()
 
 
 def _reap(agents, out: Path) -> None:

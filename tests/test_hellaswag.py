@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import run_world
+from distributed import launch_env, run_world
 from ds_ops import require_ops
 from trainer3d.data.hellaswag import IGNORE, encode_rows, read_examples, score
 from trainer3d.errors import DataError
@@ -253,11 +253,8 @@ REAL_EXAMPLES = [
 
 
 def _env(tmp: Path) -> dict:
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_")) and k not in launcher}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_DIR=str(tmp / "wandb"), PYTHONPATH=str(ROOT))
     (tmp / "wandb").mkdir(exist_ok=True)
-    return env
+    return launch_env(WANDB_MODE="offline", WANDB_DIR=str(tmp / "wandb"))
 
 
 def _run(cmd: list[str], env: dict) -> subprocess.CompletedProcess:

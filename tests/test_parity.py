@@ -6,7 +6,6 @@ Each world is spawned once and runs its reference and all its layouts in sequenc
 
 from __future__ import annotations
 
-
 import parity
 from distributed import run_world
 from parity import LLAMA, LOSS_RTOL, MOE, MOE_BALANCED, PARAM_ATOL, as_trained, check, compare, run_groups, run_layouts

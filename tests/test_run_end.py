@@ -4,27 +4,21 @@ sample command works as printed. `--no-final-save` saves nothing and says so."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from distributed import launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "tiny", "--n-layer", "2", "--seq-len", "32", "--global-batch", "4", "--max-steps", "3",
          "--eval-every", "2"]
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return env
-
-
 def _train(out: Path, *flags: str) -> list[str]:
     cmd = [sys.executable, str(ROOT / "launch" / "train_gpt2.py"), *SMALL, "--out-dir", str(out), *flags]
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    p = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     assert p.returncode == 0, p.stderr[-3000:]
     return [line for line in p.stdout.splitlines() if line.startswith("[trainer3d] ")]
 
@@ -42,7 +36,7 @@ def test_a_run_ends_with_a_checkpoint_and_says_what_to_do_next(tmp_path):
     sample_cmd = summary[3].removeprefix("[trainer3d] next: ").split("   |   ")[0]
     assert sample_cmd.startswith("python -m trainer3d.sample ")
     argv = shlex.split(sample_cmd)[1:] + ["--max-new-tokens", "3", "--temperature", "0"]
-    p = subprocess.run([sys.executable, *argv], env=_env(), capture_output=True, text=True, timeout=300,
+    p = subprocess.run([sys.executable, *argv], env=launch_env(), capture_output=True, text=True, timeout=300,
                        cwd=str(ROOT))
     assert p.returncode == 0 and p.stdout.strip(), p.stderr[-2000:]
 
@@ -64,7 +58,7 @@ def test_peak_memory_is_the_highest_rank_and_restarts_each_interval(tmp_path):
     from distributed import free_port
 
     out = tmp_path / "run"
-    env = dict(_env(), **fault_plugin.env(TRAINER3D_FAULT="alloc:rank=0:step=2:mib=800"))
+    env = dict(launch_env(), **fault_plugin.env(TRAINER3D_FAULT="alloc:rank=0:step=2:mib=800"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "launch" / "train_gpt2.py"), *SMALL, "--pp", "2", "--max-steps", "6", "--log-every", "2",
            "--eval-every", "0", "--out-dir", str(out)]

@@ -20,6 +20,7 @@ import pytest
 
 import slurm_cluster
 from parity import LOSS_RTOL, NORM_RTOL
+from distributed import launch_env
 from slurm_cluster import ClusterError, SlurmCluster, in_ci
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,11 +72,8 @@ def submit_dir(tmp_path):
 
 
 def _job_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "WANDB_", "TRAINER3D_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable, NPROC_PER_NODE="2", **extra)
-    return env
+    env = {k: v for k, v in launch_env().items() if not k.startswith("SLURM_")}
+    return dict(env, PYTHON=sys.executable, NPROC_PER_NODE="2", **extra)
 
 
 def _submit(cluster, submit_dir, name, args, **env):
