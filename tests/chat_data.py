@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-EOS, START, PAD = "<|end_of_text|>", "<|im_start|>", "<|pad|>"
+EOS, START, PAD, END = "<|end_of_text|>", "<|im_start|>", "<|pad|>", "<|im_end|>"
 TURN = "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|end_of_text|>' + '\\n' }}"
 TAGGED_TURN = ("{{ '<|im_start|>' + message['role'] + '\\n' }}{%- if message['role'] == 'assistant' %}{% generation %}"
                "{{ message['content'] + '<|end_of_text|>' + '\\n' }}{% endgeneration %}{%- else %}"
@@ -21,20 +21,24 @@ def template(tags: bool = False) -> str:
             "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def chat_tokenizer(directory: Path, tags: bool = False) -> int:
-    """Write a fast tokenizer with a chat template (and a pad token) into `directory`; returns its size."""
+def chat_tokenizer(directory: Path, tags: bool = False, chat_template: str | None = None,
+                   specials: tuple[str, ...] = ()) -> int:
+    """Write a fast tokenizer with a chat template (`chat_template`, else ours with or without tags) and a pad token
+    into `directory`; <|im_end|> is a special token too (ChatML's end of turn, for published templates), and so is
+    each of `specials` (another template's markers); returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    text = [" ".join(WORDS), "system user assistant Be brief."] * 20
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS, START, PAD],
+    text = [" ".join(WORDS), "system user assistant tool Be brief. <think> </think> <tool_call> </tool_call> "
+            '{"name": "arguments": } \n\n'] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS, START, PAD, END],
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
-                                   additional_special_tokens=[START])
-    fast.chat_template = template(tags)
+                                   additional_special_tokens=[START, END, *specials])
+    fast.chat_template = chat_template or template(tags)
     fast.save_pretrained(str(directory))
     return len(fast)
 

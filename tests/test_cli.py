@@ -23,6 +23,10 @@ def _cases(tmp):
     hellaswag.write_text(good_line + "\n" + good_line + "\n")
     chat = tmp / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    from chat_data import chat_tokenizer
+
+    chat_tokenizer(tmp / "tok")
+    chat_run = ["--data-format", "chat", "--data", str(chat), "--tokenizer", str(tmp / "tok")]
     bad_hellaswag = tmp / "bad_hellaswag.jsonl"
     bad_hellaswag.write_text(good_line + "\n\n" + json.dumps({"ctx": "A man", "endings": ["runs."] * 4, "label": 4}) + "\n")
     return [
@@ -100,7 +104,13 @@ def _cases(tmp):
         (["--straggler-factor", "0.5"], "--straggler-factor must be at least 1.0 (got 0.5)."),
         (["--straggler-intervals", "0"], "--straggler-intervals must be at least 1 (got 0)."),
         (["--val-fraction", "0.5"], "--val-fraction must be in [0.0, 0.5) (got 0.5)."),
-        (["--val-fraction", "0"], "--val-fraction must be a positive finite number (got 0.0)."),
+        (["--val-fraction", "0", "--eval-every", "5"], "--val-fraction 0 holds nothing out to validate on; pass "
+         "--eval-every 0 too (or --val-data PATH for validation rows from elsewhere)."),
+        (["--epochs", "2"], "--epochs and --max-steps both say how long to train; pass only one of them."),
+        (["--adam-eps", "-1"], "--adam-eps must be at least 0.0 (got -1.0)."),
+        (["--val-data", str(tmp / "nowhere.jsonl")], f"Data path '{tmp / 'nowhere.jsonl'}' does not exist; pass an "
+         "existing .txt/.jsonl/.json/.parquet file, a folder of them, a save_to_disk folder, or a Hugging Face dataset "
+         "name."),
         # paths
         (["--out-dir", str(a_file)], f"--out-dir {a_file} is a file; pass a directory (it is created if missing)."),
         (["--out-dir", str(a_file / "run")], f"--out-dir {a_file / 'run'} cannot be written ({a_file} is not writable); "
@@ -134,13 +144,22 @@ def _cases(tmp):
          f"--deepspeed_config {bad_json} is not valid JSON (Expecting property name enclosed in double quotes at line 1); "
          "fix the file."),
         # chat data (supervised fine-tuning)
-        (["--train-on", "all"], "--train-on, --overlong, --messages-field and --no-pack apply to chat data; add "
-                                "--data-format chat or drop them."),
+        (["--train-on", "all"], "--train-on applies to chat data; add --data-format chat or drop it."),
+        (["--train-roles", "tool"], "--train-roles applies to chat data; add --data-format chat or drop it."),
+        ([*chat_run, "--train-roles", "assistant,robot"], "--train-roles 'assistant,robot' names no role or an unknown "
+         "one; give a comma-separated list of system, user, assistant, tool, developer, ipython, function."),
+        ([*chat_run, "--chat-template-kwargs", "{enable_thinking: false}"], "--chat-template-kwargs is not JSON "
+         "(Expecting property name enclosed in double quotes at character 1); pass an object such as "
+         "'{\"enable_thinking\": false}'."),
+        ([*chat_run, "--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object of the "
+         "template's variables."),
+        (["--data-format", "chat", "--data", str(chat), "--chat-template", str(tmp / "none.jinja")],
+         f"--chat-template {tmp / 'none.jinja'} does not exist; pass a jinja file."),
         (["--data-format", "chat"], "--data-format chat reads conversations from a jsonl/json/parquet file, a folder, a "
                                     "save_to_disk directory or a Hugging Face dataset; pass one with --data."),
         (["--data-format", "chat", "--data", str(chat)],
-         "The tokenizer gpt2 (bundled) has no chat template; pass --tokenizer (or --init-from-hf) a directory whose "
-         "tokenizer_config.json or chat_template.jinja holds one."),
+         "The tokenizer gpt2 (bundled) has no chat template; pass --chat-template FILE, or --tokenizer (or "
+         "--init-from-hf) a directory whose tokenizer_config.json or chat_template.jinja holds one."),
     ]
 
 

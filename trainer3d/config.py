@@ -62,6 +62,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    adam_eps: float = 1e-8  # AdamW's epsilon (HF Trainer's and TRL's default 1e-8)
+    epochs: float | None = None  # passes over the training rows; sets max_steps (train/setup.py)
     # mixtures of experts (parallel/moe_balance.py): balancing losses, loss-free balancing, token dropping
     moe_aux_loss_coef: float = 0.0  # the balance loss's weight (Qwen3-MoE's published router_aux_loss_coef: 0.001)
     moe_aux_loss: str = "sequence"  # per-sequence (DeepSeek-V3's: the same at every layout) or "hf" (transformers')
@@ -81,7 +83,13 @@ class TrainConfig:
     text_field: str = "text"
     data_format: str = "text"  # "chat": conversations rendered by the tokenizer's chat template (data/chat.py)
     messages_field: str = "messages"  # chat: the column of {role, content} lists
-    train_on: str = "assistant"  # chat: the supervised targets, the assistant turns' or "all"
+    train_on: str = "assistant"  # chat: the supervised targets, the assistant turns', the "last" one's, or "all"
+    train_roles: str | None = None  # chat: the roles whose turns are supervised, comma-separated (default assistant)
+    on_bad_row: str = "drop"  # chat: a row with nothing to learn or no derivable mask is dropped (counted) or an error
+    chat_template: str | None = None  # chat: a jinja file replacing the tokenizer's template (for training and export)
+    chat_template_kwargs: str | None = None  # chat: a JSON object passed to the template (e.g. {"enable_thinking": false})
+    eos_token: str | None = None  # the token that ends a reply (default: the template's end of turn; export, sample)
+    val_data: str | None = None  # validation from another file, folder or dataset split instead of the tail
     overlong: str = "truncate"  # chat: a conversation longer than a row is truncated or dropped
     pack: bool = True  # chat: conversations packed into rows (attention and positions per conversation)
     tokenizer: str | None = None
@@ -247,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--weight-decay", type=float, default=d.weight_decay)
     o.add_argument("--beta1", type=float, default=d.beta1)
     o.add_argument("--beta2", type=float, default=d.beta2)
+    o.add_argument("--adam-eps", type=float, default=d.adam_eps, help="AdamW's epsilon")
+    o.add_argument("--epochs", type=float, default=None,
+                   help="passes over the training rows: sets --max-steps to ceil(epochs × rows / --global-batch)")
     o.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global-norm clip; 0 disables")
     o.add_argument(
         "--on-nonfinite", default=d.on_nonfinite, choices=["stop", "skip"],
@@ -278,21 +289,39 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--data-split", default=d.data_split)
     da.add_argument("--text-field", default=d.text_field)
     da.add_argument("--tokenizer", default=None, help="HF tokenizer name or path (default: bundled GPT-2 BPE)")
-    da.add_argument("--data-format", default=d.data_format, choices=("text", "chat"),
-                    help="chat: rows of {role, content} messages, rendered by the tokenizer's chat template, the loss on "
-                         "the assistant turns (supervised fine-tuning)")
-    da.add_argument("--messages-field", default=d.messages_field, help="chat: the column holding the messages")
-    da.add_argument("--train-on", default=d.train_on, choices=("assistant", "all"),
-                    help="chat: which targets are in the loss")
+    da.add_argument("--data-format", default=d.data_format, choices=("text", "chat", "sharegpt"),
+                    help="chat: rows of {role, content} messages (or prompt/completion columns; ShareGPT's "
+                         "{from, value} rows are recognised), rendered by the chat template, the loss on the assistant "
+                         "turns (supervised fine-tuning); sharegpt: chat whose rows are ShareGPT's")
+    da.add_argument("--messages-field", default=d.messages_field,
+                    help="chat: the column holding the messages (ShareGPT: conversations)")
+    da.add_argument("--train-on", default=d.train_on, choices=("assistant", "last", "all"),
+                    help="chat: the targets in the loss: every turn of --train-roles, only the last one, or all tokens")
+    da.add_argument("--train-roles", default=None, metavar="ROLE[,ROLE]",
+                    help="chat: the roles whose turns are supervised (default: assistant)")
+    da.add_argument("--on-bad-row", default=d.on_bad_row, choices=("drop", "error"),
+                    help="chat: a row with no derivable mask, an unknown role or no supervised token left is dropped "
+                         "(counted, the first few named) or stops the run")
+    da.add_argument("--chat-template", default=None, metavar="FILE",
+                    help="chat: a jinja chat template replacing the tokenizer's (TRL's *_training.jinja, ...); the "
+                         "export carries it")
+    da.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                    help='chat: variables for the template, e.g. \'{"enable_thinking": false}\'')
+    da.add_argument("--eos-token", default=None,
+                    help="the token that ends a reply, for the export's generation config and sample (default: the "
+                         "chat template's end of turn, else the tokenizer's eos)")
     da.add_argument("--overlong", default=d.overlong, choices=("truncate", "drop"),
                     help="chat: a conversation longer than --seq-len + 1 tokens keeps its head, or is left out")
     da.add_argument("--no-pack", dest="pack", action="store_false",
-                    help="chat: one conversation per row, padded (default: packed, attention per conversation)")
+                    help="chat: one conversation per row, padded (default: packed best-fit-decreasing, attention per "
+                         "conversation)")
     da.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validations; 0: only at end")
     da.add_argument("--eval-batches", type=int, default=d.eval_batches)
     da.add_argument("--val-fraction", type=float, default=d.val_fraction,
-                    help="the share of each corpus's blocks held out for validation, from its end (at least 128 "
-                         "blocks, at most 10%%); part of the data cache's key")
+                    help="the share of each corpus's rows held out for validation, from its end (text: at least 128 "
+                         "blocks, at most 10%%); 0: no validation (then --eval-every 0)")
+    da.add_argument("--val-data", default=None, metavar="PATH",
+                    help="validation rows from this file, folder or dataset (its --data-split) instead of the tail")
     ds_ = p.add_argument_group("downstream: HellaSwag and samples")
     ds_.add_argument(
         "--eval-hellaswag", default=None, metavar="PATH",

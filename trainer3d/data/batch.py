@@ -24,24 +24,27 @@ class Batch:
     supervised: torch.Tensor | None = None  # [B, seq_len] bool: target t is in the loss; None: every target
     documents: torch.Tensor | None = None  # [B, seq_len + 1] int64: the document of each token; None: from end-of-text
     targets: int | None = None  # supervised targets of the whole global batch; None: global rows × seq_len
+    inputs: int | None = None  # input tokens of the whole global batch that are not padding; None: rows × seq_len
 
 
 class LabeledRows:
     """Rows with a supervised flag and a document index per token, indexed like a ``[n, seq_len + 1]`` array.
 
     ``tokens``, ``flags`` (1 where the token is a supervised target) and ``documents`` are ``[n, seq_len + 1]``
-    arrays (memory-mapped from the cache); ``counts[i]`` is the number of supervised targets of row i."""
+    arrays (memory-mapped from the cache); ``counts[i]`` is the number of supervised targets of row i, ``lengths[i]``
+    its tokens before the padding (all of them where not given)."""
 
-    def __init__(self, tokens: np.ndarray, flags: np.ndarray, documents: np.ndarray):
+    def __init__(self, tokens: np.ndarray, flags: np.ndarray, documents: np.ndarray, lengths: np.ndarray | None = None):
         self.tokens, self.flags, self.documents = tokens, flags, documents
         self.counts = np.asarray(flags[:, 1:].sum(axis=1), dtype=np.int64) if len(flags) else np.zeros(0, np.int64)
+        self.lengths = np.full(len(tokens), tokens.shape[1], np.int64) if lengths is None else np.asarray(lengths)
         self.shape = tokens.shape
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def __getitem__(self, index) -> LabeledRows:
-        return LabeledRows(self.tokens[index], self.flags[index], self.documents[index])
+        return LabeledRows(self.tokens[index], self.flags[index], self.documents[index], self.lengths[index])
 
 
 def supervised_count(rows, index: np.ndarray) -> int:
@@ -51,15 +54,24 @@ def supervised_count(rows, index: np.ndarray) -> int:
     return len(index) * (rows.shape[1] - 1)
 
 
-def take(rows, index: np.ndarray, targets: int | None = None) -> Batch:
-    """The Batch of rows[index]; `targets`: the global batch's supervised count it belongs to."""
+def input_count(rows, index: np.ndarray) -> int:
+    """Input tokens of rows[index] that are not padding (a row of L tokens feeds min(L, seq_len) inputs): what a step
+    trains on, for honest tokens/s."""
+    if isinstance(rows, LabeledRows):
+        return int(np.minimum(rows.lengths[index], rows.shape[1] - 1).sum())
+    return len(index) * (rows.shape[1] - 1)
+
+
+def take(rows, index: np.ndarray, targets: int | None = None, inputs: int | None = None) -> Batch:
+    """The Batch of rows[index]; `targets`, `inputs`: the counts of the global batch it belongs to."""
     if not isinstance(rows, LabeledRows):
-        return Batch(torch.from_numpy(np.asarray(rows[index]).astype(np.int64)), targets=targets)
+        return Batch(torch.from_numpy(np.asarray(rows[index]).astype(np.int64)), targets=targets, inputs=inputs)
     return Batch(
         tokens=torch.from_numpy(rows.tokens[index].astype(np.int64)),
         supervised=torch.from_numpy(rows.flags[index][:, 1:].astype(bool)),
         documents=torch.from_numpy(rows.documents[index].astype(np.int64)),
         targets=targets,
+        inputs=inputs,
     )
 
 
@@ -91,4 +103,5 @@ def padding(batch: Batch, rows: int) -> Batch:
     documents = None
     if batch.documents is not None:
         documents = torch.cat([batch.documents, batch.documents.new_zeros(rows, T1)])
-    return Batch(tokens, torch.cat([supervised, supervised.new_zeros(rows, T1 - 1)]), documents, batch.targets)
+    return Batch(tokens, torch.cat([supervised, supervised.new_zeros(rows, T1 - 1)]), documents, batch.targets,
+                 batch.inputs)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer3d.data.batch import Batch, LabeledRows, padding, supervised_count, take
+from trainer3d.data.batch import Batch, LabeledRows, input_count, padding, supervised_count, take
 from trainer3d.data.cache import TokenBlocks
 from trainer3d.errors import DataError
 
@@ -71,6 +71,7 @@ class BatchLoader:
             )
         self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
         self.seed, self.epoch, self.position = int(seed), 0, 0  # position: global sequences into this epoch
+        self.inputs_seen = 0  # non-padding input tokens of every global batch so far (metrics' `tokens`)
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
     @property
@@ -89,7 +90,9 @@ class BatchLoader:
         rows = self._permutation(self.epoch)[self.position : self.position + self.global_batch]
         self.position += self.global_batch
         mine = rows[self.dp_rank * self.per : (self.dp_rank + 1) * self.per]
-        return take(self.rows, mine, supervised_count(self.rows, rows))
+        inputs = input_count(self.rows, rows)
+        self.inputs_seen += inputs
+        return take(self.rows, mine, supervised_count(self.rows, rows), inputs)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -105,6 +108,7 @@ class BatchLoader:
             "seed": self.seed,
             "fingerprint": self.fingerprint,
             "global_batch": self.global_batch,
+            "inputs_seen": self.inputs_seen,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -119,6 +123,8 @@ class BatchLoader:
         if int(state["seed"]) != self.seed:
             log.warning("data seed %s replaced by the checkpoint's seed %s", self.seed, state["seed"])
         self.epoch, self.position, self.seed = int(state["epoch"]), position, int(state["seed"])
+        steps = (self.epoch * self.steps_per_epoch * self.global_batch + position) // self.global_batch
+        self.inputs_seen = int(state.get("inputs_seen", steps * self.global_batch * (self.rows.shape[1] - 1)))
         self._perm_epoch = -1
 
 
@@ -130,17 +136,17 @@ def val_batches(
     ``blocks`` is the TokenBlocks (its ``.val`` is used) or a bare ``[n, seq_len + 1]`` array of blocks.
 
     Yields ``min(len(val) // global_batch, max_batches)`` Batches of ``global_batch // dp_size`` rows (a partial last
-    batch is skipped so every batch has the same shape on every rank). Errors are raised here, at the call, not at
-    the first ``next()``.
+    batch is skipped so every batch has the same shape on every rank); a split shorter than one global batch is one
+    batch padded with rows in no loss. Errors are raised here, at the call, not at the first ``next()``.
     """
     per = _check_layout(global_batch, dp_rank, dp_size)
     rows, _ = _as_rows(blocks, "val")
     n = len(rows)
-    if n < global_batch:
-        raise DataError(
-            f"The validation split has {n} blocks but one global batch needs {global_batch}; lower --global-batch "
-            "or raise --val-fraction."
-        )
+    if n == 0:
+        raise DataError("The validation split is empty; raise --val-fraction, pass --val-data, or turn validation off "
+                        "with --val-fraction 0 --eval-every 0.")
+    if n < global_batch:  # a short tail: one pass over what it has, padded with rows in no loss
+        return corpus_batches(rows, global_batch, dp_rank, dp_size)[1]
     count = n // global_batch if max_batches is None else min(n // global_batch, max_batches)
 
     def gen() -> Iterator[Batch]:

@@ -1,8 +1,9 @@
 """Weighted data mixtures (``--data-mixture FILE.json``): several corpora, each drawn at a share of the rows.
 
 The file is a JSON list of ``{"source": ..., "weight": ...}`` objects (optional ``format``, ``text_field``,
-``data_config``); a source is anything ``--data`` takes. Weights are normalized to shares of the rows drawn, not of
-tokens or corpus sizes.
+``data_config``, ``split``, and for chat sources ``messages_field``, ``train_on``, ``train_roles``); a source is anything
+``--data`` takes, and an option it does not give is the run's. Weights are normalized to shares of the rows drawn, not
+of tokens or corpus sizes.
 
 The draw uses no random stream (Megatron's BlendedDataset rule): global sample i (counted over the whole run) goes to
 the source s with the largest ``share_s * (i + 1) - drawn_s``, ties to the lowest index. Source s's k-th row is row
@@ -13,6 +14,7 @@ does not depend on the dp layout and a checkpoint resumes exactly at any dp size
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,15 +28,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer3d.data.batch import Batch, documents_of, supervised_count, supervised_mask, take
+from trainer3d.data.batch import Batch, documents_of, input_count, supervised_count, supervised_mask, take
 from trainer3d.data.loader import _as_rows, _check_layout, val_batches
-from trainer3d.data.sources import check_data_path
+from trainer3d.data.sources import DataConfig, check_data_path
 from trainer3d.errors import ConfigError, DataError, UsageError
 
 log = logging.getLogger(__name__)
 
-KEYS = ("source", "weight", "format", "text_field", "data_config")
-FORMATS = ("text", "chat")
+OPTIONS = ("format", "text_field", "data_config", "split", "messages_field", "train_on", "train_roles")  # DataConfig's
+KEYS = ("source", "weight", *OPTIONS)
+FORMATS = ("text", "chat", "sharegpt")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,12 @@ class MixtureSource:
     format: str = "text"
     text_field: str = "text"
     data_config: str | None = None
+    options: tuple[tuple[str, str], ...] = ()  # the entry's own split, messages_field, train_on, train_roles
+
+    def data_config_of(self, run: DataConfig) -> DataConfig:
+        """The run's data options with this source's own in their place."""
+        return dataclasses.replace(run, data=self.source, data_config=self.data_config, text_field=self.text_field,
+                                   format=self.format, **dict(self.options))
 
 
 def read_mixture(path: str, text_field: str = "text") -> list[MixtureSource]:
@@ -62,8 +71,10 @@ def read_mixture(path: str, text_field: str = "text") -> list[MixtureSource]:
     checked = [_entry(f"{where}, entry {i + 1}", e, text_field) for i, e in enumerate(entries)]
     total = sum(e["weight"] for e in checked)
     names = _names([e["source"] for e in checked])
+    own = ("split", "messages_field", "train_on", "train_roles")
     return [MixtureSource(name, e["source"], e["weight"] / total, e.get("format", "text"), e["text_field"],
-                          e.get("data_config")) for name, e in zip(names, checked)]
+                          e.get("data_config"), tuple((k, e[k]) for k in own if k in e))
+            for name, e in zip(names, checked)]
 
 
 def _entry(where: str, entry: Any, text_field: str) -> dict:
@@ -79,7 +90,7 @@ def _entry(where: str, entry: Any, text_field: str) -> dict:
     weight = entry["weight"]
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight > 0):
         raise ConfigError(f"{where} has a weight of {weight!r}; a weight must be a positive finite number.")
-    for key in ("source", "text_field", "data_config"):
+    for key in ("source", *OPTIONS[1:]):
         if key in entry and not (isinstance(entry[key], str) and entry[key]):
             raise ConfigError(f"{where} has a {key!r} of {entry[key]!r}; it must be a non-empty string.")
     if entry.get("format", "text") not in FORMATS:
@@ -158,7 +169,7 @@ class MixtureLoader:
                 raise DataError(f"The mixture's source {name} has no training blocks; add data or lower --seq-len.")
         self.shares = np.asarray(blocks.shares, dtype=np.float64)
         self.global_batch, self.dp_rank, self.dp_size, self.seed = global_batch, dp_rank, dp_size, int(seed)
-        self.fingerprint, self.samples = blocks.fingerprint, 0
+        self.fingerprint, self.samples, self.inputs_seen = blocks.fingerprint, 0, 0  # inputs: see BatchLoader
         self.drawn_rows = np.zeros(len(self.rows), dtype=np.int64)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
@@ -190,20 +201,22 @@ class MixtureLoader:
 
     def next_batch(self) -> Batch:
         src = draw(self.shares, self.drawn_rows, self.samples, self.global_batch)
-        index, targets = np.empty(len(src), dtype=np.int64), 0  # each row's index in its source's rows
+        index, targets, inputs = np.empty(len(src), dtype=np.int64), 0, 0  # each row's index in its source's rows
         for s in np.unique(src):
             at = src == s  # the source's next draws, in order
             index[at] = self._row_index(int(s), self.drawn_rows[s] + np.arange(int(at.sum())))
             targets += supervised_count(self.rows[s], index[at])
+            inputs += input_count(self.rows[s], index[at])
         self.drawn_rows += np.bincount(src, minlength=len(self.rows))
         self.samples += self.global_batch
+        self.inputs_seen += int(inputs)
         mine = slice(self.dp_rank * self.per, (self.dp_rank + 1) * self.per)
-        return self._assemble(src[mine], index[mine], int(targets))
+        return self._assemble(src[mine], index[mine], int(targets), int(inputs))
 
-    def _assemble(self, src: np.ndarray, index: np.ndarray, targets: int) -> Batch:
+    def _assemble(self, src: np.ndarray, index: np.ndarray, targets: int, inputs: int) -> Batch:
         """This rank's rows, taken from each source and put back in the global batch's order."""
         sources = [int(s) for s in np.unique(src)]
-        parts = [take(self.rows[s], index[src == s], targets) for s in sources]
+        parts = [take(self.rows[s], index[src == s], targets, inputs) for s in sources]
         if len(parts) == 1:
             return parts[0]
         order = torch.from_numpy(np.argsort(np.concatenate([np.flatnonzero(src == s) for s in sources]), kind="stable"))
@@ -215,7 +228,7 @@ class MixtureLoader:
             eos = -1 if self.blocks.eos_id is None else self.blocks.eos_id
             documents = torch.cat([documents_of(p, eos) for p in parts])
         pick = lambda t: None if t is None else t[order]  # noqa: E731
-        return Batch(tokens[order], pick(supervised), pick(documents), targets)
+        return Batch(tokens[order], pick(supervised), pick(documents), targets, inputs)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -226,7 +239,7 @@ class MixtureLoader:
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable and independent of dp size: the global samples drawn, and from which source."""
         return {"samples": self.samples, "drawn": self.drawn(), "seed": self.seed, "fingerprint": self.fingerprint,
-                "global_batch": self.global_batch}
+                "global_batch": self.global_batch, "inputs_seen": self.inputs_seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         drawn = state.get("drawn")
@@ -240,29 +253,36 @@ class MixtureLoader:
         if int(state["seed"]) != self.seed:
             log.warning("data seed %s replaced by the checkpoint's seed %s", self.seed, state["seed"])
         self.samples, self.drawn_rows, self.seed = int(state["samples"]), counts, int(state["seed"])
+        self.inputs_seen = int(state.get("inputs_seen", self.samples * (self.rows[0].shape[1] - 1)))
         self._perms.clear()
 
 
 class MixtureValidation:
     """Each source's own held-out batches. `record(evaluate)`: its loss as ``val_loss/<name>``, and ``val_loss``, the
-    share-weighted mean of them (the expected loss of a row drawn from the mixture)."""
+    training objective's expectation over the mixture: every source's mean loss weighted by its share of the rows
+    times the supervised targets a row of it holds (a chat row supervises fewer tokens than a text row, and weighs
+    less in a step's loss, which is a mean over all its supervised targets)."""
 
     def __init__(self, parts: list[tuple[str, float, Iterator[Batch]]]):
         self.parts = parts
 
     def record(self, evaluate) -> dict[str, float]:
         losses = {f"val_loss/{name}": evaluate(batches) for name, _, batches in self.parts}
-        overall = sum(share * loss for (_, share, _), loss in zip(self.parts, losses.values()))
+        total = sum(weight for _, weight, _ in self.parts)
+        overall = sum(weight * loss for (_, weight, _), loss in zip(self.parts, losses.values())) / total
         return {"val_loss": overall, **losses}
 
 
 def mixture_validation(blocks: MixtureBlocks, global_batch: int, dp_rank: int, dp_size: int,
                        max_batches: int | None = None) -> MixtureValidation:
-    """`val_batches` of every source (each its own validation split), sharded like training."""
+    """`val_batches` of every source (each its own validation split), sharded like training, each weighted by its
+    share times the supervised targets of its average validation row."""
     parts = []
     for name, share, part in zip(blocks.names, blocks.shares, blocks.parts):
+        rows = _as_rows(part, "val")[0]
+        per_row = supervised_count(rows, np.arange(len(rows))) / max(1, len(rows))
         try:
-            parts.append((name, share, val_batches(part, global_batch, dp_rank, dp_size, max_batches)))
+            parts.append((name, share * per_row, val_batches(part, global_batch, dp_rank, dp_size, max_batches)))
         except DataError as e:
             raise DataError(f"The mixture's source {name}: {e}") from None
     return MixtureValidation(parts)

@@ -41,8 +41,13 @@ class DataConfig:
     num_proc: int | None = None  # tokenization processes; None -> 1 for small corpora, else up to 8
     format: str = "text"  # "text": documents packed into blocks; "chat": conversations (data/chat.py)
     messages_field: str = "messages"  # chat: the column holding each row's list of {role, content}
-    train_on: str = "assistant"  # chat: which targets are supervised, "assistant" turns or "all"
+    train_on: str = "assistant"  # chat: which targets are supervised: the turns of train_roles, the "last", or "all"
+    train_roles: str | None = None  # chat: comma-separated roles whose turns are supervised (None: assistant)
+    on_bad_row: str = "drop"  # chat: a row that cannot be trained on is dropped (counted) or an "error"
+    chat_template: str | None = None  # chat: a jinja file replacing the tokenizer's template
+    chat_template_kwargs: str | None = None  # chat: a JSON object of variables for the template
     overlong: str = "truncate"  # chat: a conversation longer than a row is "truncate"d or "drop"ped
+    val_data: str | None = None  # validation rows from this source (every row of it) instead of the tail
     pack: bool = True  # chat: conversations packed into rows (documents masked apart), or one per row, padded
 
 

@@ -88,7 +88,7 @@ class DDPEngine(DataParallelEngine):
         self.experts = [p for p in self.params if getattr(p, "expert", False)]  # split over ep (reduced over edp)
         self.tp_partial = tp_partial_params(stages)
         groups = param_groups(self.params, cfg.weight_decay)
-        self.optimizer = adam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+        self.optimizer = adam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
 
     @property
     def stage_modules(self) -> list[nn.Module]:

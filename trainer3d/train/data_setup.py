@@ -4,8 +4,6 @@ corpus once; then every rank builds the same loader and validation passes over i
 
 from __future__ import annotations
 
-import dataclasses
-
 from trainer3d.data import BatchLoader, DataConfig, TokenBlocks, build_rows, val_batches
 from trainer3d.data.mixture import MixtureBlocks, MixtureLoader, combine, mixture_validation, read_mixture
 from trainer3d.distributed.leader import leader_first
@@ -13,15 +11,14 @@ from trainer3d.distributed.leader import leader_first
 
 def build_blocks(cfg, data_cfg: DataConfig, rank: int, local_rank: int) -> TokenBlocks | MixtureBlocks:
     """`data_cfg` is the run's data config; a mixture's sources each replace its source fields (data, data_config,
-    text_field, format) and keep the rest (the tokenizer, the split, ...)."""
+    text_field, format, and the options an entry gives) and keep the rest (the tokenizer, ...)."""
     if not cfg.data_mixture:
         return leader_first("tokenize the data into the cache", lambda: build_rows(data_cfg, cfg.seq_len),
                             rank, local_rank)
     sources = read_mixture(cfg.data_mixture, cfg.text_field)
     blocks = []
     for i, src in enumerate(sources):
-        source_cfg = dataclasses.replace(data_cfg, data=src.source, data_config=src.data_config,
-                                         text_field=src.text_field, format=src.format)
+        source_cfg = src.data_config_of(data_cfg)
         blocks.append(leader_first(f"tokenize mixture source {i} into the cache",
                                    lambda c=source_cfg: build_rows(c, cfg.seq_len), rank, local_rank))
     return combine(sources, blocks)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.signals import Checkpointer
 from trainer3d.config import parse_args
-from trainer3d.data.mixture import MixtureValidation
+from trainer3d.data.mixture import MixtureBlocks, MixtureValidation
 from trainer3d.data.sft import describe as describe_chat_rows
 from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.failure import Heartbeat, run_reported
@@ -26,7 +26,7 @@ from trainer3d.train.downstream import Downstream
 from trainer3d.train.metrics import device_peak_tflops
 from trainer3d.train.report import Report
 from trainer3d.train.profiling import StepProfiler
-from trainer3d.train.setup import check_out_dir, data_config, validate
+from trainer3d.train.setup import check_out_dir, data_config, validate, with_epochs
 from trainer3d.train.trainer import Trainer
 
 
@@ -61,14 +61,19 @@ def main(argv: list[str] | None = None) -> int:
             agree_on_error(error, dist.group.WORLD, UsageError)
         topo = group.topology = setup.topology()
         blocks = build_blocks(cfg, data_config(cfg), env.rank, env.local_rank)  # one source, or a mixture's
-        chat = describe_chat_rows(getattr(blocks, "stats", {}))  # (a mixture's sources speak in the cache's log)
-        if env.rank == 0 and chat:
-            print(f"[trainer3d] {chat} (--train-on {cfg.train_on})", flush=True)
-        mcfg = setup.model_config(blocks.vocab_size)
-        start = prepare(cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
-        trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
+        if env.rank == 0:
+            for line in chat_lines(blocks, cfg):
+                print(f"[trainer3d] {line}", flush=True)
         loader = make_loader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
-        make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, None)  # too few rows: said before step 1
+        run_setup = with_epochs(setup, loader.steps_per_epoch)  # --epochs: max_steps from the rows
+        if env.rank == 0 and cfg.epochs:
+            print(f"[trainer3d] --epochs {cfg.epochs:g}: {run_setup.cfg.max_steps} steps ({loader.steps_per_epoch} "
+                  f"a pass over the training rows)", flush=True)
+        mcfg = setup.model_config(blocks.vocab_size)
+        start = prepare(run_setup.cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
+        trainer = Trainer(run_setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
+        if validates(cfg):  # too few rows: said before step 1
+            make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, None)
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
         run(trainer, loader,
@@ -89,7 +94,7 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
     heartbeat, downstream, report = Heartbeat(), downstream or Downstream(trainer), Report(trainer)
     speed = Throughput(trainer, tokens_per_step)
     report.start(tokens_per_step)
-    if cfg.eval_every and trainer.step == 0:  # the starting point of the validation curve
+    if cfg.eval_every and trainer.step == 0 and validates(cfg):  # the starting point of the validation curve
         report.record({"step": 0, **evaluation(trainer, make_val_batches, downstream)})
     exit_code = 1  # what W&B records if the loop ends by an exception (a non-finite step, a failed peer)
     try:
@@ -100,12 +105,12 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
             batch = loader.next_batch()
             record = trainer.train_step(batch, stop_requested=saver.stop_requested, data_s=time.perf_counter() - t0)
             stop = record.pop("stop")  # every rank's signals, agreed in the step's own all-reduce
-            record.update(speed.of(trainer.step, time.perf_counter() - t0))
+            record.update(speed.of(trainer.step, time.perf_counter() - t0, batch, getattr(loader, "inputs_seen", None)))
             if hasattr(loader, "drawn"):  # a mixture: the rows drawn from each source so far
                 record["data_mix"] = loader.drawn()
             profiler.stop(trainer.step)
             last = trainer.step == cfg.max_steps
-            if (cfg.eval_every and trainer.step % cfg.eval_every == 0) or last:
+            if ((cfg.eval_every and trainer.step % cfg.eval_every == 0) or last) and validates(cfg):
                 record.update(evaluation(trainer, make_val_batches, downstream))
             report.record(record)
             if downstream.samples_due(trainer.step, last):  # every rank: one forward pass per token
@@ -132,16 +137,37 @@ def evaluation(trainer: Trainer, make_val_batches, downstream: Downstream) -> di
     return {**record, "val_ppl": math.exp(min(record["val_loss"], 50.0)), **downstream.evaluate()}
 
 
+def validates(cfg) -> bool:
+    """Whether the run has validation rows (--val-fraction 0 without --val-data holds none out)."""
+    return cfg.val_fraction > 0 or bool(cfg.val_data)
+
+
+def chat_lines(blocks, cfg) -> list[str]:
+    """The chat data's line for the run's rows or each chat source of a mixture, with its mask options."""
+    if isinstance(blocks, MixtureBlocks):
+        named = [(f"{name}: ", part.stats) for name, part in zip(blocks.names, blocks.parts)]
+    else:
+        named = [("", getattr(blocks, "stats", {}))]
+    mask = f"--train-on {cfg.train_on}" + (f" --train-roles {cfg.train_roles}" if cfg.train_roles else "")
+    return [f"{prefix}{line} ({mask})" for prefix, stats in named if (line := describe_chat_rows(stats))]
+
+
 class Throughput:
-    """A step's tokens, time, tokens/s, TFLOP/s per device and MFU (where the device's peak is known)."""
+    """A step's tokens, time, tokens/s, TFLOP/s per device and MFU (where the device's peak is known). Tokens are the
+    inputs that are not padding (a chat batch's rows are part padding), counted by the loader; a step's supervised
+    targets are logged beside them."""
 
     def __init__(self, trainer: Trainer, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
         self.flops_per_device = trainer.mcfg.flops_per_token(trainer.cfg.seq_len) / trainer.topo.layout.world_size
         self.peak = device_peak_tflops(trainer.device, trainer.precision, trainer.cfg.peak_tflops)
 
-    def of(self, step: int, seconds: float) -> dict:
-        tps = self.tokens_per_step / seconds
+    def of(self, step: int, seconds: float, batch=None, seen: int | None = None) -> dict:
+        inputs = getattr(batch, "inputs", None) or self.tokens_per_step
+        tps = inputs / seconds
         tflops = tps * self.flops_per_device / 1e12
-        return {"tokens": step * self.tokens_per_step, "step_time_s": seconds, "tokens_per_s": tps,
-                "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None}
+        record = {"tokens": seen if seen is not None else step * self.tokens_per_step, "step_time_s": seconds,
+                  "tokens_per_s": tps, "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None}
+        if getattr(batch, "supervised", None) is not None:
+            record["supervised_tokens"] = batch.targets
+        return record

@@ -16,6 +16,7 @@ from trainer3d.checkpoint.format import checkpoints_root, resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import PRECISIONS, RECOMPUTE_MODES, SIZE_FLAGS, TrainConfig
 from trainer3d.data.hellaswag import Example, read_examples
+from trainer3d.data.chat_formats import FORMATS as CHAT_FORMATS
 from trainer3d.data.mixture import read_mixture
 from trainer3d.data.shards import looks_prepared
 from trainer3d.data.sources import DataConfig, check_data_path, looks_like_path
@@ -82,10 +83,9 @@ RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("sample_temperature", 0.0, None, False), ("sample_top_k", 0, None, False),
     ("moe_aux_loss_coef", 0.0, None, False), ("moe_z_loss_coef", 0.0, None, False),
     ("moe_bias_update_rate", 0.0, None, False), ("straggler_factor", 1.0, None, False),
-    ("straggler_intervals", 1, None, False), ("val_fraction", 0.0, 0.5, True),
+    ("straggler_intervals", 1, None, False), ("val_fraction", 0.0, 0.5, True), ("adam_eps", 0.0, None, False),
 )
-POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor", "device_memory_gib",  # strictly above 0
-            "val_fraction")
+POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor", "device_memory_gib", "epochs")  # above 0
 
 
 def flag(field: str) -> str:
@@ -126,6 +126,9 @@ def check_combinations(cfg: TrainConfig) -> None:
     if cfg.data_mixture and cfg.data:
         raise ConfigError("--data and --data-mixture both name the training data; pass only one of them (a mixture's "
                           "file lists its sources).")
+    if cfg.data_mixture and cfg.val_data:
+        raise ConfigError("--val-data replaces one corpus's held-out tail; a mixture's sources each hold out their own "
+                          "(--val-fraction): drop --val-data.")
     if cfg.data_mixture and cfg.data_config:
         raise ConfigError("--data-config names one dataset's config; with --data-mixture give the source its own "
                           "\"data_config\" in the file.")
@@ -134,6 +137,11 @@ def check_combinations(cfg: TrainConfig) -> None:
     if cfg.layout != "auto" and (cfg.device_memory_gib is not None or str(cfg.deepspeed_config).lower() == "auto"):
         raise ConfigError("--device-memory-gib and --deepspeed_config auto feed the layout planner; add --layout auto "
                           "or drop them.")
+    if "epochs" in typed and "max_steps" in typed:
+        raise ConfigError("--epochs and --max-steps both say how long to train; pass only one of them.")
+    if cfg.val_fraction == 0 and not cfg.val_data and cfg.eval_every:
+        raise ConfigError("--val-fraction 0 holds nothing out to validate on; pass --eval-every 0 too (or --val-data "
+                          "PATH for validation rows from elsewhere).")
     if cfg.hellaswag_examples is not None and not cfg.eval_hellaswag:
         raise ConfigError("--hellaswag-examples needs --eval-hellaswag PATH, the file to take them from.")
     if cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].multi_stage and not SCHEDULES[cfg.schedule].v_shape \
@@ -155,6 +163,9 @@ def check_paths(cfg: TrainConfig) -> None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out-dir {cfg.out_dir} cannot be written ({existing} is not writable); pick another path.")
     check_data_path(cfg.data)  # --init-from-hf is checked by hf_model_config, in validate
+    check_data_path(cfg.val_data)
+    if cfg.chat_template and not Path(cfg.chat_template).expanduser().is_file():
+        raise ConfigError(f"--chat-template {cfg.chat_template} does not exist; pass a jinja file.")
     if cfg.data_mixture:
         read_mixture(cfg.data_mixture, cfg.text_field)  # the file and every source in it
     if cfg.tokenizer and looks_like_path(cfg.tokenizer) and not Path(cfg.tokenizer).expanduser().exists():
@@ -213,29 +224,47 @@ def data_config(cfg: TrainConfig) -> DataConfig:
     """The run's data options, as the data layer takes them."""
     return DataConfig(data=cfg.data, data_config=cfg.data_config, split=cfg.data_split, text_field=cfg.text_field,
                       tokenizer=cfg.tokenizer, format=cfg.data_format, messages_field=cfg.messages_field,
-                      train_on=cfg.train_on, overlong=cfg.overlong, pack=cfg.pack, val_fraction=cfg.val_fraction)
+                      train_on=cfg.train_on, train_roles=cfg.train_roles, on_bad_row=cfg.on_bad_row,
+                      chat_template=cfg.chat_template, chat_template_kwargs=cfg.chat_template_kwargs,
+                      overlong=cfg.overlong, pack=cfg.pack, val_fraction=cfg.val_fraction, val_data=cfg.val_data)
+
+
+CHAT_ONLY = {"train_on": "assistant", "train_roles": None, "on_bad_row": "drop", "overlong": "truncate",
+             "messages_field": "messages", "pack": True, "chat_template": None, "chat_template_kwargs": None}
 
 
 def check_chat(cfg: TrainConfig) -> TrainConfig:
-    """Chat data needs a fast tokenizer with a chat template and a corpus of conversations (checked here, before any
-    process group); packed conversations are masked apart and their positions restarted, so that packing changes
-    nothing a conversation sees (the flags --document-mask and --reset-position-ids, set here)."""
-    mixed_chat = cfg.data_mixture and any(s.format == "chat" for s in read_mixture(cfg.data_mixture, cfg.text_field))
-    if cfg.data_format != "chat" and not mixed_chat:
-        chat_only = {"train_on": "assistant", "overlong": "truncate", "messages_field": "messages", "pack": True}
-        if any(getattr(cfg, k) != v for k, v in chat_only.items()):
-            raise ConfigError("--train-on, --overlong, --messages-field and --no-pack apply to chat data; add "
-                              "--data-format chat or drop them.")
+    """Chat data needs a fast tokenizer with a chat template, mask options that make sense and a corpus of
+    conversations (checked here, before any process group); packed conversations are masked apart and their positions
+    restarted, so that packing changes nothing a conversation sees (the flags --document-mask and
+    --reset-position-ids, set here)."""
+    sources = read_mixture(cfg.data_mixture, cfg.text_field) if cfg.data_mixture else []
+    mixed_chat = any(s.format in CHAT_FORMATS for s in sources)
+    if cfg.data_format not in CHAT_FORMATS and not mixed_chat:
+        given = [k for k, v in CHAT_ONLY.items() if getattr(cfg, k) != v]
+        if given:
+            raise ConfigError(f"{flag(given[0])} applies to chat data; add --data-format chat or drop it.")
         return cfg
-    from trainer3d.data.chat import check_chat_tokenizer
-    from trainer3d.data.tokenizer import load_tokenizer
+    from trainer3d.data.sft import chat_tokenizer, mask_rule
 
     if not mixed_chat and (cfg.data is None or looks_prepared(cfg.data)):
         raise ConfigError("--data-format chat reads conversations from a jsonl/json/parquet file, a folder, a "
                           "save_to_disk directory or a Hugging Face dataset; pass one with --data.")
-    check_chat_tokenizer(load_tokenizer(cfg.tokenizer), cfg.tokenizer or "gpt2 (bundled)")
+    data = data_config(cfg)
+    for source in sources or [None]:
+        mask_rule(source.data_config_of(data) if source else data)
+    chat_tokenizer(data)
     return dataclasses.replace(cfg, document_mask=cfg.document_mask or cfg.pack,
                                reset_position_ids=cfg.reset_position_ids or cfg.pack)
+
+
+def with_epochs(setup: RunSetup, steps_per_epoch: int) -> RunSetup:
+    """--epochs N: the setup with max_steps = ceil(N passes over the training rows), once the rows are known (a pass
+    is the loader's epoch: whole global batches of a shuffle)."""
+    if not setup.cfg.epochs:
+        return setup
+    steps = max(1, math.ceil(setup.cfg.epochs * steps_per_epoch - 1e-9))
+    return dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, max_steps=steps))
 
 
 def auto_machine(cfg: TrainConfig, world_size: int) -> Machine:

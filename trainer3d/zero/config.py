@@ -251,10 +251,10 @@ def _optimizer(ds: dict, cfg, src: str) -> AdamSettings:
             if _given(cfg, flag) and getattr(cfg, flag) != val:
                 raise ConfigError(f"{src} sets betas={betas} but --{flag} is {getattr(cfg, flag)}; drop one of them.")
     wd = _take(params, "weight_decay", "weight_decay", cfg.weight_decay, cfg, src, float)
-    eps = params.get("eps", "auto")
+    eps = _take(params, "eps", "adam_eps", cfg.adam_eps, cfg, src, float)
     return AdamSettings(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), weight_decay=float(wd),
                         decoupled=otype == "adamw" or bool(params.get("adam_w_mode", True)),
-                        eps=1e-8 if _is_auto(eps) else float(eps))
+                        eps=float(eps))
 
 
 def _zero(ds: dict, src: str, n_embd: int, bf16: bool) -> tuple[int, str, str]:
