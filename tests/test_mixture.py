@@ -20,7 +20,7 @@ from parity import LOSS_RTOL
 from wandb_reader import read_history
 from trainer3d.data.batch import LabeledRows, supervised_count
 from trainer3d.data.cache import TokenBlocks
-from trainer3d.data.mixture import MixtureBlocks, MixtureLoader, draw
+from trainer3d.data.mixture import MixtureBlocks, MixtureLoader, draw, mixture_validation, read_mixture
 from trainer3d.errors import DataError
 
 SEQ = 7
@@ -119,6 +119,27 @@ def test_supervised_count_of_the_whole_global_batch_over_sources():
         assert b.supervised[~is_chat].all() and b.supervised[is_chat].sum() == 4 * int(is_chat.sum())
         assert b.documents is not None and b.documents.shape == b.tokens.shape
     assert supervised_count(labeled, np.arange(2)) == 8
+    # the validation loss is the training objective's: a source weighs its share times its targets a row
+    val = MixtureBlocks(["text", "chat"], [0.5, 0.5], [_blocks(0, 30), TokenBlocks(labeled, labeled, SEQ, 99, 0, "c")],
+                        eos_id=0)
+    record = mixture_validation(val, 8, 0, 1).record(lambda batches: 2.0 if batches is not None and next(
+        iter(batches)).supervised is None else 4.0)
+    assert record["val_loss"] == pytest.approx((0.5 * SEQ * 2.0 + 0.5 * 4 * 4.0) / (0.5 * SEQ + 0.5 * 4))
+
+
+def test_a_source_gives_its_own_data_options(tmp_path):
+    """split, messages_field, train_on and train_roles of an entry replace the run's for that source only."""
+    from trainer3d.data.sources import DataConfig
+
+    corpus = _write(tmp_path, "c.jsonl", "")
+    path = _write(tmp_path, "m.json", [{"source": corpus, "weight": 1, "format": "chat", "split": "train[:50%]",
+                                        "messages_field": "turns", "train_on": "last", "train_roles": "assistant"},
+                                       {"source": corpus, "weight": 1}])
+    run = DataConfig(train_on="all", messages_field="messages")
+    chat, text = (s.data_config_of(run) for s in read_mixture(path))
+    assert (chat.format, chat.split, chat.messages_field, chat.train_on, chat.train_roles) == (
+        "chat", "train[:50%]", "turns", "last", "assistant")
+    assert (text.format, text.split, text.messages_field, text.train_on) == ("text", "train", "messages", "all")
 
 
 # ---- bad input: one sentence and exit 2 through the CLI ---------------------------------------------------------
@@ -138,7 +159,7 @@ def _bad_cases(tmp: Path):
                                                       '{"source": ..., "weight": ...} objects.'),
         ([], _write(tmp, "key.json", [{"source": corpus, "weight": 1, "wieght": 2}]),
          lambda p: f"--data-mixture {p}, entry 1 has an unknown key 'wieght'; the keys are source, weight, format, "
-                   "text_field, data_config."),
+                   "text_field, data_config, split, messages_field, train_on, train_roles."),
         ([], _write(tmp, "noweight.json", [{"source": corpus, "weight": 1}, {"source": corpus}]),
          lambda p: f"--data-mixture {p}, entry 2 has no 'weight'; every entry needs \"source\" and \"weight\"."),
         ([], _write(tmp, "neg.json", [{"source": corpus, "weight": -1}]),
@@ -146,7 +167,7 @@ def _bad_cases(tmp: Path):
         ([], _write(tmp, "nan.json", '[{"source": "c.txt", "weight": NaN}]'),
          lambda p: f"--data-mixture {p}, entry 1 has a weight of nan; a weight must be a positive finite number."),
         ([], _write(tmp, "fmt.json", [{"source": corpus, "weight": 1, "format": "json"}]),
-         lambda p: f"--data-mixture {p}, entry 1 has a format of 'json'; use one of text, chat."),
+         lambda p: f"--data-mixture {p}, entry 1 has a format of 'json'; use one of text, chat, sharegpt."),
         ([], _write(tmp, "missing.json", [{"source": "./nope.txt", "weight": 1}]),
          lambda p: f"--data-mixture {p}, entry 1: Data path './nope.txt' does not exist; pass an existing "
                    ".txt/.jsonl/.json/.parquet file, a folder of them, a save_to_disk folder, or a Hugging Face "

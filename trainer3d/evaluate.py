@@ -59,12 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hellaswag", default=None, metavar="PATH", help="HellaSwag jsonl, e.g. hellaswag_val.jsonl")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a corpus (anything training's --data takes): its loss and perplexity over every row")
-    p.add_argument("--data-format", default="text", choices=("text", "chat"))
+    p.add_argument("--data-format", default="text", choices=("text", "chat", "sharegpt"))
     p.add_argument("--data-config", default=None, help="HF dataset config name")
     p.add_argument("--data-split", default="train")
     p.add_argument("--text-field", default="text")
     p.add_argument("--messages-field", default="messages")
-    p.add_argument("--train-on", default="assistant", choices=("assistant", "all"), help="chat: the targets scored")
+    p.add_argument("--train-on", default="assistant", choices=("assistant", "last", "all"),
+                   help="chat: the targets scored (as training's --train-on)")
+    p.add_argument("--train-roles", default=None, help="chat: the roles whose turns are scored (default: assistant)")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="chat: default: the run's --chat-template")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON", help="chat: default: the run's")
     p.add_argument("--hellaswag-examples", type=int, default=None, metavar="N", help="the first N examples only")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -101,9 +105,19 @@ def eval_config(ckpt: Checkpoint, args, world_size: int) -> TrainConfig:
         eval_hellaswag=args.hellaswag, hellaswag_examples=args.hellaswag_examples,
         data=args.data, data_config=args.data_config, data_split=args.data_split, text_field=args.text_field,
         data_format=args.data_format, messages_field=args.messages_field, train_on=args.train_on,
+        train_roles=args.train_roles, **chat_templating(args, run),
         resume=str(ckpt.path), out_dir=tempfile.gettempdir(),  # evaluation writes nothing there
         dist_timeout=args.dist_timeout,
     )
+
+
+def chat_templating(args, run: dict) -> dict:
+    """Chat data is rendered as the run rendered it (its --chat-template and variables) unless the command says
+    otherwise; text data has no template."""
+    if args.data_format == "text":
+        return {}
+    return {"chat_template": args.chat_template or run.get("chat_template"),
+            "chat_template_kwargs": args.chat_template_kwargs or run.get("chat_template_kwargs")}
 
 
 def check_asked(args) -> None:
