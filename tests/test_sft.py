@@ -25,7 +25,6 @@ from test_llama import hf_llama
 from trainer3d.data.chat import BadRow, Conversation, MaskRule, encode
 from trainer3d.data.sft import build_chat_rows
 from trainer3d.data.sources import DataConfig
-from trainer3d.errors import DataError
 
 
 def rule_mask(tok, messages) -> tuple[list[int], list[int]]:

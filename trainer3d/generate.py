@@ -7,6 +7,8 @@ the whole prefix, which is what makes GPT-2 124M interactive on a CPU (bench/sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from trainer3d.models import CausalLM
@@ -47,11 +49,13 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """prompt_ids [B, T] -> [B, T + n]: the prompt and n = new_token_budget(...) new tokens, or fewer if every row
-    has produced `eos_id` (a finished row is padded with eos_id). One prefill of the prompt, then one position per
-    token through a KVCache; the model should be in eval mode (no dropout)."""
+    has produced `eos_id` (or any of several: a chat reply ends at its end of turn or at the eos; a finished row is
+    padded with the first). One prefill of the prompt, then one position per token through a KVCache; the model
+    should be in eval mode (no dropout)."""
+    stops = None if eos_id is None else torch.as_tensor(eos_id, device=prompt_ids.device).reshape(-1)
     B, T = prompt_ids.shape
     n = new_token_budget(T, max_new_tokens, model.cfg.n_positions)
     if n == 0:
@@ -63,11 +67,11 @@ def generate(
     logits = model(prompt_ids, kv_cache=cache)[:, -1]
     for i in range(n):
         token = pick_next_token(logits, temperature, top_k, generator)
-        if eos_id is not None:
-            token = token.masked_fill(done, eos_id)
-            done |= token == eos_id
+        if stops is not None:
+            token = token.masked_fill(done, stops[0])
+            done |= torch.isin(token, stops)
         out.append(token[:, None])
-        if i == n - 1 or (eos_id is not None and bool(done.all())):
+        if i == n - 1 or (stops is not None and bool(done.all())):
             break
         logits = model(token[:, None], kv_cache=cache)[:, -1]
     return torch.cat(out, dim=1)

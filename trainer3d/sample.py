@@ -2,7 +2,7 @@
 
     python -m trainer3d.sample CKPT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
                                     [--num-samples N] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
-                                    [--chat [--system TEXT]]
+                                    [--chat [--system TEXT]] [--eos-token TOKEN]
 
 CKPT is a checkpoint directory (`<out-dir>/checkpoints/step_000123`), a `checkpoints` directory or a run's --out-dir
 (both follow `latest`), or a Hugging Face directory written by `python -m trainer3d.export`. The weights are read
@@ -10,8 +10,11 @@ from safetensors (nothing is unpickled) into the plain model, the prompt is enco
 and the samples are drawn with a KV cache (trainer3d/generate.py) from one CPU generator seeded with --seed, so a
 seed prints the same text on every run. Samples go to stdout, one header line each; timing goes to stderr. With --chat
 the prompt is a user's turn (after --system's, if given), rendered by the tokenizer's chat template with the
-assistant's generation prompt, as transformers' `apply_chat_template(..., add_generation_prompt=True)` renders it, and
-each sample is the assistant's reply.
+assistant's generation prompt, as transformers' `apply_chat_template(..., add_generation_prompt=True)` renders it (the
+run's --chat-template where one replaced the tokenizer's), and each sample is the assistant's reply: it stops at the
+template's end of turn or the tokenizer's eos (data/turn_end.py; --eos-token, or the run's, names another), as the
+export's generation_config.json makes transformers' `generate` stop, and is printed without it. Without --chat a
+sample stops at the tokenizer's eos (or at --eos-token).
 Bad input (not a checkpoint, a bad number, a prompt longer than the context) is one sentence and exit code 2,
 before any weights are read.
 """
@@ -19,19 +22,22 @@ before any weights are read.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from trainer3d.checkpoint.format import META, Checkpoint, resolve_checkpoint
-from trainer3d.checkpoint.hf import load_hf_checkpoint, read_hf_config
+from trainer3d.checkpoint.hf import GENERATION_CONFIG_NAME, load_hf_checkpoint, read_hf_config
 from trainer3d.data import load_tokenizer
 from trainer3d.data.tokenizer import has_tokenizer_files
+from trainer3d.data.turn_end import end_of_turn_ids
 from trainer3d.errors import CheckpointError, UsageError, first_line
+from trainer3d.data.chat import read_template
 from trainer3d.export import DTYPES
 from trainer3d.generate import generate, new_token_budget
 from trainer3d.models import CausalLM, plain_model
@@ -60,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--chat", action="store_true", help="--prompt is a user's turn, rendered by the chat template")
     p.add_argument("--system", default=None, help="with --chat: a system turn before the user's")
+    p.add_argument("--eos-token", default=None, metavar="TOKEN",
+                   help="the token that ends a sample (default with --chat: the run's --eos-token, else the chat "
+                        "template's end of turn; without: the tokenizer's eos)")
     return p.parse_args(argv)
 
 
@@ -79,9 +88,20 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--device cuda needs a CUDA GPU and torch sees none; use --device cpu.")
 
 
-def open_source(path: str) -> tuple[object, str | None, Callable[[], dict[str, torch.Tensor]]]:
-    """(model config, the tokenizer the weights were trained with, a function reading the canonical state dict):
-    everything but the weights is read and checked here."""
+class Source(NamedTuple):
+    """What is read and checked before the weights: the model config, the tokenizer the weights were trained with,
+    a function reading the canonical state dict, and what ends a chat reply (the run's --chat-template file and
+    --eos-token; an export's generation_config.json ids)."""
+    cfg: object
+    tokenizer: str | None
+    read_state: Callable[[], dict[str, torch.Tensor]]
+    chat_template: str | None = None
+    eos_token: str | None = None
+    stop_ids: tuple[int, ...] = ()
+
+
+def open_source(path: str) -> Source:
+    """The checkpoint or Hugging Face directory at `path`, everything but its weights read and checked."""
     p = Path(path)
     if p.is_dir() and (p / "config.json").is_file() and not (p / META).is_file():  # a Hugging Face directory
         try:
@@ -96,14 +116,35 @@ def open_source(path: str) -> tuple[object, str | None, Callable[[], dict[str, t
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{p} cannot be loaded ({first_line(e)}).") from None
 
-        return cfg, tokenizer, read_hf
+        return Source(cfg, tokenizer, read_hf, stop_ids=_generation_stops(p))
     ckpt = Checkpoint(resolve_checkpoint(p))
 
     def read_checkpoint() -> dict[str, torch.Tensor]:
         ckpt.verify_files([f for f in ckpt.meta["files"] if f.startswith("model-")])
         return ckpt.model_state()
 
-    return ckpt.model_config, ckpt.meta["config"].get("tokenizer"), read_checkpoint
+    run = ckpt.meta["config"]
+    return Source(ckpt.model_config, run.get("tokenizer"), read_checkpoint, run.get("chat_template"),
+                  run.get("eos_token"))
+
+
+def _generation_stops(directory: Path) -> tuple[int, ...]:
+    """The eos ids of an export's generation_config.json (an unreadable one adds none)."""
+    try:
+        ids = json.loads((directory / GENERATION_CONFIG_NAME).read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    return tuple(i for i in ids if isinstance(i, int))
+
+
+def stop_ids(tok, args: argparse.Namespace, source: Source) -> list[int]:
+    """The ids a sample ends at: with --chat the end of turn and the eos (and an export's generation config's);
+    without, the tokenizer's eos, or --eos-token's."""
+    if not args.chat:
+        return end_of_turn_ids(tok, args.eos_token) if args.eos_token else [tok.eos_token_id]
+    ids = end_of_turn_ids(tok, args.eos_token or source.eos_token)
+    return ids + [i for i in source.stop_ids if i not in ids]
 
 
 def chat_prompt(tok, prompt: str, system: str | None) -> list[int]:
@@ -147,15 +188,24 @@ def build_model(cfg, state: dict[str, torch.Tensor], device: torch.device, dtype
         raise CheckpointError(f"{first_line(e)}.") from None
 
 
+def load_source(args: argparse.Namespace) -> tuple[Source, object, list[int], list[int]]:
+    """(the source, its tokenizer, the prompt's ids, the ids a sample ends at), every input checked, no weights read."""
+    source = open_source(args.checkpoint)
+    tok = load_tokenizer(source.tokenizer)
+    if args.chat and source.chat_template:
+        tok.chat_template = read_template(source.chat_template)
+    ids = encode_prompt(tok, args.prompt, source.cfg, args.chat, args.system)
+    return source, tok, ids, stop_ids(tok, args, source)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)
-        cfg, tok_name, read_state = open_source(args.checkpoint)
-        tok = load_tokenizer(tok_name)
-        ids = encode_prompt(tok, args.prompt, cfg, args.chat, args.system)
+        source, tok, ids, stops = load_source(args)
+        cfg = source.cfg
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = build_model(cfg, read_state(), device, DTYPES[args.dtype])
+        model = build_model(cfg, source.read_state(), device, DTYPES[args.dtype])
     except UsageError as e:
         print(f"trainer3d: error: {e}", file=sys.stderr)
         return 2
@@ -166,12 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.tensor([ids] * args.num_samples, device=device)
     generator = torch.Generator().manual_seed(args.seed)  # on the CPU: the same draws whatever the device
     t0 = time.perf_counter()
-    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator, tok.eos_token_id)
+    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator, stops)
     seconds = time.perf_counter() - t0
     new = out[:, len(ids):].tolist()
     for i, row in enumerate(new):
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id)]
+        row = row[: next((k for k, t in enumerate(row) if t in stops), len(row))]  # without the stop token
         text = tok.decode(ids + row) if args.prompt and not args.chat else tok.decode(row)
         print(f"--- sample {i + 1} of {args.num_samples} ---")
         print(text)

@@ -30,6 +30,7 @@ from trainer3d.fsio import fsync_path
 from trainer3d.models import FAMILIES, canonical_shapes, family_for_hf, family_of
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PT_WEIGHTS_NAME = "pytorch_model.bin"
@@ -325,13 +326,15 @@ def write_hf_weights(cfg, state: Mapping[str, torch.Tensor], shapes: Mapping[str
 
 def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
                        tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-                       overwrite: bool = False, eos_token_id: int | None = None,
-                       bos_token_id: int | None = None, max_shard_size: int | str = "5GB") -> Path:
+                       overwrite: bool = False, eos_token_id: int | list[int] | None = None,
+                       bos_token_id: int | None = None, max_shard_size: int | str = "5GB",
+                       generation: Mapping | None = None) -> Path:
     """Write `out_dir` so that the family's transformers class (`GPT2LMHeadModel`, `LlamaForCausalLM`) loads it with
     `from_pretrained`. `state` is canonical (or our module's state_dict), tensors of any float dtype on any device,
     saved as `dtype`; a lazy mapping is read one file's tensors at a time (write_hf_weights). Every file under
-    `tokenizer_dir` is copied alongside. Built under a temporary name next to `out_dir` and renamed into place; an
-    existing `out_dir` is an error unless `overwrite` (replaced, also by rename)."""
+    `tokenizer_dir` is copied alongside; `generation` (GenerationConfig's arguments: the ids that end a reply) is
+    written as generation_config.json, which `generate` reads. Built under a temporary name next to `out_dir` and
+    renamed into place; an existing `out_dir` is an error unless `overwrite` (replaced, also by rename)."""
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists (pass overwrite=True to replace it)")
@@ -349,6 +352,11 @@ def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os
     shapes = _checked_keys(state, cfg)  # before anything touches the disk (each tensor's shape: as it is read)
     max_bytes = parse_size(max_shard_size)
     hf_config = family_of(cfg).hf.hf_config(cfg, dtype, eos_token_id, bos_token_id)
+    generation_config = None
+    if generation is not None:
+        from transformers import GenerationConfig
+
+        generation_config = GenerationConfig(**generation)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -357,6 +365,8 @@ def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os
         if tok is not None:
             shutil.copytree(tok, tmp, dirs_exist_ok=True)
         hf_config.to_json_file(str(tmp / CONFIG_NAME))
+        if generation_config is not None:
+            generation_config.to_json_file(str(tmp / GENERATION_CONFIG_NAME))
         write_hf_weights(cfg, state, shapes, tmp, dtype, max_bytes)
         for file in tmp.rglob("*"):
             if file.is_file():

@@ -20,6 +20,7 @@ template does when it strips earlier turns' reasoning), whose template raises, o
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,15 @@ def check_chat_tokenizer(tok: PreTrainedTokenizerBase, name: str) -> None:
     if not getattr(tok, "is_fast", False):
         raise DataError(f"The tokenizer {name} is not a fast tokenizer, which the loss masks need (character "
                         "offsets); pass a directory with a tokenizer.json.")
+
+
+def read_template(path: str) -> str:
+    """The text of a --chat-template file (a run's template replaces the tokenizer's in training, sample and export)."""
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--chat-template {path} cannot be read ({type(e).__name__}: {e}); pass a readable jinja "
+                        "file.") from None
 
 
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")

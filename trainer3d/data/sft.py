@@ -32,7 +32,7 @@ from trainer3d.data.batch import LabeledRows
 from trainer3d.data.cache import (
     FORMAT_VERSION, TokenBlocks, _hash, _n_val, _read_json, build_token_blocks, default_cache_dir,
 )
-from trainer3d.data.chat import ROLES, TRAIN_ON, BadRow, MaskRule, check_chat_tokenizer, encode
+from trainer3d.data.chat import ROLES, TRAIN_ON, BadRow, MaskRule, check_chat_tokenizer, encode, read_template
 from trainer3d.data.chat_formats import FORMATS, columns_of, conversation, encode_pair
 from trainer3d.data.packing import PARTS, RowWriter, best_fit_decreasing, one_per_row
 from trainer3d.data.shards import token_dtype
@@ -75,10 +75,7 @@ def chat_tokenizer(cfg: DataConfig):
     """The run's tokenizer with its chat template (--chat-template's file replaces it), checked for chat."""
     tok = load_tokenizer(cfg.tokenizer)
     if cfg.chat_template:
-        try:
-            tok.chat_template = Path(cfg.chat_template).expanduser().read_text(encoding="utf-8")
-        except OSError as e:
-            raise DataError(f"--chat-template {cfg.chat_template} cannot be read ({e.strerror}); pass a jinja file.")
+        tok.chat_template = read_template(cfg.chat_template)
     check_chat_tokenizer(tok, cfg.tokenizer or "gpt2 (bundled)")
     return tok
 

@@ -161,8 +161,10 @@ class HFAdapter:
         """The family's config from config.json's dict; ValueError naming what it cannot represent."""
         raise NotImplementedError
 
-    def hf_config(self, cfg, dtype: torch.dtype | None, eos_token_id: int | None, bos_token_id: int | None):
-        """The transformers config object for `cfg` (its `to_json_file` writes config.json)."""
+    def hf_config(self, cfg, dtype: torch.dtype | None, eos_token_id: int | list[int] | None,
+                  bos_token_id: int | None):
+        """The transformers config object for `cfg` (its `to_json_file` writes config.json); `eos_token_id` may list
+        every id that ends a reply (an end of turn and the eos)."""
         raise NotImplementedError
 
     def parts(self, cfg, name: str) -> list[HFPart]:

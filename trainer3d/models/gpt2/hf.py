@@ -30,6 +30,11 @@ _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight
 _DROPPED_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
+def _last(ids: int | list[int] | None) -> int | None:
+    """GPT-2's start of text is its end of text: of the ids that end a reply ([end of turn, eos]), the eos."""
+    return ids[-1] if isinstance(ids, list) else ids
+
+
 def _hf_config_dict(raw: dict) -> dict[str, Any]:
     out = dict(_HF_DEFAULTS)
     for key, value in raw.items():
@@ -77,7 +82,7 @@ class GPT2Adapter(HFAdapter):
                          n_layer=int(c["n_layer"]), n_head=n_head, dropout=float(dropout),
                          layer_norm_eps=float(c["layer_norm_epsilon"]))
 
-    def hf_config(self, cfg: GPTConfig, dtype: torch.dtype | None = None, eos_token_id: int | None = None,
+    def hf_config(self, cfg: GPTConfig, dtype: torch.dtype | None = None, eos_token_id: int | list[int] | None = None,
                   bos_token_id: int | None = None):
         from transformers import GPT2Config
 
@@ -92,7 +97,7 @@ class GPT2Adapter(HFAdapter):
             embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.layer_norm_eps,
             scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
             add_cross_attention=False, tie_word_embeddings=True, bos_token_id=bos_token_id if bos_token_id is not None
-            else eos_token_id, eos_token_id=eos_token_id, architectures=[self.architecture], **kwargs,
+            else _last(eos_token_id), eos_token_id=eos_token_id, architectures=[self.architecture], **kwargs,
         )
 
     def parts(self, cfg: GPTConfig, name: str) -> list[HFPart]:
