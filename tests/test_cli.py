@@ -151,6 +151,8 @@ def _cases(tmp):
         ([*chat_run, "--chat-template-kwargs", "{enable_thinking: false}"], "--chat-template-kwargs is not JSON "
          "(Expecting property name enclosed in double quotes at character 1); pass an object such as "
          "'{\"enable_thinking\": false}'."),
+        ([*chat_run, "--eos-token", "<|eot_id|>"], "--eos-token '<|eot_id|>' is not one token of the tokenizer's "
+         "vocabulary; pass a token it holds (its end of turn, e.g. <|im_end|>, <|eot_id|> or <end_of_turn>)."),
         ([*chat_run, "--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object of the "
          "template's variables."),
         (["--data-format", "chat", "--data", str(chat), "--chat-template", str(tmp / "none.jinja")],

@@ -300,6 +300,11 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         if cfg.tokenizer is None and has_tokenizer_files(cfg.init_from_hf):  # the weights' own tokenizer
             cfg = dataclasses.replace(cfg, tokenizer=cfg.init_from_hf)
     cfg = check_chat(cfg)
+    if cfg.eos_token is not None:  # the reply's end the export and sample will stop at: one token of the vocabulary
+        from trainer3d.data.tokenizer import load_tokenizer
+        from trainer3d.data.turn_end import end_of_turn_ids
+
+        end_of_turn_ids(load_tokenizer(cfg.tokenizer), cfg.eos_token)
     check_size_flags(cfg, base_model or MODEL_PRESETS[cfg.model])
     mcfg = cfg.model_config(vocab_size, base=base_model)
     if cfg.seq_len > mcfg.n_positions:
