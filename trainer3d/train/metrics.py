@@ -121,7 +121,7 @@ class RunSummary:
         if "val_loss" in record and (self.best_val is None or record["val_loss"] < self.best_val[0]):
             self.best_val = (record["val_loss"], record["step"])
 
-    def lines(self, out_dir: str, checkpoint) -> list[str]:
+    def lines(self, out_dir: str, checkpoint, chat: bool = False) -> list[str]:
         if not self.last:
             return []
         step, elapsed = self.last["step"], time.perf_counter() - self.t0
@@ -136,6 +136,7 @@ class RunSummary:
         if checkpoint is None:
             return out + ["[trainer3d] no checkpoint was saved (--no-final-save and no --save-every)"]
         return out + [f"[trainer3d] checkpoint: {checkpoint}",
-                      f"[trainer3d] next: python -m trainer3d.sample {out_dir} --prompt \"...\"   |   "
+                      f"[trainer3d] next: python -m trainer3d.sample {out_dir}{' --chat' if chat else ''} "
+                      f"--prompt \"...\"   |   "
                       f"python -m trainer3d.export {checkpoint} {os.path.join(out_dir, 'hf')}   |   the same command "
                       f"with --resume and a larger --max-steps"]

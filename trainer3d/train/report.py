@@ -97,7 +97,8 @@ class Report:
         self.tracker.finish(exit_code)
 
     def summarize(self, last_checkpoint) -> None:
-        for line in self.summary.lines(self.cfg.out_dir, last_checkpoint) if self.log else []:
+        chat = self.cfg.data_format != "text"
+        for line in self.summary.lines(self.cfg.out_dir, last_checkpoint, chat) if self.log else []:
             print(line, flush=True)
 
 
