@@ -29,7 +29,7 @@ def _poisoned_step(rank, world_size, policy: str) -> dict:
     from trainer3d.train.setup import validate
     from trainer3d.train.trainer import Trainer
 
-    cfg = parity_config(n_layer=2, tp=2, on_nonfinite=policy)
+    cfg = parity_config(n_layer=2, tp=2, on_nonfinite=policy, adam_eps=3e-7)
     setup = validate(cfg, 2, VOCAB)
     trainer = Trainer(setup, setup.topology(), torch.device("cpu"), cfg.model_config(VOCAB))
     first, second = global_batches(2)
@@ -51,6 +51,7 @@ def _poisoned_step(rank, world_size, policy: str) -> dict:
     outcome["moments_unchanged"] = all(same(moments[n], trainer.engine.optimizer.state[p]["exp_avg"])
                                        for n, p in params.items())
     outcome["step"] = trainer.step
+    outcome["eps"] = {g["eps"] for g in trainer.engine.optimizer.param_groups}  # --adam-eps reaches AdamW
     return outcome
 
 
@@ -65,7 +66,7 @@ def test_a_nan_on_one_shard_stops_every_rank_with_the_same_sentence():
 def test_skip_trains_past_a_nonfinite_step():
     results = run_world(2, _poisoned_step, "skip", timeout=240)
     for r in results:
-        assert "error" not in r and r["record"]["skipped"] is True and r["step"] == 2
+        assert "error" not in r and r["record"]["skipped"] is True and r["step"] == 2 and r["eps"] == {3e-7}
         assert r["weights_unchanged"] and r["moments_unchanged"]
 
 

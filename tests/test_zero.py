@@ -461,6 +461,7 @@ def test_shipped_configs_resolve(tmp_path):
         with pytest.raises(ConfigError, match="trains in bf16 but --precision is fp32"):
             validate(parse_args(explicit_flags + ["--precision", "fp32"]), 8)
         assert not [k for k, v in deepspeed_config._walk(ds) if v == "auto"], name
+    assert validate(parse_args(flags + ["--adam-eps", "3e-7"]), 8).deepspeed.eps == 3e-7  # ZeRO's AdamW takes it
 
 
 def test_json_batch_wins_without_flags(tmp_path):
