@@ -1,11 +1,12 @@
 """Supervised fine-tuning's data and what packing buys, in one run (issue 34).
 
 A. Building the rows (`data/sft.build_chat_rows`, a fresh cache each time): conversations rendered by a ChatML-like
-   template over the bundled GPT-2 BPE, masked by the prefix-rendering rule, with and without {% generation %} tags
-   (tags add transformers' own masked rendering as a cross-check), packed or one per row. Conversations per second,
-   rows, and the shares of padding and of supervised tokens in the rows.
-B. One epoch over the same conversations, packed (attention and positions per conversation: SDPA with a boolean
-   document mask on CPU) against one per row (causal SDPA, padding at the end): steps, time per step, and the
+   template over the bundled GPT-2 BPE, masked by the prefix-rendering rule, or with {% generation %} tags by
+   transformers' tag mask, then packed best-fit-decreasing ("bfd", data/packing.py), in the corpus's order ("in-order":
+   the rule bfd replaced, `in_order` below patched in for `best_fit_decreasing`, so the same code writes both), or one
+   per row. Conversations per second, rows, how full they are, and the shares of padding and of supervised tokens.
+B. One epoch over the same conversations, bfd and in-order (attention and positions per conversation: SDPA with a
+   boolean document mask on CPU) against one per row (causal SDPA, padding at the end): steps, time per step, and the
    epoch's time, as ratios inside this run. The model is a small GPT-2 (4 blocks, 256 wide) in one process.
 
 The conversations are synthetic: 1-4 user/assistant exchanges of the bundled plays' sentences, turn lengths drawn
@@ -24,6 +25,8 @@ import re
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
@@ -77,32 +80,57 @@ def tokenizer_dir(root: str, tags: bool) -> str:
     return path
 
 
-def build(data: str, tok: str, seq: int, pack: bool, root: str):
+PACKINGS = ("bfd", "in-order", "one per row")
+
+
+def in_order(lengths, capacity: int) -> list[list[int]]:
+    """The packing best-fit-decreasing replaced: conversations in the corpus's order, each into the current row, a
+    conversation that does not fit in the rest of it opening the next row (same shape as `best_fit_decreasing`)."""
+    rows: list[list[int]] = []
+    room = 0
+    for i, n in enumerate(lengths):
+        n = int(n)
+        if not rows or n > room:
+            rows.append([])
+            room = capacity
+        rows[-1].append(i)
+        room -= n
+    return rows
+
+
+def build(data: str, tok: str, seq: int, packing: str, root: str):
     from trainer3d.data.sft import build_chat_rows
     from trainer3d.data.sources import DataConfig
 
-    cfg = DataConfig(data=data, tokenizer=tok, format="chat", pack=pack, val_fraction=0.0,
+    cfg = DataConfig(data=data, tokenizer=tok, format="chat", pack=packing != "one per row", val_fraction=0.0,
                      cache_dir=tempfile.mkdtemp(dir=root))
-    t0 = time.perf_counter()
-    blocks = build_chat_rows(cfg, seq)
-    return blocks, time.perf_counter() - t0
+    with mock.patch("trainer3d.data.sft.best_fit_decreasing", in_order) if packing == "in-order" else nullcontext():
+        t0 = time.perf_counter()
+        blocks = build_chat_rows(cfg, seq)
+        seconds = time.perf_counter() - t0
+    assert blocks.stats["bad"] == 0 and blocks.stats["conversations"] > 0, blocks.stats
+    return blocks, seconds
 
 
 def section_a(data: str, toks: dict, seqs: list[int], root: str, n: int) -> dict:
+    build(data, toks[False], seqs[0], "bfd", root)  # warm-up, untimed: jinja compiles the template once per process
+    build(data, toks[True], seqs[0], "bfd", root)
     rows, built = [], {}
     for seq in seqs:
         for tags in (False, True):
-            for pack in (True, False):
-                if tags and not pack:
+            for packing in PACKINGS:
+                if tags and packing != "bfd":
                     continue  # the masks do not depend on packing
-                blocks, seconds = build(data, toks[tags], seq, pack, root)
-                r = blocks.train
-                pad = 1 - blocks.stats["tokens"] / r.tokens.size
-                rows.append([seq, "yes" if tags else "no", "packed" if pack else "one per row", f"{n / seconds:,.0f}",
-                             f"{blocks.stats['tokens'] / seconds:,.0f}", len(r), f"{pad:.1%}",
-                             f"{blocks.stats['supervised'] / r.tokens.size:.1%}", blocks.stats["truncated"]])
-                built[(seq, pack)] = blocks
-    print(table(rows, ["seq", "tags", "rows", "conv/s", "tok/s", "rows", "padding", "supervised", "truncated"]))
+                blocks, seconds = build(data, toks[tags], seq, packing, root)
+                r, st = blocks.train, blocks.stats
+                pad = 1 - st["tokens"] / r.tokens.size
+                rows.append([seq, "yes" if tags else "no", packing, f"{n / seconds:,.0f}", f"{st['tokens'] / seconds:,.0f}",
+                             len(r), f"{st['fill']:.1%}", f"{pad:.1%}", f"{st['supervised'] / r.tokens.size:.1%}",
+                             st["truncated"]])
+                if not tags:
+                    built[(seq, packing)] = blocks
+    print(table(rows, ["seq", "tags", "packing", "conv/s", "tok/s", "rows", "fill", "padding", "supervised",
+                       "truncated"]))
     return built
 
 
@@ -132,17 +160,18 @@ def _epoch(rank: int, world: int, rows, seq: int, pack: bool, gb: int, steps: in
 def section_b(built: dict, seq: int, gb: int, steps: int) -> list:
     from distributed import run_world
 
-    out, rows = {}, []
-    for pack in (True, False):
-        r = built[(seq, pack)].train
-        out[pack] = run_world(1, _epoch, r, seq, pack, gb, steps, timeout=1800)[0]["step_s"]
+    step, n, rows = {}, {}, []
+    for packing in PACKINGS:
+        r = built[(seq, packing)].train
+        n[packing] = len(r)
+        step[packing] = run_world(1, _epoch, r, seq, packing != "one per row", gb, steps, timeout=1800)[0]["step_s"]
         epoch_steps = len(r) / gb
-        rows.append(["packed" if pack else "one per row", len(r), f"{epoch_steps:.0f}", f"{out[pack]:.3f}",
-                     f"{epoch_steps * out[pack]:.0f}"])
-    ratio = (rows[1][1] * out[False]) / (rows[0][1] * out[True])
-    print(table(rows, ["rows", "n rows", "steps/epoch", "s/step", "s/epoch"]))
-    print(f"packing: {rows[1][1] / rows[0][1]:.2f}x fewer rows, {out[True] / out[False]:.2f}x the time per step "
-          f"(document mask), {ratio:.2f}x faster epoch")
+        rows.append([packing, len(r), f"{epoch_steps:.0f}", f"{step[packing]:.3f}", f"{epoch_steps * step[packing]:.0f}"])
+    print(table(rows, ["packing", "rows", "steps/epoch", "s/step", "s/epoch"]))
+    for other in PACKINGS[1:]:
+        epoch = (n[other] * step[other]) / (n["bfd"] * step["bfd"])
+        print(f"bfd against {other}: {n[other] / n['bfd']:.2f}x fewer rows, {step['bfd'] / step[other]:.2f}x the time "
+              f"per step, {epoch:.2f}x faster epoch")
     return rows
 
 
@@ -153,7 +182,7 @@ def main() -> None:
     p.add_argument("--train-seq", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     args = p.parse_args()
-    print(stamp("python bench/sft.py " + " ".join(sys.argv[1:])))
+    print(stamp(" ".join(["python bench/sft.py", *sys.argv[1:]])))
     root = tempfile.mkdtemp(prefix="bench-sft-")
     data = os.path.join(root, "chat.jsonl")
     with open(data, "w") as f:
