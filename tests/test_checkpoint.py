@@ -132,10 +132,10 @@ RESHARD = [dict(tp=2, pp=4, schedule="interleaved-1f1b", virtual_stages=2), dict
 # (dp 1: a resumed DDP reduces its first step in its initial buckets, the uninterrupted run in its rebuilt ones, and a
 # sum over more than two ranks then rounds differently, as it does at dp 8 without cp; over two ranks it is exact)
 L_CP = dict(tp=2, cp=2, pp=2, sequence_parallel=True)
-# a mixture of experts (Qwen3-MoE's blocks, block 0 dense) with loss-free balancing's bias (a table, not a parameter)
-# and the balance loss, experts split over ep 2 at (2,2,2); lr as tests/parity.py's MOE (routing is discontinuous)
-MOE = dict(model="qwen3-moe-tiny", n_kv_heads=4, ffn_hidden=160, lr=3e-4, moe_bias_update_rate=0.01,
-           moe_aux_loss_coef=0.01)
+# a mixture of experts (Qwen3-MoE's blocks, block 0 dense) with the balance loss, experts split over ep 2 at (2,2,2);
+# lr as tests/parity.py's MOE (routing is discontinuous). (Loss-free balancing's bias, refused on Qwen3-MoE's softmax
+# scores, is saved as a table all the same: zeros here.)
+MOE = dict(model="qwen3-moe-tiny", n_kv_heads=4, ffn_hidden=160, lr=3e-4, moe_aux_loss_coef=0.01)
 MOE_RESHARD = {"moe_to_ep4": dict(dp=4, tp=2, ep=4), "moe_to_ep1_pp4": dict(dp=2, pp=4), "moe_to_111": dict()}
 
 
@@ -278,14 +278,13 @@ def test_reshard_resume(world_results, i):
 
 def test_moe_checkpoints_resume_and_reshard_over_ep(world_results):
     """A mixture of experts saved at (2,2,2) with its experts split over ep 2 resumes there bitwise (the experts, their
-    moments and the routers' selection biases included), and loads exactly at ep 4, at ep 1 over a 4-stage pipeline
+    moments and the routers' selection-bias tables included), and loads exactly at ep 4, at ep 1 over a 4-stage pipeline
     and in one process, each continuing the uninterrupted run."""
     tmp, results, *_ = world_results
     ref, res = _assert_resumes_exactly(results, "moe_straight", "moe_resumed")
     saved = _merged(results, "moe_straight", "state_saved")[2]
     biases = [k for k in saved if k.startswith("table:") and k.endswith("expert_bias")]
-    # blocks 1-7; the updates moved them (by ±0.01 a step, so an expert that alternates is back at 0 at step 4)
-    assert len(biases) == 7 and sum(int(saved[k].count_nonzero()) for k in biases) >= 7, {k: saved[k] for k in biases}
+    assert len(biases) == 7, biases  # blocks 1-7 (tests/test_moe_bias.py: a saved bias reaches evaluate and sample)
     assert any(k.endswith("experts.gate_up_proj") for k in saved)
     ckpt = Checkpoint(resolve_checkpoint(tmp / "moe"))
     assert ckpt.meta["layout"]["ep"] == 2

@@ -155,7 +155,9 @@ def _cases():
     llama = [case(1, 2, cp=2, **sp, **LLAMA), case(1, 1, 2, "interleaved-1f1b", cp=2, **LLAMA)]
     docs = dict(document_mask=True, reset_position_ids=True, boundary=BOUNDARY)
     gpt2_docs = [case(**docs), case(1, 2, cp=2, **sp, **docs), case(1, 1, 2, cp=2, **docs)]
-    llama_docs = dict(document_mask=True, boundary=BOUNDARY, **LLAMA)
+    # lr 5e-4: at parity.py's 1e-3 this group's trajectory spikes at step 6 (norm 1.4 -> 2.8) and amplifies fp32
+    # rounding to 1.2e-5 on an AMD EPYC host (every step before it within 7e-8); at 5e-4 every step is within 2.2e-7
+    llama_docs = dict(document_mask=True, boundary=BOUNDARY, lr=5e-4, **LLAMA)
     llama_doc_cases = [case(1, 2, cp=2, **sp, **llama_docs), case(1, 1, 2, "interleaved-1f1b", cp=2,
                                                                    recompute="full", **llama_docs)]
     return [({}, gpt2), (LLAMA, llama), (docs, gpt2_docs), (llama_docs, llama_doc_cases)]

@@ -88,15 +88,17 @@ def test_count_reads_sees_a_read():
 
 
 def test_one_read_per_train_step_ddp():
-    """... and a mixture of experts (balancing losses, loss-free bias, capacity): the step's routing statistics are
-    read once more, together (parallel/moe_balance.py's end_step); the experts' grouped matmul reads nothing."""
+    """... and a mixture of experts (balancing losses, capacity): the step's routing statistics are read once more,
+    together (parallel/moe_balance.py's end_step); the experts' grouped matmul reads nothing, and the capacity reads
+    the rows it keeps once a layer and micro-batch (models/moe.py's dispatch: here one MoE layer, one micro-batch;
+    tests/test_moe_reads.py counts a layer's reads inside the ops too)."""
     cases = {"ddp-fp32": {}, "ddp-fp16": {"precision": "fp16"}, "moe": dict(MOE_BALANCED, moe_capacity_factor=1.5)}
     results = run_world(1, _reads_per_step, cases, timeout=300)[0]
     for name, r in results.items():
         print(f"\n{name}: {r['calls']}")
         expected = ["parallel/engine.py:read_scalars .tolist"]
         if name == "moe":
-            expected.append("parallel/moe_balance.py:end_step .tolist")
+            expected = ["models/moe.py:dispatch .tolist", *expected, "parallel/moe_balance.py:end_step .tolist"]
         assert r["calls"] == expected, f"{name}: {r['calls']}"
         assert r["record"]["loss"] > 0 and r["record"]["grad_norm"] > 0
     assert results["ddp-fp16"]["record"]["skipped"] is False

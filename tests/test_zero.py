@@ -328,8 +328,8 @@ def world8_cases():
               (sp, ds_config(1))]
     # Llama (grouped-query attention, rotary, untied head) under ZeRO-3 with CPU offload, sequence parallelism on
     llama = dict(sp, **LLAMA)
-    # a mixture of experts over ep 2 with tp 2 (each tp rank routing its sequence shard) and 2 stages, every balancing
-    # feature on, ZeRO-3 with CPU offload (its experts' engine over edp: zero/experts.py)
+    # a mixture of experts over ep 2 with tp 2 (each tp rank routing its sequence shard) and 2 stages, the balancing
+    # losses on, ZeRO-3 with CPU offload (its experts' engine over edp: zero/experts.py)
     moe = dict(sp, ep=2, **MOE_BALANCED)
     return cases + [(llama, ds_config(3, "all")), (moe, ds_config(3, "all"))]
 

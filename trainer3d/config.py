@@ -274,10 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-z-loss-coef", type=float, default=d.moe_z_loss_coef, help="router z-loss weight (0: none)")
     moe.add_argument("--moe-bias-update-rate", type=float, default=d.moe_bias_update_rate,
                      help="loss-free balancing (DeepSeek-V3): each step a router's selection bias moves by this times "
-                          "sign(mean load - load); 0: off")
+                          "sign(mean load - load); sigmoid router scores only (DeepSeek-V3); 0: off")
     moe.add_argument("--moe-capacity-factor", type=float, default=None,
                      help="drop a rank's tokens beyond capacity_factor·N·k/E per expert (Megatron-core's drop "
-                          "policy, highest scores kept); default: dropless")
+                          "policy: the highest routing weights kept); default: dropless")
     o.add_argument("--seed", type=int, default=d.seed)
     da = p.add_argument_group("data")
     da.add_argument("--data", default=None,

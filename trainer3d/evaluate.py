@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
-from trainer3d.checkpoint.load import prepare
+from trainer3d.checkpoint.load import copy_tables, prepare
 from trainer3d.config import PRECISIONS, SCHEDULE_NAMES, TrainConfig
 from trainer3d.data import build_rows, corpus_batches
 from trainer3d.data.batch import supervised_count
@@ -136,10 +136,11 @@ def check_output(path: str | None) -> None:
 
 
 def load_trainer(setup: RunSetup, topo, device, vocab_size: int, boundary: int | None) -> Trainer:
-    """The Trainer on the checkpoint's weights."""
+    """The Trainer on the checkpoint's weights and tables (a router's learned selection bias routes as trained)."""
     mcfg = setup.model_config(vocab_size)
     start = prepare(setup.cfg, mcfg, topo)  # the checkpoint checked on every rank, its sha256 verified
     trainer = Trainer(setup, topo, device, mcfg, shard_value=start.shard_value, boundary=boundary)
+    copy_tables(trainer, start.checkpoint.table)
     trainer.step = start.checkpoint.step
     start.checkpoint.close()
     return trainer

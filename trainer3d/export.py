@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
-from trainer3d.checkpoint.hf import parse_size, save_hf_checkpoint
+from trainer3d.checkpoint.hf import hf_tables, parse_size, save_hf_checkpoint
 from trainer3d.data import BUNDLED_TOKENIZER_DIR, load_tokenizer
 from trainer3d.data.chat import read_template
 from trainer3d.data.turn_end import end_of_turn_ids
@@ -106,13 +106,18 @@ def special_ids(tok, stop: list[int], vocab_size: int) -> tuple[dict, dict]:
 
 
 class CheckpointWeights(Mapping):
-    """A checkpoint's canonical parameters as a mapping that reads each whole tensor only when asked for it (from
-    every piece that holds a part of it), so an export holds one output file's tensors at a time."""
+    """A checkpoint's canonical parameters, and the tables the family's Hugging Face format holds (a router's
+    e_score_correction_bias), as a mapping that reads each whole tensor only when asked for it (from every piece that
+    holds a part of it), so an export holds one output file's tensors at a time."""
 
     def __init__(self, ckpt: Checkpoint):
-        self.ckpt, self.names = ckpt, list(ckpt.shapes)
+        self.tables = {name: tuple(shape) for name, (_, shape) in hf_tables(ckpt.model_config).items()}
+        self.ckpt, self.names = ckpt, list(ckpt.shapes) + list(self.tables)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.tables:  # a checkpoint saved before the model had the table: its initial value, zeros
+            saved = self.ckpt.table(name, self.tables[name])
+            return torch.zeros(self.tables[name]) if saved is None else saved
         return self.ckpt.model_tensor(name)
 
     def __iter__(self):

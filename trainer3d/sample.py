@@ -121,7 +121,7 @@ def open_source(path: str) -> Source:
 
     def read_checkpoint() -> dict[str, torch.Tensor]:
         ckpt.verify_files([f for f in ckpt.meta["files"] if f.startswith("model-")])
-        return ckpt.model_state()
+        return {**ckpt.model_state(), **ckpt.model_tables()}  # the routers' selection biases as trained
 
     run = ckpt.meta["config"]
     return Source(ckpt.model_config, run.get("tokenizer"), read_checkpoint, run.get("chat_template"),

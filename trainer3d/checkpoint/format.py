@@ -47,7 +47,9 @@ import torch
 
 from trainer3d.checkpoint.pieces import KINDS, MOMENTS, Piece, parse_key, read_local, tp_boxes
 from trainer3d.errors import CheckpointError, first_line
-from trainer3d.models import FAMILIES, canonical_name, canonical_shapes, config_from_dict, shape_diffs
+from trainer3d.models import (
+    FAMILIES, canonical_name, canonical_shapes, canonical_tables, config_from_dict, shape_diffs,
+)
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
 from trainer3d.rundir import CHECKPOINTS
 
@@ -339,6 +341,11 @@ class Checkpoint:
     def model_state(self) -> dict[str, torch.Tensor]:
         """The whole canonical state dict (for small models: sample.py; export.py streams tensor by tensor)."""
         return {name: self.model_tensor(name) for name in self.shapes}
+
+    def model_tables(self) -> dict[str, torch.Tensor]:
+        """The saved model tables (routers' selection biases) by name, for plain_model beside model_state."""
+        tables = {name: self.table(name, tuple(shape)) for name, shape in canonical_tables(self.model_config).items()}
+        return {name: t for name, t in tables.items() if t is not None}
 
     @property
     def optimizer_step(self) -> int | None:

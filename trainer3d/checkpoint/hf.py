@@ -27,7 +27,7 @@ import torch
 
 from trainer3d.checkpoint.pieces import Piece, read_local, tp_boxes
 from trainer3d.fsio import fsync_path
-from trainer3d.models import FAMILIES, canonical_shapes, family_for_hf, family_of
+from trainer3d.models import FAMILIES, canonical_shapes, canonical_tables, family_for_hf, family_of
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -38,8 +38,9 @@ PT_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, PT_WEIGHTS_NAME, PT_WEIGHTS_INDEX_NAME)
 
 
-def read_hf_config(path: str | os.PathLike, dropout: float | None = None):
-    """(family, our config) from a directory's config.json; FileNotFoundError / ValueError naming the problem."""
+def read_hf_config(path: str | os.PathLike, dropout: float | None = None, notes: list[str] | None = None):
+    """(family, our config) from a directory's config.json; FileNotFoundError / ValueError naming the problem.
+    `notes`: extended with the family's notes on what the config declares and trainer3d leaves out."""
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"checkpoint directory {root} does not exist")
@@ -58,9 +59,26 @@ def read_hf_config(path: str | os.PathLike, dropout: float | None = None):
         known = ", ".join(repr(t) for f in FAMILIES.values() for t in f.hf.model_types)
         raise ValueError(f"{config_file}: model_type {model_type!r} is no family trainer3d trains (known: {known})")
     try:
-        return family, family.hf.config_from_hf(raw, dropout)
+        cfg = family.hf.config_from_hf(raw, dropout)
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from e
+    if notes is not None:
+        notes.extend(f"{root}: {note}" for note in family.hf.import_notes(raw))
+    return family, cfg
+
+
+def hf_tables(cfg) -> dict[str, tuple[str, torch.Size]]:
+    """The model's tables (canonical_tables) that the family's Hugging Face format holds: name -> (HF name, shape)."""
+    adapter = family_of(cfg).hf
+    named = {name: (adapter.table_name(cfg, name), shape) for name, shape in canonical_tables(cfg).items()}
+    return {name: (hf, shape) for name, (hf, shape) in named.items() if hf is not None}
+
+
+def _hf_tensors(cfg, name: str, tensor: torch.Tensor, tables: Mapping) -> dict[str, torch.Tensor]:
+    """A canonical parameter or table as the Hugging Face tensors it is stored as (a table: itself, in fp32)."""
+    if name in tables:
+        return {tables[name][0]: tensor.float()}
+    return family_of(cfg).hf.to_hf(cfg, name, tensor)
 
 
 class HFDirectory:
@@ -69,7 +87,9 @@ class HFDirectory:
 
     def __init__(self, path: str | os.PathLike, dropout: float | None = None):
         self.root = Path(path)
-        self.family, self.cfg = read_hf_config(self.root, dropout)
+        self.notes: list[str] = []  # what the config declares and trainer3d leaves out (the run's log says it)
+        self.family, self.cfg = read_hf_config(self.root, dropout, self.notes)
+        self.tables = hf_tables(self.cfg)
         self.adapter = self.family.hf
         self.source = next((self.root / n for n in WEIGHT_FILES if (self.root / n).is_file()), None)
         if self.source is None:
@@ -149,6 +169,11 @@ class HFDirectory:
                 missing.append(name)
             used.update(parts)
             expected.update({p: tuple(t.shape) for p, t in parts.items()})
+        for name, (hf_name, shape) in self.tables.items():
+            if hf_name not in self.index:
+                missing.append(hf_name)
+            used.add(hf_name)
+            expected[hf_name] = tuple(shape)
         unexpected = sorted(n for n in self.index if n not in used and not self.adapter.ignored(self.cfg, n))
         if missing or unexpected:
             problems = ([f"missing tensors {_abbrev(missing)}"] if missing else []) + \
@@ -203,9 +228,15 @@ class HFDirectory:
         t = t.t() if transposed else t
         return t.unsqueeze(0) if expert else t
 
+    def table(self, name: str) -> torch.Tensor | None:
+        """The model table `name` in fp32, or None where the family's format has no slot for it."""
+        return self.hf_tensor(self.tables[name][0]).float() if name in self.tables else None
+
     def state(self, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+        """Every canonical parameter (cast to `dtype`; None: as stored), and the tables the format holds (fp32)."""
         out = {name: self.tensor(name) for name in canonical_shapes(self.cfg)}
-        return out if dtype is None else {k: v.to(dtype) for k, v in out.items()}
+        out = out if dtype is None else {k: v.to(dtype) for k, v in out.items()}
+        return {**out, **{name: self.table(name) for name in self.tables}}
 
 
 def _abbrev(names: list[str], limit: int = 8) -> str:
@@ -216,7 +247,8 @@ def _abbrev(names: list[str], limit: int = 8) -> str:
 def load_hf_checkpoint(path: str | os.PathLike, dropout: float | None = None,
                        dtype: torch.dtype | None = torch.float32):
     """(our config, canonical state dict) of a Hugging Face directory of any known family, checked; tensors cast to
-    `dtype` (None keeps the stored dtype). `dropout` overrides the config's rates."""
+    `dtype` (None keeps the stored dtype), the tables the format holds (a router's selection bias) in fp32.
+    `dropout` overrides the config's rates."""
     d = HFDirectory(path, dropout)
     d.check()
     return d.cfg, d.state(dtype)
@@ -225,10 +257,10 @@ def load_hf_checkpoint(path: str | os.PathLike, dropout: float | None = None,
 # ------------------------------------------------------------------------------------------------ saving
 def _checked_keys(state: Mapping[str, torch.Tensor], cfg) -> dict[str, torch.Size]:
     """The canonical names of `state` (a tied head equal to the embedding dropped: our module's own state_dict), in
-    the model's order, with the shapes the config gives them; ValueError naming what is missing or unexpected. Reads
-    no tensor but a tied head."""
+    the model's order, with the shapes the config gives them, the tables the family's format holds last (hf_tables);
+    ValueError naming what is missing or unexpected. Reads no tensor but a tied head."""
     family = family_of(cfg)
-    expected = canonical_shapes(cfg)
+    expected = {**canonical_shapes(cfg), **{name: shape for name, (_, shape) in hf_tables(cfg).items()}}
     names = set(state)
     head, embedding = f"{family.model_cls.HEAD}.weight", f"{family.model_cls.EMBEDDING}.weight"
     if cfg.tie_embeddings and head in names:
@@ -244,24 +276,26 @@ def _checked_keys(state: Mapping[str, torch.Tensor], cfg) -> dict[str, torch.Siz
     return {n: shape for n, shape in expected.items() if n in names}
 
 
-def _to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype, shape) -> dict[str, torch.Tensor]:
-    """One canonical tensor as its Hugging Face tensors, checked against the `shape` the config gives it."""
+def _to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype, shape,
+           tables: Mapping) -> dict[str, torch.Tensor]:
+    """One canonical tensor as its Hugging Face tensors, checked against the `shape` the config gives it (`tables`:
+    hf_tables(cfg), which keep fp32)."""
     expected = tuple(shape)
     if tuple(tensor.shape) != expected:
         raise ValueError(f"state dict: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected} for the "
                          "config")
     if not tensor.is_floating_point():
         raise TypeError(f"state dict: tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
-    tensor = tensor.detach().to(device="cpu", dtype=dtype)
+    tensor = tensor.detach().to(device="cpu", dtype=torch.float32 if name in tables else dtype)
     # (contiguous clones: safetensors refuses tensors that share storage)
-    return {k: v.contiguous().clone() for k, v in family_of(cfg).hf.to_hf(cfg, name, tensor).items()}
+    return {k: v.contiguous().clone() for k, v in _hf_tensors(cfg, name, tensor, tables).items()}
 
 
 def canonical_to_hf(state: Mapping[str, torch.Tensor], cfg, dtype: torch.dtype = torch.float32) -> dict:
     """The HF state dict (tied head omitted) from a canonical one, or from our module's own state_dict."""
-    out = {}
+    out, tables = {}, hf_tables(cfg)
     for name, shape in _checked_keys(state, cfg).items():
-        out.update(_to_hf(cfg, name, state[name], dtype, shape))
+        out.update(_to_hf(cfg, name, state[name], dtype, shape, tables))
     return out
 
 
@@ -283,12 +317,12 @@ def parse_size(size: int | str) -> int:
 def plan_shards(cfg, shapes: Mapping[str, torch.Size], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
     """Canonical tensors (name -> shape) grouped into files of at most `max_bytes` of Hugging Face tensors each, in
     order (a tensor bigger than that gets a file of its own), as `save_pretrained(max_shard_size=...)` does."""
-    adapter, itemsize = family_of(cfg).hf, torch.empty((), dtype=dtype).element_size()
+    tables = hf_tables(cfg)
     shards: list[list[str]] = [[]]
     used = 0
     for name, shape in shapes.items():
-        parts = adapter.to_hf(cfg, name, torch.empty(shape, device="meta"))
-        size = sum(t.numel() for t in parts.values()) * itemsize
+        parts = _hf_tensors(cfg, name, torch.empty(shape, device="meta", dtype=dtype), tables)
+        size = sum(t.numel() * t.element_size() for t in parts.values())
         if shards[-1] and used + size > max_bytes:
             shards.append([])
             used = 0
@@ -308,11 +342,11 @@ def write_hf_weights(cfg, state: Mapping[str, torch.Tensor], shapes: Mapping[str
     shards = plan_shards(cfg, shapes, dtype, max_bytes)
     files = [SAFE_WEIGHTS_NAME] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map, total = {}, 0
+    weight_map, total, tables = {}, 0, hf_tables(cfg)
     for file, shard in zip(files, shards):
         tensors = {}
         for name in shard:
-            tensors.update(_to_hf(cfg, name, state[name], dtype, shapes[name]))
+            tensors.update(_to_hf(cfg, name, state[name], dtype, shapes[name], tables))
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update({k: file for k in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())

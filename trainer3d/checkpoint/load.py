@@ -106,11 +106,7 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
         items.append((p, read_state, read_value))
     # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)
     trainer.engine.load_param_states(items)
-    for m in trainer.pm.stages:
-        for name, table in m.state_tables().items():
-            saved = ckpt.table(name, tuple(table.shape))
-            if saved is not None:
-                table.copy_(saved.to(table.device, table.dtype))
+    copy_tables(trainer, ckpt.table)
     ls = meta.get("loss_scale")
     if trainer.loss_scale is not None and ls:
         for k, v in ls.items():
@@ -129,6 +125,16 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
             f"RNG states re-derived from seed {trainer.cfg.seed} and step {ckpt.step}"
         )
     return notes
+
+
+def copy_tables(trainer, value_of: Callable) -> None:
+    """Fill this rank's model tables (CausalLM.state_tables: routers' selection biases) from `value_of(name, shape)`
+    (None: the source has none; the table keeps its value)."""
+    for m in trainer.pm.stages:
+        for name, table in m.state_tables().items():
+            saved = value_of(name, tuple(table.shape))
+            if saved is not None:
+                table.copy_(saved.to(table.device, table.dtype))
 
 
 def _restore_rngs(trainer, ckpt: Checkpoint) -> None:
@@ -193,6 +199,7 @@ def prepare(cfg, mcfg, topo) -> Start:
         start.source = open_hf(cfg.init_from_hf, mcfg)
         start.shard_value = hf_shard_value(start.source, mcfg)
         start.notes.append(f"initialised from the Hugging Face weights in {cfg.init_from_hf}")
+        start.notes += start.source.notes
     return start
 
 
@@ -202,6 +209,7 @@ def apply(start: Start, trainer, loader=None) -> None:
     notes = list(start.notes)
     if isinstance(start.source, HFDirectory):  # every rank has read its shards: refuse non-finite weights together
         agree_on_error(nonfinite_error(start.source), trainer.topo.world_group, CheckpointError)
+        copy_tables(trainer, lambda name, shape: start.source.table(name))  # (a router's e_score_correction_bias)
     if start.checkpoint is not None:
         notes += restore(trainer, start.checkpoint, loader)
         start.checkpoint.close()

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from trainer3d.models import gpt2, llama, mixtral, qwen3
+from trainer3d.models import deepseek_v3, gpt2, llama, mixtral, qwen3
 from trainer3d.models.interface import CausalLM, ModelFamily, canonical_name as _canonical_name, shape_fields
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen3.FAMILY, mixtral.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen3.FAMILY, mixtral.FAMILY,
+                                                         deepseek_v3.FAMILY)}
 
 # --model's choices and the planner's: every family's presets by name
 MODEL_PRESETS: dict[str, Any] = {name: cfg for f in FAMILIES.values() for name, cfg in f.presets.items()}
@@ -48,6 +49,15 @@ def canonical_shapes(cfg) -> dict[str, torch.Size]:
     return {canonical_name(cfg, n): p.shape for n, p in model.named_parameters()}
 
 
+def canonical_tables(cfg) -> dict[str, torch.Size]:
+    """The model's tables that are state but no parameter (CausalLM.state_tables: routers' selection biases), by name
+    and shape (built on the meta device, so free)."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.init_tables(torch.device("meta"))
+    return {n: t.shape for n, t in model.state_tables().items()}
+
+
 def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
@@ -67,10 +77,13 @@ def shape_diffs(stored, now) -> list[str]:
 
 
 def plain_model(cfg, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """The plain model holding `state` (canonical names), in eval mode on `device` (one process: sampling, tests)."""
+    """The plain model holding `state` (canonical names), in eval mode on `device` (one process: sampling, tests).
+    `state` may also hold tables (canonical_tables: a router's selection bias), kept in fp32; a table it lacks keeps
+    its initial value."""
     with torch.device("meta"):
         model = build_model(cfg)
-    missing = set(canonical_shapes(cfg)) ^ set(state)
+    tables = {k: v for k, v in state.items() if k in canonical_tables(cfg)}
+    missing = set(canonical_shapes(cfg)) ^ (set(state) - set(tables))
     if missing:
         raise ValueError(f"the weights do not fit the model: {sorted(missing)[:4]} missing or unexpected")
     for name, _ in list(model.named_parameters()):
@@ -80,9 +93,12 @@ def plain_model(cfg, state: dict[str, torch.Tensor], device: torch.device, dtype
     if cfg.tie_embeddings:
         model.head.weight = model.embedding.weight
     model.init_tables(device)
+    for name, table in model.state_tables().items():
+        if name in tables:
+            table.copy_(tables[name].to(device=device, dtype=table.dtype))
     return model.eval()
 
 
 __all__ = ["FAMILIES", "MODEL_PRESETS", "CausalLM", "ModelFamily", "build_model", "canonical_name", "canonical_shapes",
-           "config_from_dict", "config_to_dict", "family_for_hf", "family_of", "init_value", "plain_model",
+           "canonical_tables", "config_from_dict", "config_to_dict", "family_for_hf", "family_of", "init_value", "plain_model",
            "shape_diffs"]

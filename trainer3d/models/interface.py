@@ -43,12 +43,16 @@ class ParallelPlan:
     learned position embedding of the first stage, looked up per sequence shard under sequence parallelism (None:
     positions are rotary, inside attention). `head_shared`: parameters inside a block replicated over tp that each
     rank applies to its own heads only (Qwen3's q/k norms), so their gradient is a per-rank share summed over tp.
+    `tp_entries`: identity modules (nn.Identity) inside a block through which a replicated activation enters the
+    head-sharded region without a column-parallel linear (MLA's rope key, one head shared by all): tensor parallelism
+    makes each the all-reduce of its gradient (Megatron's f), sequence parallelism the all-gather of the sequence.
     The token embedding and the head are always vocab-parallel; every other parameter is replicated over tp."""
 
     linears: Mapping[str, ColumnParallel | RowParallel]
     attention: str
     positions: str | None = None
     head_shared: tuple[str, ...] = ()
+    tp_entries: tuple[str, ...] = ()
 
 
 # ---- formulas the planner and the metrics read ------------------------------------------------------------------------
@@ -194,6 +198,15 @@ class HFAdapter:
             row[p.expert] = start + rows
             out[p.name] = chunk.t() if p.transposed else chunk
         return out
+
+    def import_notes(self, raw: dict) -> list[str]:
+        """One-line notes on what reading config.json's dict leaves out (multi-token prediction), for the run's log."""
+        return []
+
+    def table_name(self, cfg, name: str) -> str | None:
+        """The Hugging Face name of a model table (CausalLM.state_tables: a router's selection bias), or None where
+        the family's format has no slot for it (such a table is neither imported nor exported)."""
+        return None
 
     def normalize(self, hf_name: str) -> str:
         """A stored name as `sources` spells it (older files name some tensors differently)."""

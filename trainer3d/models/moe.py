@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -37,12 +38,27 @@ class MoESpec:
     renormalize: bool = True  # divide the top-k weights by their sum
     weights_fp32: bool = False  # keep the top-k weights in fp32 (Mixtral), else the activations' dtype (Qwen)
     shared_hidden: int = 0  # a shared expert's SwiGLU width, applied to every token (0: none)
+    # DeepSeek-V3's group-limited selection: the experts in `n_groups` equal groups, each group scored by the sum of
+    # its two best selection scores, a token choosing its top-k among the experts of its `top_groups` best groups
+    # (1 group: plain top-k)
+    n_groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0  # the chosen weights times this (DeepSeek-V3's routed_scaling_factor), after renormalizing
+    renorm_eps: float = 0.0  # added to the sum the weights are divided by (transformers' DeepSeek-V3 adds 1e-20)
 
     def check(self) -> None:
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top-k {self.top_k} must be between 1 and the {self.n_experts} experts")
         if self.score not in ("softmax", "sigmoid"):
             raise ValueError(f"router score {self.score!r} is not softmax or sigmoid")
+        if self.n_groups > 1:
+            per_group = self.n_experts // self.n_groups
+            if self.n_experts % self.n_groups or per_group < 2:
+                raise ValueError(f"{self.n_experts} experts do not split into {self.n_groups} equal groups of two or "
+                                 "more (a group is scored by its two best experts)")
+            if not 1 <= self.top_groups <= self.n_groups or self.top_k > self.top_groups * per_group:
+                raise ValueError(f"top-k {self.top_k} from {self.top_groups} of {self.n_groups} groups of {per_group} "
+                                 "experts cannot be chosen")
 
 
 @dataclass
@@ -78,24 +94,64 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if spec.score == "softmax" else logits.sigmoid()
         chosen = scores if self.expert_bias is None else scores + self.expert_bias
+        if spec.n_groups > 1:
+            chosen = self._within_best_groups(chosen)
         experts = chosen.topk(spec.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if spec.renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
+            total = weights.sum(-1, keepdim=True)
+            weights = weights / (total + spec.renorm_eps if spec.renorm_eps else total)
+        if spec.scale != 1.0:
+            weights = weights * spec.scale
         return logits, scores, experts, weights if spec.weights_fp32 else weights.to(x.dtype)
+
+    def _within_best_groups(self, chosen: torch.Tensor) -> torch.Tensor:
+        """The selection scores [N, E] with every expert outside a token's `top_groups` best groups at -inf; a group's
+        score is the sum of its two best selection scores (DeepSeek-V3's node-limited routing, transformers' rule)."""
+        spec = self.spec
+        grouped = chosen.view(-1, spec.n_groups, spec.n_experts // spec.n_groups)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(spec.top_groups, dim=-1).indices
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=chosen.device).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(chosen)
+
+
+class Dispatched(NamedTuple):
+    """What a dispatcher hands the experts: `rows` [M, H] grouped by this rank's experts, `counts` rows per local expert
+    (int64, on the device), `sizes` the same on the host where the dispatcher read them anyway (else None), `order`
+    the rows it took from this rank (indices into the choices, a dropped choice never among them), `state` for
+    combine."""
+
+    rows: torch.Tensor
+    counts: torch.Tensor
+    sizes: list[int] | None
+    order: torch.Tensor
+    state: object
+
+
+def expert_counts(expert_of: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Rows per expert (int64 [n_experts]) on the device, with no host read: torch.bincount reads the largest id to size
+    its output, a scatter_add_ does not (transformers and torchtitan count so). A choice of expert `n_experts` (one the
+    capacity dropped) counts nowhere."""
+    counts = expert_of.new_zeros(n_experts + 1)
+    return counts.scatter_add_(0, expert_of, torch.ones_like(expert_of))[:n_experts]
 
 
 class LocalDispatch:
     """Every expert on this rank: rows (a token's copy for one of its experts) sorted by expert (stably).
 
-    A dispatcher's contract: `dispatch(x, token_of, expert_of, E)` -> (the rows' tokens [M, H] grouped by this rank's
-    experts, rows per local expert (int64), `order`: the permutation of the rows it sent, state); `combine(y, state)`
-    -> the experts' outputs back on this rank, row i that of row `order[i]` (so the block weights and sums them
-    without putting them back in row order first)."""
+    A dispatcher's contract: `dispatch(x, token_of, expert_of, E, dropping)` -> `Dispatched` (a choice of expert id E
+    was dropped by the capacity: it sorts last and is sent nowhere); `combine(y, state)` -> the experts' outputs back on
+    this rank, row i that of choice `order[i]` (so the block weights and sums them without putting them back in
+    order first). Host reads: none, but where choices were dropped (how many rows remain, one read)."""
 
-    def dispatch(self, x: torch.Tensor, token_of: torch.Tensor, expert_of: torch.Tensor, n_experts: int):
+    def dispatch(self, x: torch.Tensor, token_of: torch.Tensor, expert_of: torch.Tensor, n_experts: int,
+                 dropping: bool = False) -> Dispatched:
         order = torch.argsort(expert_of, stable=True)
-        return x[token_of[order]], torch.bincount(expert_of, minlength=n_experts), order, None
+        counts, sizes = expert_counts(expert_of, n_experts), None
+        if dropping:
+            sizes = counts.tolist()  # the layer's one host read: the rows kept
+            order = order[:sum(sizes)]
+        return Dispatched(x[token_of[order]], counts, sizes, order, None)
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         return y
@@ -113,8 +169,9 @@ class Experts(nn.Module):
     # Eager under --compile: the row count is data-dependent (a graph break at the dispatch anyway) and dynamo's fake
     # torch._grouped_mm accepts bf16 only, where the eager kernel also runs fp32 (CPU).
     @torch.compiler.disable
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [M, H] sorted by expert, `counts` [E_local] tokens per expert -> [M, H]."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """x [M, H] sorted by expert, `counts` [E_local] tokens per expert (`sizes`: the same on the host, where the
+        dispatcher has read them) -> [M, H]."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if self.grad_scale != 1.0:
             gate_up, down = _ScaleGrad.apply(gate_up, self.grad_scale), _ScaleGrad.apply(down, self.grad_scale)
@@ -123,7 +180,7 @@ class Experts(nn.Module):
             x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
         elif x.dtype != gate_up.dtype:  # a module held in bf16 (DeepSpeed's engine) computes in it
             x = x.to(gate_up.dtype)
-        return _SwiGLUExperts.apply(x, gate_up, down, counts, grouped_mm_applies(x, gate_up, down))
+        return _SwiGLUExperts.apply(x, gate_up, down, counts, sizes, grouped_mm_applies(x, gate_up, down))
 
 
 def grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -159,8 +216,9 @@ def _per_expert(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets) ->
 
 def _weight_grads(dy: torch.Tensor, x: torch.Tensor, counts: list[int], offsets) -> torch.Tensor:
     """Σ over each expert's rows of dy^T x (dy [M, N], x [M, K]) -> [E, N, K] (zeros for an expert with no row)."""
-    if offsets is not None:
-        return torch._grouped_mm(dy.t(), x, offs=offsets)
+    if offsets is not None:  # an expert with no row: exact zeros, whatever the kernel leaves (pytorch#172439)
+        empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
+        return torch._grouped_mm(dy.t(), x, offs=offsets).masked_fill_(empty.view(-1, 1, 1), 0)
     out, start = dy.new_zeros(len(counts), dy.shape[1], x.shape[1]), 0
     for e, n in enumerate(counts):
         out[e] = dy[start:start + n].T @ x[start:start + n]
@@ -175,9 +233,11 @@ class _SwiGLUExperts(torch.autograd.Function):
     the same). One grouped matmul per product where `grouped` (torch._grouped_mm's rules hold), a loop otherwise."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, counts, grouped):
+    def forward(ctx, x, gate_up, down, counts, sizes, grouped):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32) if grouped else None
-        sizes = None if grouped else counts.tolist()  # the loop's one host read
+        if not grouped and sizes is None:  # the loop's one host read, where the dispatcher read none
+            sizes = counts.tolist()
+        sizes = None if grouped else sizes
         h = _per_expert(x, gate_up, sizes, offsets)
         gate, up = h.chunk(2, dim=-1)
         ctx.save_for_backward(x, gate_up, down, h, offsets if grouped else counts)
@@ -199,7 +259,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
         del d_act
         d_x = _per_expert(d_h, gate_up.transpose(-2, -1), sizes, offsets)
-        return d_x, _weight_grads(d_h, x, sizes, offsets), d_down, None, None
+        return d_x, _weight_grads(d_h, x, sizes, offsets), d_down, None, None, None
 
 
 class SwiGLUExpert(nn.Module):
@@ -253,27 +313,27 @@ class MoE(nn.Module):
         n, k = routing.experts.shape
         token_of = torch.arange(n, device=x.device).repeat_interleave(k)
         expert_of, weight = routing.experts.reshape(-1), routing.weights.reshape(-1)
-        if kept is not None:
-            keep = kept.reshape(-1)
-            token_of, expert_of, weight = token_of[keep], expert_of[keep], weight[keep]
-        tokens, counts, order, state = self.dispatcher.dispatch(x, token_of, expert_of, self.spec.n_experts)
-        y = self.dispatcher.combine(self.experts(tokens, counts), state)  # row i: row order[i]'s
+        if kept is not None:  # a dropped choice goes to expert n_experts: none (no data-dependent shape here)
+            expert_of = expert_of.masked_fill(~kept.reshape(-1), self.spec.n_experts)
+        sent = self.dispatcher.dispatch(x, token_of, expert_of, self.spec.n_experts, dropping=kept is not None)
+        y = self.dispatcher.combine(self.experts(sent.rows, sent.counts, sent.sizes), sent.state)  # row i: order[i]'s
         out = torch.zeros(n, x.shape[-1], dtype=y.dtype, device=x.device)
         # (index_put_ accumulating keeps only the indices for its backward, index_add_ also its source)
-        return out.index_put_((token_of[order],), y * weight[order].unsqueeze(-1).to(y.dtype), accumulate=True
-                              ).to(x.dtype)
+        return out.index_put_((token_of[sent.order],), y * weight[sent.order].unsqueeze(-1).to(y.dtype),
+                              accumulate=True).to(x.dtype)
 
     def within_capacity(self, routing: Routing) -> torch.Tensor | None:
-        """Megatron-core's token drop: each expert takes at most ceil(capacity_factor · N·k / E) of this rank's N
-        tokens, those with the highest scores for it; a [N, k] mask of the choices kept (None: dropless)."""
+        """Megatron-core's token drop (drop policy "probs"): each expert takes at most ceil(N·k / E · capacity_factor)
+        of this rank's N tokens' choices, those of the highest routing weight (the probability its output is weighted
+        by, after any renormalization); a [N, k] mask of the choices kept (None: dropless). No host read."""
         if self.capacity_factor is None:
             return None
         n, k = routing.experts.shape
-        capacity = math.ceil(self.capacity_factor * n * k / self.spec.n_experts)
-        flat_e, flat_w = routing.experts.reshape(-1), routing.scores.gather(-1, routing.experts).reshape(-1)
-        by_score = torch.argsort(flat_w, descending=True, stable=True)  # within an expert, the best first
-        order = by_score[torch.argsort(flat_e[by_score], stable=True)]  # grouped by expert
-        counts = torch.bincount(flat_e, minlength=self.spec.n_experts)
+        capacity = math.ceil(n * k / self.spec.n_experts * self.capacity_factor)  # Megatron's get_capacity
+        flat_e, flat_w = routing.experts.reshape(-1), routing.weights.float().reshape(-1)
+        by_weight = torch.argsort(flat_w, descending=True, stable=True)  # within an expert, the best first
+        order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]  # grouped by expert
+        counts = expert_counts(flat_e, self.spec.n_experts)
         starts = torch.cumsum(counts, 0) - counts
         rank_in_expert = torch.empty_like(flat_e)
         rank_in_expert[order] = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[order]]

@@ -11,10 +11,11 @@ tp by the engines (`tp_partial`), as torchtitan found the router's must be (#241
 Expert parallelism (--ep N): the E experts are split over N ranks carved from the dp×cp line (parallel folding:
 attention keeps dp×cp, experts use ep × edp). `AllToAllDispatch` sends each token to the rank holding each of its
 experts and back: the counts per expert first (all_to_all), then the tokens with those splits (one host read of
-the splits), then a permutation to expert-major order for the grouped matmul, and the reverse. An expert's gradient
-then holds the contributions of all N ranks' tokens: it is scaled by 1/N in the backward and averaged over edp by
-the engines, which averages it over the whole dp×cp as every dense gradient is (torchtitan #1551). A rank that
-receives no token still takes part in every exchange (zero-sized splits), so no rank waits on another.
+the counts: the layer's only one), then a permutation to expert-major order for the grouped matmul, and the reverse.
+An expert's gradient then holds the contributions of all N ranks' tokens: it is scaled by 1/N in the backward and
+averaged over edp by the engines, which averages it over the whole dp×cp as every dense gradient is (torchtitan
+#1551). A rank that receives no token still takes part in every exchange (zero-sized splits), so no rank waits on
+another.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from trainer3d.models.moe import MoE
+from trainer3d.models.moe import Dispatched, MoE, expert_counts
 from trainer3d.parallel.tensor_parallel import TPSpec, all_gather_sequence, to_compute_dtype
 
 SEQ_DIM = 1
@@ -94,18 +95,23 @@ class AllToAllDispatch:
         self.n_local = n_experts // size
         self.first_expert = rank * self.n_local
 
-    def dispatch(self, x: torch.Tensor, token_of: torch.Tensor, expert_of: torch.Tensor, n_experts: int):
-        """models/moe.LocalDispatch's contract: the rows arrive from every ep rank, grouped by local expert."""
+    def dispatch(self, x: torch.Tensor, token_of: torch.Tensor, expert_of: torch.Tensor, n_experts: int,
+                 dropping: bool = False) -> Dispatched:
+        """models/moe.LocalDispatch's contract: the rows arrive from every ep rank, grouped by local expert. One host
+        read: the per-expert counts sent and received (the all-to-all's splits, the kept rows and the experts' sizes)."""
         order = torch.argsort(expert_of, stable=True)  # by global expert: by destination rank, then its experts
-        counts = torch.bincount(expert_of, minlength=n_experts)
-        rows = to_compute_dtype(x)[token_of[order]]  # bf16 on the wire under autocast
+        counts = expert_counts(expert_of, n_experts)  # (a dropped choice, expert id n_experts, sorts last)
         received = torch.empty_like(counts)  # [source rank, local expert]
         dist.all_to_all_single(received, counts, group=self.group)
-        sent_by, received_from = torch.stack([counts, received]).view(2, self.size, self.n_local).sum(-1).tolist()
+        sent, got = torch.stack([counts, received]).view(2, self.size, self.n_local).tolist()  # the one read
+        sent_by, received_from = [sum(r) for r in sent], [sum(r) for r in got]
+        order = order[:sum(sent_by)]
+        rows = to_compute_dtype(x)[token_of[order]]  # bf16 on the wire under autocast
         arrived = _AllToAll.apply(rows, received_from, sent_by, self.group)
         per_source = received.view(self.size, self.n_local)
         perm = expert_major(per_source, arrived.shape[0])
-        return arrived[perm], per_source.sum(0), order, (perm, sent_by, received_from)
+        sizes = [sum(col) for col in zip(*got)]
+        return Dispatched(arrived[perm], per_source.sum(0), sizes, order, (perm, sent_by, received_from))
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         """y [M, H] in local-expert order -> this rank's rows, in the order they were sent."""

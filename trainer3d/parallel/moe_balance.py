@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from trainer3d.distributed.collectives import all_reduce, group_size
-from trainer3d.models.moe import MoE, Routing
+from trainer3d.models.moe import MoE, Routing, expert_counts
 from trainer3d.parallel.recompute import recomputing
 
 
@@ -80,7 +80,7 @@ class MoEBalance:
         first = not recomputing()
         if first:
             row = self.rows[block.layer]
-            self.loads[row] += torch.bincount(routing.experts.reshape(-1), minlength=self.n_experts).double()
+            self.loads[row] += expert_counts(routing.experts.reshape(-1), self.n_experts).double()
             self.choices[row] += routing.experts.numel()
             if kept is not None:
                 self.dropped[row] += (~kept).sum().double()
@@ -126,7 +126,7 @@ class MoEBalance:
 
     def _pooled_aux(self, block: MoE, routing: Routing, tokens: int) -> torch.Tensor | None:
         """transformers' pooled loss, once this micro-batch has passed the stage's last MoE layer."""
-        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.n_experts).float()
+        counts = expert_counts(routing.experts.reshape(-1), self.n_experts).float()
         self._pooled.append((counts, routing.scores.sum(0)))
         if block.layer != max(self.blocks):
             return None

@@ -3,8 +3,9 @@ regions each tp rank holds its shard of the sequence instead of the whole, so th
 residual stream and the pipeline's stage-boundary tensors shrink by tp.
 
 Applied to a stage after tensor parallelism, in place:
-  - the column-parallel layers and the LM head all-gather the sequence (backward: reduce-scatter) and the
-    row-parallel layers and the vocab-parallel embedding reduce-scatter it (backward: all-gather), in place of
+  - the column-parallel layers, the LM head and the tp entries (tensor_parallel.TPEntry: MLA's rope key) all-gather
+    the sequence (backward: reduce-scatter) and the row-parallel layers and the vocab-parallel embedding
+    reduce-scatter it (backward: all-gather), in place of
     the all-reduces (tensor_parallel.parallel_linear / leave_tp); the gathering matmuls save only the shard;
   - a learned position embedding (the family's ParallelPlan.positions) returns the rows of this rank's positions;
     rotary positions need nothing: attention runs on the gathered sequence;
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from trainer3d.errors import LayoutError
 from trainer3d.models.interface import CausalLM
 from trainer3d.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, ShardedDropoutRNG, VocabParallelEmbedding, VocabParallelHead,
+    ColumnParallelLinear, RowParallelLinear, ShardedDropoutRNG, TPEntry, VocabParallelEmbedding, VocabParallelHead,
 )
 
 
@@ -57,7 +58,8 @@ class ShardedPositions(nn.Module):
 def apply_sequence_parallel(stage: CausalLM, rank: int, size: int, rng: ShardedDropoutRNG) -> CausalLM:
     """Switch one tensor-parallel stage to sequence shards (see the module docstring), in place."""
     for module in stage.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
+                               TPEntry)):
             module.sequence_parallel = True
     positions = stage.parallel_plan().positions
     if positions is not None and getattr(stage, positions) is not None:

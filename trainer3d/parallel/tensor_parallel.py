@@ -136,6 +136,36 @@ def parallel_linear(x, weight, bias, group, sequence_parallel: bool):
     return F.linear(copy_to_tp(x, group), weight, bias)
 
 
+class _GatherSequenceRegion(torch.autograd.Function):
+    """All-gather of the sequence forward, reduce-scatter of its gradient backward: a sequence shard entering a
+    region where every rank uses the whole sequence for its own heads (their gradient shares summed)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad.contiguous(), ctx.group), None
+
+
+class TPEntry(nn.Module):
+    """Where a replicated activation enters the head-sharded region without a linear (ParallelPlan.tp_entries):
+    identity forward and the all-reduce of its gradient (each rank's heads give a share), or under sequence
+    parallelism the all-gather of the sequence and the reduce-scatter of its gradient."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = False
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            return _GatherSequenceRegion.apply(x.contiguous(), self.group)
+        return copy_to_tp(x, self.group)
+
+
 def leave_tp(x, group, sequence_parallel: bool):
     """Out of a region whose outputs are partial sums (a row-parallel layer, the vocab-parallel embedding)."""
     return _ReduceScatterSequence.apply(x, group) if sequence_parallel else reduce_from_tp(x, group)
@@ -297,6 +327,8 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
             else:
                 new = RowParallelLinear(old.in_features, old.out_features, group, size, bias, dev)
             block.set_submodule(path, new)
+        for path in plan.tp_entries:
+            block.set_submodule(path, TPEntry(group))
         if dropout_rng is not None:
             block.get_submodule(plan.attention).sharded_rng = dropout_rng
         for path in plan.head_shared:  # each rank applies it to its heads only: its gradient is a share

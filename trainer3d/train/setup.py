@@ -197,13 +197,18 @@ MOE_FLAGS = ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate", "mo
 
 
 def check_moe_flags(cfg: TrainConfig, mcfg, layout) -> None:
-    """The mixture-of-experts flags make sense only for a model with experts, and transformers' pooled loss only
-    where one rank holds every layer of its tokens whole."""
+    """The mixture-of-experts flags make sense only for a model with experts, loss-free balancing's bias only on
+    sigmoid router scores, and transformers' pooled loss only where one rank holds every layer of its tokens whole."""
     given = [f for f in MOE_FLAGS if getattr(cfg, f)]
     if mcfg.moe is None:
         if given:
             raise ConfigError(f"{flag(given[0])} applies to a mixture of experts, and this model has none; drop it.")
         return
+    if cfg.moe_bias_update_rate and mcfg.moe.score != "sigmoid":
+        raise ConfigError(f"--moe-bias-update-rate trains a selection bias for sigmoid router scores (DeepSeek-V3's "
+                          f"loss-free balancing), and this model's router scores are {mcfg.moe.score} (Megatron-core "
+                          "refuses the bias there too, and its Hugging Face format has no place for it); drop it, or "
+                          "balance with --moe-aux-loss-coef.")
     if cfg.moe_aux_loss == "hf" and cfg.moe_aux_loss_coef and (layout.pp > 1 or layout.tp > 1 or layout.cp > 1
                                                               or cfg.recompute == "full"):
         raise ConfigError("--moe-aux-loss hf pools every layer of a micro-batch as transformers does, which needs one "

@@ -1,0 +1,173 @@
+"""DeepSeek-V3's shape and formulas (Kimi K2 and Moonlight share it: transformers loads all three as
+DeepseekV3ForCausalLM): multi-head latent attention (MLA) with decoupled rotary keys and YaRN, `first_k_dense_replace`
+dense blocks, then mixtures of experts with shared experts and DeepSeek's routing. Published sizes from the Hugging Face
+config.json files, plus a tiny one for CPU runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from trainer3d.models.interface import LayerActivations
+from trainer3d.models.moe import MoESpec
+
+LATENT_NORM_EPS = 1e-6  # transformers builds MLA's two latent RMSNorms with their default eps, not rms_norm_eps
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    vocab_size: int = 129280
+    n_positions: int = 163840
+    n_embd: int = 7168
+    n_layer: int = 61
+    n_head: int = 128
+    dropout: float = 0.0  # on the attention probabilities (HF's attention_dropout)
+    ffn_hidden: int = 18432  # the dense blocks' SwiGLU width (HF's intermediate_size)
+    # MLA: q = q_b(norm(q_a(x))) (q_lora_rank None: one q_proj); [latent, k_rope] = kv_a(x); k_nope | v = kv_b(norm(latent))
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # the mixtures of experts (blocks first_k_dense_replace and after)
+    n_experts: int = 256  # routed experts (HF's n_routed_experts)
+    n_shared_experts: int = 1
+    top_k: int = 8
+    moe_ffn_hidden: int = 2048
+    n_group: int = 8
+    topk_group: int = 4
+    first_k_dense_replace: int = 3
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    norm_eps: float = 1e-6
+    # rotary positions on the qk_rope_head_dim dims; rope_factor set: YaRN (HF's rope_type "yarn")
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True
+    rope_factor: float | None = 40.0
+    rope_original_context: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0  # 0: not given
+    rope_mscale_all_dim: float = 1.0  # 0: not given
+    rope_attention_factor: float | None = None  # None: from the factor and the mscales, as transformers derives it
+    rope_truncate: bool = True
+    tie_embeddings: bool = False
+
+    family: ClassVar[str] = "deepseek_v3"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Keys (or values) of a token over the heads as attention holds them: every head's key is qk_head_dim wide
+        (its rope part shared), and values are padded to that width for the attention kernels (model.py)."""
+        return self.n_head * self.qk_head_dim
+
+    @property
+    def moe(self) -> MoESpec:
+        return MoESpec(self.n_experts, self.top_k, self.moe_ffn_hidden, score="sigmoid", renormalize=self.norm_topk_prob,
+                       weights_fp32=True, shared_hidden=self.moe_ffn_hidden * self.n_shared_experts,
+                       n_groups=self.n_group, top_groups=self.topk_group, scale=self.routed_scaling_factor,
+                       renorm_eps=1e-20)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self.is_moe_layer(i)]
+
+    # ---- formulas: parameters and FLOPs per block (an MoE block counts all its experts, or the k a token uses) ----
+    def attention_params(self) -> int:
+        d, H, qk = self.n_embd, self.n_head, self.qk_head_dim
+        q = d * H * qk if self.q_lora_rank is None else self.q_lora_rank * (d + 1 + H * qk)
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * (1 + H * (self.qk_nope_head_dim
+                                                                                            + self.v_head_dim))
+        return q + kv + H * self.v_head_dim * d
+
+    def latent_norm_params(self) -> int:
+        return self.kv_lora_rank + (self.q_lora_rank or 0)
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        d, spec = self.n_embd, self.moe
+        if not self.is_moe_layer(layer):
+            return 3 * d * self.ffn_hidden
+        experts = spec.top_k if active else spec.n_experts
+        return spec.n_experts * d + experts * 3 * d * spec.expert_hidden + 3 * d * spec.shared_hidden
+
+    def block_params(self, layer: int | None = None, active: bool = False) -> int:
+        """One block's parameters (`layer` None: the mean over the blocks, rounded); `active`: a token's (k experts)."""
+        if layer is None:
+            return round(sum(self.block_params(i, active) for i in range(self.n_layer)) / self.n_layer)
+        return self.attention_params() + self.mlp_params(layer, active) + 2 * self.n_embd
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        d, V = self.n_embd, self.vocab_size
+        n = sum(self.block_params(i, active) for i in range(self.n_layer)) + d  # + final RMSNorm
+        if include_embedding:
+            n += V * d * (1 if self.tie_embeddings else 2)
+        return n
+
+    def _matmul_params(self) -> float:
+        """A token's matmul parameters per block, averaged over the blocks (norm gains excluded)."""
+        return self.block_params(active=True) - 2 * self.n_embd - self.latent_norm_params()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per matmul parameter a token uses (the head included, the embedding lookup
+        excluded; an MoE layer's router and its k experts and shared experts) plus attention's QK^T over
+        qk_head_dim and AV over v_head_dim for every head, 6·L·H·(qk + v)·T (Llama's 12·L·H·hd·T with MLA's two widths)."""
+        matmul = self.n_layer * self._matmul_params() + self.vocab_size * self.n_embd
+        return 6.0 * matmul + 6.0 * self.n_layer * self.n_head * (self.qk_head_dim + self.v_head_dim) * seq_len
+
+    def layer_flops(self, seq_len: int) -> float:
+        return 2 * self._matmul_params() + 2 * seq_len * self.n_head * (self.qk_head_dim + self.v_head_dim)
+
+    def head_flops(self) -> float:
+        return 2 * self.n_embd * self.vocab_size
+
+    def layer_activations(self) -> LayerActivations:
+        """Elements one block saves for its backward, per token, in Llama's accounting for the block's norms and its
+        MLP (a dense SwiGLU, or an MoE block's router, k copies through the experts and the shared experts: the
+        group-limited selection keeps nothing, its graph ends in indices), with MLA's attention as its saved tensors
+        measure (tests/test_deepseek_v3.py). Replicated over tp: kv_a's own copy of the block norm's output in the
+        matmul dtype (q_a has Llama's), each latent norm's fp32 copy of its input, its statistics, its output before
+        the gain and q_b's (kv_b's) input, and the rotary cos and sin. Split by head: the query, key and output of the
+        attention kernel (qk_head_dim wide each), its values (padded to qk_head_dim; where v_head_dim is qk_head_dim
+        already, a view of kv_b's output, which is kept whole), o_proj's input (v_head_dim wide) and the log-sum-exp."""
+        h, H, qk = self.n_embd, self.n_head, self.qk_head_dim
+        q, kv = self.q_lora_rank or 0, self.kv_lora_rank
+        values = qk if self.v_head_dim != qk else self.qk_nope_head_dim + self.v_head_dim
+        spec, share = self.moe, len(self.moe_layers) / self.n_layer
+        k = spec.top_k
+        mlp = 4 * self.ffn_hidden * (1 - share) + share * k * (2 * h + 2 * spec.expert_hidden + 1)
+        mlp += share * (h + 4 * spec.shared_hidden) if spec.shared_hidden else 0
+        moe_fp32 = share * (h + spec.n_experts + 1 + 9 * k)
+        return LayerActivations(
+            resid=2 * h, matmul=round(3 * h - share * h + 2 * q + 2 * kv + 2 * self.qk_rope_head_dim),
+            sharded_matmul=round(H * (3 * qk + values + self.v_head_dim) + mlp), fp32=2 + q + kv + (2 if q else 1),
+            sharded_fp32=round(H + moe_fp32))
+
+
+_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+PRESETS: dict[str, DeepseekV3Config] = {
+    # CPU runs and tests: every part (q and kv latents, YaRN with its mscale, interleaved rope, v_head_dim != the qk
+    # dims, two dense blocks, 8 experts in 4 groups with top-2 from 2 groups, a shared expert)
+    "deepseek-v3-tiny": DeepseekV3Config(
+        vocab_size=129280, n_positions=4096, n_embd=128, n_layer=4, n_head=4, ffn_hidden=256, q_lora_rank=64,
+        kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_experts=8, n_shared_experts=1,
+        top_k=2, moe_ffn_hidden=48, n_group=4, topk_group=2, first_k_dense_replace=2, rope_factor=4.0,
+        rope_original_context=1024),
+    # DeepSeek-V3 / V3.1 (deepseek-ai/DeepSeek-V3 config.json): 671B total, 37B activated
+    "deepseek-v3": DeepseekV3Config(**_MLA),
+    # Kimi K2 (moonshotai/Kimi-K2-Instruct config.json, 128K context): 1T total (its report: 1.04T), 32B activated
+    "kimi-k2": DeepseekV3Config(**_MLA, vocab_size=163840, n_positions=131072, n_head=64, n_experts=384, n_group=1,
+                                topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, rope_theta=50000.0,
+                                rope_factor=32.0, rope_beta_fast=1.0, rope_beta_slow=1.0),
+    # Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json): no q latent, no YaRN
+    "moonlight-16b-a3b": DeepseekV3Config(
+        **_MLA, vocab_size=163840, n_positions=8192, n_embd=2048, n_layer=27, n_head=16, ffn_hidden=11264,
+        q_lora_rank=None, n_experts=64, n_shared_experts=2, top_k=6, moe_ffn_hidden=1408, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.446, norm_eps=1e-5, rope_theta=50000.0, rope_factor=None),
+}

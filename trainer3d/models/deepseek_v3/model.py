@@ -1,0 +1,181 @@
+"""DeepSeek-V3 in plain PyTorch: multi-head latent attention (MLA), YaRN rotary positions on the decoupled rope dims,
+dense SwiGLU blocks, then mixtures of experts (models/moe.py) with shared experts and DeepSeek's routing; the parts it
+shares with Llama (RMSNorm, SwiGLU, the rotation, the model's skeleton) are Llama's.
+
+Parameter names are transformers' DeepseekV3ForCausalLM's without the `model.` prefix, except the dense MLP's fused
+gate|up (`mlp.gate_up_proj`, as Llama's), the experts stacked per layer (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I]) and the shared experts as one SwiGLU (`mlp.shared_expert`); hf.py maps them. The
+router's `e_score_correction_bias` is its `expert_bias` table (moe.Router).
+
+MLA: q = q_b(norm(q_a(x))) (or one q_proj); [latent, k_rope] = kv_a_proj_with_mqa(x); k_nope | v = kv_b(norm(latent));
+the rope key is one head shared by every head. Only the rope dims rotate (in DeepSeek's interleaved pairs where
+`rope_interleave`, rotated as transformers does: evens then odds). The softmax scale is qk_head_dim**-0.5 times YaRN's
+mscale² (applied to q here, so the shared attention kernels keep their default scale). Values are padded with zeros
+to qk_head_dim before attention, and the padding of the output dropped: the CPU flash kernels, context parallelism's
+gather and the KV cache all take one head size (the cache holds k and v, not the latents).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainer3d.models.attention import AttentionCore, KVCache
+from trainer3d.models.deepseek_v3.config import LATENT_NORM_EPS, DeepseekV3Config
+from trainer3d.models.interface import CausalLM, ColumnParallel, ParallelPlan, RowParallel
+from trainer3d.models.llama.model import Llama, RMSNorm, Rotary, SwiGLU, rotate
+from trainer3d.models.moe import MoE
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_tables(cfg: DeepseekV3Config) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rope_dim / 2] in fp32 on the CPU, the factor cos and sin are multiplied by): plain RoPE, or YaRN
+    (Peng et al. 2023) as transformers' `_compute_yarn_parameters` computes it: each frequency interpolated by the
+    factor below the beta_slow rotations, kept above beta_fast, ramped linearly between."""
+    d, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    if cfg.rope_factor is None:
+        return 1.0 / pos_freqs, 1.0
+    factor, ctx = cfg.rope_factor, cfg.rope_original_context
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    attention_factor = cfg.rope_attention_factor
+    if attention_factor is None:
+        both = cfg.rope_mscale and cfg.rope_mscale_all_dim
+        attention_factor = (yarn_mscale(factor, cfg.rope_mscale) / yarn_mscale(factor, cfg.rope_mscale_all_dim)
+                            if both else yarn_mscale(factor))
+    return inv_freq, float(attention_factor)
+
+
+def softmax_mscale(cfg: DeepseekV3Config) -> float:
+    """What YaRN multiplies the softmax scale by (transformers' yarn_apply_mscale): mscale(factor, mscale_all_dim)²."""
+    if cfg.rope_factor is None or not cfg.rope_mscale_all_dim:
+        return 1.0
+    return yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+
+
+class YarnRotary(Rotary):
+    """Llama's rotary angles over the rope dims, with YaRN's frequencies and cos/sin scaled by its attention factor."""
+
+    def init_tables(self, device: torch.device) -> None:
+        inv_freq, self.attention_factor = rope_tables(self.cfg)
+        self.inv_freq = inv_freq.to(device)
+
+    def forward(self, start: int, T: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = self.position_ids(start, T, like.device).float()
+        freqs = positions[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        if emb.dim() == 3:  # [B, T, rope]: per row, broadcast over the heads
+            emb = emb[:, None]
+        f = self.attention_factor
+        return (emb.cos() * f).to(like.dtype), (emb.sin() * f).to(like.dtype)
+
+
+class MLAttention(AttentionCore):
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__(cfg.dropout)
+        d, H, qk = cfg.n_embd, cfg.n_head, cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        # where the rope key, shared by every head, enters the head-sharded region (ParallelPlan.tp_entries)
+        self.rope_key = nn.Identity()
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, d, bias=False)
+        self.rotary = YarnRotary(cfg)
+        self.dims = (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+        self.interleaved = cfg.rope_interleave
+        self.q_scale = softmax_mscale(cfg)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:  # pairs (x0, x1), (x2, x3), ...: evens then odds, each pair one frequency
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return rotate(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        latent_dim, nope, rope, v_dim = self.dims
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([latent_dim, rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
+        k_rope = self.rope_key(k_rope)
+        # this rank's heads follow from the (possibly tp-sharded) widths; the length from q (under sequence
+        # parallelism the projections gather the sequence)
+        B, T, _ = q.shape
+        q = q.view(B, T, -1, nope + rope).transpose(1, 2)
+        k_nope, v = kv.view(B, T, -1, nope + v_dim).transpose(1, 2).split([nope, v_dim], dim=-1)
+        cos, sin = self.rotary(0 if kv_cache is None else kv_cache.length, T, q)
+        q = torch.cat((q[..., :nope], self._rotate(q[..., nope:], cos, sin)), dim=-1)
+        k_rope = self._rotate(k_rope.view(B, 1, T, rope), cos, sin)
+        k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        if v_dim != nope + rope:
+            v = F.pad(v, (0, nope + rope - v_dim))
+        y = self.attend(q, k, v, kv_cache, layer)
+        if v_dim != nope + rope:
+            y = y.view(B, T, -1, nope + rope)[..., :v_dim].reshape(B, T, -1)
+        return self.o_proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.self_attn = MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MoE(cfg.n_embd, cfg.moe, layer) if cfg.is_moe_layer(layer) else SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3(Llama):
+    """Llama's skeleton (embedding, blocks, final norm, head, its forward) with DeepSeek-V3's blocks."""
+
+    def __init__(self, cfg: DeepseekV3Config):
+        CausalLM.__init__(self)
+        self.cfg = cfg
+        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
+        self.norm: nn.Module | None = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head: nn.Module | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Heads split over tp: q_b (or q_proj) and kv_b column-parallel, o_proj row-parallel. The latent projections
+        and their norms are replicated and see whole gradients (the column-parallel q_b and kv_b sum their inputs'
+        gradients over tp); the rope key, used by every rank's heads without such a linear, enters the region through
+        `rope_key`. A dense block's SwiGLU as Llama's; an MoE block is left to expert parallelism."""
+        c = self.cfg
+        q = "self_attn.q_proj" if c.q_lora_rank is None else "self_attn.q_b_proj"
+        return ParallelPlan(
+            linears={q: ColumnParallel(), "self_attn.kv_b_proj": ColumnParallel(), "self_attn.o_proj": RowParallel(),
+                     "mlp.gate_up_proj": ColumnParallel(fused=(c.ffn_hidden, c.ffn_hidden)),
+                     "mlp.down_proj": RowParallel()},
+            attention="self_attn",
+            tp_entries=("self_attn.rope_key",),
+        )
