@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from trainer3d.models.interface import LayerActivations
+from trainer3d.models.llama.config import LlamaConfig
 from trainer3d.models.moe import MoESpec
 
 LATENT_NORM_EPS = 1e-6  # transformers builds MLA's two latent RMSNorms with their default eps, not rms_norm_eps
@@ -90,25 +91,10 @@ class DeepseekV3Config:
     def latent_norm_params(self) -> int:
         return self.kv_lora_rank + (self.q_lora_rank or 0)
 
-    def mlp_params(self, layer: int, active: bool = False) -> int:
-        d, spec = self.n_embd, self.moe
-        if not self.is_moe_layer(layer):
-            return 3 * d * self.ffn_hidden
-        experts = spec.top_k if active else spec.n_experts
-        return spec.n_experts * d + experts * 3 * d * spec.expert_hidden + 3 * d * spec.shared_hidden
-
-    def block_params(self, layer: int | None = None, active: bool = False) -> int:
-        """One block's parameters (`layer` None: the mean over the blocks, rounded); `active`: a token's (k experts)."""
-        if layer is None:
-            return round(sum(self.block_params(i, active) for i in range(self.n_layer)) / self.n_layer)
-        return self.attention_params() + self.mlp_params(layer, active) + 2 * self.n_embd
-
-    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
-        d, V = self.n_embd, self.vocab_size
-        n = sum(self.block_params(i, active) for i in range(self.n_layer)) + d  # + final RMSNorm
-        if include_embedding:
-            n += V * d * (1 if self.tie_embeddings else 2)
-        return n
+    # an MoE block's parameters and the model's total: Llama's formulas over this config's attention_params
+    mlp_params = LlamaConfig.mlp_params
+    block_params = LlamaConfig.block_params
+    num_params = LlamaConfig.num_params
 
     def _matmul_params(self) -> float:
         """A token's matmul parameters per block, averaged over the blocks (norm gains excluded)."""

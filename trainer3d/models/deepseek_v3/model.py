@@ -25,9 +25,8 @@ import torch.nn.functional as F
 
 from trainer3d.models.attention import AttentionCore, KVCache
 from trainer3d.models.deepseek_v3.config import LATENT_NORM_EPS, DeepseekV3Config
-from trainer3d.models.interface import CausalLM, ColumnParallel, ParallelPlan, RowParallel
-from trainer3d.models.llama.model import Llama, RMSNorm, Rotary, SwiGLU, rotate
-from trainer3d.models.moe import MoE
+from trainer3d.models.interface import ColumnParallel, ParallelPlan, RowParallel
+from trainer3d.models.llama.model import Llama, RMSNorm, Rotary, rotate
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -139,31 +138,10 @@ class MLAttention(AttentionCore):
         return self.o_proj(y)
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.self_attn = MLAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = MoE(cfg.n_embd, cfg.moe, layer) if cfg.is_moe_layer(layer) else SwiGLU(cfg)
-
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class DeepseekV3(Llama):
-    """Llama's skeleton (embedding, blocks, final norm, head, its forward) with DeepSeek-V3's blocks."""
+    """Llama's skeleton (embedding, blocks, final norm, head, its forward) with latent attention in its blocks."""
 
-    def __init__(self, cfg: DeepseekV3Config):
-        CausalLM.__init__(self)
-        self.cfg = cfg
-        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
-        self.norm: nn.Module | None = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.lm_head: nn.Module | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+    ATTENTION = MLAttention
 
     def parallel_plan(self) -> ParallelPlan:
         """Heads split over tp: q_b (or q_proj) and kv_b column-parallel, o_proj row-parallel. The latent projections

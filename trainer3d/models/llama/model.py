@@ -123,10 +123,13 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int):
+    """Pre-norm attention and MLP (an MoE block where the config says); `attention`: the family's (DeepSeek-V3's
+    latent attention in place of grouped-query attention)."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, attention: type[nn.Module] = Attention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = MoE(cfg.n_embd, cfg.moe, layer) if cfg.is_moe_layer(layer) else SwiGLU(cfg)
 
@@ -139,12 +142,13 @@ class Llama(CausalLM):
     BLOCKS, EMBEDDING, HEAD = "layers", "embed_tokens", "lm_head"
     FIRST_STAGE = ("embed_tokens",)
     LAST_STAGE = ("norm", "lm_head")
+    ATTENTION: type[nn.Module] = Attention  # a block's attention (a family built on this skeleton names its own)
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, self.ATTENTION) for i in range(cfg.n_layer)})
         self.norm: nn.Module | None = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head: nn.Module | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
