@@ -209,7 +209,7 @@ def apply(start: Start, trainer, loader=None) -> None:
     notes = list(start.notes)
     if isinstance(start.source, HFDirectory):  # every rank has read its shards: refuse non-finite weights together
         agree_on_error(nonfinite_error(start.source), trainer.topo.world_group, CheckpointError)
-        copy_tables(trainer, lambda name, shape: start.source.table(name))  # (a router's e_score_correction_bias)
+        copy_tables(trainer, lambda name, shape: start.source.table(name))  # (a router's selection bias)
     if start.checkpoint is not None:
         notes += restore(trainer, start.checkpoint, loader)
         start.checkpoint.close()
