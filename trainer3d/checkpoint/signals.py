@@ -110,6 +110,10 @@ class Checkpointer:
 
 
 def _write(line: str) -> None:
+    """Flushed: a stopping process may be killed by its launcher before the interpreter's exit flushes stdout."""
+    import sys
+
     from tqdm import tqdm
 
-    tqdm.write(line)
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
