@@ -59,7 +59,7 @@ def test_the_exported_tokenizer_carries_the_runs_template(tmp_path):
     """A run whose --chat-template replaced the tokenizer's: the shipped tokenizer chats with the run's template, ends
     replies at its <|im_end|> (the old eos kept as the list's second, and as the pad token where there was none), and
     knows the model's context."""
-    from trainer3d.export import export_tokenizer
+    from trainer3d.data.export_tokenizer import export_tokenizer
 
     _tokenizer(tmp_path / "src")  # our template: turns closed by the eos
     out, tok, stop = export_tokenizer(tmp_path / "src", tmp_path / "out", CONTEXT, chat_template=CHATML)

@@ -9,12 +9,10 @@ tensor, every file's sha256 is checked, and OUT is written atomically by hf.save
 (the bundled GPT-2 BPE unless the run passed --tokenizer), so the family's class (`GPT2LMHeadModel`,
 `LlamaForCausalLM`).from_pretrained(OUT) and `AutoTokenizer.from_pretrained(OUT)` load it.
 
-So that `generate` stops where a reply ends, generation_config.json and config.json list the ids that end one
-(data/turn_end.py: the chat template's end of turn, e.g. <|im_end|>, then the tokenizer's eos; --eos-token, or the
-run's, names another), a chat run's exported tokenizer has that end of turn as its eos_token (as TRL saves chat
-fine-tunes; the old eos stays as the pad token where there was none; a text run's keeps the eos its documents end
-with), its chat template is the run's --chat-template where one replaced
-the tokenizer's, and its model_max_length is the model's context (not transformers' 1e30 "unset" sentinel).
+So that `generate` stops where a reply ends, generation_config.json and config.json list the ids that end one (the
+chat template's end of turn, e.g. <|im_end|>, then the eos; --eos-token, or the run's, names another), and a chat
+run's tokenizer is shipped with that end of turn as its eos, its --chat-template and the model's context as
+model_max_length (data/export_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -32,9 +29,8 @@ import torch
 
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.hf import hf_tables, parse_size, save_hf_checkpoint
-from trainer3d.data import BUNDLED_TOKENIZER_DIR, load_tokenizer
 from trainer3d.data.chat import read_template
-from trainer3d.data.turn_end import end_of_turn_ids
+from trainer3d.data.export_tokenizer import export_tokenizer, special_ids, tokenizer_dir
 from trainer3d.errors import CheckpointError, DataError, UsageError
 
 DTYPES = {
@@ -42,69 +38,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
-UNSET_MAX_LENGTH = 1e29  # transformers' model_max_length when a tokenizer names none is VERY_LARGE_INTEGER, 1e30
-
-
-def _tokenizer_dir(name: str | None, scratch: Path) -> tuple[Path | None, str | None]:
-    """(directory to copy, warning) for the tokenizer a run used: None -> the bundled GPT-2 BPE, a tokenizer folder as
-    is; a model directory (--init-from-hf's, which holds the tokenizer beside config.json and the weights) or a Hugging
-    Face name: the tokenizer alone, saved from it."""
-    if name is None or (name in ("gpt2", "openai-community/gpt2") and not os.path.exists(name)):
-        return BUNDLED_TOKENIZER_DIR, None
-    if name.lower() == "none":
-        return None, None
-    if os.path.isdir(name) and not (Path(name) / "config.json").exists():
-        return Path(name), None
-    try:
-        load_tokenizer(name).save_pretrained(str(scratch))
-    except (DataError, OSError) as e:
-        return None, f"tokenizer {name!r} not exported ({e}); copy its files into the output yourself"
-    return scratch, None
-
-
-def export_tokenizer(src: Path, scratch: Path, n_positions: int, eos_token: str | None = None,
-                     chat_template: str | None = None, chat: bool = True) -> tuple[Path, object, list[int]] | None:
-    """(the tokenizer directory to ship, the tokenizer as shipped, the ids that end a reply): the tokenizer under
-    `src` with the run's `chat_template` text, the model's context as model_max_length and, for a `chat` run, its end
-    of turn as eos_token (the old eos as pad where it had none; a text run keeps its eos, which its documents end
-    with), written to `scratch` only where one of them changed. None where transformers cannot load `src` (its
-    files are then shipped as they are)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(src))
-    except Exception:  # noqa: BLE001 - what load_tokenizer refuses; the export ships the files as they are
-        return None
-    changed = chat_template is not None and chat_template != tok.chat_template
-    if changed:
-        tok.chat_template = chat_template
-    stop = end_of_turn_ids(tok, eos_token)
-    end = tok.convert_ids_to_tokens(stop[0]) if stop else tok.eos_token
-    if chat and end != tok.eos_token:
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        tok.eos_token, changed = end, True
-    if tok.model_max_length > UNSET_MAX_LENGTH or tok.model_max_length > n_positions:
-        tok.model_max_length, changed = n_positions, True
-    if not changed:
-        return src, tok, stop
-    shutil.copytree(src, scratch, dirs_exist_ok=True)  # files save_pretrained does not write (a README) go too
-    tok.save_pretrained(str(scratch))
-    return scratch, tok, stop
-
-
-def special_ids(tok, stop: list[int], vocab_size: int) -> tuple[dict, dict]:
-    """(config.json's eos/bos ids, generation_config.json's eos/bos/pad ids), where the model's vocabulary has them:
-    the ids that end a reply, one as an int, several as a list (as published files spell them)."""
-    stop = [i for i in stop if i < vocab_size]
-    ids = {"eos_token_id": (stop[0] if len(stop) == 1 else stop) if stop else None, "bos_token_id": tok.bos_token_id}
-    ids = {k: v for k, v in ids.items() if v is not None and (isinstance(v, list) or v < vocab_size)}
-    generation = dict(ids)
-    if tok.pad_token_id is not None and tok.pad_token_id < vocab_size:
-        generation["pad_token_id"] = tok.pad_token_id
-    return ids, generation
-
-
 class CheckpointWeights(Mapping):
     """A checkpoint's canonical parameters, and the tables the family's Hugging Face format holds (a router's
     e_score_correction_bias), as a mapping that reads each whole tensor only when asked for it (from every piece that
@@ -144,7 +77,7 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
     template = run.get("chat_template") if tokenizer == "run" else None
     template = read_template(template) if template else None
     with tempfile.TemporaryDirectory() as scratch:
-        tok_dir, warning = _tokenizer_dir(name, Path(scratch) / "source")
+        tok_dir, warning = tokenizer_dir(name, Path(scratch) / "source")
         if warning:
             print(f"trainer3d.export: warning: {warning}", file=sys.stderr)
         if tok_dir is None and eos_token is not None:
