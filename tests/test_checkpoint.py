@@ -37,6 +37,7 @@ from trainer3d.train.setup import validate
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB, SEQ, GB, N = 500, 32, 16, 4  # N steps, save, N more
+ZN = 2  # the ZeRO worlds' N: engines cost more a step, and a resume's exactness shows from its first step
 SHARD0 = "shard-rank00000.safetensors"
 V1_CHECKPOINT = REPO / "tests" / "assets" / "checkpoint_v1_step2"
 V1_MODEL = dict(n_layer=2, n_embd=32, n_head=2)  # its model (and VOCAB, SEQ, the rest of _cfg)
@@ -201,16 +202,16 @@ def _assert_loaded_exactly(results, saved_key, resumed_key):
     assert not bad, f"{resumed_key}: restored state differs from the saved one in {bad[:5]}"
 
 
-def _assert_resumes_exactly(results, straight_key: str, resumed_key: str) -> tuple[dict, dict]:
-    """The run resumed from the straight run's checkpoint at step N starts from exactly the saved state and then
+def _assert_resumes_exactly(results, straight_key: str, resumed_key: str, n: int = N) -> tuple[dict, dict]:
+    """The run resumed from the straight run's checkpoint at step n starts from exactly the saved state and then
     matches the straight run bitwise: losses, gradient norms, final parameters, data position. Returns both rank-0
     records."""
     ref, ref_losses, ref_params = _merged(results, straight_key)
     res, res_losses, res_params = _merged(results, resumed_key)
-    assert res["start_step"] == N
+    assert res["start_step"] == n
     _assert_loaded_exactly(results, straight_key, resumed_key)
-    assert res_losses == ref_losses[N:], f"{resumed_key}: losses after resuming differ (bitwise) from the straight run"
-    assert res["grad_norms"] == ref["grad_norms"][N:], f"{resumed_key}: gradient norms differ (bitwise)"
+    assert res_losses == ref_losses[n:], f"{resumed_key}: losses after resuming differ (bitwise) from the straight run"
+    assert res["grad_norms"] == ref["grad_norms"][n:], f"{resumed_key}: gradient norms differ (bitwise)"
     assert set(res_params) == set(ref_params)
     assert all(torch.equal(res_params[k], ref_params[k]) for k in ref_params), f"{resumed_key}: final parameters differ"
     assert res["loader"] == ref["loader"]
@@ -218,16 +219,16 @@ def _assert_resumes_exactly(results, straight_key: str, resumed_key: str) -> tup
 
 
 def _assert_continues(results, straight_key, resumed_key, rel: float = LOSS_RTOL,
-                      abs_param: float | None = PARAM_ATOL) -> dict:
-    """A run resumed (possibly at another layout or engine) from the straight run's checkpoint at step N starts from
+                      abs_param: float | None = PARAM_ATOL, n: int = N) -> dict:
+    """A run resumed (possibly at another layout or engine) from the straight run's checkpoint at step n starts from
     exactly the saved state and continues its losses and gradient norms within `rel` (the parity tolerances by
     default: tests/parity.py) and its final parameters within `abs_param` (None: not compared). Returns the resumed
     run's rank-0 record."""
     ref, ref_losses, ref_params = _merged(results, straight_key)
     res, losses, params = _merged(results, resumed_key)
-    assert res["start_step"] == N
+    assert res["start_step"] == n
     _assert_loaded_exactly(results, straight_key, resumed_key)
-    loss_rel, norm_rel = max_rel(losses, ref_losses[N:]), max_rel(res["grad_norms"], ref["grad_norms"][N:])
+    loss_rel, norm_rel = max_rel(losses, ref_losses[n:]), max_rel(res["grad_norms"], ref["grad_norms"][n:])
     print(f"\n{resumed_key} vs {straight_key}: loss rel diff {loss_rel:.1e}, grad norm {norm_rel:.1e}")
     assert loss_rel <= rel, f"{resumed_key}: loss rel diff {loss_rel:.2e} from the uninterrupted run {straight_key}"
     assert norm_rel <= max(rel, NORM_RTOL), f"{resumed_key}: grad norm rel diff {norm_rel:.2e} from {straight_key}"
@@ -392,19 +393,19 @@ def _zero_scenarios(rank, world_size, tmp):
     z3, z2, z1_bf16, reshard = _zero_cases()
     r = {}
     for key, lay in (("z3", z3), ("z2", z2), ("z1bf16", z1_bf16)):
-        r[f"{key}_straight"] = _run(lay, tmp / key, 2 * N, save_at=N)
-        r[f"{key}_resumed"] = _run(lay, tmp / key, N, resume="latest")
+        r[f"{key}_straight"] = _run(lay, tmp / key, 2 * ZN, save_at=ZN)
+        r[f"{key}_resumed"] = _run(lay, tmp / key, ZN, resume="latest")
     for i, lay in enumerate(reshard):
-        r[f"zreshard{i}"] = _run(lay, tmp / "z3", N, resume=str(tmp / "z3" / "checkpoints" / "step_000004"))
+        r[f"zreshard{i}"] = _run(lay, tmp / "z3", ZN, resume=str(tmp / "z3" / "checkpoints" / "step_000002"))
     # a DDP checkpoint resumed under ZeRO-3 at another layout (ZeRO-3 engines are built on every rank of the
     # world: their construction has world-group barriers)
-    r["ddp_straight"] = _run(dict(dp=2, pp=4), tmp / "ddp", 2 * N, save_at=N)
-    r["ddp_to_z3"] = _run(dict(z3, dp=4, pp=1), tmp / "ddp", N, resume="latest")
+    r["ddp_straight"] = _run(dict(dp=2, pp=4), tmp / "ddp", 2 * ZN, save_at=ZN)
+    r["ddp_to_z3"] = _run(dict(z3, dp=4, pp=1), tmp / "ddp", ZN, resume="latest")
     zmoe = dict(ZMOE, deepspeed_config=ds_config(3, "all"))
-    r["zmoe_straight"] = _run(zmoe, tmp / "zmoe", 2 * N, save_at=N)
-    r["zmoe_resumed"] = _run(zmoe, tmp / "zmoe", N, resume="latest")
-    r["zmoe_to_ddp"] = _run(dict(dp=2, pp=4, ep=2, **MOE), tmp / "zmoe", N, resume=str(tmp / "zmoe" / "checkpoints" /
-                                                                                    "step_000004"))
+    r["zmoe_straight"] = _run(zmoe, tmp / "zmoe", 2 * ZN, save_at=ZN)
+    r["zmoe_resumed"] = _run(zmoe, tmp / "zmoe", ZN, resume="latest")
+    r["zmoe_to_ddp"] = _run(dict(dp=2, pp=4, ep=2, **MOE), tmp / "zmoe", ZN, resume=str(tmp / "zmoe" / "checkpoints" /
+                                                                                    "step_000002"))
     return r
 
 
@@ -425,7 +426,7 @@ def test_zero_exact_resume(zero_results, key):
     """Under ZeRO the saved state is assembled from dp partitions and scattered back into fresh ones: the resumed
     run continues bitwise (ZeRO-3 with CPU offload at (2,2,2), ZeRO-2 interleaved, ZeRO-1 in bf16)."""
     tmp, results = zero_results
-    _assert_resumes_exactly(results, f"{key}_straight", f"{key}_resumed")
+    _assert_resumes_exactly(results, f"{key}_straight", f"{key}_resumed", n=ZN)
     meta = Checkpoint(resolve_checkpoint(tmp / key)).meta
     assert meta["data_parallel"]["engine"] == "deepspeed" and meta["has_optimizer_state"]
 
@@ -452,7 +453,7 @@ def test_zero_reshard_resume(zero_results, i):
     """The ZeRO-3 (2,2,2) checkpoint, resumed by DDP and by other ZeRO stages at other layouts: the continued
     losses match the uninterrupted ZeRO-3 run."""
     _, results = zero_results
-    _assert_continues(results, "z3_straight", f"zreshard{i}")
+    _assert_continues(results, "z3_straight", f"zreshard{i}", n=ZN)
 
 
 def test_moe_under_zero3_with_ep_resumes_and_reshards(zero_results):
@@ -460,14 +461,14 @@ def test_moe_under_zero3_with_ep_resumes_and_reshards(zero_results):
     edp 2 beside the rest's over dp 4: it resumes bitwise (experts, moments, biases) and continues under DDP at
     (2,1,4) ep 2."""
     _, results = zero_results
-    _assert_resumes_exactly(results, "zmoe_straight", "zmoe_resumed")
-    _assert_continues(results, "zmoe_straight", "zmoe_to_ddp")
+    _assert_resumes_exactly(results, "zmoe_straight", "zmoe_resumed", n=ZN)
+    _assert_continues(results, "zmoe_straight", "zmoe_to_ddp", n=ZN)
 
 
 def test_ddp_checkpoint_resumes_under_zero3(zero_results):
     """DDP (2,1,4) -> ZeRO-3 with offload at (4,2,1)."""
     _, results = zero_results
-    _assert_continues(results, "ddp_straight", "ddp_to_z3", abs_param=None)
+    _assert_continues(results, "ddp_straight", "ddp_to_z3", abs_param=None, n=ZN)
 
 
 def _swap_bytes(path, rank: int) -> int:
@@ -477,7 +478,7 @@ def _swap_bytes(path, rank: int) -> int:
 
 
 def _nvme_scenarios(rank, world_size, tmp):
-    """fp32 with the optimizer on NVMe, and bf16 with parameters and optimizer on NVMe: train 2N saving at N; resume
+    """fp32 with the optimizer on NVMe, and bf16 with parameters and optimizer on NVMe: train 2·ZN saving at ZN; resume
     under NVMe (into fresh swap files); resume the same checkpoint with CPU offload instead."""
     from test_zero import NVME_MODEL, ds_config
 
@@ -491,13 +492,13 @@ def _nvme_scenarios(rank, world_size, tmp):
             return dict(dp=2, **NVME_MODEL, **extra, deepspeed_config=ds_config(3, offload, str(path), bf16=bf16)), path
 
         lay, path = nvme("straight")
-        r[f"{kind}_straight"] = _run(lay, tmp / kind, 2 * N, save_at=N)
+        r[f"{kind}_straight"] = _run(lay, tmp / kind, 2 * ZN, save_at=ZN)
         r[f"{kind}_swapped"] = _swap_bytes(path, rank)
         lay, path = nvme("resumed")
-        r[f"{kind}_resumed"] = _run(lay, tmp / kind, N, resume="latest")
+        r[f"{kind}_resumed"] = _run(lay, tmp / kind, ZN, resume="latest")
         r[f"{kind}_resumed_swapped"] = _swap_bytes(path, rank)
         cpu = dict(dp=2, **NVME_MODEL, **extra, deepspeed_config=ds_config(3, "all", bf16=bf16))
-        r[f"{kind}_cpu"] = _run(cpu, tmp / kind, N, resume="latest")
+        r[f"{kind}_cpu"] = _run(cpu, tmp / kind, ZN, resume="latest")
     return r
 
 
@@ -510,8 +511,8 @@ def test_zero_infinity_checkpoint(nvme_results, kind):
     results = nvme_results
     assert all(r[f"{kind}_swapped"] > 2**20 and r[f"{kind}_resumed_swapped"] > 2**20 for r in results), \
         "nothing was swapped to the nvme_path"
-    _assert_resumes_exactly(results, f"{kind}_straight", f"{kind}_resumed")
-    _assert_continues(results, f"{kind}_straight", f"{kind}_cpu", rel=1e-6, abs_param=None)  # the same checkpoint, CPU offload
+    _assert_resumes_exactly(results, f"{kind}_straight", f"{kind}_resumed", n=ZN)
+    _assert_continues(results, f"{kind}_straight", f"{kind}_cpu", rel=1e-6, abs_param=None, n=ZN)  # the same checkpoint, CPU offload
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""--compile against the one-process eager run (fp32, dropout 0, same seed and data, 10 steps, losses, gradient norms
+"""--compile against the one-process eager run (fp32, dropout 0, same seed and data, 6 steps, losses, gradient norms
 and final parameters within tests/parity.py's tolerances, and dynamo's compiled graphs counted) at (1,1,1), (1,2,2) 1F1B and tp 2 × cp 2 (the cp
 attention and positions run eagerly between the compiled graphs); and, with dropout 0.2
 at (1,2,2), recomputation under --compile draws the same masks again: selective (its checkpointed attention core runs
@@ -18,7 +18,7 @@ from distributed import run_world
 from parity import MOE, check, run_groups
 from test_parity import case
 
-STEPS = 10
+STEPS = 6  # test_parity.STEPS
 PARITY = [case(compile=True), case(1, 2, 2, compile=True), case(1, 2, cp=2, compile=True)]  # cp: attention eager
 # Blocks share their compiled code (same code, same guards), so the parity model's 8 blocks cost one block's compile.
 DROPOUT = [dict(tp=2, pp=2, micro_batches=4, dropout=0.2, compile=True, recompute=m) for m in ("selective", "full")]

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO as the data-parallel axis (trainer3d/zero/), composed with TP and PP.
 
 - Parity: per-step losses of every ZeRO stage (0-3), with and without CPU offload, under 1F1B and interleaved
-  1F1B, equal the one-process reference within tests/parity.py's tolerances (fp32, 10 steps, 5 in the world of 8, clipping active):
+  1F1B, equal the one-process reference within tests/parity.py's tolerances (fp32, 6 steps, 5 in the world of 8, clipping active):
   losses, grad norms and final parameters (gathered from ZeRO's fp32 masters). (DDP at the same layouts is
   tests/test_parity.py's.)
 - Memory: under ZeRO-3 each rank holds 1/dp of its stage's parameters, gradients and optimizer states.
@@ -40,7 +40,7 @@ from trainer3d.errors import ConfigError
 from trainer3d.train.setup import validate
 from trainer3d.distributed.topology import Layout, Topology
 
-STEPS = 10
+STEPS = 6  # test_parity.STEPS: 3 steps past the warm-up
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -319,13 +319,13 @@ def world4_cases():
 
 def world8_cases():
     a, c = layout(2, tp=2, pp=2), layout(2, tp=2, pp=2, schedule="interleaved-1f1b")
-    # ZeRO-1 and 2 at dp × tp × pp: the sequence-parallel and interleaved rows (each stage alone: world 4)
-    cases = [(a, ds_config(3)), (c, ds_config(2, "opt")), (c, ds_config(3, "all"))]
+    # ZeRO-1, 2 and 3 at dp × tp × pp: the sequence-parallel and interleaved rows (each stage alone, and ZeRO-3 with
+    # offload under an interleaved pipeline: world 4)
+    cases = [(a, ds_config(3)), (c, ds_config(2, "opt"))]
     # activation recomputation under ZeRO-3 with CPU offload (checked against the DDP run of the same layout)
     # and sequence parallelism (its tp sum of the LayerNorm, bias and position gradients on ZeRO's partitions)
     sp = dict(a, sequence_parallel=True)
-    cases += [(dict(a, recompute="selective"), ds_config(3, "all")), (dict(sp, recompute="full"), ds_config(3, "all")),
-              (sp, ds_config(1))]
+    cases += [(dict(sp, recompute="full"), ds_config(3, "all")), (sp, ds_config(1))]
     # Llama (grouped-query attention, rotary, untied head) under ZeRO-3 with CPU offload, sequence parallelism on
     llama = dict(sp, **LLAMA)
     # a mixture of experts over ep 2 with tp 2 (each tp rank routing its sequence shard) and 2 stages, the balancing
