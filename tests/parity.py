@@ -40,7 +40,9 @@ MOE = dict(model="qwen3-moe-tiny", n_kv_heads=4, ffn_hidden=160, lr=3e-4)
 # ... with the balancing losses on: the per-sequence aux loss and the z-loss. (Loss-free balancing's bias is refused
 # on Qwen3-MoE's softmax scores; its layouts are a sigmoid-scored family's to prove: DeepSeek-V3's tiny preset.)
 MOE_BALANCED = dict(MOE, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001)
-MODEL_FLAGS = ("model", "n_kv_heads", "ffn_hidden", "lr", "moe_aux_loss_coef", "moe_z_loss_coef",
+# ... with the global-batch balance loss instead (the loads of every dp rank's micro-batch)
+MOE_GLOBAL = dict(MOE_BALANCED, moe_aux_loss="global")
+MODEL_FLAGS = ("model", "n_kv_heads", "ffn_hidden", "lr", "moe_aux_loss_coef", "moe_aux_loss", "moe_z_loss_coef",
                "moe_bias_update_rate", "sft")
 
 
@@ -67,7 +69,8 @@ def global_batches(steps: int, boundary: int | None = None) -> torch.Tensor:
 
 
 # Supervised fine-tuning's rows (`sft` in a layout): every row holds two conversations of random lengths and the rest is
-# padding; a conversation's targets are supervised in random runs (never its first token), so the supervised counts
+# padding (each row's length says where it starts, as the chat rows' do: a mixture of experts counts none of it); a
+# conversation's targets are supervised in random runs (never its first token), so the supervised counts
 # differ between rows, micro-batches and dp ranks. "packed": 16 such rows a step, attention and positions per
 # conversation (what --data-format chat does); "unpacked": the same conversations one per row (32 rows, --no-pack).
 SFT = {"packed": dict(document_mask=True, reset_position_ids=True), "unpacked": dict(global_batch=2 * GLOBAL_BATCH)}
@@ -90,15 +93,22 @@ def chat_batches(steps: int, packed: bool) -> list[Batch]:
         flags &= docs < 2
         flags[(docs != torch.roll(docs, 1, 1)) | (torch.arange(SEQ + 1) == 0)] = False  # a conversation's first token
         if packed:
-            out.append(Batch(tokens, flags[:, 1:], docs, int(flags[:, 1:].sum())))
+            lengths = torch.tensor([b for _, b in ends])
+            out.append(Batch(tokens, flags[:, 1:], docs, int(flags[:, 1:].sum()), _inputs(lengths), lengths))
             continue
         rows = torch.zeros(2 * GLOBAL_BATCH, SEQ + 1, dtype=torch.long)
         kept = torch.zeros(2 * GLOBAL_BATCH, SEQ + 1, dtype=torch.bool)
         for r, (a, b) in enumerate(ends):
             rows[2 * r, :a], kept[2 * r, :a] = tokens[r, :a], flags[r, :a]
             rows[2 * r + 1, : b - a], kept[2 * r + 1, : b - a] = tokens[r, a:b], flags[r, a:b]
-        out.append(Batch(rows, kept[:, 1:], None, int(kept[:, 1:].sum())))
+        lengths = torch.tensor([n for a, b in ends for n in (a, b - a)])
+        out.append(Batch(rows, kept[:, 1:], None, int(kept[:, 1:].sum()), _inputs(lengths), lengths))
     return out
+
+
+def _inputs(lengths: torch.Tensor) -> int:
+    """A global batch's real input tokens (data/batch.py's input_count: a row of L tokens feeds min(L, SEQ))."""
+    return int(lengths.clamp(max=SEQ).sum())
 
 
 def step_batches(steps: int, boundary: int | None = None, sft: str | None = None) -> list:
@@ -107,12 +117,13 @@ def step_batches(steps: int, boundary: int | None = None, sft: str | None = None
 
 
 def rows_of(batch, dp_rank: int, per: int):
-    """A dp rank's rows of a global batch (its supervised count stays the global batch's)."""
+    """A dp rank's rows of a global batch (its supervised and input counts stay the global batch's)."""
     mine = slice(dp_rank * per, (dp_rank + 1) * per)
     if not isinstance(batch, Batch):
         return batch[mine]
     docs = batch.documents[mine] if batch.documents is not None else None
-    return Batch(batch.tokens[mine], batch.supervised[mine], docs, batch.targets)
+    lengths = batch.lengths[mine] if batch.lengths is not None else None
+    return Batch(batch.tokens[mine], batch.supervised[mine], docs, batch.targets, batch.inputs, lengths)
 
 
 def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:

@@ -3,20 +3,27 @@ group-limited sigmoid routing with its selection bias and shared experts) agains
 a random one trained by tests/reference.py's plain loop (torch's AdamW, the schedule written there) and by trainer3d
 --init-from-hf gives the same loss and gradient norm at every step in one process and at tp 2, tp 2 with sequence
 parallelism, pp 2, dp 2 × ep 2 and cp 2 × tp 2, all in one world of 4; a run that learns the bias exports a directory
-whose logits, bias (read by transformers) and greedy text are trainer3d's. One process: the router against
-transformers' DeepseekV3TopkRouter, the presets against their published sizes, the formulas against what the model
-builds and saves, and the config's edges (MTP layers skipped with a note, quantized files refused)."""
+whose logits, bias (read by transformers) and greedy text are trainer3d's. Multi-token prediction: a model with an
+MTP module (stored as DeepSeek's files store it) trained by trainer3d at 1 process, tp 2 and pp 2 gives the losses
+and gradient norms of transformers' model plus the module written here from the paper's rule, and its export loads
+in transformers. One process: the router against transformers' DeepseekV3TopkRouter, the presets against their
+published sizes, the formulas against what the model builds and saves, and the config's edges (MTP layers a file
+lacks dropped with a note, quantized files refused, MTP flags refused where they cannot apply)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from distributed import run_world
+from reference import adamw, lr_schedule
+from test_cli import BASE, launched_alone
 from test_llama_hf import OPTIM, SEQ, VOCAB, batches, bpe_tokenizer, reference_run
 from trainer3d.config import TrainConfig
 from trainer3d.models import MODEL_PRESETS, build_model, plain_model
@@ -73,6 +80,7 @@ def _train(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = 
         per = GB // setup.layout.dp
         records = [trainer.train_step(b[topo.dp_rank * per:(topo.dp_rank + 1) * per]) for b in data]
         out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg,
+               "mtp": [r.get("mtp_loss") for r in records],
                "notes": start.notes, "tables": {k: v.clone() for m in trainer.pm.stages
                                                 for k, v in m.state_tables().items()}}
         if out_dir is not None:
@@ -85,10 +93,17 @@ LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_paralle
            "dp2 ep2": dict(dp=2, ep=2), "cp2 tp2": dict(cp=2, tp=2)}
 
 
-def _world(rank, world_size, hf_dir, data, trip_dir, trip_data, run_dir):
+MTP_LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "pp2": dict(pp=2)}
+MTP_COEF = 0.3  # λ, large enough for the MTP module to move the gradient norm
+
+
+def _world(rank, world_size, hf_dir, data, trip_dir, trip_data, run_dir, mtp_dir, mtp_run_dir):
     runs = {label: _train(hf_dir, layout, data) for label, layout in LAYOUTS.items()}
     # the round trip: the bias learned (loss-free balancing) at dp 2 × ep 2 × tp 2, saved
     runs["trip"] = _train(trip_dir, dict(dp=2, ep=2, tp=2, moe_bias_update_rate=1e-2), trip_data, run_dir)
+    for label, layout in MTP_LAYOUTS.items():  # multi-token prediction (the one-process run saved, for the export)
+        runs[f"mtp {label}"] = _train(mtp_dir, {**layout, "mtp_loss_coef": MTP_COEF}, data,
+                                      mtp_run_dir if label == "1x1x1" else None)
     return runs
 
 
@@ -109,8 +124,10 @@ def test_trains_like_transformers_and_exports(tmp_path, capsys):
     trip.save_pretrained(tmp_path / "trip")
     n_tokens = bpe_tokenizer(tmp_path / "trip")
     trip_data = batches(4, vocab=n_tokens)
+    hf_mtp, mtps = hf_deepseek_mtp(tmp_path / "mtp", seed=9)
+    mtp_ref = mtp_reference_run(hf_mtp, mtps, batches(), MTP_COEF)
     results = run_world(4, _world, str(tmp_path / "hf"), batches(), str(tmp_path / "trip"), trip_data,
-                        str(tmp_path / "run"), timeout=600)
+                        str(tmp_path / "run"), str(tmp_path / "mtp"), str(tmp_path / "mtp_run"), timeout=600)
     ours = results[0]
     report = [f"transformers plain loop: losses {[f'{x:.6f}' for x in ref_losses]}"]
     for label in LAYOUTS:
@@ -121,6 +138,8 @@ def test_trains_like_transformers_and_exports(tmp_path, capsys):
         assert loss_rel < 1e-5 and norm_rel < 1e-5, (label, run["losses"], run["norms"], ref_losses, ref_norms)
     assert ref_losses[-1] < ref_losses[0] - 0.05 and max(ref_norms) > OPTIM["grad_clip"]  # it trains; clipping acts
     assert any("multi-token-prediction" in note for note in ours["1x1x1"]["notes"])  # (transformers saves 1)
+    assert ours["1x1x1"]["mcfg"].mtp_layers == 0 and ours["1x1x1"]["mtp"] == [None] * len(ref_losses)
+    report += _check_mtp(ours, mtp_ref, tmp_path)
 
     run = next(r["trip"] for r in results if r["trip"] is not None and "path" in r["trip"])
     assert export_main([run["path"], str(tmp_path / "export")]) == 0
@@ -154,6 +173,143 @@ def test_trains_like_transformers_and_exports(tmp_path, capsys):
     assert printed == tok.decode(greedy[0], skip_special_tokens=True), (printed, greedy)
     with capsys.disabled():
         print("\n" + "\n".join(report))
+
+
+# ---- multi-token prediction: the reference --------------------------------------------------------------------------
+class PaperMTP(torch.nn.Module):
+    """MTP module k as DeepSeek-V3 §2.2 writes it, of transformers' parts and nothing of trainer3d's: on the T - k
+    positions whose target t_{i+k+1} exists, h'_i = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)]), then a
+    transformers DeepseekV3DecoderLayer (`block`, MoE) under a causal mask, then its own final norm before the model's
+    head. Sequences shrink by one per depth here, where trainer3d keeps their length and pads."""
+
+    def __init__(self, config, block: torch.nn.Module):
+        super().__init__()
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm, self.hnorm, self.norm = (DeepseekV3RMSNorm(d, eps) for _ in range(3))
+        self.eh_proj = torch.nn.Linear(2 * d, d, bias=False)
+        self.block = block
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        L = embedded.shape[1]
+        h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h[:, :L])], dim=-1))
+        positions = torch.arange(L)[None]
+        mask = torch.full((L, L), float("-inf")).triu(1)[None, None]
+        h = self.block(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary(h, positions))
+        return h, self.norm(h)
+
+
+def hf_deepseek_mtp(directory, seed: int, depth: int = 1):
+    """hf_deepseek(seed) with `depth` PaperMTP modules (every weight perturbed, each router's bias non-zero), saved
+    in `directory` as DeepSeek's files hold them: module k as layer n_layer + k - 1 (its block's tensors as
+    transformers writes a layer's, enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and the head
+    as embed_tokens and shared_head.head). Returns (the model, the modules)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_deepseek(seed=seed)
+    n = hf.config.num_hidden_layers
+    longer = copy.deepcopy(hf.config)
+    longer.num_hidden_layers = n + depth
+    torch.manual_seed(seed + 1)
+    donor = transformers.DeepseekV3ForCausalLM(longer)  # initialized blocks n..n+depth-1, in the files' spelling
+    mtps = torch.nn.ModuleList(PaperMTP(hf.config, donor.model.layers[n + k]) for k in range(depth))
+    with torch.no_grad():
+        for p in mtps.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+        for m in mtps.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape) * 0.1)
+    hf.save_pretrained(directory)
+    donor.save_pretrained(directory / "donor")
+    weights = load_file(directory / "model.safetensors")
+    blocks = load_file(directory / "donor" / "model.safetensors")
+    for k, mtp in enumerate(mtps):
+        prefix = f"model.layers.{n + k}."
+        weights.update({key: t for key, t in blocks.items() if key.startswith(prefix)})
+        own = {"enorm.weight": mtp.enorm.weight, "hnorm.weight": mtp.hnorm.weight, "eh_proj.weight": mtp.eh_proj.weight,
+               "shared_head.norm.weight": mtp.norm.weight, "embed_tokens.weight": hf.model.embed_tokens.weight,
+               "shared_head.head.weight": hf.lm_head.weight}
+        weights.update({prefix + key: t.detach().clone() for key, t in own.items()})
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": depth}))
+    return hf, mtps
+
+
+def mtp_reference_run(hf, mtps, data: torch.Tensor, coef: float) -> tuple[list[float], list[float], list[float]]:
+    """transformers' model and the PaperMTP modules trained in a plain loop (torch's AdamW, tests/reference.py's
+    schedule and decay rule) on loss + coef/D·Σ_k L_k, L_k depth k's mean cross-entropy; h^0 is the last decoder
+    layer's output (before the final norm). Returns per step the main loss, the mean of the L_k and the gradient norm
+    before clipping."""
+    both = torch.nn.ModuleList([hf, mtps]).train()
+    opt = adamw(both, LR, OPTIM["weight_decay"])
+    last: dict = {}
+    hook = hf.model.layers[-1].register_forward_hook(lambda module, args, out: last.update(h=out))
+    losses, mtp_losses, norms = [], [], []
+    for step, batch in enumerate(data):
+        T = batch.shape[1] - 1
+        logits = hf(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        h, depths = last["h"], []
+        for k, mtp in enumerate(mtps, 1):
+            h, normed = mtp(h, hf.model.embed_tokens(batch[:, k:T]), hf.model.rotary_emb)
+            depths.append(F.cross_entropy(hf.lm_head(normed).flatten(0, 1), batch[:, k + 1:].flatten()))
+        mtp_loss = sum(depths) / len(depths)
+        (loss + coef * mtp_loss).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(both.parameters(), OPTIM["grad_clip"]).item())
+        for group in opt.param_groups:
+            group["lr"] = lr_schedule(step, LR, OPTIM["warmup_steps"], OPTIM["max_steps"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        mtp_losses.append(mtp_loss.item())
+    hook.remove()
+    return losses, mtp_losses, norms
+
+
+def _check_mtp(ours: dict, ref: tuple, tmp_path) -> list[str]:
+    """The MTP runs against the reference (the main loss, the MTP loss and the gradient norm within 1e-5, relative,
+    at every step), and the one-process run's export: DeepSeek's names and num_nextn_predict_layers, read back by
+    trainer3d as saved, loaded by transformers (which ignores the MTP layer) with trainer3d's logits."""
+    from safetensors import safe_open
+
+    from trainer3d.checkpoint.format import Checkpoint
+    from trainer3d.checkpoint.hf import load_hf_checkpoint
+    from trainer3d.export import main as export_main
+
+    ref_losses, ref_mtp, ref_norms = ref
+    report = [f"transformers + the paper's MTP module: losses {[f'{x:.6f}' for x in ref_losses]}, MTP losses "
+              f"{[f'{x:.6f}' for x in ref_mtp]}"]
+    for label in MTP_LAYOUTS:
+        run = ours[f"mtp {label}"]
+        rel = {key: max(abs(a - b) / b for a, b in zip(run[key], values))
+               for key, values in (("losses", ref_losses), ("mtp", ref_mtp), ("norms", ref_norms))}
+        report.append(f"trainer3d MTP {label}: loss rel diff {rel['losses']:.1e}, MTP loss rel diff {rel['mtp']:.1e}, "
+                      f"grad norm rel diff {rel['norms']:.1e}")
+        assert run["mcfg"].mtp_layers == 1 and max(rel.values()) < 1e-5, (label, run, ref)
+    assert ref_mtp[-1] < ref_mtp[0] - 0.05  # the module learns
+
+    export = tmp_path / "mtp_export"
+    assert export_main([ours["mtp 1x1x1"]["path"], str(export), "--tokenizer", "none"]) == 0
+    with safe_open(str(export / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    parts = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens", "self_attn.kv_b_proj",
+             "mlp.experts.7.down_proj", "mlp.shared_experts.up_proj")
+    assert {f"model.layers.4.{p}.weight" for p in parts} | {"model.layers.4.mlp.gate.e_score_correction_bias"} <= names
+    assert json.loads((export / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    ckpt = Checkpoint(ours["mtp 1x1x1"]["path"])
+    cfg, state = load_hf_checkpoint(export)
+    saved = {**ckpt.model_state(), **ckpt.model_tables()}
+    assert cfg == ckpt.model_config and set(state) == set(saved)
+    assert all(torch.equal(state[k], saved[k].float()) for k in saved)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    x = batches(1)[0, :2, :-1]
+    with torch.no_grad():
+        diff = (plain_model(cfg, state, torch.device("cpu"), torch.float32)(x) - theirs(x).logits).abs().max().item()
+    report.append(f"MTP export: read back as saved; transformers' logits diff {diff:.1e}")
+    assert diff < 1e-5
+    return report
 
 
 # ---- one process ------------------------------------------------------------------------------------------------------
@@ -241,18 +397,22 @@ def test_presets_are_the_published_models(name, total, rel, active):
     published: DeepSeek-V3 671 total, 37 activated (its paper; 671.03 and 36.63 here, the activated count without the
     embedding lookup, as the published counts go); Kimi K2 1040 (its report; 1026.4 here: the report's figure is 1.3%
     above its own config's arithmetic, the model card says "1T") and 32 (31.69); Moonlight 16 and 3 (15.96, 2.58).
-    The model built on the meta device holds num_params, and its tp 2 shards add up to it."""
+    The published counts leave out the MTP modules that num_params counts, where the preset has them (DeepSeek-V3's
+    one: mtp_params 11.6B; the paper's 14B counts the module's copies of the embedding and head, 1.9B). The model built
+    on the meta device holds num_params, and its tp 2 shards add up to it."""
     from trainer3d.models.deepseek_v3.hf import DeepseekV3Adapter
     from trainer3d.parallel.param_counts import local_params
 
     cfg = MODEL_PRESETS[name]
     assert DeepseekV3Adapter().config_from_hf(PUBLISHED[name]) == cfg
-    activated = cfg.num_params(active=True) - cfg.vocab_size * cfg.n_embd
-    assert cfg.num_params() / 1e9 == pytest.approx(total, rel=rel) and round(activated / 1e9) == active
+    activated = cfg.num_params(active=True) - cfg.mtp_params(active=True) - cfg.vocab_size * cfg.n_embd
+    assert (cfg.num_params() - cfg.mtp_params()) / 1e9 == pytest.approx(total, rel=rel)
+    assert round(activated / 1e9) == active
     small = dataclasses.replace(cfg, n_layer=cfg.first_k_dense_replace + 1)  # the dense blocks and one MoE block
     with torch.device("meta"):
         built = build_model(small)
     assert sum(p.numel() for p in built.parameters()) == small.num_params()
+    assert cfg.mtp_layers == (name == "deepseek-v3") and round(cfg.mtp_params() / 1e8) == 116 * cfg.mtp_layers
     for i in (0, small.n_layer - 1):
         block = sum(p.numel() for p in built.blocks[str(i)].parameters())
         assert block == small.block_params(i) == local_params(small, 1).block(i).total()
@@ -294,34 +454,34 @@ def _saved(tmp_path, **overrides):
 
 
 def test_config_edges(tmp_path):
-    """Multi-token prediction is not built: a directory whose config declares an MTP layer and holds its weights
-    (DeepSeek's files keep them as the layer past the last) loads without them, with a note, as transformers loads
-    it; an export declares none. Quantized files, another router score or rope type are refused with the reason;
-    Kimi K2's `kimi_k2` directories read as DeepSeek-V3. A config's every field survives the export's config.json."""
-    from safetensors.torch import load_file, save_file
-
+    """Multi-token prediction as far as the files hold it: transformers' own save declares an MTP layer and holds no
+    weights of it, so it loads without one, with a note, as transformers loads it, and exports declaring none; a
+    directory holding the module (DeepSeek's layout) keeps it, unless the run builds none (--mtp-loss-coef 0).
+    Quantized files, another router score or rope type are refused with the reason; Kimi K2's `kimi_k2` directories
+    read as DeepSeek-V3. A config's every field survives the export's config.json."""
     from trainer3d.checkpoint.hf import HFDirectory, load_hf_checkpoint
     from trainer3d.models.deepseek_v3.hf import DeepseekV3Adapter
 
     _saved(tmp_path / "mtp")
-    weights = load_file(tmp_path / "mtp" / "model.safetensors")
-    for key in [k for k in weights if k.startswith("model.layers.3.")]:  # an MTP layer: a block plus its own parts
-        weights[key.replace("model.layers.3.", "model.layers.4.")] = weights[key].clone()
-    for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
-        weights[f"model.layers.4.{part}"] = torch.ones(4)
-    save_file(weights, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
     directory = HFDirectory(tmp_path / "mtp")
     directory.check()
-    assert len(directory.notes) == 1 and "1 multi-token-prediction layer" in directory.notes[0]
+    assert len(directory.notes) == 1 and "declares 1 multi-token-prediction layer" in directory.notes[0]
     cfg, state = load_hf_checkpoint(tmp_path / "mtp")
+    assert cfg.mtp_layers == 0
     theirs = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "mtp").eval()
     x = batches(1)[0, :2, :-1]
     with torch.no_grad():
         assert (plain_model(cfg, state, torch.device("cpu"), torch.float32)(x) - theirs(x).logits).abs().max() < 1e-5
+    hf_deepseek_mtp(tmp_path / "with", seed=1)
+    held, skipped = HFDirectory(tmp_path / "with"), HFDirectory(tmp_path / "with", mtp_layers=0)
+    held.check()
+    skipped.check()
+    assert held.cfg.mtp_layers == 1 and not held.notes and skipped.cfg == cfg
     adapter = DeepseekV3Adapter()
     exported = adapter.hf_config(cfg).to_dict()
     assert exported["num_nextn_predict_layers"] == 0 and exported["num_key_value_heads"] == cfg.n_head
     assert adapter.config_from_hf(exported) == cfg
+    assert adapter.config_from_hf(adapter.hf_config(held.cfg).to_dict()) == held.cfg
     for preset in ("deepseek-v3", "kimi-k2", "moonlight-16b-a3b", "deepseek-v3-tiny"):
         assert adapter.config_from_hf(adapter.hf_config(MODEL_PRESETS[preset]).to_dict()) == MODEL_PRESETS[preset]
 
@@ -331,11 +491,12 @@ def test_config_edges(tmp_path):
                            ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type='llama3'")):
         with pytest.raises(ValueError, match=reason):
             adapter.config_from_hf({**raw, **change})
-    assert adapter.config_from_hf({**raw, "model_type": "kimi_k2"}) == cfg
+    assert adapter.config_from_hf({**raw, "model_type": "kimi_k2"}) == dataclasses.replace(cfg, mtp_layers=1)
 
 
 def test_the_tiny_preset_trains_from_the_command_line(tmp_path):
-    """`--model deepseek-v3-tiny` (trimmed to one dense and one MoE block) trains from the entry script."""
+    """`--model deepseek-v3-tiny` (trimmed to one dense and one MoE block, with its MTP module) trains from the entry
+    script, metrics.jsonl logging the MTP loss apart."""
     import subprocess
     import sys
     from pathlib import Path
@@ -349,3 +510,60 @@ def test_the_tiny_preset_trains_from_the_command_line(tmp_path):
     p = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=300, cwd=str(root))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "model=deepseek-v3-tiny (deepseek_v3, " in p.stdout and "trained steps 1-2" in p.stdout, p.stdout[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 2 and all(abs(r["mtp_loss"] - r["loss"]) < 1 for r in steps), steps  # (both ~ln V at first)
+
+
+def test_mtp_targets_keep_the_mask_and_the_documents():
+    """Depth k's target at position i is t_{i+k+1}: the targets shifted by k, unsupervised past the row's end, where
+    the labels mask them, and where t_{i+k} lies in another document than t_i (a document opens at t_3 here)."""
+    from trainer3d.parallel.mtp import shifted_targets
+
+    targets = torch.tensor([[1, 2, 3, -1, 5, 6]])  # t_1..t_6, t_4 unsupervised
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])  # t_0..t_6
+    assert shifted_targets(targets, 2, documents).tolist() == [[2, 3, -1, 5, 6, -1, 3, -1, -1, 6, -1, -1]]
+    assert shifted_targets(targets, 2).tolist() == [[2, 3, -1, 5, 6, -1, 3, -1, 5, 6, -1, -1]]
+
+
+def test_mtp_flags_are_refused_before_any_process_group(monkeypatch, capsys):
+    """Guards: an MTP weight for a family without MTP modules (or a model built without them), a negative one, and a
+    layout MTP is not built for are one sentence and exit 2, before any process group (a rank launched alone would
+    hang in init_process_group)."""
+    from trainer3d.train.loop import main
+
+    launched_alone(monkeypatch, 2)
+    tiny = ["--model", "deepseek-v3-tiny"]
+    for flags, says in (
+            (["--mtp-loss-coef", "0.1"], "--mtp-loss-coef 0.1 weighs the loss of multi-token prediction modules, and "
+                                         "the gpt2 family has none; drop it."),
+            (tiny + ["--mtp-loss-coef", "-1"], "--mtp-loss-coef must be at least 0.0 (got -1.0)."),
+            (tiny + ["--mtp-layers", "0", "--mtp-loss-coef", "0.3"], "and this model has none"),
+            (tiny + ["--tp", "2", "--sequence-parallel"],
+             "Multi-token prediction is not built with --sequence-parallel")):
+        assert main(BASE + flags) == 2, flags
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and says in err, err
+
+
+def test_decoding_caches_the_latent_and_equals_the_whole_forward():
+    """Guards: the KV cache of MLA holds the normed kv latent and the rotated rope key (kv_lora_rank and
+    qk_rope_head_dim wide, one "head"), not k and v; a prefill then token-by-token decoding gives the logits of the
+    whole sequence's forward at every position."""
+    from trainer3d.models.attention import KVCache
+
+    cfg = dataclasses.replace(MODEL_PRESETS["deepseek-v3-tiny"], vocab_size=96, n_positions=64, mtp_layers=0)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model.init_tables(torch.device("cpu"))
+    model.eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        whole = model(ids)
+        cache = KVCache(max_len=12)
+        steps = [model(ids[:, :5], cache)] + [model(ids[:, t:t + 1], cache) for t in range(5, 12)]
+    assert cache.length == 12 and set(cache.k) == set(range(cfg.n_layer))
+    assert cache.k[0].shape == (2, 1, 12, cfg.kv_lora_rank) and cache.v[0].shape == (2, 1, 12, cfg.qk_rope_head_dim)
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)

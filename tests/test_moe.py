@@ -1,11 +1,13 @@
 """The mixture-of-experts block on its own, against formulas written here from their papers: routing and experts
 against a token-by-token loop, the grouped matmul against the per-expert loop, Megatron-core's capacity drop,
-DeepSeek-V3's bias (selection only), and the balancing losses (DeepSeek-V3's per-sequence loss, transformers' pooled
-one, ST-MoE's z-loss) in value and in the gradient they add. Their layout-invariance: tests/test_parity.py; against
-transformers trained: tests/test_llama_hf.py."""
+DeepSeek-V3's bias (selection only), and the balancing losses (DeepSeek-V3's per-sequence loss, the global-batch one,
+transformers' pooled one, ST-MoE's z-loss) in value and in the gradient they add. Their layout-invariance:
+tests/test_parity.py; against transformers trained: tests/test_llama_hf.py; padding and accumulation:
+tests/test_moe_balance.py."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -64,6 +66,33 @@ def test_block_equals_token_by_token(hidden):
     ref_grads = torch.autograd.grad((ref * target).sum(), [x, *m.parameters()])
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_mm_rule_checks_dtype_and_gpu_architecture(monkeypatch):
+    """fp64 (which torch._grouped_mm refuses) and mixed dtypes take the per-expert loop, and the block still equals the
+    token-by-token reference there; on a GPU only bf16 on sm90/sm100 (the CUTLASS kernels) counts, judged from the
+    device's capability (the CUDA check reached through a stand-in tensor, the machine having no GPU)."""
+    m = block(hidden=32).double()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    assert not grouped_mm_applies(x.view(-1, 32), m.experts.gate_up_proj, m.experts.down_proj)
+    torch.testing.assert_close(m(x), token_by_token(m, x).double(), rtol=1e-5, atol=1e-5)
+    w = block(hidden=32).experts
+    assert not grouped_mm_applies(x.view(-1, 32).float(), w.gate_up_proj.bfloat16(), w.down_proj.bfloat16())
+
+    class OnGPU:  # the attributes grouped_mm_applies reads, on a CUDA device
+        def __init__(self, dtype):
+            self.shape, self.dtype, self.is_cuda, self.device = (4, 32), dtype, True, "cuda:0"
+
+        def element_size(self):
+            return torch.empty((), dtype=self.dtype).element_size()
+
+    weights = (SimpleNamespace(shape=(8, 64, 32), dtype=torch.bfloat16),
+               SimpleNamespace(shape=(8, 32, 32), dtype=torch.bfloat16))
+    for major, want in ((8, False), (9, True), (10, True), (12, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, m=major: (m, 0))
+        assert grouped_mm_applies(OnGPU(torch.bfloat16), *weights) == want, major
+    fp32 = tuple(SimpleNamespace(shape=w.shape, dtype=torch.float32) for w in weights)
+    assert not grouped_mm_applies(OnGPU(torch.float32), *fp32)  # torch's fallback loop on every GPU
 
 
 def _leave_empty_groups_unwritten(grouped_mm):
@@ -148,6 +177,100 @@ def _per_token_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
 
 
+def test_experts_cast_once_a_step_under_autocast():
+    """Guards: inside a step's region (expert_casts_cached, which Trainer opens with autocast) three micro-batches'
+    forwards and backwards cast each expert weight to bf16 once, not three times (counted as aten._to_copy calls of
+    the [E, ...] weights to bf16; their gradients' casts back stay one per backward, as a dense linear's), with bitwise the same gradients as casting every time; a no-grad pass in the region gets
+    a copy of its own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer3d.models.moe import expert_casts_cached
+
+    class CountWeightCasts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            to_bf16 = (kwargs or {}).get("dtype") == torch.bfloat16
+            if func is torch.ops.aten._to_copy.default and args[0].dim() == 3 and to_bf16:  # a stacked weight's cast
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def run(cached: bool):
+        m = block()
+        torch.manual_seed(1)
+        xs = [torch.randn(2, 6, 32) for _ in range(3)]
+        with torch.autocast("cpu", dtype=torch.bfloat16), CountWeightCasts() as count:
+            with expert_casts_cached() if cached else contextlib.nullcontext():
+                for x in xs:
+                    m(x).float().pow(2).sum().backward()
+                with torch.no_grad():
+                    m(xs[0])
+        return count.n, [p.grad.clone() for p in m.parameters()]
+
+    n_cached, cached = run(True)
+    n_each, each = run(False)
+    assert (n_cached, n_each) == (2 + 2, 2 * 3 + 2), (n_cached, n_each)  # gate_up and down: once, + the no-grad pass
+    assert all(torch.equal(a, b) for a, b in zip(cached, each))
+
+
+def test_split_backward_runs_each_expert_product_once():
+    """Guards: torch's zero-bubble split (its stage_backward_input, then stage_backward_weight, what the schedules
+    call) inside the passes the pipeline stage names (split_backward_pass) runs the experts' four backward grouped
+    matmuls once in all (before: four in each pass, eight), with the plain backward's gradients."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer3d.models.moe import split_backward_pass
+
+    class CountGroupedMM(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._grouped_mm.default
+            return func(*args, **(kwargs or {}))
+
+    m = block()
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    target = torch.randn(2, 6, 32)
+    ref = torch.autograd.grad((m(x) * target).sum(), [x, *m.parameters()])
+    loss = (m(x) * target).sum()
+    weights = list(m.parameters())
+    with CountGroupedMM() as count:
+        with split_backward_pass("input"):
+            (dx,), groups = stage_backward_input([loss], None, [x], iter(weights))
+        with split_backward_pass("weight"):
+            stage_backward_weight(iter(weights), groups)
+    assert count.n == 4, count.n
+    torch.testing.assert_close(dx, ref[0], rtol=0, atol=0)
+    for p, r in zip(weights, ref[1:]):
+        torch.testing.assert_close(p.grad, r, rtol=1e-6, atol=1e-7)
+
+
+def test_expert_gradient_scale_saves_no_view_of_the_weights():
+    """Guards: expert parallelism's 1/ep on the experts' gradients is applied in their backward, not through a view of
+    the weights: a saved view keeps ZeRO-3's gathered experts alive until the backward (it empties the parameter
+    after the forward; the view still holds the storage). The block saves the parameters themselves, and its weight
+    gradients are the unscaled ones times the scale, its input gradient unchanged."""
+    m = block()
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    plain = torch.autograd.grad(m(x).pow(2).sum(), [x, m.experts.gate_up_proj, m.experts.down_proj])
+    m.experts.grad_scale = 0.25
+    weights = (m.experts.gate_up_proj, m.experts.down_proj)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = m(x)
+    assert any(t is w for t in saved for w in weights)
+    assert not any(t._base is w for t in saved for w in weights)  # no view of a weight is kept
+    scaled = torch.autograd.grad(y.pow(2).sum(), [x, *weights])
+    torch.testing.assert_close(scaled[0], plain[0], rtol=0, atol=0)
+    for g, p in zip(scaled[1:], plain[1:]):
+        torch.testing.assert_close(g, 0.25 * p, rtol=1e-6, atol=0)
+
+
 BF16_BOUND = 5e-2  # bf16 measured 1.0e-2 to 1.5e-2 (outputs, input gradients) on both paths; mutations 0.73 to 1.97
 
 
@@ -197,23 +320,32 @@ def test_selection_bias_moves_choices_not_weights():
     torch.testing.assert_close(routing.weights, scores.gather(-1, routing.experts))
 
 
-def _balance(blocks: list[MoE], **flags) -> MoEBalance:
-    """MoEBalance of one process (no group to reduce over) with one micro-batch."""
+def _balance(blocks: list[MoE], micro_batches: int = 1, **flags) -> MoEBalance:
+    """MoEBalance of one process (no group to reduce over) with `micro_batches` micro-batches (the test sets its
+    `micro_batch` as the schedule's stages would)."""
     cfg = SimpleNamespace(**{**dict(moe_aux_loss_coef=0.0, moe_aux_loss="sequence", moe_z_loss_coef=0.0,
                                     moe_bias_update_rate=0.0, moe_capacity_factor=None), **flags})
-    topo = SimpleNamespace(layout=SimpleNamespace(tp=1, cp=1, dp_cp=1), tp_group=None, cp_group=None)
+    topo = SimpleNamespace(layout=SimpleNamespace(tp=1, cp=1, dp_cp=1), tp_group=None, cp_group=None, tp_rank=0,
+                           stage_group=None, world_group=None)
     mcfg = SimpleNamespace(moe_layers=[b.layer for b in blocks], moe=SPEC)
     trainer = SimpleNamespace(cfg=cfg, topo=topo, mcfg=mcfg, device=torch.device("cpu"), loss_scale=None,
-                              plan=SimpleNamespace(micro_batches=1))
+                              plan=SimpleNamespace(micro_batches=micro_batches), pm=SimpleNamespace(sequence=None))
     return MoEBalance(trainer, [torch.nn.ModuleList(blocks)])
 
 
 def _sequence_aux(scores: torch.Tensor, experts: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """DeepSeek-V3 (eq. 17-20): per sequence, f_e = E/(k·T)·|tokens choosing e|, P_e = mean score; Σ_e f_e·P_e; the
-    mean over sequences."""
+    """DeepSeek-V3's per-sequence loss (eq. 17-20) at transformers' scale: per sequence, f_e = |tokens choosing e| / T
+    (Σ_e f_e = k), P_e = mean score; E·Σ_e f_e·P_e; the mean over sequences."""
     E, k = scores.shape[-1], experts.shape[-1]
-    f = F.one_hot(experts.view(B, T * k), E).sum(1).float() * E / (k * T)
-    return (f * scores.view(B, T, E).mean(1)).sum(-1).mean()
+    f = F.one_hot(experts.view(B, T * k), E).sum(1).float() / T
+    return E * (f * scores.view(B, T, E).mean(1)).sum(-1).mean()
+
+
+def _global_aux(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The global-batch loss of one micro-batch: f_e = |tokens choosing e| / N over the whole batch, P_e = mean score,
+    E·Σ_e f_e·P_e."""
+    E = scores.shape[-1]
+    return E * (F.one_hot(experts, E).float().sum(1).mean(0) * scores.mean(0)).sum()
 
 
 def _pooled_aux(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -225,10 +357,11 @@ def _pooled_aux(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor
     return E * (share * scores.mean(0)).sum()
 
 
-@pytest.mark.parametrize("mode", ["sequence", "hf", "z"])
+@pytest.mark.parametrize("mode", ["sequence", "global", "hf", "z"])
 def test_balance_losses_have_their_papers_values_and_gradients(mode):
-    """Two MoE blocks in a row: the loss the balance adds has the formula's value, and the blocks' gradients are those
-    of (output + coef · formula), i.e. the loss was trained, not only reported."""
+    """Two MoE blocks in a row: the loss the balance adds has the formula's value (the balance losses: their mean over
+    the layers, transformers' pooled one pooling them itself; the z-loss: the sum), and the blocks' gradients are
+    those of (output + coef · formula), i.e. the loss was trained, not only reported."""
     coef = 0.1
     flags = {"z": dict(moe_z_loss_coef=coef)}.get(mode, dict(moe_aux_loss_coef=coef, moe_aux_loss=mode))
     blocks = [block(seed=1, layer=1), block(seed=2, layer=2)]
@@ -247,7 +380,9 @@ def test_balance_losses_have_their_papers_values_and_gradients(mode):
     routes = [Routing(*blocks[0].gate(x.view(-1, 32))), Routing(*blocks[1].gate(h.view(-1, 32)))]
     out_ref = blocks[1](h)
     if mode == "sequence":
-        formula = sum(_sequence_aux(r.scores, r.experts, 3, 10) for r in routes)
+        formula = sum(_sequence_aux(r.scores, r.experts, 3, 10) for r in routes) / 2
+    elif mode == "global":
+        formula = sum(_global_aux(r.scores, r.experts) for r in routes) / 2
     elif mode == "hf":
         formula = _pooled_aux([(r.scores, r.experts) for r in routes])
     else:

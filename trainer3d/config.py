@@ -16,6 +16,9 @@ from trainer3d.models import FAMILIES, MODEL_PRESETS
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on CUDA, fp32 on CPU (TrainConfig.resolved_precision)
 RECOMPUTE_MODES = ("none", "selective", "full")  # parallel/recompute.py
+# --mtp-loss-coef's default where the model has multi-token prediction modules: Megatron-core's
+# --mtp-loss-scaling-factor default, and DeepSeek-V3's λ after its first 10T tokens (0.3 before)
+MTP_LOSS_COEF = 0.1
 
 
 @dataclass
@@ -31,6 +34,7 @@ class TrainConfig:
     n_experts: int | None = None  # mixtures of experts (qwen3, mixtral): experts per MoE layer
     top_k: int | None = None  # ... experts each token is routed to
     moe_ffn_hidden: int | None = None  # Qwen3-MoE: each expert's SwiGLU width
+    mtp_layers: int | None = None  # DeepSeek-V3: multi-token prediction modules (D); default: the preset's
     dropout: float = 0.0
     vocab_size: int | None = None  # default: the tokenizer's
     init_from_hf: str | None = None
@@ -65,11 +69,16 @@ class TrainConfig:
     adam_eps: float = 1e-8  # AdamW's epsilon (HF Trainer's and TRL's default 1e-8)
     epochs: float | None = None  # passes over the training rows; sets max_steps (train/setup.py)
     # mixtures of experts (parallel/moe_balance.py): balancing losses, loss-free balancing, token dropping
-    moe_aux_loss_coef: float = 0.0  # the balance loss's weight (Qwen3-MoE's published router_aux_loss_coef: 0.001)
-    moe_aux_loss: str = "sequence"  # per-sequence (DeepSeek-V3's: the same at every layout) or "hf" (transformers')
+    moe_aux_loss_coef: float = 0.0  # the balance loss's weight, as transformers' router_aux_loss_coef (Qwen3: 0.001)
+    # what the balance loss counts over (parallel/moe_balance.py): "sequence" (DeepSeek-V3's: each sequence), "global"
+    # (Qwen3's: the global batch's loads), "hf" (transformers': a rank's micro-batch)
+    moe_aux_loss: str = "sequence"
     moe_z_loss_coef: float = 0.0  # the router z-loss's weight (ST-MoE: 0.001)
     moe_bias_update_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: the selection bias's step (γ, ~1e-3)
     moe_capacity_factor: float | None = None  # None: dropless; else each expert takes ≤ factor·N·k/E tokens a rank
+    # multi-token prediction (DeepSeek-V3): the MTP loss's weight λ (None: MTP_LOSS_COEF where the model has MTP
+    # modules; 0: none built, the model trains without them)
+    mtp_loss_coef: float | None = None
     # a step whose loss or gradient norm is not finite: stop the run naming it, or skip its update and go on (fp16's
     # loss scale skips such steps whatever this says: they are how it finds its scale)
     on_nonfinite: str = "stop"
@@ -162,12 +171,14 @@ class TrainConfig:
             base = MODEL_PRESETS[self.model]
         fields = {f.name for f in dataclasses.fields(base)}
         sizes = {k: getattr(self, k) for k in SIZE_FLAGS if getattr(self, k) and k in fields}
+        if "mtp_layers" in fields and (self.mtp_layers == 0 or self.mtp_loss_coef == 0):
+            sizes["mtp_layers"] = 0  # multi-token prediction off: its modules are not built
         return dataclasses.replace(base, vocab_size=self.vocab_size or vocab_size, dropout=self.dropout, **sizes)
 
 
 # The flags that size a model: every family has the first four; the rest name fields of some families only.
 SIZE_FLAGS = ("n_layer", "n_head", "n_embd", "n_positions", "n_kv_heads", "ffn_hidden", "n_experts", "top_k",
-              "moe_ffn_hidden")
+              "moe_ffn_hidden", "mtp_layers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--top-k", type=int, default=None, help="Qwen3, Mixtral: override the experts a token is routed to "
                    "(Megatron's --moe-router-topk)")
     m.add_argument("--moe-ffn-hidden", type=int, default=None, help="Qwen3: override each expert's SwiGLU width")
+    m.add_argument("--mtp-layers", type=int, default=None,
+                   help="DeepSeek-V3: override the multi-token prediction modules (D; the paper's and its preset's: "
+                        "1; 0: none)")
     m.add_argument("--dropout", type=float, default=d.dropout)
     m.add_argument("--vocab-size", type=int, default=None, help="override the tokenizer's vocabulary size")
     m.add_argument("--init-from-hf", default=None,
@@ -267,10 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--precision", default=d.precision, choices=PRECISIONS)
     moe = p.add_argument_group("mixture of experts (parallel/moe_balance.py)")
     moe.add_argument("--moe-aux-loss-coef", type=float, default=d.moe_aux_loss_coef,
-                     help="weight of the load-balancing loss (0: none; Qwen3-MoE used 0.001)")
-    moe.add_argument("--moe-aux-loss", default=d.moe_aux_loss, choices=["sequence", "hf"],
-                     help="sequence: DeepSeek-V3's per-sequence loss, the same at every layout; hf: transformers' "
-                          "load_balancing_loss_func over a micro-batch (one stage, no tp or cp)")
+                     help="weight of the load-balancing loss, as transformers' router_aux_loss_coef: coef × the mean "
+                          "over MoE layers of E·Σ f·P, k for a balanced router (0: none; Qwen3-MoE used 0.001)")
+    moe.add_argument("--moe-aux-loss", default=d.moe_aux_loss, choices=["sequence", "global", "hf"],
+                     help="sequence: DeepSeek-V3's per-sequence loss, the same at every layout; global: the loads "
+                          "counted over the global batch (Qwen3's, Megatron's global_aux_loss), over the micro-batches "
+                          "so far with accumulation; hf: transformers' load_balancing_loss_func over a micro-batch "
+                          "(one stage, no tp or cp)")
     moe.add_argument("--moe-z-loss-coef", type=float, default=d.moe_z_loss_coef, help="router z-loss weight (0: none)")
     moe.add_argument("--moe-bias-update-rate", type=float, default=d.moe_bias_update_rate,
                      help="loss-free balancing (DeepSeek-V3): each step a router's selection bias moves by this times "
@@ -278,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-capacity-factor", type=float, default=None,
                      help="drop a rank's tokens beyond capacity_factor·N·k/E per expert (Megatron-core's drop "
                           "policy: the highest routing weights kept); default: dropless")
+    o.add_argument("--mtp-loss-coef", type=float, default=None,
+                   help=f"multi-token prediction (DeepSeek-V3): the weight λ of the MTP loss, λ/D·Σ_k L_k added to the "
+                        f"loss (Megatron's --mtp-loss-scaling-factor); default {MTP_LOSS_COEF} where the model has MTP "
+                        "modules; 0: none are built")
     o.add_argument("--seed", type=int, default=d.seed)
     da = p.add_argument_group("data")
     da.add_argument("--data", default=None,

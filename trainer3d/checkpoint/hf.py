@@ -16,6 +16,7 @@ Weights come from model.safetensors, a sharded model.safetensors.index.json (eac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -62,9 +63,23 @@ def read_hf_config(path: str | os.PathLike, dropout: float | None = None, notes:
         cfg = family.hf.config_from_hf(raw, dropout)
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from e
+    cfg, fitted = family.hf.fit_to_weights(cfg, lambda: weight_names(root))
     if notes is not None:
-        notes.extend(f"{root}: {note}" for note in family.hf.import_notes(raw))
+        notes.extend(f"{root}: {note}" for note in family.hf.import_notes(raw) + fitted)
     return family, cfg
+
+
+def weight_names(root: Path) -> set[str]:
+    """Every tensor name a directory's weight files hold (its index, or its one file's header; a .bin is loaded)."""
+    source = next((root / n for n in WEIGHT_FILES if (root / n).is_file()), None)
+    if source is None or source.name.endswith(".index.json"):
+        return set(json.loads(source.read_text()).get("weight_map", {})) if source else set()
+    if source.suffix == ".bin":
+        return set(torch.load(str(source), map_location="cpu", weights_only=True))
+    from safetensors import safe_open
+
+    with safe_open(str(source), framework="pt", device="cpu") as f:
+        return set(f.keys())
 
 
 def hf_tables(cfg) -> dict[str, tuple[str, torch.Size]]:
@@ -85,10 +100,17 @@ class HFDirectory:
     """A `save_pretrained` directory, opened: its family and config, and an index of which file holds which tensor.
     Only headers are read until a tensor is asked for."""
 
-    def __init__(self, path: str | os.PathLike, dropout: float | None = None):
+    def __init__(self, path: str | os.PathLike, dropout: float | None = None, mtp_layers: int | None = None):
+        """`mtp_layers`: the multi-token prediction modules the run builds, where it builds fewer than the files hold
+        (--mtp-loss-coef 0); the others are skipped."""
         self.root = Path(path)
         self.notes: list[str] = []  # what the config declares and trainer3d leaves out (the run's log says it)
         self.family, self.cfg = read_hf_config(self.root, dropout, self.notes)
+        if mtp_layers is not None and mtp_layers < getattr(self.cfg, "mtp_layers", 0):
+            self.notes.append(f"{self.root}: the weights of {self.cfg.mtp_layers - mtp_layers} multi-token-prediction "
+                              f"layer(s) past the {mtp_layers} this run builds are skipped (--mtp-layers, or "
+                              "--mtp-loss-coef 0)")
+            self.cfg = dataclasses.replace(self.cfg, mtp_layers=mtp_layers)
         self.tables = hf_tables(self.cfg)
         self.adapter = self.family.hf
         self.source = next((self.root / n for n in WEIGHT_FILES if (self.root / n).is_file()), None)

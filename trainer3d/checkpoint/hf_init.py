@@ -30,7 +30,7 @@ def hf_model_config(path: str | os.PathLike):
 def open_hf(path: str | os.PathLike, mcfg) -> HFDirectory:
     """A Hugging Face directory whose tensors (headers) are checked to fit `mcfg`; CheckpointError otherwise."""
     try:
-        directory = HFDirectory(path, dropout=mcfg.dropout)
+        directory = HFDirectory(path, dropout=mcfg.dropout, mtp_layers=getattr(mcfg, "mtp_layers", None))
         diffs = shape_diffs(directory.cfg, mcfg)
         if not diffs:
             directory.check()

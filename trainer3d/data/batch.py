@@ -25,6 +25,7 @@ class Batch:
     documents: torch.Tensor | None = None  # [B, seq_len + 1] int64: the document of each token; None: from end-of-text
     targets: int | None = None  # supervised targets of the whole global batch; None: global rows × seq_len
     inputs: int | None = None  # input tokens of the whole global batch that are not padding; None: rows × seq_len
+    lengths: torch.Tensor | None = None  # [B] int64: each row's tokens before its padding; None: no padding
 
 
 class LabeledRows:
@@ -72,6 +73,7 @@ def take(rows, index: np.ndarray, targets: int | None = None, inputs: int | None
         documents=torch.from_numpy(rows.documents[index].astype(np.int64)),
         targets=targets,
         inputs=inputs,
+        lengths=torch.from_numpy(rows.lengths[index].astype(np.int64)),
     )
 
 
@@ -80,6 +82,14 @@ def supervised_mask(batch: Batch) -> torch.Tensor:
     if batch.supervised is not None:
         return batch.supervised
     return torch.ones(batch.tokens.shape[0], batch.tokens.shape[1] - 1, dtype=torch.bool)
+
+
+def real_inputs(batch: Batch) -> torch.Tensor | None:
+    """[B, seq_len] bool: which input tokens are not padding (a row of L tokens feeds min(L, seq_len) real inputs);
+    None where the batch has no padding. What the MoE balance counts (parallel/moe_balance.py)."""
+    if batch.lengths is None:
+        return None
+    return torch.arange(batch.tokens.shape[1] - 1) < batch.lengths.unsqueeze(1)
 
 
 def document_ids(tokens: torch.Tensor, boundary: int) -> torch.Tensor:
@@ -103,5 +113,6 @@ def padding(batch: Batch, rows: int) -> Batch:
     documents = None
     if batch.documents is not None:
         documents = torch.cat([batch.documents, batch.documents.new_zeros(rows, T1)])
+    lengths = batch.lengths if batch.lengths is not None else torch.full((batch.tokens.shape[0],), T1)
     return Batch(tokens, torch.cat([supervised, supervised.new_zeros(rows, T1 - 1)]), documents, batch.targets,
-                 batch.inputs)
+                 batch.inputs, torch.cat([lengths, lengths.new_zeros(rows)]))

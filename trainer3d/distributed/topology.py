@@ -276,6 +276,9 @@ class Topology:
         # Model-parallel group (all tp and pp peers of one dp replica and context shard): where the grad norm is summed.
         self.mp_group = self._build(lines(lambda p, d, c, t: (d, c)))
         self.world_group = self._build([list(range(L.world_size))])
+        # Every tp, cp and dp rank of one pipeline rank (the ranks holding the same layers): where the global-batch
+        # balance loss sums a layer's loads (parallel/moe_balance.py); the world itself without a pipeline.
+        self.stage_group = self._build(lines(lambda p, d, c, t: p)) if L.pp > 1 else self.world_group
         # A tied embedding's copies live on the first stage (pp rank 0) and the last stage. One group per (dp, cp, tp).
         self.embedding_group = self._build(
             [sorted({L.rank(0, d, t, c), L.rank(last_stage_pp_rank, d, t, c)})
@@ -311,7 +314,7 @@ class Topology:
 
     def destroy(self) -> None:
         groups = (self.tp_group, self.cp_group, self.dp_group, self.dp_cp_group, self.ep_group, self.edp_group,
-                  self.pp_group, self.mp_group, self.world_group, self.embedding_group)
+                  self.pp_group, self.mp_group, self.world_group, self.stage_group, self.embedding_group)
         for g in {g for g in groups if g is not None}:
             dist.destroy_process_group(g)
 

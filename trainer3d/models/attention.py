@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 
 class KVCache:
-    """Keys and values of every layer for incremental decoding, and `length`, the positions already filled.
+    """Keys and values of every layer for incremental decoding, and `length`, the positions already filled (or what a
+    family caches in their place: MLA its compressed latent and its shared rope key).
 
     Each layer's buffers ([B, kv heads, max_len, head_dim], the dtype and device of its keys) are allocated whole at its
     first `append`, so decoding never reallocates; the head count comes from the keys, so grouped-query attention
@@ -34,10 +35,9 @@ class KVCache:
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache of {self.max_len} positions is full ({start} used, {k.shape[2]} more)")
-        if layer not in self.k:
-            B, H, _, D = k.shape
-            self.k[layer] = k.new_empty(B, H, self.max_len, D)
-            self.v[layer] = v.new_empty(B, H, self.max_len, D)
+        if layer not in self.k:  # k and v may differ in width (MLA caches its latent and its rope key)
+            self.k[layer] = k.new_empty(*k.shape[:2], self.max_len, k.shape[3])
+            self.v[layer] = v.new_empty(*v.shape[:2], self.max_len, v.shape[3])
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

@@ -7,6 +7,8 @@ A family (models/<family>/) provides:
     (`num_params`, `flops_per_token`, `layer_flops`, `head_flops`, `layer_activations`), plus fields of its own;
   - its plain model, a `CausalLM` (no distributed code) declaring which top-level parts the first and the last pipeline
     stage hold, and its `ParallelPlan` (which linears are column- or row-parallel, where the attention core is);
+  - optionally multi-token prediction (DeepSeek-V3): a config field `mtp_layers` (D) and a model whose last stage,
+    given the next tokens (`next_tokens`), emits D more predictions after the logits (models/deepseek_v3/mtp.py);
   - `init_value`, its Hugging Face adapter (`HFAdapter`), presets and a tensor-parallel check: a `ModelFamily`.
 """
 
@@ -82,6 +84,9 @@ class CausalLM(nn.Module):
     HEAD: ClassVar[str]  # the output projection (an nn.Linear without bias, `.weight` [vocab, d])
     FIRST_STAGE: ClassVar[tuple[str, ...]]  # every top-level part only the first stage holds (EMBEDDING among them)
     LAST_STAGE: ClassVar[tuple[str, ...]]  # every top-level part only the last stage holds (HEAD among them)
+    # a last stage's own copy of the embedding where it also embeds tokens (multi-token prediction) and the first
+    # stage is another: kept equal to the embedding as a tied head's copy is (parallel/engine.py: tied_copies)
+    EMBEDDING_COPY: ClassVar[str | None] = None
 
     cfg: Any
 
@@ -96,6 +101,20 @@ class CausalLM(nn.Module):
     @property
     def head(self) -> nn.Module | None:
         return getattr(self, self.HEAD)
+
+    @property
+    def embedding_copy(self) -> nn.Module | None:
+        return getattr(self, self.EMBEDDING_COPY, None) if self.EMBEDDING_COPY else None
+
+    def shares_embedding(self) -> bool:
+        """Whether the last stage uses the embedding's weight too (a tied head; multi-token prediction's inputs), so
+        that its copies there and on the first stage must get the sum of their gradients."""
+        return bool(self.cfg.tie_embeddings)
+
+    def extra_blocks(self) -> list[nn.Module]:
+        """Blocks outside the stack (`BLOCKS`) that the parallel plan applies to as to the stack's: a multi-token
+        prediction module's transformer block."""
+        return []
 
     def parallel_plan(self) -> ParallelPlan:
         raise NotImplementedError
@@ -200,8 +219,13 @@ class HFAdapter:
         return out
 
     def import_notes(self, raw: dict) -> list[str]:
-        """One-line notes on what reading config.json's dict leaves out (multi-token prediction), for the run's log."""
+        """One-line notes on what reading config.json's dict leaves out, for the run's log."""
         return []
+
+    def fit_to_weights(self, cfg, names: Callable[[], set[str]]) -> tuple[Any, list[str]]:
+        """The config as far as the files hold its weights (`names()`: every HF tensor name in them), with a note
+        on what it drops: DeepSeek-V3's MTP modules, which transformers' own saves declare and leave out."""
+        return cfg, []
 
     def table_name(self, cfg, name: str) -> str | None:
         """The Hugging Face name of a model table (CausalLM.state_tables: a router's selection bias), or None where
@@ -236,8 +260,11 @@ class ModelFamily:
 
 
 def canonical_name(model_cls: type, cfg, name: str) -> str:
-    """The layout-free name of a parameter: a tied head's weight is the embedding's."""
+    """The layout-free name of a parameter: a tied head's weight, and a last stage's copy of the embedding, are the
+    embedding's."""
     head, embedding = f"{model_cls.HEAD}.weight", f"{model_cls.EMBEDDING}.weight"
+    if model_cls.EMBEDDING_COPY and name == f"{model_cls.EMBEDDING_COPY}.weight":
+        return embedding
     return embedding if name == head and cfg.tie_embeddings else name
 
 

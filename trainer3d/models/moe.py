@@ -12,12 +12,13 @@ weight (`torch._grouped_mm`) where its alignment rules allow, a loop over expert
 
 What moves tokens to their experts is a `dispatcher` (`LocalDispatch`: this rank holds every expert; expert
 parallelism installs its all-to-all one, parallel/expert_parallel.py), and what watches the routing (balancing losses,
-loads, the bias's counts) is an `observer` the trainer installs (parallel/moe_balance.py); the block itself holds no
-distributed code.
+loads, the bias's counts) and knows which tokens are padding (routed, but counted nowhere: not in a capacity, a load or
+a loss) is an `observer` the trainer installs (parallel/moe_balance.py); the block itself holds no distributed code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -173,34 +174,60 @@ class Experts(nn.Module):
         """x [M, H] sorted by expert, `counts` [E_local] tokens per expert (`sizes`: the same on the host, where the
         dispatcher has read them) -> [M, H]."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        if self.grad_scale != 1.0:
-            gate_up, down = _ScaleGrad.apply(gate_up, self.grad_scale), _ScaleGrad.apply(down, self.grad_scale)
         if torch.is_autocast_enabled(x.device.type):  # autocast does not reach the grouped matmul: cast as it would
             dtype = torch.get_autocast_dtype(x.device.type)
-            x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+            x, (gate_up, down) = x.to(dtype), self._cast(gate_up, down, dtype)
         elif x.dtype != gate_up.dtype:  # a module held in bf16 (DeepSpeed's engine) computes in it
             x = x.to(gate_up.dtype)
-        return _SwiGLUExperts.apply(x, gate_up, down, counts, sizes, grouped_mm_applies(x, gate_up, down))
+        return _SwiGLUExperts.apply(x, gate_up, down, counts, sizes, grouped_mm_applies(x, gate_up, down),
+                                    self.grad_scale)
+
+    def _cast(self, gate_up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The weights in `dtype`: inside `expert_casts_cached` once for all its micro-batches (as autocast caches a
+        dense linear's cast for its region: every micro-batch's backward flows through the one cast), else per call.
+        Keyed on grad mode, so a copy cast without a graph never serves a pass that needs one."""
+        key = (id(self), dtype, torch.is_grad_enabled())
+        if _CASTS is None or key not in _CASTS:
+            cast = (gate_up.to(dtype), down.to(dtype))
+            if _CASTS is None:
+                return cast
+            _CASTS[key] = cast
+        return _CASTS[key]
+
+
+_CASTS: dict | None = None  # the experts' low-precision copies of the region open (expert_casts_cached)
+
+
+@contextlib.contextmanager
+def expert_casts_cached():
+    """Cast the experts to autocast's dtype once for the region (a training step: the weights do not change inside
+    it) instead of once per micro-batch; the copies are dropped when it closes, as autocast drops its own."""
+    global _CASTS
+    outer = _CASTS
+    _CASTS = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _CASTS = outer
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes at all
+GROUPED_MM_CUDA_MAJORS = (9, 10)  # Hopper and Blackwell: the CUTLASS kernels; elsewhere a loop that reads offs to host
 
 
 def grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """torch._grouped_mm's rules: rows of 16-byte multiples, and at least one token (its backward refuses none)."""
+    """torch._grouped_mm's rules: one of its dtypes on all three, rows of 16-byte multiples, and at least one token
+    (its backward refuses none). On a GPU only its fast path counts (bf16 on sm90/sm100): anywhere else torch falls
+    back to a per-group loop that copies the offsets to the host, which the per-expert loop here does as well."""
+    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
+        return False
+    if x.dtype not in GROUPED_MM_DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        return False
+    if x.is_cuda and (x.dtype != torch.bfloat16
+                      or torch.cuda.get_device_capability(x.device)[0] not in GROUPED_MM_CUDA_MAJORS):
+        return False
     size = x.element_size()
-    return (hasattr(torch, "_grouped_mm") and x.shape[0] > 0 and (x.shape[1] * size) % 16 == 0
-            and (gate_up.shape[1] * size) % 16 == 0 and (down.shape[2] * size) % 16 == 0)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity whose backward multiplies the gradient by `scale`."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
+    return (x.shape[1] * size) % 16 == 0 and (gate_up.shape[1] * size) % 16 == 0 and (down.shape[2] * size) % 16 == 0
 
 
 def _per_expert(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets) -> torch.Tensor:
@@ -233,7 +260,7 @@ class _SwiGLUExperts(torch.autograd.Function):
     the same). One grouped matmul per product where `grouped` (torch._grouped_mm's rules hold), a loop otherwise."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, counts, sizes, grouped):
+    def forward(ctx, x, gate_up, down, counts, sizes, grouped, grad_scale):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32) if grouped else None
         if not grouped and sizes is None:  # the loop's one host read, where the dispatcher read none
             sizes = counts.tolist()
@@ -241,25 +268,54 @@ class _SwiGLUExperts(torch.autograd.Function):
         h = _per_expert(x, gate_up, sizes, offsets)
         gate, up = h.chunk(2, dim=-1)
         ctx.save_for_backward(x, gate_up, down, h, offsets if grouped else counts)
-        ctx.grouped, ctx.sizes = grouped, sizes
+        ctx.grouped, ctx.sizes, ctx.grad_scale = grouped, sizes, grad_scale
         return _per_expert(F.silu(gate) * up, down, sizes, offsets)
 
     @staticmethod
     def backward(ctx, dy):
+        """The zero-bubble schedules split the backward into an input pass (d_x) and a later weight pass (d_gate_up,
+        d_down), and torch runs this node in both: each computes only its own gradients, and the input pass keeps d_h
+        for the weight pass, so the four products run once in all (`split_backward_pass` names the pass)."""
         x, gate_up, down, h, offsets = ctx.saved_tensors
         offsets, sizes, dy = (offsets if ctx.grouped else None), ctx.sizes, dy.contiguous()
+        need_x, need_weights = _PASS != "weight", _PASS != "input"
         gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate)
-        d_down = _weight_grads(dy, act * up, sizes, offsets)
-        d_act = _per_expert(dy, down.transpose(-2, -1), sizes, offsets)
-        d_h = torch.empty_like(h)  # [d gate | d up], written in place: no concatenated copy
-        d_gate, d_up = d_h.chunk(2, dim=-1)
-        torch.mul(d_act, act, out=d_up)
-        del act
-        torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
-        del d_act
-        d_x = _per_expert(d_h, gate_up.transpose(-2, -1), sizes, offsets)
-        return d_x, _weight_grads(d_h, x, sizes, offsets), d_down, None, None, None
+        d_h = ctx.d_h if getattr(ctx, "d_h", None) is not None else _swiglu_input_grads(dy, h, down, sizes, offsets)
+        ctx.d_h = d_h if _PASS == "input" else None
+        d_x = _per_expert(d_h, gate_up.transpose(-2, -1), sizes, offsets) if need_x else None
+        if not need_weights:
+            return d_x, None, None, None, None, None, None
+        d_down = _weight_grads(dy, F.silu(gate) * up, sizes, offsets)
+        d_gate_up = _weight_grads(d_h, x, sizes, offsets)
+        if ctx.grad_scale != 1.0:  # here, not through a view of the weights: ZeRO-3 frees what it gathered
+            d_down.mul_(ctx.grad_scale), d_gate_up.mul_(ctx.grad_scale)
+        return d_x, d_gate_up, d_down, None, None, None, None
+
+
+_PASS: str | None = None  # "input" or "weight": the pass of a split backward running (split_backward_pass)
+
+
+@contextlib.contextmanager
+def split_backward_pass(kind: str):
+    """Run a zero-bubble schedule's input ("input") or weight ("weight") pass: the experts then compute only that
+    pass's gradients (the pipeline stage opens it around each)."""
+    global _PASS
+    outer, _PASS = _PASS, kind
+    try:
+        yield
+    finally:
+        _PASS = outer
+
+
+def _swiglu_input_grads(dy: torch.Tensor, h: torch.Tensor, down: torch.Tensor, sizes, offsets) -> torch.Tensor:
+    """[d gate | d up] from the output's gradient: through down, then SwiGLU's derivative (written in place)."""
+    gate, up = h.chunk(2, dim=-1)
+    d_act = _per_expert(dy, down.transpose(-2, -1), sizes, offsets)
+    d_h = torch.empty_like(h)  # [d gate | d up], written in place: no concatenated copy
+    d_gate, d_up = d_h.chunk(2, dim=-1)
+    torch.mul(d_act, F.silu(gate), out=d_up)
+    torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
+    return d_h
 
 
 class SwiGLUExpert(nn.Module):
@@ -300,12 +356,13 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = Routing(*self.gate(flat))
-        kept = self.within_capacity(routing)
+        real = self.observer.real_tokens(self, flat.shape[0]) if self.observer is not None else None
+        kept = self.within_capacity(routing, real)
         out = self.routed(flat, routing, kept)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
         if self.observer is not None:
-            out = self.observer.observe(self, routing, kept, shape, out)
+            out = self.observer.observe(self, routing, kept, shape, out, real)
         return out.view(shape)
 
     def routed(self, x: torch.Tensor, routing: Routing, kept: torch.Tensor | None = None) -> torch.Tensor:
@@ -322,15 +379,21 @@ class MoE(nn.Module):
         return out.index_put_((token_of[sent.order],), y * weight[sent.order].unsqueeze(-1).to(y.dtype),
                               accumulate=True).to(x.dtype)
 
-    def within_capacity(self, routing: Routing) -> torch.Tensor | None:
+    def within_capacity(self, routing: Routing, real: torch.Tensor | None = None) -> torch.Tensor | None:
         """Megatron-core's token drop (drop policy "probs"): each expert takes at most ceil(N·k / E · capacity_factor)
         of this rank's N tokens' choices, those of the highest routing weight (the probability its output is weighted
-        by, after any renormalization); a [N, k] mask of the choices kept (None: dropless). No host read."""
+        by, after any renormalization); a [N, k] mask of the choices kept (None: dropless). No host read.
+        `real` [N] bool: the tokens that are not padding (None: all): N counts only them, and a padding token's
+        choices rank after every real one, so padding never takes a real token's place."""
         if self.capacity_factor is None:
             return None
         n, k = routing.experts.shape
-        capacity = math.ceil(n * k / self.spec.n_experts * self.capacity_factor)  # Megatron's get_capacity
         flat_e, flat_w = routing.experts.reshape(-1), routing.weights.float().reshape(-1)
+        if real is None:
+            capacity = math.ceil(n * k / self.spec.n_experts * self.capacity_factor)  # Megatron's get_capacity
+        else:  # the same rule on the device (float64, as Python's), from the real tokens' count
+            capacity = torch.ceil(real.sum().double() * k / self.spec.n_experts * self.capacity_factor)
+            flat_w = flat_w.masked_fill(~real.repeat_interleave(k), -1.0)  # weights are >= 0: below every real one
         by_weight = torch.argsort(flat_w, descending=True, stable=True)  # within an expert, the best first
         order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]  # grouped by expert
         counts = expert_counts(flat_e, self.spec.n_experts)

@@ -169,22 +169,26 @@ def unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
 
 
 def tied_copies(stage_modules: list[nn.Module]) -> list[nn.Parameter]:
-    """This rank's copies of a tied embedding: the first stage's embedding and the last stage's head weight (the same
-    Parameter when one module holds both); none when the model's head is untied. `stage_modules`: plain (unwrapped)
-    stage modules (models.CausalLM)."""
+    """This rank's copies of an embedding the last stage uses too (CausalLM.shares_embedding): the first stage's
+    embedding, the last stage's tied head weight and its own copy for multi-token prediction (the same Parameter
+    where one module holds both ends); none when the last stage uses no embedding. `stage_modules`: plain
+    (unwrapped) stage modules (models.CausalLM)."""
     out: list[nn.Parameter] = []
     for m in stage_modules:
-        if not m.cfg.tie_embeddings:
+        if not m.shares_embedding():
             continue
-        for part in (m.embedding, m.head):
+        for part in (m.embedding, m.head if m.cfg.tie_embeddings else None, m.embedding_copy):
             if part is not None and not any(part.weight is p for p in out):
                 out.append(part.weight)
     return out
 
 
 def is_tied_duplicate(module: nn.Module, param: nn.Parameter) -> bool:
-    """The last stage's copy of a tied embedding when the embedding lives on another stage: the same values, so it
-    is counted once in the gradient norm and saved once in checkpoints."""
+    """The last stage's copy of the embedding when the embedding lives on another stage (a tied head's weight, or
+    multi-token prediction's own copy): the same values, so it is counted once in the gradient norm and saved once
+    in checkpoints."""
+    if module.embedding_copy is not None and param is module.embedding_copy.weight:
+        return True
     return (module.cfg.tie_embeddings and module.head is not None and module.embedding is None
             and param is module.head.weight)
 

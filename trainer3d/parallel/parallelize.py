@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -46,6 +46,9 @@ class ParallelModel:
     engine: DataParallelEngine
     schedule: object  # a torch.distributed.pipelining schedule
     sequence: SequenceLayout | None = None  # --cp > 1, --document-mask or --reset-position-ids: this rank's tokens
+    # told the running micro-batch by the schedule's stages: the SequenceLayout, and what the trainer adds (its MoE
+    # balance)
+    listeners: list = field(default_factory=list)
 
     @property
     def has_first(self) -> bool:
@@ -96,6 +99,7 @@ def parallelize(
         sequence = SequenceLayout(cfg.seq_len, topo.cp_group, topo.cp_rank, L.cp, device, boundary=boundary,
                                   document_mask=cfg.document_mask, reset_position_ids=cfg.reset_position_ids)
         stages = [apply_context_parallel(s, sequence) for s in stages]
+    listeners = [sequence] if sequence is not None else []  # told the running micro-batch (pipeline.py)
 
     # 3b. activation recomputation, around the tensor-parallel layers (their collectives run again in the backward)
     stages = [apply_recompute(s, cfg.recompute) for s in stages]
@@ -128,7 +132,7 @@ def parallelize(
             hidden_seq_len=local_seq_len // L.tp if cfg.sequence_parallel else local_seq_len,
         ),
         stage_cls=engine.stage_cls,
-        sequence=sequence,
+        listeners=listeners if listeners or mcfg.moe is not None else None,
     )
     return ParallelModel(
         stages=stages,
@@ -140,6 +144,7 @@ def parallelize(
         engine=engine,
         schedule=schedule,
         sequence=sequence,
+        listeners=listeners,
     )
 
 

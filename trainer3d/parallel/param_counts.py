@@ -72,6 +72,12 @@ class LocalParams:
         return [(b, k) for b, k in ((self.dense, len(layers) - n_moe), (self.moe, n_moe)) if k]
 
 
+def embedding_on_last(cfg) -> bool:
+    """Whether a last stage without the embedding holds a copy of it (CausalLM.shares_embedding: a tied head, or
+    multi-token prediction's inputs), summed with it each step and saved once."""
+    return bool(cfg.tie_embeddings or getattr(cfg, "mtp_layers", 0))
+
+
 def moe_layers(cfg) -> frozenset[int]:
     """The blocks whose MLP is a mixture of experts (none for a family without `is_moe_layer`)."""
     if cfg.moe is None:

@@ -9,6 +9,7 @@ ones (ZBV, DualPipeV) give it stages r and 2pp-1-r, which puts the first and las
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from dataclasses import dataclass
@@ -21,9 +22,10 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from trainer3d.config import SCHEDULE_NAMES
 from trainer3d.errors import LayoutError
 from trainer3d.models.interface import CausalLM
+from trainer3d.models.moe import split_backward_pass
 from trainer3d.private_api import require
 
-# torch's pipelining before 2.13 (the GPU image has 2.11) needs two mends, found by running the suite on 2.11 (README):
+# torch's pipelining before 2.13 (the GPU image has 2.11) needs two mends, found by running the suite on 2.11 (docs/launching.md):
 # - it makes a stage's receive buffers once, on the schedule's first pass, and marks them as needing gradients only
 #   if that pass trains: after a first eval() (the step-0 validation) a later stage never sends its input gradient
 #   back ("chunk 0 has gradients None"); 2.13 remakes them on a train/eval switch;
@@ -202,11 +204,12 @@ def build_schedule(
     device: torch.device,
     shapes: Callable[[int], dict],
     stage_cls: type = PipelineStage,
-    sequence=None,
+    listeners: list | None = None,
 ):
     """`shapes(stage_index)`: stage_shapes of each stage; `stage_cls`: zero/glue.py's ZeroPipelineStage (DeepSpeed
-    engines as submodules) or torch's PipelineStage; `sequence`: the rank's SequenceLayout, told which micro-batch
-    each forward and backward runs (parallel/context_parallel.py)."""
+    engines as submodules) or torch's PipelineStage; `listeners`: what is told which micro-batch each forward and
+    backward runs (`micro_batch`): the rank's SequenceLayout (parallel/context_parallel.py), the MoE balance's padding
+    (parallel/moe_balance.py); the list may grow after the schedule is built."""
     info = SCHEDULES[schedule]
     require("parallel/pipeline.py")
     stage_cls = _derived(_FreeLogitsAfterBackward, stage_cls)
@@ -214,8 +217,8 @@ def build_schedule(
         stage_cls = _derived(_MendedBefore2_13, stage_cls)
     if info.v_shape:
         stage_cls = _derived(_NoGradientHandoffWithoutBackward, stage_cls)
-    if sequence is not None:
-        stage_cls = _telling_micro_batch(stage_cls, sequence)
+    if listeners is not None:
+        stage_cls = _telling_micro_batch(stage_cls, listeners)
     stages = [stage_cls(m, i, n_stages, device, group=pp_group, **shapes(i)) for m, i in zip(stage_modules, ids)]
     # scale_grads=False: the loss is already divided by the number of micro-batches (see train/trainer.py), so the
     # gradient means the same thing at every layout.
@@ -238,7 +241,8 @@ class _NoGradientHandoffWithoutBackward:
 
 
 class _FreeLogitsAfterBackward:
-    """The loss works in the logits' storage (parallel/cross_entropy.py), so once the last stage's backward is done
+    """Names the passes of a split backward to the experts (models/moe.split_backward_pass: each computes its own
+    gradients once). The loss works in the logits' storage (parallel/cross_entropy.py), so once the last stage's backward is done
     it holds a used gradient. torch's schedules keep the last forward's output in a local variable until the next
     forward, so that storage would live on through the next micro-batch's head, two logits-sized tensors at the last
     stage's peak (bench/README.md §14b). Free it when the micro-batch's backward is done, as Megatron-LM frees a
@@ -250,14 +254,17 @@ class _FreeLogitsAfterBackward:
 
     def backward_one_chunk(self, bwd_chunk_id, *args, full_backward: bool = True, **kwargs):
         logits = self.fwd_cache[bwd_chunk_id][0] if self.is_last and self.has_backward else ()
-        super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
+        with contextlib.nullcontext() if full_backward else split_backward_pass("input"):
+            super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
         if full_backward:
             _free(logits)
         else:
             self.logits_until_weight_pass[bwd_chunk_id] = logits
 
     def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
-        super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        # torch runs stage 0's weight pass as a whole backward (its inputs, token ids, need no gradient)
+        with split_backward_pass("weight") if self.stage_index != 0 else contextlib.nullcontext():
+            super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
         _free(self.logits_until_weight_pass.pop(bwd_chunk_id, ()))
 
 
@@ -289,14 +296,15 @@ def _derived(mixin: type, stage_cls: type) -> type:
     return type(stage_cls.__name__, (mixin, stage_cls), {})
 
 
-def _telling_micro_batch(stage_cls: type, sequence) -> type:
-    """A stage class that sets `sequence.micro_batch` before each forward and backward of a micro-batch: document
-    masks and positions depend on the micro-batch's rows, and a recomputation in the backward must see the same ones
-    as its forward did (the schedule interleaves micro-batches)."""
+def _telling_micro_batch(stage_cls: type, listeners: list) -> type:
+    """A stage class that sets `micro_batch` on each of `listeners` before each forward and backward of a micro-batch:
+    document masks, positions and padding depend on the micro-batch's rows, and a recomputation in the backward must
+    see the same ones as its forward did (the schedule interleaves micro-batches)."""
 
     def run_as(method):
         def run(self, chunk_id, *args, **kwargs):
-            sequence.micro_batch = chunk_id
+            for listener in listeners:
+                listener.micro_batch = chunk_id
             return getattr(stage_cls, method)(self, chunk_id, *args, **kwargs)
         return run
 

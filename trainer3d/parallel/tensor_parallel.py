@@ -313,10 +313,11 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
     """Swap the linears the model's ParallelPlan names, and its embedding and head, for their sharded forms (`model`
     is a pipeline stage, usually on the meta device). Applied at tp=1 too: the vocab is then still padded and one code
     path runs everywhere. A last stage whose tied embedding lives on another stage gets its own copy of the weight
-    (the engines keep the copies in sync)."""
+    (the engines keep the copies in sync), as does a last stage's own embedding copy (multi-token prediction); the
+    blocks outside the stack (CausalLM.extra_blocks: an MTP module's) are split as the stack's."""
     cfg, plan = model.cfg, model.parallel_plan()
     dev = next(model.parameters()).device
-    for block in model.blocks.values():
+    for block in [*model.blocks.values(), *model.extra_blocks()]:
         for path, style in plan.linears.items():
             old = _linear_at(block, path)
             if old is None:  # a mixture of experts in this block (parallel/expert_parallel.py splits it)
@@ -337,6 +338,8 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
     Vp = padded_vocab_size(V, size)
     if model.embedding is not None:
         setattr(model, model.EMBEDDING, VocabParallelEmbedding(V, Vp, d, group, rank, size, device=dev))
+    if model.embedding_copy is not None:
+        setattr(model, model.EMBEDDING_COPY, VocabParallelEmbedding(V, Vp, d, group, rank, size, device=dev))
     if model.head is not None:
         tied_here = cfg.tie_embeddings and model.embedding is not None
         weight = model.embedding.weight if tied_here else vocab_parallel_weight(V, Vp, d, size, dev)

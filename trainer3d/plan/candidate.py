@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from trainer3d.parallel.param_counts import local_params
+from trainer3d.parallel.param_counts import embedding_on_last, local_params
 from trainer3d.parallel.pipeline import balance_layers, stage_ids, stages_per_rank
 from trainer3d.zero.config import auto_buckets
 
@@ -176,8 +176,9 @@ def stage_params(cfg, tp: int, st: Stage, ep: int = 1) -> int:
     if st.first:
         n += lp.embedding + sum(lp.first_extra)  # vocab-parallel embedding, replicated positions (GPT-2)
     if st.last:
-        n += sum(lp.last_extra) + (0 if cfg.tie_embeddings and st.first else lp.head)  # final norm; the head (a
-        # copy of a tied embedding when it lives elsewhere)
+        n += sum(lp.last_extra) + (0 if cfg.tie_embeddings and st.first else lp.head)  # final norm (and MTP
+        # modules); the head (a copy of a tied embedding when it lives elsewhere)
+        n += lp.embedding if not st.first and not cfg.tie_embeddings and embedding_on_last(cfg) else 0  # MTP's copy
     return n
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from trainer3d.parallel.pipeline import last_stage_pp_rank
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
-from trainer3d.parallel.param_counts import local_params
+from trainer3d.parallel.param_counts import embedding_on_last, local_params
 from trainer3d.plan.candidate import Candidate, expert_params, persistent_params, rank_params, tp_summed_pieces
 
 
@@ -245,7 +245,7 @@ def _tied_and_scalars(cand: Candidate, pp_rank: int) -> list[Transfer]:
     cfg, P, dp = cand.cfg, cand.prec, cand.dp_cp
     out: list[Transfer] = []
     first_rank, last_rank = tied_copy_ranks(cand)
-    if cfg.tie_embeddings and cand.pp > 1 and first_rank != last_rank and pp_rank in (first_rank, last_rank):
+    if embedding_on_last(cfg) and cand.pp > 1 and first_rank != last_rank and pp_rank in (first_rank, last_rank):
         Vp = padded_vocab_size(cfg.vocab_size, cand.tp)
         shard = Vp // cand.tp * cfg.n_embd
         if cand.zero_stage >= 3:

@@ -4,8 +4,8 @@ derivation of each term is in bench/README.md, section "Memory per rank".
 
 A mixture of experts adds (tests/test_plan.py measures the block's saved tensors): its experts' state divided by ep
 and left out of DDP's buckets at ep > 1 (reduced over edp in flat buckets after the backward); per token the family's
-activation formula (each token's k copies through experts of width I, the routing scores); per MoE layer and
-micro-batch in flight the bf16 copies of the rank's experts that the grouped matmul's cast keeps under autocast; in a
+activation formula (each token's k copies through experts of width I, the routing scores); per MoE layer, through
+the schedule, the bf16 copies of the rank's experts that autocast's step casts once (models/moe.py); in a
 block's backward the rows exchanged by the all-to-all; and the sum over tp of the gradients each tp rank holds a share
 of (the router's and experts' at every tp > 1).
 """
@@ -54,7 +54,7 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
     Th = hidden_tokens(cand) * h
     Vp = padded_vocab_size(cand.cfg.vocab_size, t)
     per_layer = Th * P.resid if cand.recompute else layer_activation_bytes(cand)
-    total = st.layers * per_layer + (0.0 if cand.recompute else expert_weight_copies(cand, st.blocks))
+    total = st.layers * per_layer
     if st.first:
         total += T * (8 + (9 if t > 1 else 0))  # token ids (int64); under TP also the shard mask and local ids
     if st.last:
@@ -68,8 +68,8 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
 
 def expert_weight_copies(cand: Candidate, blocks: range) -> float:
     """Under autocast (fp32 parameters, bf16 matmuls) each MoE layer casts this rank's experts to the matmul dtype
-    itself (autocast does not reach the grouped matmul: models/moe.py) and autograd keeps the copies for the backward:
-    one per MoE layer and micro-batch in flight (a dense linear's cast is autocast's, cached once per step)."""
+    itself (autocast does not reach the grouped matmul), once a step (models/moe.expert_casts_cached, as autocast
+    caches a dense linear's cast), and the copies live through the schedule, whatever the micro-batches in flight."""
     P = cand.prec
     if P.param == P.matmul:
         return 0.0
@@ -226,7 +226,8 @@ def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[St
     e.activations = k * per_mb
     t_sched = _schedule_transient(cand, stages)
     t_after = _after_schedule_transient(cand, stages, n)
-    sched_peak = max(without_grads, with_grads) + t_sched
+    casts = sum(expert_weight_copies(cand, s.blocks) for s in stages)  # the experts' step casts, through the schedule
+    sched_peak = max(without_grads, with_grads) + casts + t_sched
     opt_peak = (n * P.grad if z <= 1 else 0.0) + t_after
     e.transient = t_sched if sched_peak >= opt_peak else t_after
     # held through the step: params, optimizer state, buffers, and (ZeRO) the gradient partition
@@ -252,11 +253,8 @@ def _schedule_transient(cand: Candidate, stages: list[Stage]) -> float:
     kinds = {b for s in stages for b, _ in local_params(cfg, cand.tp).kinds(s.blocks)}
     t_block = max((mlp_backward_bytes(cand, b) for b in kinds), default=0.0)
     t_block += hidden_tokens(cand) * h * P.resid + t_gather if kinds else 0.0
-    # - recomputation rebuilds one block's activations (and an MoE layer's expert copies) in its backward
-    t_recompute = 0.0
-    if cand.recompute:
-        one_layer = max((expert_weight_copies(cand, range(i, i + 1)) for s in stages for i in s.blocks), default=0.0)
-        t_recompute = layer_activation_bytes(cand) + one_layer
+    # - recomputation rebuilds one block's activations in its backward
+    t_recompute = layer_activation_bytes(cand) if cand.recompute else 0.0
     # - a tied embedding with the head in the same stage (pp 1) gets its gradient from the head, first in the
     #   backward, and from the embedding, last: autograd holds the first in the weight's input buffer until the
     #   second arrives, so the head's weight gradient lives through every block's backward

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer3d.parallel.param_counts import local_params
+from trainer3d.parallel.param_counts import embedding_on_last, local_params
 from trainer3d.plan.candidate import Candidate, expert_params, max_param_tensor, rank_params, replicated_params
 
 
@@ -36,7 +36,7 @@ def state_memory(cand: Candidate, pp_rank: int) -> StateMemory:
     stages, ep = cand.stages(pp_rank), cand.ep
     n = rank_params(cand.cfg, cand.tp, stages, ep)
     largest = max_param_tensor(cand.cfg, cand.tp, stages, ep)
-    tied_copy = any(s.last and not s.first for s in stages) and cand.cfg.tie_embeddings  # saved by the first stage
+    tied_copy = any(s.last and not s.first for s in stages) and embedding_on_last(cand.cfg)  # saved by the first
     replicated = sum(replicated_params(cand.cfg, stages, ep))  # held by every tp rank, written 1/tp by each
     saved = n - (local_params(cand.cfg, cand.tp).head if tied_copy else 0) - replicated * (1 - 1 / cand.tp)
     experts = expert_params(cand.cfg, cand.tp, stages, ep) if ep > 1 else 0  # (replicated over tp: 1/tp of them left)

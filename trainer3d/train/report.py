@@ -106,7 +106,8 @@ def step_line(record: dict, eta_s: float | None) -> str:
     """A step's console line, from its metrics record."""
     from tqdm import tqdm
 
-    line = (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+    mtp = f" | mtp_loss {record['mtp_loss']:.4f}" if "mtp_loss" in record else ""  # (multi-token prediction)
+    line = (f"step {record['step']:>6} | loss {record['loss']:.4f}{mtp} | lr {record['lr']:.2e} | "
             f"grad_norm {record['grad_norm']:.3f} | {record['step_time_s'] * 1000:.0f} ms | "
             f"{record['tokens_per_s']:,.0f} tok/s")
     if record.get("mfu") is not None:

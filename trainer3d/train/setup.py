@@ -71,7 +71,8 @@ class RunSetup:
 RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("n_layer", 1, None, False), ("n_head", 1, None, False), ("n_embd", 1, None, False), ("n_positions", 1, None, False),
     ("n_kv_heads", 1, None, False), ("ffn_hidden", 1, None, False), ("n_experts", 1, None, False),
-    ("top_k", 1, None, False), ("moe_ffn_hidden", 1, None, False),
+    ("top_k", 1, None, False), ("moe_ffn_hidden", 1, None, False), ("mtp_layers", 0, None, False),
+    ("mtp_loss_coef", 0.0, None, False),
     ("vocab_size", 1, None, False), ("dropout", 0.0, 1.0, True), ("virtual_stages", 1, None, False),
     ("micro_batches", 1, None, False), ("seq_len", 1, None, False), ("global_batch", 1, None, False),
     ("global_batch_tokens", 1, None, False), ("max_steps", 1, None, False), ("min_lr", 0.0, None, False),
@@ -216,6 +217,28 @@ def check_moe_flags(cfg: TrainConfig, mcfg, layout) -> None:
                           "(the same at every layout).")
 
 
+def check_mtp(cfg: TrainConfig, mcfg, layout) -> None:
+    """Multi-token prediction needs a model with MTP modules (DeepSeek-V3's family; --mtp-loss-coef 0 builds none)
+    and a layout its last stage runs them at: not with context or sequence parallelism (the modules' shifted inputs
+    and targets would cross the shards), nor transformers' pooled balance loss (its model has no MTP modules)."""
+    depth = getattr(mcfg, "mtp_layers", None)
+    if not depth:
+        if cfg.mtp_loss_coef:
+            which = (f"the {mcfg.family} family has none" if depth is None else
+                     "this model has none (--mtp-layers 0, or Hugging Face weights without them)")
+            raise ConfigError(f"--mtp-loss-coef {cfg.mtp_loss_coef} weighs the loss of multi-token prediction modules, "
+                              f"and {which}; drop it.")
+        return
+    if layout.cp > 1 or cfg.sequence_parallel:
+        which = "--cp" if layout.cp > 1 else "--sequence-parallel"
+        raise LayoutError(f"Multi-token prediction is not built with {which} (its shifted inputs and targets would "
+                          "cross the shards); drop it, or pass "
+                          "--mtp-loss-coef 0 to train without the MTP modules.")
+    if cfg.moe_aux_loss == "hf" and cfg.moe_aux_loss_coef:
+        raise ConfigError("--moe-aux-loss hf pools the layers of transformers' model, which has no multi-token "
+                          "prediction modules; use --moe-aux-loss sequence, or pass --mtp-loss-coef 0.")
+
+
 def check_size_flags(cfg: TrainConfig, base) -> None:
     """A size flag must name a field of the model's family (--n-kv-heads means nothing to GPT-2)."""
     fields = {f for f in base.__dataclass_fields__}
@@ -325,6 +348,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
     if problem is not None:
         raise LayoutError(problem)
     check_moe_flags(cfg, mcfg, layout)
+    check_mtp(cfg, mcfg, layout)
     check_context_parallel(layout.cp, cfg.seq_len)
     if cfg.sequence_parallel:
         check_sequence_parallel(layout.tp, cfg.seq_len, layout.cp)

@@ -16,13 +16,15 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from trainer3d.data.batch import Batch
+from trainer3d.data.batch import Batch, document_ids, real_inputs
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.errors import TrainingError
+from trainer3d.models.moe import expert_casts_cached
 from trainer3d.optim import DynamicLossScale, lr_at
 from trainer3d.parallel.ddp import DDPEngine
 from trainer3d.parallel.engine import EngineFactory
 from trainer3d.parallel.moe_balance import MoEBalance
+from trainer3d.parallel.mtp import install_mtp
 from trainer3d.parallel.parallelize import parallelize
 from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 from trainer3d.train.setup import RunSetup
@@ -56,6 +58,10 @@ class Trainer:
         self.engine, self.schedule = self.pm.engine, self.pm.schedule
         self.step = 0
         self.balance = MoEBalance(self, self.pm.stages) if mcfg.moe is not None else None  # routing: losses, loads
+        if self.balance is not None:
+            self.pm.listeners.append(self.balance)  # told each micro-batch: its padding
+        self.mtp = install_mtp(self)  # multi-token prediction's targets and losses (parallel/mtp.py), or None
+        self.boundary = boundary
         self.logging_rank = topo.global_rank(topo.last_stage_pp_rank, 0, 0)
         self.is_logging_rank = dist.get_rank() == self.logging_rank
         self._reduction = None  # set by forward_only for one pass
@@ -74,13 +80,20 @@ class Trainer:
             return self._reduction(logits, targets)
         scale = self.loss_scale.scale if self.loss_scale else 1.0
         supervised = targets >= 0  # the Batch's unsupervised targets are negative (_schedule_pass)
-        losses = self.token_losses(logits, targets.clamp(min=0))
-        return torch.where(supervised, losses, 0.0).sum() * (scale * self._weight)
+        losses = torch.where(supervised, self.token_losses(logits, targets.clamp(min=0)), 0.0)
+        if self.mtp is None or not self.mtp.in_pass:
+            return losses.sum() * (scale * self._weight)
+        T = targets.shape[1] // (1 + self.mtp.depth)  # the main targets, then each depth's (parallel/mtp.py)
+        return self.mtp(losses[:, :T].sum() * (scale * self._weight), losses[:, T:], scale)
 
+    @contextlib.contextmanager
     def _autocast(self):
+        """The step's autocast region; the experts' casts are cached for it as autocast caches the dense weights'."""
         if self.precision == "fp32" or self.engine.casts_module:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[self.precision])
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[self.precision]), expert_casts_cached():
+            yield
 
     def _schedule_pass(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
                        documents: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -118,19 +131,40 @@ class Trainer:
         documents = batch.documents[:, :-1] if batch.documents is not None else None
         if train:
             self.clock.begin(data_s)
-        losses = self._schedule_pass(tokens[:, :-1], targets, train, documents)
-        # One rank per dp replica and context shard (last stage, tp rank 0) contributes its targets' share; the world
-        # sums. Training, each rank also puts its step time in its own slot after those two.
-        world = self.topo.layout.world_size
-        local = torch.zeros(2 + (world if train else 0), device=self.device)
+        if train and self.balance is not None:  # padding never counts in the balance (its real tokens' mask)
+            inputs = batch.inputs if batch.inputs is not None else self.plan.global_batch * self.cfg.seq_len
+            self.balance.begin_pass(real_inputs(batch), inputs)
+        mtp = self.mtp if train else None
+        if mtp is not None:  # the MTP depths' targets follow the main ones; the last stage gets the next tokens
+            targets = mtp.begin_pass(tokens, targets, self._mtp_documents(batch), self.plan.micro_batches,
+                                     whole=batch.supervised is None)
+        try:
+            losses = self._schedule_pass(tokens[:, :-1], targets, train, documents)
+        finally:
+            if mtp is not None:
+                mtp.end_pass()
+        # One rank per dp replica and context shard (last stage, tp rank 0) contributes its targets' share (and its
+        # MTP depths' shares); the world sums. Training, each rank also puts its step time in its own slot after them.
+        world, depth = self.topo.layout.world_size, mtp.depth if mtp is not None else 0
+        local = torch.zeros(2 + depth + (world if train else 0), device=self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
             local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
+            if mtp is not None:
+                local[2:2 + depth] = mtp.sums
         local[1] = float(stop_requested)
         if train:
-            local[2 + self.topo.rank] = self.clock.seconds()
+            local[2 + depth + self.topo.rank] = self.clock.seconds()
         total = all_reduce(local, self.topo.world_group).double()
+        total[2:2 + depth] /= self.topo.layout.dp_cp  # each depth's mean loss L_k
         return total[0] / self.topo.layout.dp_cp, total[1], total[2:] if train else None
+
+    def _mtp_documents(self, batch: Batch) -> torch.Tensor | None:
+        """[B, seq_len + 1] each token's document where the rows' documents are known (stored, or opened by the
+        boundary token under --document-mask / --reset-position-ids), else None."""
+        if batch.documents is not None:
+            return batch.documents
+        return document_ids(batch.tokens, self.boundary) if self.cfg.uses_documents else None
 
     def train_step(self, batch: Batch | torch.Tensor, stop_requested: bool = False, data_s: float = 0.0) -> dict:
         """One optimizer step on this dp rank's rows of the global batch (a Batch, or its tokens [local_batch,
@@ -153,8 +187,11 @@ class Trainer:
                 "check the data, then resume" + ("." if self.deepspeed else " (--on-nonfinite skip trains past such "
                                                  "steps)."))
         self.step += 1
+        depth = self.mtp.depth if self.mtp is not None else 0  # the extra vector: the MTP depths' losses, then times
         record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                  "skipped": not result.stepped, "stop": result.stop, "rank_step_times": result.extra}
+                  "skipped": not result.stepped, "stop": result.stop, "rank_step_times": result.extra[depth:]}
+        if depth:  # the mean over depths of L_k (the loss trained is loss + --mtp-loss-coef × this)
+            record["mtp_loss"] = sum(result.extra[:depth]) / depth
         if self.loss_scale:
             record.update(loss_scale=self.loss_scale.scale)
         if self.balance is not None:  # one all-reduce and one read of the step's routing statistics

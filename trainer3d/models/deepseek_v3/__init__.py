@@ -9,12 +9,16 @@ from trainer3d.models.llama.model import init_value
 
 
 def check(cfg: DeepseekV3Config, tp: int) -> None:
-    """tp splits whole heads (and the dense blocks' SwiGLU width); the routing must be one transformers can run."""
+    """tp splits whole heads (and the dense blocks' SwiGLU width); the routing must be one transformers can run; MTP
+    modules embed with the model's own embedding, which a tied head would share too (not built)."""
     if cfg.n_head % tp:
         raise LayoutError(f"--tp {tp} must divide the model's {cfg.n_head} attention heads; pick a divisor of "
                           f"{cfg.n_head}.")
     if any(not cfg.is_moe_layer(i) for i in range(cfg.n_layer)) and cfg.ffn_hidden % tp:  # (experts are not split)
         raise LayoutError(f"--tp {tp} must divide the model's MLP width of {cfg.ffn_hidden}; pick a divisor of it.")
+    if cfg.mtp_layers and cfg.tie_embeddings:
+        raise ConfigError("Multi-token prediction with a tied embedding and head is not built (DeepSeek-V3's are "
+                          "untied); pass --mtp-loss-coef 0 to train without the MTP modules.")
     try:
         cfg.moe.check()
     except ValueError as e:

@@ -1,7 +1,10 @@
 """DeepSeek-V3's shape and formulas (Kimi K2 and Moonlight share it: transformers loads all three as
 DeepseekV3ForCausalLM): multi-head latent attention (MLA) with decoupled rotary keys and YaRN, `first_k_dense_replace`
-dense blocks, then mixtures of experts with shared experts and DeepSeek's routing. Published sizes from the Hugging Face
-config.json files, plus a tiny one for CPU runs."""
+dense blocks, then mixtures of experts with shared experts and DeepSeek's routing, and `mtp_layers` multi-token
+prediction modules (mtp.py). Published sizes from the Hugging Face config.json files, plus a tiny one for CPU runs.
+
+`num_params` counts what the model builds, the MTP modules included (`mtp_params`); the published counts (671B for
+DeepSeek-V3) leave them out (the paper's 14B more). The FLOPs of a step count them too (they train with the model)."""
 
 from __future__ import annotations
 
@@ -53,6 +56,9 @@ class DeepseekV3Config:
     rope_attention_factor: float | None = None  # None: from the factor and the mscales, as transformers derives it
     rope_truncate: bool = True
     tie_embeddings: bool = False
+    # multi-token prediction (DeepSeek-V3 §2.2): D modules after the last block, each a block of the last's kind
+    # (HF's num_nextn_predict_layers); module k is layer n_layer + k - 1 of DeepSeek's files
+    mtp_layers: int = 0
 
     family: ClassVar[str] = "deepseek_v3"
 
@@ -78,7 +84,9 @@ class DeepseekV3Config:
 
     @property
     def moe_layers(self) -> list[int]:
-        return [i for i in range(self.n_layer) if self.is_moe_layer(i)]
+        """Every MoE block's global index, the MTP modules' (n_layer, n_layer + 1, ...) included: the routing
+        statistics and loss-free balancing see them as layers (parallel/moe_balance.py)."""
+        return [i for i in range(self.n_layer + self.mtp_layers) if self.is_moe_layer(i)]
 
     # ---- formulas: parameters and FLOPs per block (an MoE block counts all its experts, or the k a token uses) ----
     def attention_params(self) -> int:
@@ -94,7 +102,21 @@ class DeepseekV3Config:
     # an MoE block's parameters and the model's total: Llama's formulas over this config's attention_params
     mlp_params = LlamaConfig.mlp_params
     block_params = LlamaConfig.block_params
-    num_params = LlamaConfig.num_params
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        return LlamaConfig.num_params(self, include_embedding, active) + self.mtp_params(active)
+
+    def mtp_params(self, active: bool = False) -> int:
+        """The MTP modules' own parameters (each a block, eh_proj [d, 2d] and three norms: enorm, hnorm and its
+        final norm); the embedding and the head are the model's."""
+        d = self.n_embd
+        return sum(self.block_params(self.n_layer + k, active) + 2 * d * d + 3 * d for k in range(self.mtp_layers))
+
+    def _mtp_matmul_params(self) -> float:
+        """A token's matmul parameters in the MTP modules: each one's block and eh_proj, and the head it applies."""
+        norms = 2 * self.n_embd + self.latent_norm_params()
+        return sum(self.block_params(self.n_layer + k, active=True) - norms + 2 * self.n_embd ** 2
+                   + self.vocab_size * self.n_embd for k in range(self.mtp_layers))
 
     def _matmul_params(self) -> float:
         """A token's matmul parameters per block, averaged over the blocks (norm gains excluded)."""
@@ -104,14 +126,17 @@ class DeepseekV3Config:
         """Training FLOPs per token: 6 per matmul parameter a token uses (the head included, the embedding lookup
         excluded; an MoE layer's router and its k experts and shared experts) plus attention's QK^T over
         qk_head_dim and AV over v_head_dim for every head, 6·L·H·(qk + v)·T (Llama's 12·L·H·hd·T with MLA's two widths)."""
-        matmul = self.n_layer * self._matmul_params() + self.vocab_size * self.n_embd
-        return 6.0 * matmul + 6.0 * self.n_layer * self.n_head * (self.qk_head_dim + self.v_head_dim) * seq_len
+        matmul = self.n_layer * self._matmul_params() + self.vocab_size * self.n_embd + self._mtp_matmul_params()
+        blocks = self.n_layer + self.mtp_layers
+        return 6.0 * matmul + 6.0 * blocks * self.n_head * (self.qk_head_dim + self.v_head_dim) * seq_len
 
     def layer_flops(self, seq_len: int) -> float:
         return 2 * self._matmul_params() + 2 * seq_len * self.n_head * (self.qk_head_dim + self.v_head_dim)
 
     def head_flops(self) -> float:
-        return 2 * self.n_embd * self.vocab_size
+        """The head's forward FLOPs per token and, on the same (last) stage, the MTP modules' matmuls (their
+        attention's share, which grows with the sequence, left out: the pipeline's balance is coarse anyway)."""
+        return 2 * self.n_embd * self.vocab_size + 2 * self._mtp_matmul_params()
 
     def layer_activations(self) -> LayerActivations:
         """Elements one block saves for its backward, per token, in Llama's accounting for the block's norms and its
@@ -125,7 +150,7 @@ class DeepseekV3Config:
         h, H, qk = self.n_embd, self.n_head, self.qk_head_dim
         q, kv = self.q_lora_rank or 0, self.kv_lora_rank
         values = qk if self.v_head_dim != qk else self.qk_nope_head_dim + self.v_head_dim
-        spec, share = self.moe, len(self.moe_layers) / self.n_layer
+        spec, share = self.moe, sum(map(self.is_moe_layer, range(self.n_layer))) / self.n_layer
         k = spec.top_k
         mlp = 4 * self.ffn_hidden * (1 - share) + share * k * (2 * h + 2 * spec.expert_hidden + 1)
         mlp += share * (h + 4 * spec.shared_hidden) if spec.shared_hidden else 0
@@ -139,14 +164,14 @@ class DeepseekV3Config:
 _MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 PRESETS: dict[str, DeepseekV3Config] = {
     # CPU runs and tests: every part (q and kv latents, YaRN with its mscale, interleaved rope, v_head_dim != the qk
-    # dims, two dense blocks, 8 experts in 4 groups with top-2 from 2 groups, a shared expert)
+    # dims, two dense blocks, 8 experts in 4 groups with top-2 from 2 groups, a shared expert, one MTP module)
     "deepseek-v3-tiny": DeepseekV3Config(
         vocab_size=129280, n_positions=4096, n_embd=128, n_layer=4, n_head=4, ffn_hidden=256, q_lora_rank=64,
         kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_experts=8, n_shared_experts=1,
         top_k=2, moe_ffn_hidden=48, n_group=4, topk_group=2, first_k_dense_replace=2, rope_factor=4.0,
-        rope_original_context=1024),
-    # DeepSeek-V3 / V3.1 (deepseek-ai/DeepSeek-V3 config.json): 671B total, 37B activated
-    "deepseek-v3": DeepseekV3Config(**_MLA),
+        rope_original_context=1024, mtp_layers=1),
+    # DeepSeek-V3 / V3.1 (deepseek-ai/DeepSeek-V3 config.json): 671B total, 37B activated, one MTP module (14B)
+    "deepseek-v3": DeepseekV3Config(**_MLA, mtp_layers=1),
     # Kimi K2 (moonshotai/Kimi-K2-Instruct config.json, 128K context): 1T total (its report: 1.04T), 32B activated
     "kimi-k2": DeepseekV3Config(**_MLA, vocab_size=163840, n_positions=131072, n_head=64, n_experts=384, n_group=1,
                                 topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, rope_theta=50000.0,

@@ -4,14 +4,18 @@ experts' fused gate|up are split into gate_proj and up_proj; the experts are one
 (`mlp.experts.{j}.gate_proj/up_proj/down_proj.weight`), stacked here; the router's selection bias is the table
 `mlp.gate.expert_bias`, `mlp.gate.e_score_correction_bias` in the files (kept in fp32, as transformers keeps it).
 
-Multi-token prediction is not built: transformers 5.24's DeepseekV3ForCausalLM keeps no MTP weights either (its
-loader skips the layers past num_hidden_layers, where DeepSeek's files hold them), so a config that declares MTP layers
-is read with a note, their tensors are skipped, and an export declares none (`num_nextn_predict_layers` 0)."""
+Multi-token prediction: DeepSeek's files hold MTP module k as layer n_layer + k - 1 (`model.layers.{i}.`: a block's
+tensors, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the embedding and the head as
+`embed_tokens` and `shared_head.head`); trainer3d's modules are `mtp.{i}.*`. Export writes them so, copies included,
+with num_nextn_predict_layers; transformers' DeepseekV3ForCausalLM ignores them on load (it builds no MTP). A config
+that declares modules whose weights the files lack (transformers' own save_pretrained drops them) is read without
+them, with a note."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -79,16 +83,25 @@ class DeepseekV3Adapter(LlamaAdapter):
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
             norm_topk_prob=bool(raw.get("norm_topk_prob", True)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope["rope_theta"]), rope_interleave=bool(raw.get("rope_interleave", True)), **yarn,
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)), mtp_layers=mtp_layers(raw),
         )
 
-    def import_notes(self, raw: dict) -> list[str]:
-        n = mtp_layers(raw)
-        if not n:
-            return []
-        return [f"config.json declares {n} multi-token-prediction layer{'s' * (n > 1)} (num_nextn_predict_layers), "
-                "which trainer3d does not train: its weights are skipped, as transformers' DeepseekV3ForCausalLM "
-                "skips them"]
+    def fit_to_weights(self, cfg: DeepseekV3Config,
+                       names: Callable[[], set[str]]) -> tuple[DeepseekV3Config, list[str]]:
+        """The MTP modules whose weights the files hold (the first ones, in order), with a note where config.json
+        declares more."""
+        if not cfg.mtp_layers:
+            return cfg, []
+        held = names()
+        found = 0
+        while found < cfg.mtp_layers and f"model.layers.{cfg.n_layer + found}.eh_proj.weight" in held:
+            found += 1
+        if found == cfg.mtp_layers:
+            return cfg, []
+        n = cfg.mtp_layers
+        return dataclasses.replace(cfg, mtp_layers=found), [
+            f"config.json declares {n} multi-token-prediction layer{'s' * (n > 1)} (num_nextn_predict_layers) but "
+            f"the files hold the weights of {found} (transformers' save_pretrained drops them): trained with {found}"]
 
     def hf_config(self, cfg: DeepseekV3Config, dtype: torch.dtype | None = None, eos_token_id: int | None = None,
                   bos_token_id: int | None = None):
@@ -116,10 +129,11 @@ class DeepseekV3Adapter(LlamaAdapter):
             first_k_dense_replace=cfg.first_k_dense_replace, norm_topk_prob=cfg.norm_topk_prob, hidden_act="silu",
             max_position_embeddings=cfg.n_positions, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
             rope_parameters=rope, rope_interleave=cfg.rope_interleave, attention_bias=False,
-            attention_dropout=cfg.dropout, num_mtp_layers=0, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-            architectures=[self.architecture], **kwargs)
+            attention_dropout=cfg.dropout, num_mtp_layers=cfg.mtp_layers, bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id, architectures=[self.architecture], **kwargs)
 
     def parts(self, cfg: DeepseekV3Config, name: str) -> list[HFPart]:
+        name = _as_layer(name)
         layer, _, rest = name.partition(".mlp.")
         if rest.startswith("shared_expert."):
             base = f"model.{layer}.mlp.shared_experts."
@@ -131,10 +145,25 @@ class DeepseekV3Adapter(LlamaAdapter):
                                "down_proj.weight")
         return experts if experts is not None else super().parts(cfg, name)
 
+    def to_hf(self, cfg: DeepseekV3Config, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As every family's, and the embedding and the head also as each MTP layer's copy (DeepSeek's files)."""
+        out = super().to_hf(cfg, name, tensor)
+        copy = {"embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "shared_head.head.weight"}.get(name)
+        if copy is not None and not cfg.tie_embeddings:
+            out.update({f"model.layers.{cfg.n_layer + k}.{copy}": tensor for k in range(cfg.mtp_layers)})
+        return out
+
     def table_name(self, cfg: DeepseekV3Config, name: str) -> str | None:
+        name = _as_layer(name)
         return f"model.{name.removesuffix(_BIAS)}.mlp.gate.e_score_correction_bias" if name.endswith(_BIAS) else None
 
     def ignored(self, cfg: DeepseekV3Config, hf_name: str) -> bool:
-        """A tied head's duplicate, old buffers, and the multi-token-prediction layers (past the model's last)."""
+        """A tied head's duplicate, old buffers, and MTP layers the run does not build (past its last)."""
         layer = _LAYER.match(hf_name)
-        return super().ignored(cfg, hf_name) or (layer is not None and int(layer.group(1)) >= cfg.n_layer)
+        return super().ignored(cfg, hf_name) or (layer is not None
+                                                 and int(layer.group(1)) >= cfg.n_layer + cfg.mtp_layers)
+
+
+def _as_layer(name: str) -> str:
+    """An MTP module's canonical name (`mtp.{i}.`) as the layer DeepSeek's files store it as (`layers.{i}.`)."""
+    return "layers." + name.removeprefix("mtp.") if name.startswith("mtp.") else name

@@ -11,12 +11,15 @@ MLA: q = q_b(norm(q_a(x))) (or one q_proj); [latent, k_rope] = kv_a_proj_with_mq
 the rope key is one head shared by every head. Only the rope dims rotate (in DeepSeek's interleaved pairs where
 `rope_interleave`, rotated as transformers does: evens then odds). The softmax scale is qk_head_dim**-0.5 times YaRN's
 mscale² (applied to q here, so the shared attention kernels keep their default scale). Values are padded with zeros
-to qk_head_dim before attention, and the padding of the output dropped: the CPU flash kernels, context parallelism's
-gather and the KV cache all take one head size (the cache holds k and v, not the latents).
+to qk_head_dim before attention, and the padding of the output dropped: the CPU flash kernels and context
+parallelism's gather take one head size. Decoding caches the normed latent and the rotated rope key, kv_lora_rank +
+qk_rope_head_dim numbers a token and layer (DeepSeek-V3: 576, against 2·128·192 = 49,152 for k and v), and expands
+them through kv_b_proj at each step.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -25,7 +28,8 @@ import torch.nn.functional as F
 
 from trainer3d.models.attention import AttentionCore, KVCache
 from trainer3d.models.deepseek_v3.config import LATENT_NORM_EPS, DeepseekV3Config
-from trainer3d.models.interface import ColumnParallel, ParallelPlan, RowParallel
+from trainer3d.models.deepseek_v3.mtp import MTPModule, mtp_logits
+from trainer3d.models.interface import CausalLM, ColumnParallel, ParallelPlan, RowParallel
 from trainer3d.models.llama.model import Llama, RMSNorm, Rotary, rotate
 
 
@@ -117,31 +121,76 @@ class MLAttention(AttentionCore):
         latent_dim, nope, rope, v_dim = self.dims
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([latent_dim, rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
+        latent = self.kv_a_layernorm(latent)
         k_rope = self.rope_key(k_rope)
         # this rank's heads follow from the (possibly tp-sharded) widths; the length from q (under sequence
         # parallelism the projections gather the sequence)
         B, T, _ = q.shape
         q = q.view(B, T, -1, nope + rope).transpose(1, 2)
-        k_nope, v = kv.view(B, T, -1, nope + v_dim).transpose(1, 2).split([nope, v_dim], dim=-1)
         cos, sin = self.rotary(0 if kv_cache is None else kv_cache.length, T, q)
         q = torch.cat((q[..., :nope], self._rotate(q[..., nope:], cos, sin)), dim=-1)
         k_rope = self._rotate(k_rope.view(B, 1, T, rope), cos, sin)
+        if kv_cache is not None:  # decoding caches the latent and the rope key (kv_lora_rank + rope a token)
+            cached, k_rope = kv_cache.append(layer, latent.unsqueeze(1), k_rope)
+            latent = cached.squeeze(1)
+        kv = self.kv_b_proj(latent)  # (sequence parallelism: gathered here, as the rope key in rope_key)
+        S = kv.shape[1]
+        k_nope, v = kv.view(B, S, -1, nope + v_dim).transpose(1, 2).split([nope, v_dim], dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         if v_dim != nope + rope:
             v = F.pad(v, (0, nope + rope - v_dim))
-        y = self.attend(q, k, v, kv_cache, layer)
+        y = self.core(q, k, v) if kv_cache is None else self.cached_core(q, k, v)
+        y = y.transpose(1, 2)
         if v_dim != nope + rope:
-            y = y.view(B, T, -1, nope + rope)[..., :v_dim].reshape(B, T, -1)
-        return self.o_proj(y)
+            y = y[..., :v_dim]
+        return self.o_proj(y.reshape(B, T, -1))
 
 
 class DeepseekV3(Llama):
-    """Llama's skeleton (embedding, blocks, final norm, head, its forward) with latent attention in its blocks."""
+    """Llama's skeleton (embedding, blocks, final norm, head) with latent attention in its blocks, and the MTP modules
+    (mtp.py) on the last stage, `mtp` keyed by their layer index in DeepSeek's files (n_layer + k - 1). They predict
+    only while `next_tokens` (set by the trainer: the running micro-batch's t_{i+1}, [B, T]) gives tokens: the
+    logits [B, T, V] are then followed by each module's, [B, (1 + D)·T, V]; evaluation, sampling and export see the
+    plain model. A last stage without the embedding embeds with its own copy (EMBEDDING_COPY)."""
 
     ATTENTION = MLAttention
+    LAST_STAGE = ("norm", "lm_head", "mtp")
+    EMBEDDING_COPY = "mtp_embed_tokens"
+
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__(cfg)
+        n = cfg.n_layer
+        self.mtp: nn.ModuleDict | None = nn.ModuleDict(
+            {str(n + k): MTPModule(cfg, n + k, self.ATTENTION) for k in range(cfg.mtp_layers)})
+        self.mtp_embed_tokens: nn.Module | None = None
+        self.next_tokens = None  # a callable: the running micro-batch's next tokens, or None (parallel/mtp.py)
+
+    def stage(self, layers: range, first: bool, last: bool) -> CausalLM:
+        out = super().stage(layers, first, last)
+        if last and not first and self.cfg.mtp_layers:
+            out.mtp_embed_tokens = copy.deepcopy(self.embed_tokens)
+        return out
+
+    def shares_embedding(self) -> bool:
+        return super().shares_embedding() or self.cfg.mtp_layers > 0
+
+    def extra_blocks(self) -> list[nn.Module]:
+        return list(self.mtp.values()) if self.mtp is not None else []
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        if self.embed_tokens is not None:  # first stage: x holds token ids
+            x = self.embed_tokens(x)
+        x = self.run_blocks(x, kv_cache)
+        if self.lm_head is None:
+            return x
+        logits = self.lm_head(self.norm(x))
+        next_tokens = self.next_tokens() if self.next_tokens is not None and self.mtp else None
+        if next_tokens is None:
+            return logits
+        embedding = self.embed_tokens if self.embed_tokens is not None else self.mtp_embed_tokens
+        return torch.cat([logits, *mtp_logits(self.mtp, embedding, self.lm_head, x, next_tokens)], dim=1)
 
     def parallel_plan(self) -> ParallelPlan:
         """Heads split over tp: q_b (or q_proj) and kv_b column-parallel, o_proj row-parallel. The latent projections
