@@ -119,7 +119,7 @@ def test_elastic_restarts_on_fewer_ranks_and_grows_back(tmp_path):
            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
            "elastic", "--rdzv-conf", conf, ENTRY, *TINY, *steps, "--save-every", "2", "--resume", "--dist-timeout",
            "30", "--out-dir", str(out)]
-    # torch 2.13's shared rendezvous store hands a joining node no address (README: Operations): a store per round
+    # torch 2.13's shared rendezvous store hands a joining node no address (docs/operations.md): a store per round
     env = dict(_env(TRAINER3D_FAULT="node:rank=3:step=3", **{fault_plugin.HOLD_ENV: "world=2:step=8"}),
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 

@@ -89,7 +89,7 @@ def test_impossible_layouts_refused_with_one_sentence(kwargs, world, message):
 
 
 def test_split_backward_with_sequence_parallelism_refused_before_torch_2_13(monkeypatch):
-    """torch 2.11's weight pass fails on sequence parallelism's autograd functions (run there: README); 2.13 runs it."""
+    """torch 2.11's weight pass fails on sequence parallelism's autograd functions (docs/launching.md); 2.13 runs it."""
     from trainer3d.parallel import pipeline
 
     cfg = TrainConfig(tp=2, pp=2, schedule="zbv", micro_batches=4, global_batch=8, sequence_parallel=True)
