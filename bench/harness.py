@@ -133,6 +133,39 @@ def rotated(names: list, r: int) -> list:
     return names[k:] + names[:k]
 
 
+def time_rotated(passes: dict, rounds: int, base: str, before=None) -> dict:
+    """{name: (median seconds, median of per-round ratios to `base`)} of `passes` (name -> a callable), every one run
+    once a round in rotated order after a warm-up round; `before(name)` runs untimed before each."""
+    import statistics
+
+    names, times = list(passes), {k: [] for k in passes}
+    for i in range(rounds + 1):
+        for k in rotated(names, i):
+            if before is not None:
+                before(k)
+            t0 = time.perf_counter()
+            passes[k]()
+            if i:  # the first round warms up
+                times[k].append(time.perf_counter() - t0)
+    return {k: (statistics.median(v), statistics.median(t / b for t, b in zip(v, times[base])))
+            for k, v in times.items()}
+
+
+def print_malloc_peak(run, repeats: int = 3) -> None:
+    """Print {"peak": bytes} as JSON: the malloc peak over `repeats` calls of `run` above what was held before (a
+    child under bench/memhook.c: measure.run_under_memhook reads it, with the process's VmHWM from outside)."""
+    import json
+
+    from bench.measure import MallocCounter
+
+    counter = MallocCounter()
+    counter.reset_peak()
+    base = counter.current()
+    for _ in range(repeats):
+        run()
+    print(json.dumps({"peak": counter.peak() - base}))
+
+
 def table(rows: list[list], header: list[str]) -> str:
     cols = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cols) for i in range(len(header))]

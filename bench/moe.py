@@ -21,7 +21,6 @@ rounds that rotate the layouts), and each rank's peak malloc during a step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import trainer3d.models.moe as moe_module  # noqa: E402
-from bench.harness import Case, build_trainer, fmt_bytes, local_batch, rotated, stamp, table  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Case, build_trainer, fmt_bytes, local_batch, print_malloc_peak, rotated, stamp, table, time_rotated,
+)
 from bench.measure import CommCounter, MallocCounter, preloaded_memhook, run_under_memhook  # noqa: E402
 
 BLOCK = dict(hidden=512, experts=32, top_k=4, expert_hidden=256, tokens=2048)
@@ -52,14 +53,30 @@ def _hf_block(implementation: str):
     return Qwen3MoeSparseMoeBlock(cfg)
 
 
-def _ours():
-    from trainer3d.models.moe import MoE, MoESpec
+def _ours(module=moe_module):
+    return module.MoE(BLOCK["hidden"], module.MoESpec(BLOCK["experts"], BLOCK["top_k"], BLOCK["expert_hidden"]),
+                      layer=0)
 
-    return MoE(BLOCK["hidden"], MoESpec(BLOCK["experts"], BLOCK["top_k"], BLOCK["expert_hidden"]), layer=0)
+
+BEFORE = "63bbd8e"  # the block before issue 42's fixes (its models/moe.py imports torch alone)
 
 
-SIDES = {"trainer3d grouped_mm": _ours, "trainer3d loop": _ours, "transformers eager": lambda: _hf_block("eager"),
-         "transformers grouped_mm": lambda: _hf_block("grouped_mm")}
+def _before():
+    """models/moe.py as it was at BEFORE, loaded from git as a module of its own."""
+    import importlib.util
+    import subprocess
+
+    source = subprocess.run(["git", "show", f"{BEFORE}:trainer3d/models/moe.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    spec = importlib.util.spec_from_loader("moe_before", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["moe_before"] = module  # dataclasses look their module up
+    exec(compile(source, f"{BEFORE}:trainer3d/models/moe.py", "exec"), module.__dict__)
+    return _ours(module)
+
+
+SIDES = {"trainer3d grouped_mm": _ours, "trainer3d loop": _ours, f"trainer3d before ({BEFORE})": _before,
+         "transformers eager": lambda: _hf_block("eager"), "transformers grouped_mm": lambda: _hf_block("grouped_mm")}
 GROUPED_RULE = moe_module.grouped_mm_applies
 
 
@@ -91,28 +108,13 @@ def _pass_of(block):
 def time_block(rounds: int) -> dict:
     torch.set_num_threads(1)
     passes = {name: _pass_of(make()) for name, make in SIDES.items()}
-    names, times = list(passes), {k: [] for k in passes}
-    for i in range(rounds + 1):
-        for k in rotated(names, i):
-            path_for(k)
-            t0 = time.perf_counter()
-            passes[k]()
-            if i:  # the first round warms up
-                times[k].append(time.perf_counter() - t0)
-    base = times["trainer3d grouped_mm"]
-    return {k: (statistics.median(v), statistics.median(t / b for t, b in zip(v, base))) for k, v in times.items()}
+    return time_rotated(passes, rounds, "trainer3d grouped_mm", before=path_for)
 
 
 def block_memory_child(side: str) -> None:
     torch.set_num_threads(1)
     path_for(side)
-    run = _pass_of(SIDES[side]())
-    counter = MallocCounter()
-    counter.reset_peak()
-    base = counter.current()
-    for _ in range(3):
-        run()
-    print(json.dumps({"peak": counter.peak() - base}))
+    print_malloc_peak(_pass_of(SIDES[side]()))
 
 
 def child_memory(args: list[str]) -> dict:
@@ -120,16 +122,29 @@ def child_memory(args: list[str]) -> dict:
     return run_under_memhook([sys.executable, os.path.abspath(__file__), *args], ROOT)
 
 
+def host_reads(side: str) -> int:
+    """The reads one forward and backward would make of a device's memory (tests/test_moe_reads.HostReads: the ATen
+    ops whose result needs the data on the host, and tolist/numpy)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_moe_reads import HostReads
+
+    path_for(side)
+    run = _pass_of(SIDES[side]())
+    with HostReads() as reads:
+        run()
+    return len(reads.reads)
+
+
 def block_section(rounds: int) -> str:
     t = time_block(rounds)
     rows = []
     for side in SIDES:
         mem = child_memory(["--block-child", side])
-        rows.append([side, f"{t[side][0] * 1e3:.0f}", f"{t[side][1]:.2f}", fmt_bytes(mem["peak"]),
+        rows.append([side, f"{t[side][0] * 1e3:.0f}", f"{t[side][1]:.2f}", host_reads(side), fmt_bytes(mem["peak"]),
                      fmt_bytes(mem["hwm"])])
     shape = ", ".join(f"{k} {v}" for k, v in BLOCK.items())
     return f"One MoE layer ({shape}), forward + backward:\n\n" + table(
-        rows, ["side", "ms", "time / trainer3d grouped_mm", "malloc peak", "RSS high-water (outside)"])
+        rows, ["side", "ms", "time / trainer3d grouped_mm", "host reads", "malloc peak", "RSS high-water (outside)"])
 
 
 # ---- expert parallelism ---------------------------------------------------------------------------------------------

@@ -49,13 +49,19 @@ def hf_deepseek(seed: int = 0, **overrides) -> transformers.DeepseekV3ForCausalL
     kw.update(overrides)
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw))
+    perturb(model)
+    return model.eval()
+
+
+def perturb(module: torch.nn.Module) -> None:
+    """Every weight moved off its initial value, and every router's e_score_correction_bias made non-zero, large
+    enough to change choices."""
     with torch.no_grad():
-        for p in model.parameters():
+        for p in module.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-        for m in model.modules():
+        for m in module.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape) * 0.1)
-    return model.eval()
 
 
 def _train(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = None) -> dict | None:
@@ -214,12 +220,7 @@ def hf_deepseek_mtp(directory, seed: int, depth: int = 1):
     torch.manual_seed(seed + 1)
     donor = transformers.DeepseekV3ForCausalLM(longer)  # initialized blocks n..n+depth-1, in the files' spelling
     mtps = torch.nn.ModuleList(PaperMTP(hf.config, donor.model.layers[n + k]) for k in range(depth))
-    with torch.no_grad():
-        for p in mtps.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-        for m in mtps.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.copy_(torch.randn(m.e_score_correction_bias.shape) * 0.1)
+    perturb(mtps)
     hf.save_pretrained(directory)
     donor.save_pretrained(directory / "donor")
     weights = load_file(directory / "model.safetensors")

@@ -280,12 +280,21 @@ class _SwiGLUExperts(torch.autograd.Function):
         offsets, sizes, dy = (offsets if ctx.grouped else None), ctx.sizes, dy.contiguous()
         need_x, need_weights = _PASS != "weight", _PASS != "input"
         gate, up = h.chunk(2, dim=-1)
-        d_h = ctx.d_h if getattr(ctx, "d_h", None) is not None else _swiglu_input_grads(dy, h, down, sizes, offsets)
+        d_h = getattr(ctx, "d_h", None)  # the input pass's, kept for this weight pass
+        act = F.silu(gate) if need_weights or d_h is None else None
+        d_down = _weight_grads(dy, act * up, sizes, offsets) if need_weights else None
+        if d_h is None:  # [d gate | d up], written in place: no concatenated copy
+            d_act = _per_expert(dy, down.transpose(-2, -1), sizes, offsets)
+            d_h = torch.empty_like(h)
+            d_gate, d_up = d_h.chunk(2, dim=-1)
+            torch.mul(d_act, act, out=d_up)
+            del act
+            torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
+            del d_act
         ctx.d_h = d_h if _PASS == "input" else None
         d_x = _per_expert(d_h, gate_up.transpose(-2, -1), sizes, offsets) if need_x else None
         if not need_weights:
             return d_x, None, None, None, None, None, None
-        d_down = _weight_grads(dy, F.silu(gate) * up, sizes, offsets)
         d_gate_up = _weight_grads(d_h, x, sizes, offsets)
         if ctx.grad_scale != 1.0:  # here, not through a view of the weights: ZeRO-3 frees what it gathered
             d_down.mul_(ctx.grad_scale), d_gate_up.mul_(ctx.grad_scale)
@@ -305,17 +314,6 @@ def split_backward_pass(kind: str):
         yield
     finally:
         _PASS = outer
-
-
-def _swiglu_input_grads(dy: torch.Tensor, h: torch.Tensor, down: torch.Tensor, sizes, offsets) -> torch.Tensor:
-    """[d gate | d up] from the output's gradient: through down, then SwiGLU's derivative (written in place)."""
-    gate, up = h.chunk(2, dim=-1)
-    d_act = _per_expert(dy, down.transpose(-2, -1), sizes, offsets)
-    d_h = torch.empty_like(h)  # [d gate | d up], written in place: no concatenated copy
-    d_gate, d_up = d_h.chunk(2, dim=-1)
-    torch.mul(d_act, F.silu(gate), out=d_up)
-    torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
-    return d_h
 
 
 class SwiGLUExpert(nn.Module):
