@@ -18,7 +18,6 @@ model_max_length (data/export_tokenizer.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from trainer3d.checkpoint.hf import hf_tables, parse_size, save_hf_checkpoint
 from trainer3d.data.chat import read_template
 from trainer3d.data.export_tokenizer import export_tokenizer, special_ids, tokenizer_dir
 from trainer3d.errors import CheckpointError, DataError, UsageError
+from trainer3d.models import family_of
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"trainer3d.export: error: {e}", file=sys.stderr)
         return 2
-    print(f"trainer3d.export: wrote {out} ({json.loads((out / 'config.json').read_text())['architectures'][0]}, "
-          f"{args.dtype})")
+    architecture = family_of(Checkpoint(resolve_checkpoint(args.checkpoint)).model_config).hf.architecture
+    print(f"trainer3d.export: wrote {out} ({architecture}, {args.dtype})")
     return 0
 
 
