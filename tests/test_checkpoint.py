@@ -512,7 +512,8 @@ def test_zero_infinity_checkpoint(nvme_results, kind):
     assert all(r[f"{kind}_swapped"] > 2**20 and r[f"{kind}_resumed_swapped"] > 2**20 for r in results), \
         "nothing was swapped to the nvme_path"
     _assert_resumes_exactly(results, f"{kind}_straight", f"{kind}_resumed", n=ZN)
-    _assert_continues(results, f"{kind}_straight", f"{kind}_cpu", rel=1e-6, abs_param=None, n=ZN)  # the same checkpoint, CPU offload
+    # the same checkpoint, CPU offload
+    _assert_continues(results, f"{kind}_straight", f"{kind}_cpu", rel=1e-6, abs_param=None, n=ZN)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ from trainer3d.models.interface import CausalLM
 from trainer3d.models.moe import split_backward_pass
 from trainer3d.private_api import require
 
-# torch's pipelining before 2.13 (the GPU image has 2.11) needs two mends, found by running the suite on 2.11 (docs/launching.md):
+# torch's pipelining before 2.13 (the GPU image has 2.11) needs two mends, found by running the suite on 2.11
+# (docs/launching.md):
 # - it makes a stage's receive buffers once, on the schedule's first pass, and marks them as needing gradients only
 #   if that pass trains: after a first eval() (the step-0 validation) a later stage never sends its input gradient
 #   back ("chunk 0 has gradients None"); 2.13 remakes them on a train/eval switch;
@@ -213,6 +214,8 @@ def build_schedule(
     info = SCHEDULES[schedule]
     require("parallel/pipeline.py")
     stage_cls = _derived(_FreeLogitsAfterBackward, stage_cls)
+    if info.split_backward:
+        stage_cls = _derived(_NamingSplitPasses, stage_cls)
     if PIPELINING_BEFORE_2_13:
         stage_cls = _derived(_MendedBefore2_13, stage_cls)
     if info.v_shape:
@@ -241,8 +244,7 @@ class _NoGradientHandoffWithoutBackward:
 
 
 class _FreeLogitsAfterBackward:
-    """Names the passes of a split backward to the experts (models/moe.split_backward_pass: each computes its own
-    gradients once). The loss works in the logits' storage (parallel/cross_entropy.py), so once the last stage's backward is done
+    """The loss works in the logits' storage (parallel/cross_entropy.py), so once the last stage's backward is done
     it holds a used gradient. torch's schedules keep the last forward's output in a local variable until the next
     forward, so that storage would live on through the next micro-batch's head, two logits-sized tensors at the last
     stage's peak (bench/README.md §14b). Free it when the micro-batch's backward is done, as Megatron-LM frees a
@@ -254,18 +256,29 @@ class _FreeLogitsAfterBackward:
 
     def backward_one_chunk(self, bwd_chunk_id, *args, full_backward: bool = True, **kwargs):
         logits = self.fwd_cache[bwd_chunk_id][0] if self.is_last and self.has_backward else ()
-        with contextlib.nullcontext() if full_backward else split_backward_pass("input"):
-            super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
+        super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
         if full_backward:
             _free(logits)
         else:
             self.logits_until_weight_pass[bwd_chunk_id] = logits
 
     def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        _free(self.logits_until_weight_pass.pop(bwd_chunk_id, ()))
+
+
+class _NamingSplitPasses:
+    """Names the passes of a split backward to the experts (models/moe.split_backward_pass), so that each computes
+    only its own gradients instead of the whole backward twice."""
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, full_backward: bool = True, **kwargs):
+        with contextlib.nullcontext() if full_backward else split_backward_pass("input"):
+            super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         # torch runs stage 0's weight pass as a whole backward (its inputs, token ids, need no gradient)
         with split_backward_pass("weight") if self.stage_index != 0 else contextlib.nullcontext():
             super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-        _free(self.logits_until_weight_pass.pop(bwd_chunk_id, ()))
 
 
 def _free(tensors) -> None:
