@@ -37,7 +37,7 @@ from bench.harness import stamp, table  # noqa: E402
 
 
 def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, warmup: int, device: torch.device,
-            peak_override: float | None, precision: str, profile: bool = False) -> dict:
+            peak_override: float | None, precision: str, profile: bool = False, compile: bool = False) -> dict:
     import torch.distributed as dist
 
     from trainer3d.config import TrainConfig
@@ -50,7 +50,7 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, device_id=device if device.type == "cuda" else None)
     cfg = TrainConfig(model=model, seq_len=seq_len, global_batch=mbs * grad_accum, micro_batches=grad_accum,
-                      precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4)
+                      precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4, compile=compile)
     mcfg = cfg.model_config(50257)
     setup = validate(cfg, 1, mcfg.vocab_size)
     plan = setup.plan
@@ -64,9 +64,11 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for i in range(warmup):
+    t0 = time.perf_counter()
+    for i in range(warmup):  # compilation happens here
         trainer.train_step(batches[i % 4])
     sync()
+    warm_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(steps):
         rec = trainer.train_step(batches[i % 4])
@@ -86,7 +88,7 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
     out = dict(model=model, params=mcfg.num_params(), mbs=mbs, accum=grad_accum, seq=seq_len, steps=steps,
                step_ms=1000 * dt / steps, tps=tps, tflops=tps * fpt / 1e12, peak=peak,
                mfu=tps * fpt / (peak * 1e12) if peak else None, loss=rec["loss"], precision=trainer.precision,
-               mem=mem, breakdown=breakdown)
+               mem=mem, breakdown=breakdown, warm_s=warm_s)
     return out  # the caller frees this Trainer (free_memory) before the next row
 
 
@@ -123,6 +125,7 @@ def gpu_time_breakdown(step, batches: list, device: torch.device, n: int = 3) ->
         torch.cuda.synchronize(device)
     wall_ms = 1000 * (time.perf_counter() - t0) / n
     kinds: dict[str, float] = {}
+    kernels: list[tuple[float, int, str, str]] = []  # (ms per step, calls per step, kind, name)
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", 0) or 0
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or t <= 0:
@@ -130,13 +133,15 @@ def gpu_time_breakdown(step, batches: list, device: torch.device, n: int = 3) ->
         name = e.key.lower()
         kind = next((k for k, subs in _KINDS if any(x in name for x in subs)), "other elementwise")
         kinds[kind] = kinds.get(kind, 0.0) + t / 1000 / n  # us -> ms per step
-    return {"wall_ms": wall_ms, "gpu_ms": sum(kinds.values()), "kinds": kinds}
+        kernels.append((t / 1000 / n, e.count // n, kind, e.key))
+    return {"wall_ms": wall_ms, "gpu_ms": sum(kinds.values()), "kinds": kinds, "top": sorted(kernels)[::-1][:15]}
 
 
 def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, device: torch.device,
-                  peak_override: float | None, mode: str) -> dict:
+                  peak_override: float | None, mode: str, fp8: str | None = None) -> dict:
     """The same model in a bare loop (no pipeline schedule, no tp layers, no vocab-parallel loss), eager or
-    compiled: a ceiling for this GPU and this torch, to read the trainer's MFU against."""
+    compiled: a ceiling for this GPU and this torch, to read the trainer's MFU against. fp8 ("tensorwise",
+    "rowwise"): torchao's float8 training recipe on every block linear (not the tied LM head), what FP8 can buy."""
     import torch.nn.functional as F
 
     from trainer3d.config import TrainConfig
@@ -152,6 +157,11 @@ def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, d
             p.copy_(init_value(mcfg, name, p.shape, TrainConfig.seed))
         net.wte.weight[50257:].zero_()  # the trainer's padding rows are zeros too
     net = net.to(device)
+    if fp8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(fp8), module_filter_fn=lambda m, fqn:
+                                   fqn != "lm_head" and m.in_features % 16 == 0 and m.out_features % 16 == 0)
     params = list(net.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},  # as trainer3d.train
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -222,10 +232,34 @@ def device_description(device: torch.device) -> str:
             f"TF32 matmul {torch.backends.cuda.matmul.allow_tf32}")
 
 
+KINDS = ("trainer", "trainer-compile", "bare", "bare-compile", "bare-compile-fp8-rowwise",
+         "bare-compile-fp8-tensorwise", "bare-fp8-rowwise", "bare-fp8-tensorwise")
+
+
+def parse_row(spec: str) -> tuple[str, int, str]:
+    """"MODEL:MICRO_BATCH:KIND", KIND one of KINDS: trainer3d's Trainer (eager or --compile) or the bare loop."""
+    model, mbs, kind = spec.split(":")
+    if kind not in KINDS:
+        raise argparse.ArgumentTypeError(f"row {spec!r}: the kind must be one of {', '.join(KINDS)}")
+    return model, int(mbs), kind
+
+
+def json_row(label: str, kind: str, r: dict, device: torch.device) -> dict:
+    """One row of bench/results/gpu_mfu.json (the GPU round's record)."""
+    return dict(model=r["model"], runner="bare" if kind.startswith("bare") else "trainer3d", micro_batch=r["mbs"],
+                seq=r["seq"], compiled="compile" in kind, fp8=kind.split("fp8-")[1] if "fp8-" in kind else None,
+                tokens_per_s=round(r["tps"], 1), step_ms=round(r["step_ms"], 2), tflops=round(r["tflops"], 2),
+                mfu=round(r["mfu"], 4) if r["mfu"] else None, peak_mem_bytes=r["mem"], loss=r["loss"],
+                warmup_s=round(r.get("warm_s", 0.0), 1), device=device_description(device), torch=torch.__version__,
+                label=label)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gpt2", "gpt2-medium"])
     ap.add_argument("--micro-batch-size", type=int, nargs="+", default=[8, 16], help="sequences per micro-batch")
+    ap.add_argument("--rows", nargs="+", type=parse_row, default=None, metavar="MODEL:MBS:KIND",
+                    help=f"instead of --models x --micro-batch-size: these rows in this order; KIND: {', '.join(KINDS)}")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
@@ -233,26 +267,38 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precision", default="auto", help="auto: bf16 on CUDA (the trainer's default), fp32 on CPU")
     ap.add_argument("--peak-tflops", type=float, default=None, help="override the device's dense peak")
-    ap.add_argument("--profile", action="store_true", help="per row: GPU time by kernel kind over 3 more steps")
+    ap.add_argument("--profile", action="store_true", help="per trainer row: GPU time by kernel kind, 3 more steps")
     ap.add_argument("--reference", nargs="*", default=[], choices=["eager", "compile"],
                     help="also time the same model in a bare loop, eager and/or torch.compile'd")
+    ap.add_argument("--json", default=None, help="write every finished row here (rewritten after each row)")
+    ap.add_argument("--kernels", default=None, help="write the profiled rows' top kernels here")
+    ap.add_argument("--deadline-s", type=float, default=None, help="start no row after this many seconds")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # set_device wants an index (torch 2.11)
         torch.cuda.set_device(device)  # TF32 and the rest left as the trainer leaves them
-    rows, profiles = [], []
+    specs = args.rows or [(m, b, k) for m in args.models for b in args.micro_batch_size
+                          for k in ["trainer"] + [{"eager": "bare", "compile": "bare-compile"}[r] for r in args.reference]]
+    rows, profiles, records = [], [], []
+    began = time.perf_counter()
 
-    def row(label, r):
-        return [
-            label, f"{r['params'] / 1e6:.0f}M", r["mbs"], r["accum"], r["seq"], f"{r['step_ms']:.0f}",
-            f"{r['tps']:,.0f}", f"{r['tflops']:.1f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-",
-            f"{r['mem'] / 2**30:.1f} GiB" if r["mem"] else "-", f"{r['loss']:.3f}",
-        ]
+    def measure(model, mbs, kind):
+        if kind.startswith("bare"):
+            fp8 = kind.split("fp8-")[1] if "fp8-" in kind else None
+            return run_reference(model, mbs, args.seq_len, args.steps, args.warmup, device, args.peak_tflops,
+                                 "compile" if "compile" in kind else "eager", fp8)
+        return run_one(model, mbs, args.grad_accum, args.seq_len, args.steps, args.warmup, device, args.peak_tflops,
+                       args.precision, args.profile, compile=kind == "trainer-compile")
 
-    def attempt(label, mbs, fn):
+    for model, mbs, kind in specs:
+        label = f"{model} {kind}"
+        if args.deadline_s is not None and time.perf_counter() - began > args.deadline_s:
+            print(f"{label} mbs {mbs}: skipped (past --deadline-s {args.deadline_s:.0f})", flush=True)
+            continue
         failed = None
         try:
-            r = fn()
+            r = measure(model, mbs, kind)
         except torch.OutOfMemoryError:
             failed = "OOM"
         except Exception as e:  # noqa: BLE001 - e.g. torch.compile without a compiler: report it, keep the table
@@ -260,36 +306,46 @@ def main(argv=None) -> int:
             failed = "failed"
         free_memory(device)  # outside the handler: a failure's traceback (and the trainer in it) is gone by now
         if failed:
-            rows.append([label, "-", mbs, args.grad_accum, args.seq_len, failed, "-", "-", "-", "-", "-"])
-            return None
-        rows.append(row(label, r))
+            rows.append([label, "-", mbs, args.grad_accum, args.seq_len, failed, "-", "-", "-", "-", "-", "-"])
+            continue
+        rows.append([label, f"{r['params'] / 1e6:.0f}M", mbs, r["accum"], r["seq"], f"{r['step_ms']:.0f}",
+                     f"{r['tps']:,.0f}", f"{r['tflops']:.1f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-",
+                     f"{r['mem'] / 2**30:.1f} GiB" if r["mem"] else "-", f"{r['loss']:.3f}", f"{r['warm_s']:.0f}"])
         print(rows[-1], flush=True)
-        return r
-
-    for model in args.models:
-        for mbs in args.micro_batch_size:
-            r = attempt(model, mbs, lambda model=model, mbs=mbs: run_one(
-                model, mbs, args.grad_accum, args.seq_len, args.steps, args.warmup, device, args.peak_tflops,
-                args.precision, args.profile))
-            if r and r["breakdown"]:
-                b = r["breakdown"]
-                kinds = ", ".join(f"{k} {v:.1f} ({100 * v / b['wall_ms']:.0f}%)"
-                                  for k, v in sorted(b["kinds"].items(), key=lambda kv: -kv[1]))
-                profiles.append(f"{model} mbs {mbs}: step {b['wall_ms']:.1f} ms wall, GPU busy {b['gpu_ms']:.1f} ms "
-                                f"({100 * b['gpu_ms'] / b['wall_ms']:.0f}%); ms per step by kernel kind: {kinds}")
-                print(profiles[-1], flush=True)
-            for mode in args.reference:
-                r = attempt(f"{model} bare {mode}", mbs, lambda model=model, mbs=mbs, mode=mode: run_reference(
-                    model, mbs, args.seq_len, args.steps, args.warmup, device, args.peak_tflops, mode))
-                if r:
-                    print(f"  ({mode} warm-up incl. compile: {r['warm_s']:.0f} s)", flush=True)
-    print(table(rows, ["model", "params", "micro-batch", "accum", "seq", "step ms", "tokens/s", "TFLOP/s",
-                       "MFU", "peak mem", "loss"]))
+        records.append(json_row(label, kind, r, device))
+        if args.json:
+            write_json(args.json, records)
+        if r.get("breakdown"):
+            profiles.append(describe_breakdown(f"{label} mbs {mbs}", r["breakdown"]))
+            print(profiles[-1], flush=True)
+            if args.kernels:
+                with open(args.kernels, "w") as f:
+                    f.write("\n\n".join(profiles) + "\n")
+    print(table(rows, ["row", "params", "micro-batch", "accum", "seq", "step ms", "tokens/s", "TFLOP/s",
+                       "MFU", "peak mem", "loss", "warm-up s"]))
     for line in profiles:
         print(line)
-    print(f"device: {device_description(device)}; precision {args.precision}")
+    print(f"device: {device_description(device)}; precision {args.precision}; MFU against the dense bf16 peak")
     print(stamp("python bench/gpu_mfu.py " + " ".join(argv if argv is not None else sys.argv[1:])))
     return 0
+
+
+def describe_breakdown(label: str, b: dict) -> str:
+    kinds = ", ".join(f"{k} {v:.1f} ({100 * v / b['wall_ms']:.0f}%)" for k, v in sorted(b["kinds"].items(),
+                                                                                     key=lambda kv: -kv[1]))
+    top = "\n".join(f"  {ms:8.2f} ms {calls:5d}x  {kind:18s} {name[:110]}" for ms, calls, kind, name in b["top"])
+    return (f"{label}: step {b['wall_ms']:.1f} ms wall, GPU busy {b['gpu_ms']:.1f} ms "
+            f"({100 * b['gpu_ms'] / b['wall_ms']:.0f}%); ms per step by kernel kind: {kinds}\ntop kernels "
+            f"(ms per step, calls per step):\n{top}")
+
+
+def write_json(path: str, records: list[dict]) -> None:
+    import json
+
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(records, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

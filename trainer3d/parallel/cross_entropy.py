@@ -14,7 +14,11 @@ import torch.distributed as dist
 from trainer3d.distributed.collectives import all_reduce
 
 
-LOSS_CHUNK_ELEMENTS = 1 << 22  # low-precision logits: their fp32 temporaries are 16 MiB at most
+# Elements of the logits per chunk; low-precision logits take one chunk of fp32 temporaries. On a GPU 256 MiB: the GPU
+# round found 16 MiB chunks (83 tokens at GPT-2's vocabulary) cost ~3,000 kernel launches a step and made the step
+# host-bound (bench/README.md §24). On a CPU 16 MiB, which stays in cache (§14).
+LOSS_CHUNK_ELEMENTS = 1 << 26
+CPU_LOSS_CHUNK_ELEMENTS = 1 << 22
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -90,8 +94,10 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Per-token losses (shape of `target`); `logits` is this rank's vocab slice starting at `vocab_start`.
     Where autograd will differentiate them, the logits are overwritten (then hold the gradient): pass a copy to
-    keep them. `chunk_tokens`: tokens per chunk (default: LOSS_CHUNK_ELEMENTS elements of this shard)."""
-    chunk = chunk_tokens or max(1, LOSS_CHUNK_ELEMENTS // logits.shape[-1])
+    keep them. `chunk_tokens`: tokens per chunk (default: LOSS_CHUNK_ELEMENTS elements of this shard, on a CPU
+    CPU_LOSS_CHUNK_ELEMENTS)."""
+    budget = CPU_LOSS_CHUNK_ELEMENTS if logits.device.type == "cpu" else LOSS_CHUNK_ELEMENTS
+    chunk = chunk_tokens or max(1, budget // logits.shape[-1])
     consume = torch.is_grad_enabled() and logits.requires_grad
     return _VocabParallelCrossEntropy.apply(logits.contiguous(), target, group, vocab_start, vocab_size, chunk,
                                             consume)

@@ -1,0 +1,347 @@
+"""The GPU round's parts (bench/gpu_round.sh runs this): what one lent GPU session measures, unattended.
+
+A GPU comes to this project by chance, for about 15 minutes, so the whole measurement is prepared here and runs as
+one command. Parts run in the order of their worth, each under its own time limit and all under --budget-s, and
+every part rewrites $OUT/summary.md when it ends, so a round cut short still says what it found:
+
+  part     what it runs                                                   measured on one H200 (2026-11-27)
+  env      nvidia-smi; torch, CUDA, NCCL, driver, DeepSpeed, torchao versions      6 s
+  smoke    the default run (launch/train_gpt2.py) on CUDA, 20 steps                22 s
+  paths    tiny runs, 4 at a time: fp32 GPU vs CPU losses, bf16, --compile,         85 s
+           --recompute selective, save -> resume, export -> --init-from-hf,
+           ZeRO-1, ZeRO-3, --document-mask (flex attention), Qwen3-MoE tiny
+           (grouped GEMM), DeepSeek-V3 tiny (MLA, MTP), --fp8 where the trainer has it
+  mfu      bench/gpu_mfu.py: gpt2-medium, gpt2, llama3.2-1b in bf16, trainer3d       250 s for the first 6 rows
+           eager and compiled against the bare compiled loop, FP8 (torchao) in the   (FP8's compile alone 118 s)
+           bare loop; the top kernels of each trainer row
+  big      llama3.2-3b with full recomputation on one GPU, then under ZeRO-3 with    57 s; offload 193 s at 6
+           CPU offload: tokens/s and peak memory against the planner's estimate     steps (now 3)
+
+llama3.2-1b, gpt2 compiled and FP8 tensorwise were past the first round's deadline; bench/README.md §24 has the round.
+--dry runs every part on CPU at tiny sizes (tests/test_gpu_round.py runs it, so that the round cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Round:
+    """Runs commands under the round's deadline, logs them to $OUT/round.log, and keeps $OUT/summary.md current."""
+
+    def __init__(self, out: str, work: str, budget_s: float, dry: bool):
+        self.out, self.work, self.dry = out, work, dry
+        self.deadline = time.monotonic() + budget_s
+        self.rows: list[tuple[str, str, float, str]] = []  # (part, status, seconds, finding)
+        self.log_path = os.path.join(out, "round.log")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, text: str) -> None:
+        with open(self.log_path, "a") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+
+    def run(self, name: str, cmd: list[str], limit_s: float, env: dict | None = None) -> tuple[int, str]:
+        """Run cmd (from the repo root) for at most min(limit_s, what the round has left); rc 124 on timeout."""
+        limit = min(limit_s, self.left())
+        if limit < 5:
+            self.log(f"## {name}: not started, the round's time is spent")
+            return 124, ""
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                               timeout=limit)
+            rc, text = p.returncode, p.stdout + p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, text = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        self.log(f"## {name} (rc {rc}, {time.monotonic() - t0:.0f} s): {' '.join(cmd)}\n{text[-20000:]}")
+        return rc, text
+
+    def record(self, part: str, status: str, seconds: float, finding: str) -> None:
+        self.rows.append((part, status, seconds, finding))
+        lines = ["| part | status | seconds | finding |", "|---|---|---|---|"]
+        lines += [f"| {p} | {s} | {t:.0f} | {f} |" for p, s, t, f in self.rows]
+        tmp = os.path.join(self.out, "summary.md.tmp")
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(tmp, os.path.join(self.out, "summary.md"))
+
+    # ---- training runs ------------------------------------------------------------------------------------------
+    def train(self, name: str, args: list[str], limit_s: float = 240, cpu: bool = False) -> dict:
+        """One launch/train_gpt2.py run in its own out dir; its metrics (step -> record) and rc."""
+        out_dir = os.path.join(self.work, name)
+        if not any(a == "--resume" for a in args):
+            shutil.rmtree(out_dir, ignore_errors=True)
+        env = {"CUDA_VISIBLE_DEVICES": ""} if cpu or self.dry else {}
+        rc, text = self.run(name, [sys.executable, "launch/train_gpt2.py", "--out-dir", out_dir, "--log-every", "1",
+                                   "--eval-every", "0", *args], limit_s, env)
+        steps = {}
+        path = os.path.join(out_dir, "metrics.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    rec = json.loads(line)
+                    if "loss" in rec:
+                        steps[rec["step"]] = rec
+        return {"rc": rc, "steps": steps, "dir": out_dir, "text": text}
+
+
+def max_diff(a: dict, b: dict, key: str = "loss", first: int = 1) -> float:
+    shared = [s for s in a["steps"] if s in b["steps"] and s >= first]
+    if not shared:
+        return float("nan")
+    return max(abs(a["steps"][s][key] - b["steps"][s][key]) for s in shared)
+
+
+def ok(*runs: dict) -> bool:
+    return all(r["rc"] == 0 and r["steps"] for r in runs)
+
+
+def last(run: dict, key: str = "loss"):
+    return run["steps"][max(run["steps"])][key] if run["steps"] else float("nan")
+
+
+def failed(run: dict) -> str:
+    tail = [ln for ln in run["text"].strip().splitlines() if ln.strip()][-1:] or ["no output"]
+    return f"rc {run['rc']}: {tail[0][:160]}"
+
+
+def tok_s(run: dict) -> str:
+    rates = sorted(rec["tokens_per_s"] for s, rec in run["steps"].items() if s > 2 and rec.get("tokens_per_s"))
+    return f"{rates[len(rates) // 2]:,.0f} tok/s" if rates else "- tok/s"
+
+
+def peak_gib(run: dict) -> float:
+    return max((rec.get("peak_mem_bytes") or 0) for rec in run["steps"].values()) / 2**30 if run["steps"] else 0.0
+
+
+# ---- the parts ------------------------------------------------------------------------------------------------
+def part_env(r: Round) -> tuple[str, str]:
+    code = ("import torch, importlib.metadata as m\n"
+            "print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'available', torch.cuda.is_available())\n"
+            "if torch.cuda.is_available():\n"
+            "    p = torch.cuda.get_device_properties(0); print('device', p.name, p.total_memory // 2**20, 'MiB',"
+            " p.multi_processor_count, 'SMs, capability', torch.cuda.get_device_capability(0))\n"
+            "    print('NCCL', torch.cuda.nccl.version())\n"
+            "for d in ('deepspeed', 'torchao', 'transformers', 'datasets', 'triton'):\n"
+            "    try: print(d, m.version(d))\n"
+            "    except m.PackageNotFoundError: print(d, 'absent')\n")
+    rc, text = r.run("env", [sys.executable, "-c", code], 120)
+    smi = r.run("nvidia-smi", ["nvidia-smi"], 30)[1] if shutil.which("nvidia-smi") else "no nvidia-smi\n"
+    with open(os.path.join(r.out, "env.txt"), "w") as f:
+        f.write(text + "\n" + smi)
+    first = [ln for ln in text.splitlines() if ln.startswith(("torch", "device"))]
+    return ("ok" if rc == 0 else f"rc {rc}"), "; ".join(first)
+
+
+def part_smoke(r: Round) -> tuple[str, str]:
+    run = r.train("smoke", ["--max-steps", "3" if r.dry else "20"], 180)
+    if not ok(run):
+        return "failed", failed(run)
+    return "ok", f"loss {run['steps'][1]['loss']:.3f} -> {last(run):.3f}, {tok_s(run)}, peak {peak_gib(run):.2f} GiB"
+
+
+def path_runs(r: Round, n: int) -> dict:
+    """Each path: a function of the shared bf16 run's future returning (status, finding)."""
+    common = ["--max-steps", str(n), "--lr", "6e-4", "--min-lr", "6e-4", "--warmup-steps", "2", "--seed", "7"]
+    common += ["--seq-len", "64", "--global-batch", "2"] if r.dry else []
+    half_precision = "fp32" if r.dry else "bf16"  # CPU autocast in bf16 is ~40x slower than fp32 (2 cores)
+
+    def vs(base, run, what):
+        if not ok(run):
+            return "failed", failed(run)
+        b = base.result()
+        return "ok", (f"{what}: max Δloss vs bf16 eager {max_diff(b, run):.2e}, Δgrad_norm "
+                      f"{max_diff(b, run, 'grad_norm'):.2e} over {n} steps; {tok_s(run)}, peak {peak_gib(run):.2f} GiB")
+
+    def fp32(base):
+        a = r.train("fp32_gpu", [*common, "--precision", "fp32"])
+        c = r.train("fp32_cpu", [*common, "--precision", "fp32"], cpu=True)
+        if not ok(a, c):
+            return "failed", failed(a if not ok(a) else c)
+        return "ok", (f"fp32 GPU vs CPU: first loss {a['steps'][1]['loss']:.6f} vs {c['steps'][1]['loss']:.6f}, "
+                      f"max Δloss {max_diff(a, c):.2e}, Δgrad_norm {max_diff(a, c, 'grad_norm'):.2e} over {n}")
+
+    def resume(base):
+        half = str(n // 2)
+        a = r.train("resume", [*common[:1], half, *common[2:], "--precision", half_precision, "--save-every", half])
+        b = r.train("resume", [*common, "--precision", half_precision, "--resume"]) if ok(a) else a
+        if not ok(b):
+            return "failed", failed(b)
+        later = {"steps": {s: v for s, v in b["steps"].items() if s > n // 2}}
+        return "ok", (f"steps {n // 2 + 1}-{n} after resume: max Δloss vs the straight run "
+                      f"{max_diff(base.result(), later):.2e}")
+
+    def init_from_hf(base):
+        b = base.result()
+        ckpts = sorted(os.listdir(os.path.join(b["dir"], "checkpoints"))) if ok(b) else []
+        if not ckpts:
+            return "failed", "the bf16 run left no checkpoint"
+        hf = os.path.join(r.work, "hf")
+        rc, text = r.run("export", [sys.executable, "-m", "trainer3d.export",
+                                    os.path.join(b["dir"], "checkpoints", ckpts[-1]), hf], 120)
+        if rc:
+            return "failed", f"export rc {rc}"
+        run = r.train("init_from_hf", [*common[:1], "2", *common[2:], "--precision", half_precision,
+                                       "--init-from-hf", hf])
+        if not ok(run):
+            return "failed", failed(run)
+        return "ok", f"first loss {run['steps'][1]['loss']:.4f} after the bf16 run's last {last(b):.4f}"
+
+    bf16 = [*common, "--precision", half_precision]
+    paths = {
+        "fp32 GPU vs CPU": fp32,
+        "compile": lambda base: vs(base, r.train("compile", [*bf16, "--compile"]), "--compile"),
+        "recompute": lambda base: vs(base, r.train("recompute", [*bf16, "--recompute", "selective"]),
+                                     "--recompute selective"),
+        "save -> resume": resume,
+        "export -> init-from-hf": init_from_hf,
+        "ZeRO-1": lambda base: vs(base, r.train("zero1", [*bf16, "--deepspeed_config", "ds_configs/zero1.json"]),
+                                  "ZeRO-1 (bf16 weights, DeepSpeed's mixed precision)"),
+        "ZeRO-3": lambda base: vs(base, r.train("zero3", [*bf16, "--deepspeed_config", "ds_configs/zero3.json"]),
+                                  "ZeRO-3 (bf16 weights)"),
+        "document mask (flex)": lambda base: solo(r.train("docmask", [*bf16, "--model", "llama-tiny",
+                                                                     "--document-mask"])),
+        "Qwen3-MoE tiny": lambda base: solo(r.train("moe", [*bf16, "--model", "qwen3-moe-tiny"])),
+        "DeepSeek-V3 tiny": lambda base: solo(r.train("deepseek", [*bf16, "--model", "deepseek-v3-tiny"])),
+    }
+    if trainer_has("--fp8"):
+        paths["fp8 rowwise"] = lambda base: vs(base, r.train("fp8", [*bf16, "--fp8", "rowwise"]), "--fp8 rowwise")
+        paths["fp8 tensorwise"] = lambda base: vs(base, r.train("fp8t", [*bf16, "--fp8", "tensorwise"]),
+                                                  "--fp8 tensorwise")
+    return {"bf16": bf16, "paths": paths}
+
+
+def solo(run: dict) -> tuple[str, str]:
+    if not ok(run):
+        return "failed", failed(run)
+    return "ok", f"loss {run['steps'][1]['loss']:.3f} -> {last(run):.3f}, {tok_s(run)}, peak {peak_gib(run):.2f} GiB"
+
+
+def trainer_has(flag: str) -> bool:
+    text = subprocess.run([sys.executable, "launch/train_gpt2.py", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).stdout
+    return flag in text.split()
+
+
+def part_paths(r: Round) -> None:
+    n = 4 if r.dry else 10
+    spec = path_runs(r, n)
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(max_workers=2 if r.dry else 4) as pool:
+        base = pool.submit(r.train, "bf16", [*spec["bf16"], "--save-every", str(n)])
+        futures = {pool.submit(fn, base): name for name, fn in spec["paths"].items()}
+        b = base.result()
+        r.record("paths: bf16 eager", "ok" if ok(b) else "failed", time.monotonic() - t0,
+                 solo(b)[1] if ok(b) else failed(b))
+        for fut in cf.as_completed(futures):
+            try:
+                status, finding = fut.result()
+            except Exception as e:  # noqa: BLE001 - one path's bug must not cost the others
+                status, finding = "error", f"{type(e).__name__}: {e}"
+            r.record(f"paths: {futures[fut]}", status, time.monotonic() - t0, finding)
+
+
+MFU_ROWS = ["gpt2-medium:16:trainer", "gpt2-medium:16:bare-compile", "gpt2-medium:16:trainer-compile",
+            "gpt2:16:trainer", "gpt2:16:bare-compile", "llama3.2-1b:8:trainer", "gpt2:16:trainer-compile",
+            "llama3.2-1b:8:trainer-compile", "gpt2-medium:16:bare-compile-fp8-rowwise",
+            "gpt2-medium:16:bare-compile-fp8-tensorwise"]  # worth first; FP8's compile takes ~2 minutes
+MFU_DRY = ["tiny:2:trainer", "tiny:2:trainer-compile", "tiny:2:bare-compile", "tiny:2:bare-fp8-rowwise"]
+
+
+def part_mfu(r: Round) -> tuple[str, str]:
+    limit = max(30.0, r.left() - (20 if r.dry else 120))  # leave the big part its start
+    sizes = ["--seq-len", "64", "--steps", "2", "--warmup", "1", "--device", "cpu", "--peak-tflops", "1"] if r.dry \
+        else ["--steps", "20", "--warmup", "3"]
+    cmd = [sys.executable, "bench/gpu_mfu.py", "--rows", *(MFU_DRY if r.dry else MFU_ROWS), *sizes, "--profile",
+           "--json", os.path.join(r.out, "gpu_mfu.json"), "--kernels", os.path.join(r.out, "kernels.txt"),
+           "--deadline-s", str(max(0.0, limit - (10 if r.dry else 60)))]
+    rc, text = r.run("mfu", cmd, limit, {"CUDA_VISIBLE_DEVICES": ""} if r.dry else None)
+    with open(os.path.join(r.out, "mfu.txt"), "w") as f:
+        f.write(text)
+    path = os.path.join(r.out, "gpu_mfu.json")
+    rows = json.load(open(path)) if os.path.exists(path) else []
+    found = ", ".join(f"{x['label']} {100 * x['mfu']:.1f}%" if x["mfu"] else x["label"] for x in rows)
+    return ("ok" if rc == 0 else f"rc {rc}"), f"{len(rows)}/{len(MFU_DRY if r.dry else MFU_ROWS)} rows: {found}"
+
+
+def planner_gib(r: Round, model: str, seq: int, batch: int, layout: str) -> str:
+    """The planner's GiB per GPU for this layout on this device (python -m trainer3d.plan --evaluate)."""
+    gib = "139" if r.dry else None
+    if not r.dry:
+        import torch
+
+        gib = f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}" if torch.cuda.is_available() else "80"
+    rc, text = r.run("plan", [sys.executable, "-m", "trainer3d.plan", "--model", model, "--nodes", "1",
+                              "--gpus-per-node", "1", "--gpu-memory-gib", gib, "--peak-tflops", "989",
+                              "--seq-len", str(seq), "--global-batch", str(batch), "--vocab", "50257",
+                              "--precision", "bf16", "--top", "1", "--evaluate", layout], 60,
+                     {"CUDA_VISIBLE_DEVICES": ""})
+    rows = text.split("\nevaluated:")[1].splitlines() if "\nevaluated:" in text else []
+    row = next((ln for ln in rows if ln.startswith("1 ")), "")
+    return next((t for t in row.split() if t.replace(".", "", 1).isdigit() and "." in t), "?")  # GiB/GPU
+
+
+def part_big(r: Round) -> None:
+    model, seq, batch, steps = ("llama-tiny", 128, 8, 3) if r.dry else ("llama3.2-3b", 2048, 8, 5)
+    args = ["--model", model, "--seq-len", str(seq), "--global-batch", str(batch), "--micro-batches", str(batch),
+            "--max-steps", str(steps), "--recompute", "full", "--precision", "fp32" if r.dry else "bf16", "--no-final-save"]
+    for name, extra, layout in [
+        ("big: recompute full", [], "tp=1,pp=1,mbs=1,zero=0,recompute=1"),
+        ("big: ZeRO-3 + CPU offload", ["--deepspeed_config", "ds_configs/zero3_offload.json"],
+         "tp=1,pp=1,mbs=1,zero=3,offload=all,recompute=1"),
+    ]:
+        t0 = time.monotonic()
+        if r.left() < 45:
+            r.record(name, "skipped", 0, "the round's time is spent")
+            continue
+        if extra and not r.dry:  # offload: ~8 s a step; its first step (DeepSpeedCPUAdam's build) ~12 s more
+            extra = [*extra, "--max-steps", "3"]
+        run = r.train(name.split(": ")[1].replace(" ", "_").replace("+", ""), [*args, *extra], r.left())
+        if not ok(run):
+            r.record(name, "failed", time.monotonic() - t0, failed(run))
+            continue
+        r.record(name, "ok", time.monotonic() - t0,
+                 f"{model} seq {seq} batch {batch}: {tok_s(run)}, peak {peak_gib(run):.1f} GiB measured vs "
+                 f"{planner_gib(r, model, seq, batch, layout)} GiB planned; loss {last(run):.3f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu_round"))
+    ap.add_argument("--budget-s", type=float, default=450, help="the whole round's wall time")
+    ap.add_argument("--dry", action="store_true", default=os.environ.get("GPU_ROUND_DRY") == "1",
+                    help="every part on CPU at tiny sizes (GPU_ROUND_DRY=1)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="gpu_round_")
+    r = Round(args.out, work, args.budget_s, args.dry)
+    r.log(f"# GPU round {'(dry, CPU)' if args.dry else ''} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
+    for name, fn in [("env", part_env), ("smoke", part_smoke), ("paths", part_paths), ("mfu", part_mfu),
+                     ("big", part_big)]:
+        t0 = time.monotonic()
+        try:
+            res = fn(r)
+        except Exception as e:  # noqa: BLE001 - a part's bug is a finding, the round goes on
+            res = ("error", f"{type(e).__name__}: {e}")
+        if res is not None:
+            r.record(name, res[0], time.monotonic() - t0, res[1])
+        print(f"[gpu_round] {name} done after {args.budget_s - r.left():.0f} s", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    print(open(os.path.join(args.out, "summary.md")).read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

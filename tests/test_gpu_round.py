@@ -1,0 +1,52 @@
+"""The GPU round (bench/gpu_round.sh) in its dry mode: every part on CPU at tiny sizes, so that the script a lent GPU
+session runs unattended cannot rot between the sessions that have a GPU.
+
+Each part must finish ok, and where both sides of a comparison run on this CPU in fp32 the round must find them
+equal: the "GPU" and CPU fp32 runs, the recomputed run, the resumed steps (the round's comparisons are live, not
+printed constants). The MFU part writes its JSON rows with the fields bench/README.md §24 reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PARTS = ["env", "smoke", "paths: bf16 eager", "paths: fp32 GPU vs CPU", "paths: compile", "paths: recompute",
+         "paths: save -> resume", "paths: export -> init-from-hf", "paths: ZeRO-1", "paths: ZeRO-3",
+         "paths: document mask (flex)", "paths: Qwen3-MoE tiny", "paths: DeepSeek-V3 tiny", "mfu",
+         "big: recompute full", "big: ZeRO-3 + CPU offload"]
+
+
+def _summary(out: Path) -> dict[str, tuple[str, str]]:
+    rows = {}
+    for line in (out / "summary.md").read_text().splitlines()[2:]:
+        part, status, _seconds, finding = [c.strip() for c in line.strip("|").split(" | ", 3)]
+        rows[part] = (status, finding)
+    return rows
+
+
+def test_dry_round_runs_every_part_and_compares(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "GPU_ROUND_DRY": "1", "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(["bash", "bench/gpu_round.sh", "--budget-s", "420"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = _summary(out)
+    assert sorted(rows) == sorted(PARTS), rows.keys()
+    bad = {k: v for k, v in rows.items() if v[0] != "ok"}
+    assert not bad, f"{bad}\n{(out / 'round.log').read_text()[-4000:]}"
+    for part in ("paths: fp32 GPU vs CPU", "paths: recompute", "paths: save -> resume"):
+        diffs = [float(x) for x in re.findall(r"Δ\w+ (?:vs [\w ]+ )?([0-9.e+-]+)", rows[part][1])]
+        assert diffs and all(d == 0.0 for d in diffs), (part, rows[part][1])
+    assert "torch" in (out / "env.txt").read_text()
+    mfu = json.loads((out / "gpu_mfu.json").read_text())
+    assert [r["label"] for r in mfu] == ["tiny trainer", "tiny trainer-compile", "tiny bare-compile",
+                                         "tiny bare-fp8-rowwise"]
+    for r in mfu:
+        assert r["tokens_per_s"] > 0 and r["device"] == "cpu" and r["torch"].startswith("2.")
+        assert {"model", "micro_batch", "compiled", "fp8", "mfu", "peak_mem_bytes"} <= r.keys()
+    assert [r["fp8"] for r in mfu] == [None, None, None, "rowwise"]
