@@ -37,7 +37,8 @@ from bench.harness import stamp, table  # noqa: E402
 
 
 def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, warmup: int, device: torch.device,
-            peak_override: float | None, precision: str, profile: bool = False, compile: bool = False) -> dict:
+            peak_override: float | None, precision: str, profile: bool = False, compile: bool = False,
+            fp8: str | None = None) -> dict:
     import torch.distributed as dist
 
     from trainer3d.config import TrainConfig
@@ -50,7 +51,7 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, device_id=device if device.type == "cuda" else None)
     cfg = TrainConfig(model=model, seq_len=seq_len, global_batch=mbs * grad_accum, micro_batches=grad_accum,
-                      precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4, compile=compile)
+                      precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4, compile=compile, fp8=fp8)
     mcfg = cfg.model_config(50257)
     setup = validate(cfg, 1, mcfg.vocab_size)
     plan = setup.plan
@@ -232,12 +233,13 @@ def device_description(device: torch.device) -> str:
             f"TF32 matmul {torch.backends.cuda.matmul.allow_tf32}")
 
 
-KINDS = ("trainer", "trainer-compile", "bare", "bare-compile", "bare-compile-fp8-rowwise",
-         "bare-compile-fp8-tensorwise", "bare-fp8-rowwise", "bare-fp8-tensorwise")
+KINDS = tuple(f"{runner}{compiled}{fp8}" for runner in ("trainer", "bare") for compiled in ("", "-compile")
+              for fp8 in ("", "-fp8-rowwise", "-fp8-tensorwise"))
 
 
 def parse_row(spec: str) -> tuple[str, int, str]:
-    """"MODEL:MICRO_BATCH:KIND", KIND one of KINDS: trainer3d's Trainer (eager or --compile) or the bare loop."""
+    """"MODEL:MICRO_BATCH:KIND", KIND one of KINDS: trainer3d's Trainer (eager or --compile) or the bare loop, either
+    with FP8 (the trainer's --fp8; torchao's conversion in the bare loop)."""
     model, mbs, kind = spec.split(":")
     if kind not in KINDS:
         raise argparse.ArgumentTypeError(f"row {spec!r}: the kind must be one of {', '.join(KINDS)}")
@@ -259,7 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["gpt2", "gpt2-medium"])
     ap.add_argument("--micro-batch-size", type=int, nargs="+", default=[8, 16], help="sequences per micro-batch")
     ap.add_argument("--rows", nargs="+", type=parse_row, default=None, metavar="MODEL:MBS:KIND",
-                    help=f"instead of --models x --micro-batch-size: these rows in this order; KIND: {', '.join(KINDS)}")
+                    help="instead of --models x --micro-batch-size: these rows in this order; KIND: "
+                    + ", ".join(KINDS))
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
@@ -278,18 +281,18 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)  # set_device wants an index (torch 2.11)
         torch.cuda.set_device(device)  # TF32 and the rest left as the trainer leaves them
-    specs = args.rows or [(m, b, k) for m in args.models for b in args.micro_batch_size
-                          for k in ["trainer"] + [{"eager": "bare", "compile": "bare-compile"}[r] for r in args.reference]]
+    reference = [{"eager": "bare", "compile": "bare-compile"}[r] for r in args.reference]
+    specs = args.rows or [(m, b, k) for m in args.models for b in args.micro_batch_size for k in ["trainer", *reference]]
     rows, profiles, records = [], [], []
     began = time.perf_counter()
 
     def measure(model, mbs, kind):
+        fp8 = kind.split("fp8-")[1] if "fp8-" in kind else None
         if kind.startswith("bare"):
-            fp8 = kind.split("fp8-")[1] if "fp8-" in kind else None
             return run_reference(model, mbs, args.seq_len, args.steps, args.warmup, device, args.peak_tflops,
                                  "compile" if "compile" in kind else "eager", fp8)
         return run_one(model, mbs, args.grad_accum, args.seq_len, args.steps, args.warmup, device, args.peak_tflops,
-                       args.precision, args.profile, compile=kind == "trainer-compile")
+                       args.precision, args.profile, compile="compile" in kind, fp8=fp8)
 
     for model, mbs, kind in specs:
         label = f"{model} {kind}"

@@ -84,6 +84,8 @@ class Round:
         if not any(a == "--resume" for a in args):
             shutil.rmtree(out_dir, ignore_errors=True)
         env = {"CUDA_VISIBLE_DEVICES": ""} if cpu or self.dry else {}
+        if self.dry:
+            env["TRAINER3D_FP8_EMULATE"] = "1"  # --fp8 on CPU: torchao's emulation (parallel/fp8.py)
         rc, text = self.run(name, [sys.executable, "launch/train_gpt2.py", "--out-dir", out_dir, "--log-every", "1",
                                    "--eval-every", "0", *args], limit_s, env)
         steps = {}
@@ -173,15 +175,27 @@ def path_runs(r: Round, n: int) -> dict:
         return "ok", (f"fp32 GPU vs CPU: first loss {a['steps'][1]['loss']:.6f} vs {c['steps'][1]['loss']:.6f}, "
                       f"max Δloss {max_diff(a, c):.2e}, Δgrad_norm {max_diff(a, c, 'grad_norm'):.2e} over {n}")
 
-    def resume(base):
-        half = str(n // 2)
-        a = r.train("resume", [*common[:1], half, *common[2:], "--precision", half_precision, "--save-every", half])
-        b = r.train("resume", [*common, "--precision", half_precision, "--resume"]) if ok(a) else a
-        if not ok(b):
-            return "failed", failed(b)
+    def resume(base):  # with FP8 where the trainer has it: 0-n straight against 0-n/2, then --resume to n
+        half, fp8 = str(n // 2), ["--fp8", "rowwise"] if has_fp8 else []
+        straight = r.train("resume_straight", [*common, "--precision", half_precision, *fp8]) if fp8 else base.result()
+        a = r.train("resume", [*common[:1], half, *common[2:], "--precision", half_precision, "--save-every", half,
+                               *fp8])
+        b = r.train("resume", [*common, "--precision", half_precision, "--resume", *fp8]) if ok(a) else a
+        if not ok(b, straight):
+            return "failed", failed(b if not ok(b) else straight)
         later = {"steps": {s: v for s, v in b["steps"].items() if s > n // 2}}
-        return "ok", (f"steps {n // 2 + 1}-{n} after resume: max Δloss vs the straight run "
-                      f"{max_diff(base.result(), later):.2e}")
+        return "ok", (f"steps {n // 2 + 1}-{n} after resume{' with --fp8 rowwise' if fp8 else ''}: max Δloss vs the "
+                      f"straight run {max_diff(straight, later):.2e}")
+
+    def fp8_row(recipe):
+        def run(base):
+            run_ = r.train(f"fp8_{recipe}", [*bf16, "--fp8", recipe])
+            status, finding = vs(base, run_, f"--fp8 {recipe}")
+            said = [ln.split("fp8=")[1].split(" (")[0] for ln in run_["text"].splitlines() if "fp8=" in ln]
+            return status, f"{said[0] if said else 'no fp8 banner'}; {finding}"
+        return run
+
+    has_fp8 = trainer_has("--fp8")
 
     def init_from_hf(base):
         b = base.result()
@@ -216,10 +230,8 @@ def path_runs(r: Round, n: int) -> dict:
         "Qwen3-MoE tiny": lambda base: solo(r.train("moe", [*bf16, "--model", "qwen3-moe-tiny"])),
         "DeepSeek-V3 tiny": lambda base: solo(r.train("deepseek", [*bf16, "--model", "deepseek-v3-tiny"])),
     }
-    if trainer_has("--fp8"):
-        paths["fp8 rowwise"] = lambda base: vs(base, r.train("fp8", [*bf16, "--fp8", "rowwise"]), "--fp8 rowwise")
-        paths["fp8 tensorwise"] = lambda base: vs(base, r.train("fp8t", [*bf16, "--fp8", "tensorwise"]),
-                                                  "--fp8 tensorwise")
+    if has_fp8:
+        paths["fp8 rowwise"], paths["fp8 tensorwise"] = fp8_row("rowwise"), fp8_row("tensorwise")
     return {"bf16": bf16, "paths": paths}
 
 
@@ -254,10 +266,12 @@ def part_paths(r: Round) -> None:
 
 
 MFU_ROWS = ["gpt2-medium:16:trainer", "gpt2-medium:16:bare-compile", "gpt2-medium:16:trainer-compile",
-            "gpt2:16:trainer", "gpt2:16:bare-compile", "llama3.2-1b:8:trainer", "gpt2:16:trainer-compile",
-            "llama3.2-1b:8:trainer-compile", "gpt2-medium:16:bare-compile-fp8-rowwise",
-            "gpt2-medium:16:bare-compile-fp8-tensorwise"]  # worth first; FP8's compile takes ~2 minutes
-MFU_DRY = ["tiny:2:trainer", "tiny:2:trainer-compile", "tiny:2:bare-compile", "tiny:2:bare-fp8-rowwise"]
+            "gpt2:16:trainer", "gpt2:16:bare-compile", "llama3.2-1b:8:trainer", "llama3.2-1b:8:trainer-fp8-rowwise",
+            "gpt2-medium:16:trainer-fp8-rowwise", "gpt2:16:trainer-compile", "llama3.2-1b:8:trainer-compile",
+            "llama3.2-1b:8:trainer-compile-fp8-rowwise", "gpt2-medium:16:bare-compile-fp8-rowwise",
+            "gpt2-medium:16:bare-compile-fp8-tensorwise"]  # worth first; FP8's compile took ~2 minutes
+MFU_DRY = ["tiny:2:trainer", "tiny:2:trainer-compile", "tiny:2:bare-compile", "tiny:2:bare-fp8-rowwise",
+           "tiny:2:trainer-fp8-rowwise"]
 
 
 def part_mfu(r: Round) -> tuple[str, str]:
@@ -267,7 +281,7 @@ def part_mfu(r: Round) -> tuple[str, str]:
     cmd = [sys.executable, "bench/gpu_mfu.py", "--rows", *(MFU_DRY if r.dry else MFU_ROWS), *sizes, "--profile",
            "--json", os.path.join(r.out, "gpu_mfu.json"), "--kernels", os.path.join(r.out, "kernels.txt"),
            "--deadline-s", str(max(0.0, limit - (10 if r.dry else 60)))]
-    rc, text = r.run("mfu", cmd, limit, {"CUDA_VISIBLE_DEVICES": ""} if r.dry else None)
+    rc, text = r.run("mfu", cmd, limit, {"CUDA_VISIBLE_DEVICES": "", "TRAINER3D_FP8_EMULATE": "1"} if r.dry else None)
     with open(os.path.join(r.out, "mfu.txt"), "w") as f:
         f.write(text)
     path = os.path.join(r.out, "gpu_mfu.json")
@@ -296,7 +310,8 @@ def planner_gib(r: Round, model: str, seq: int, batch: int, layout: str) -> str:
 def part_big(r: Round) -> None:
     model, seq, batch, steps = ("llama-tiny", 128, 8, 3) if r.dry else ("llama3.2-3b", 2048, 8, 5)
     args = ["--model", model, "--seq-len", str(seq), "--global-batch", str(batch), "--micro-batches", str(batch),
-            "--max-steps", str(steps), "--recompute", "full", "--precision", "fp32" if r.dry else "bf16", "--no-final-save"]
+            "--max-steps", str(steps), "--recompute", "full", "--precision", "fp32" if r.dry else "bf16",
+            "--no-final-save"]
     for name, extra, layout in [
         ("big: recompute full", [], "tp=1,pp=1,mbs=1,zero=0,recompute=1"),
         ("big: ZeRO-3 + CPU offload", ["--deepspeed_config", "ds_configs/zero3_offload.json"],

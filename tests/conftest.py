@@ -43,6 +43,8 @@ def pytest_configure(config):
         import tempfile
 
         os.environ["TRAINER3D_CALIBRATION"] = tempfile.mkdtemp(prefix="trainer3d-calibration-")
+    # --fp8 on this GPU-less machine: torchao's emulation (parallel/fp8.py); test_fp8.py unsets it to see the refusal
+    os.environ.setdefault("TRAINER3D_FP8_EMULATE", "1")
     config.addinivalue_line("markers", f"needs(condition): skip unless the machine meets it ({', '.join(NEEDS)})")
 
 

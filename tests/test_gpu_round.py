@@ -2,8 +2,8 @@
 session runs unattended cannot rot between the sessions that have a GPU.
 
 Each part must finish ok, and where both sides of a comparison run on this CPU in fp32 the round must find them
-equal: the "GPU" and CPU fp32 runs, the recomputed run, the resumed steps (the round's comparisons are live, not
-printed constants). The MFU part writes its JSON rows with the fields bench/README.md §24 reads.
+equal: the "GPU" and CPU fp32 runs, the recomputed run, the resumed steps with FP8 on (the round's comparisons are
+live, not printed constants). The MFU part writes its JSON rows with the fields bench/README.md §24 reads.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ["env", "smoke", "paths: bf16 eager", "paths: fp32 GPU vs CPU", "paths: compile", "paths: recompute",
          "paths: save -> resume", "paths: export -> init-from-hf", "paths: ZeRO-1", "paths: ZeRO-3",
-         "paths: document mask (flex)", "paths: Qwen3-MoE tiny", "paths: DeepSeek-V3 tiny", "mfu",
+         "paths: document mask (flex)", "paths: Qwen3-MoE tiny", "paths: DeepSeek-V3 tiny", "paths: fp8 rowwise",
+         "paths: fp8 tensorwise", "mfu",
          "big: recompute full", "big: ZeRO-3 + CPU offload"]
 
 
@@ -42,11 +43,14 @@ def test_dry_round_runs_every_part_and_compares(tmp_path):
     for part in ("paths: fp32 GPU vs CPU", "paths: recompute", "paths: save -> resume"):
         diffs = [float(x) for x in re.findall(r"Δ\w+ (?:vs [\w ]+ )?([0-9.e+-]+)", rows[part][1])]
         assert diffs and all(d == 0.0 for d in diffs), (part, rows[part][1])
+    assert "with --fp8 rowwise" in rows["paths: save -> resume"][1]  # FP8's resume is exact too
+    for recipe in ("rowwise", "tensorwise"):  # the banner's count: tiny's 4 blocks, the middle two's 4 linears each
+        assert rows[f"paths: fp8 {recipe}"][1].startswith(f"{recipe}: 8 linears in blocks 1-2"), rows
     assert "torch" in (out / "env.txt").read_text()
     mfu = json.loads((out / "gpu_mfu.json").read_text())
     assert [r["label"] for r in mfu] == ["tiny trainer", "tiny trainer-compile", "tiny bare-compile",
-                                         "tiny bare-fp8-rowwise"]
+                                         "tiny bare-fp8-rowwise", "tiny trainer-fp8-rowwise"]
     for r in mfu:
         assert r["tokens_per_s"] > 0 and r["device"] == "cpu" and r["torch"].startswith("2.")
         assert {"model", "micro_batch", "compiled", "fp8", "mfu", "peak_mem_bytes"} <= r.keys()
-    assert [r["fp8"] for r in mfu] == [None, None, None, "rowwise"]
+    assert [r["fp8"] for r in mfu] == [None, None, None, "rowwise", "rowwise"]

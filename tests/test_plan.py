@@ -608,3 +608,21 @@ def test_calibration_measures_caches_and_replaces_the_assumed_constants(tmp_path
     with pytest.raises(SystemExit, match="no calibration at .*run `torchrun --nproc_per_node 2 -m trainer3d.plan "
                                          "--calibrate"):
         main(["--model", "tiny", "--gpus-per-node", "2", "--calibrated"])
+
+
+def test_fp8_runs_its_matmuls_at_twice_the_rate():
+    """--fp8's plans: the linears of blocks 1 to L-2 (GPT-2: 12·d² weights a block) at twice the bf16 peak, the rest
+    and the memory as bf16's; the launch command carries the flag."""
+    from trainer3d.plan.step_time import step_times
+
+    cfg = MODEL_PRESETS["gpt2-medium"]
+    C = Cluster(nodes=1, **H100)
+    base = Candidate(cfg=cfg, micro_batches=16, seq_len=1024, precision="bf16-autocast")
+    fp8 = Candidate(**{**base.__dict__, "fp8": True})
+    fp8_flops = 6 * (cfg.n_layer - 2) * 12 * cfg.n_embd**2 * 16 * 1024  # a step's, in the FP8 linears
+    all_flops = cfg.flops_per_token(1024) * 16 * 1024
+    ratio = step_times(fp8, C)["compute"] / step_times(base, C)["compute"]
+    assert math.isclose(ratio, 1 - fp8_flops / all_flops / 2, rel_tol=1e-9), ratio
+    assert estimate_memory(fp8, 0).peak == estimate_memory(base, 0).peak
+    plan = evaluate(fp8, C)
+    assert "--fp8 rowwise" in launch_command(plan, C, "torchrun", "gpt2-medium", None)

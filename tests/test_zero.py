@@ -93,6 +93,8 @@ def label(lay: dict, ds: dict | None) -> str:
         name += f" {lay['model']}"
     if "sft" in lay:
         name += f" sft {lay['sft']}"
+    if "fp8" in lay:
+        name += f" fp8 {lay['fp8']} (vs DDP with it)"
     if ds is None:
         return name + " DDP"
     z = ds["zero_optimization"]
@@ -195,7 +197,7 @@ def run_cases(rank: int, world_size: int, cases: list, steps: int) -> list:
     for lay, ds in cases:
         if ds is None:
             res = train_layout(world_size, lay, steps)
-            if res is not None:
+            if res is not None and not lay.get("fp8"):  # a DDP row is a reference only for FP8 (check_world)
                 res.pop("params", None)
         else:
             res = train_zero(world_size, lay, ds, steps)
@@ -210,13 +212,17 @@ def check_world(results: list, cases: list) -> tuple[list[str], list[str]]:
     for j, model in enumerate(models):  # last in the world's list (after any cases the world ran beyond `cases`)
         refs[tuple(model.items())] = results[0][len(results[0]) - len(models) + j]
     assert all(max(r["grad_norms"]) > 0.5 for r in refs.values()), "clipping (at 0.5) should be active in the references"
+    ddp_fp8 = {json.dumps(lay, sort_keys=True): results[0][i] for i, (lay, ds) in enumerate(cases, start=1)
+               if ds is None and lay.get("fp8")}
     table, failures = [], []
     for i, (lay, ds) in enumerate(cases, start=1):
         per_rank = [r[i] for r in results if r[i] is not None]
         losses = per_rank[0]["losses"]
         name = label(lay, ds)
         model = tuple((k, lay[k]) for k in MODEL_FLAGS if k in lay)
-        ref = refs[model]
+        ref = ddp_fp8[json.dumps(lay, sort_keys=True)] if ds is not None and lay.get("fp8") else refs[model]
+        if ds is None and lay.get("fp8"):
+            continue  # the reference of the next row
         if not all(r["losses"] == losses for r in per_rank):
             failures.append(f"{name}: ranks disagree on the loss")
         vs_ref = rel(losses, ref["losses"])
@@ -235,7 +241,9 @@ def check_world(results: list, cases: list) -> tuple[list[str], list[str]]:
         )
         if set(params) != set(ref["params"]):
             failures.append(f"{name}: parameters missing after gathering")
-        if vs_ref > LOSS_RTOL or vs_norm > NORM_RTOL or dparam > PARAM_ATOL or tied > 1e-6:
+        loss_tol, norm_tol, param_tol = (FP8_RTOL, 10 * FP8_RTOL, 10 * FP8_RTOL) if lay.get("fp8") else \
+            (LOSS_RTOL, NORM_RTOL, PARAM_ATOL)
+        if vs_ref > loss_tol or vs_norm > norm_tol or dparam > param_tol or tied > 1e-6:
             failures.append(
                 f"{name}: loss rel diff vs 1-proc {vs_ref:.2e}, grad norm {vs_norm:.2e}, "
                 f"param {dparam:.2e}, tied copies {tied:.2e}"
@@ -272,12 +280,20 @@ def check_memory(results: list, cases: list) -> list[str]:
 
 
 # ---- the worlds -----------------------------------------------------------------------------------------------------
+FP8_RTOL = 1e-3  # test_fp8.py's bound of FP8 against bf16, here of ZeRO-3 with FP8 against DDP with FP8
+
+
 def world2_cases():
     lay = layout(2)
     cases = [(lay, ds_config(s)) for s in (0, 1, 2, 3)]
     cases += [(lay, ds_config(1, "opt")), (lay, ds_config(3, "all"))]  # ZeRO-2 + offload: worlds 4 and 8
     cases += [(dict(lay, compile=True), ds_config(3))]  # ZeRO-3's parameter hooks inside compiled blocks
     cases += [(dict(lay, sft="packed"), ds_config(3))]  # supervised fine-tuning's rows (tests/parity.py: SFT)
+    # FP8 matmuls on ZeRO-3's gathered parameters (emulated), against DDP with FP8 at the same layout (a rowwise scale
+    # over a dp rank's tokens differs from one over all of them: FP8 at dp 2 is not the one-process FP8 run), within
+    # FP8_RTOL: ZeRO-3's reduce-scatter sums in another order (1e-8 in the weights), and a weight that close to a float8
+    # rounding boundary casts to the neighbouring value (a 1e-3 change of its gradient); ZeRO-1 equals DDP exactly
+    cases += [(dict(lay, fp8="rowwise"), None), (dict(lay, fp8="rowwise"), ds_config(3))]
     return cases
 
 

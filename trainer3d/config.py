@@ -50,6 +50,7 @@ class TrainConfig:
     recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (every block)
     sequence_parallel: bool = False  # LayerNorm, dropout, residual on sequence shards over tp (Megatron's)
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    fp8: str | None = None  # FP8 matmuls in the block linears: "tensorwise" or "rowwise" (parallel/fp8.py)
     micro_batches: int | None = None  # per optimizer step and dp rank; default pp (2·pp for multi-stage), 1 at pp=1
     # batch
     seq_len: int = 128
@@ -248,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile", action="store_true",
         help="torch.compile (inductor) each transformer block: ~15 s of compiling per process before the first step; "
         "on CPU it needs a C++ compiler and gains little in fp32 (bench/README.md, section 12)",
+    )
+    lay.add_argument(
+        "--fp8", choices=("tensorwise", "rowwise"), default=None,
+        help="FP8 matmuls (torchao's float8 training, dynamic scales) in the attention and MLP linears of every "
+        "block but the first and last; needs a GPU of compute capability 8.9+ (docs/fp8.md)",
     )
     lay.add_argument("--micro-batches", type=int, default=None, help="per step and dp rank")
     b = p.add_argument_group("batch")

@@ -28,10 +28,11 @@ from trainer3d.parallel.compile import apply_compile
 from trainer3d.parallel.context_parallel import SequenceLayout, apply_context_parallel
 from trainer3d.parallel.engine import DataParallelEngine, EngineFactory, is_tied_duplicate
 from trainer3d.parallel.expert_parallel import apply_expert_parallel
+from trainer3d.parallel.fp8 import apply_fp8
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
 from trainer3d.parallel.tensor_parallel import (
-    ShardedDropoutRNG, apply_tensor_parallel, from_full, gather_full, padded_vocab_size,
+    TP_LINEARS, ShardedDropoutRNG, apply_tensor_parallel, from_full, gather_full, padded_vocab_size,
 )
 
 
@@ -49,6 +50,7 @@ class ParallelModel:
     # told the running micro-batch by the schedule's stages: the SequenceLayout, and what the trainer adds (its MoE
     # balance)
     listeners: list = field(default_factory=list)
+    fp8_layers: list[str] = field(default_factory=list)  # this rank's linears that run in FP8 (--fp8)
 
     @property
     def has_first(self) -> bool:
@@ -101,6 +103,9 @@ def parallelize(
         stages = [apply_context_parallel(s, sequence) for s in stages]
     listeners = [sequence] if sequence is not None else []  # told the running micro-batch (pipeline.py)
 
+    # ... FP8 matmuls in the eligible tensor-parallel linears (--fp8)
+    fp8_layers = [name for s in stages for name in apply_fp8(s, cfg.fp8, mcfg.n_layer, TP_LINEARS)]
+
     # 3b. activation recomputation, around the tensor-parallel layers (their collectives run again in the backward)
     stages = [apply_recompute(s, cfg.recompute) for s in stages]
 
@@ -145,6 +150,7 @@ def parallelize(
         schedule=schedule,
         sequence=sequence,
         listeners=listeners,
+        fp8_layers=fp8_layers,
     )
 
 

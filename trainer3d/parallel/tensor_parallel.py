@@ -127,10 +127,15 @@ def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def parallel_linear(x, weight, bias, group, sequence_parallel: bool):
+def parallel_linear(x, weight, bias, group, sequence_parallel: bool, fp8=None):
     """The matmul that enters a tensor-parallel region (a column-parallel layer, the LM head): every rank needs the
-    whole sequence (all-gathered from its shards under sequence parallelism)."""
+    whole sequence (all-gathered from its shards under sequence parallelism). `fp8`: the layer's FP8 matmul
+    (parallel/fp8.py), under sequence parallelism after a plain gather (torchao saves its own input)."""
     x = to_compute_dtype(x)
+    if fp8 is not None:
+        x = _GatherSequenceRegion.apply(x.contiguous(), group) if sequence_parallel else copy_to_tp(x, group)
+        y = fp8(x, weight)
+        return y if bias is None else y + bias.to(y.dtype)
     if sequence_parallel:
         return _SequenceGatheredLinear.apply(x, weight, bias, group)
     return F.linear(copy_to_tp(x, group), weight, bias)
@@ -216,9 +221,10 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features // size, device=device))
             self.bias.tp_spec = TPSpec(0, (out_features,), fused)
+        self.fp8 = None  # --fp8: an FP8Matmul (parallel/fp8.py)
 
     def forward(self, x):
-        return parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        return parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8)
 
 
 class RowParallelLinear(nn.Module):
@@ -231,10 +237,15 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // size, device=device))
         self.weight.tp_spec = TPSpec(1, (out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None  # replicated, added once
+        self.fp8 = None  # --fp8: an FP8Matmul (parallel/fp8.py)
 
     def forward(self, x):
-        y = leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        y = F.linear(x, self.weight) if self.fp8 is None else self.fp8(to_compute_dtype(x), self.weight)
+        y = leave_tp(y, self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
+
+
+TP_LINEARS = (ColumnParallelLinear, RowParallelLinear)  # what --fp8 may run in FP8 (parallel/fp8.py)
 
 
 def vocab_parallel_weight(vocab_size, padded_vocab, dim, size, device=None) -> nn.Parameter:
@@ -319,7 +330,7 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
     dev = next(model.parameters()).device
     for block in [*model.blocks.values(), *model.extra_blocks()]:
         for path, style in plan.linears.items():
-            old = _linear_at(block, path)
+            old = linear_at(block, path)
             if old is None:  # a mixture of experts in this block (parallel/expert_parallel.py splits it)
                 continue
             bias = old.bias is not None
@@ -347,7 +358,7 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
     return model
 
 
-def _linear_at(block: nn.Module, path: str) -> nn.Linear | None:
+def linear_at(block: nn.Module, path: str) -> nn.Linear | None:
     """The nn.Linear at `path` in a block, or None where the path leads to something else (a mixture of experts in
     place of the dense MLP holds its experts' weights as stacked parameters, not layers)."""
     owner, _, leaf = path.rpartition(".")

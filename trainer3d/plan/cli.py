@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zero-stages", type=int, nargs="+", default=[0, 1, 2, 3])
     s.add_argument("--no-offload", action="store_true")
     s.add_argument("--no-recompute", action="store_true", help="leave out activation checkpointing")
+    s.add_argument("--fp8", action="store_true", help="every plan with the trainer's --fp8 (its eligible matmuls at "
+                   "twice the bf16 peak)")
     s.add_argument("--max-micro-batch-size", type=int, default=64)
     s.add_argument("--cp-sizes", type=int, nargs="+", default=None,
                    help="context-parallel sizes to consider (default: 1 and the powers of two that leave each rank at "
@@ -108,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print the plans as JSON")
     o.add_argument("--evaluate", default=None, metavar="LAYOUT",
                    help="also estimate one layout, e.g. tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1 "
-                        "(dp follows from the cluster; keys: tp pp cp ep schedule v mbs zero offload recompute sp)")
+                        "(dp follows from the cluster; keys: tp pp cp ep schedule v mbs zero offload recompute sp fp8)")
     return p
 
 
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     search = enumerate_plans(
         cfg, C, gb, args.seq_len, schedules=args.schedules, zero_stages=tuple(args.zero_stages),
         offload=not args.no_offload, recompute=not args.no_recompute, max_micro_batch_size=args.max_micro_batch_size,
-        cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None,
+        cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None, fp8=args.fp8,
     )
     kv = f" kv{cfg.n_kv_heads}" if hasattr(cfg, "n_kv_heads") else ""
     print(f"model: {name or 'custom'} ({cfg.family}) L{cfg.n_layer} d{cfg.n_embd} h{cfg.n_head}{kv} vocab {cfg.vocab_size} "

@@ -140,6 +140,8 @@ def train_flags(p: Plan, model_name: str | None, ds_path: str | None) -> list[st
         flags += ["--recompute", "full"]
     if c.sequence_parallel:
         flags += ["--sequence-parallel"]
+    if c.fp8:
+        flags += ["--fp8", "rowwise"]
     if c.zero_stage:
         flags += ["--deepspeed_config", ds_path or "plan_ds_config.json"]
     return flags

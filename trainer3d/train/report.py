@@ -9,6 +9,7 @@ import sys
 
 import torch.distributed as dist
 
+from trainer3d.parallel.fp8 import describe as fp8_description
 from trainer3d.train.metrics import MetricsFile, PeakMemory, RunSummary
 from trainer3d.train.stragglers import StragglerWatch
 from trainer3d.train.tracking import Tracker
@@ -49,6 +50,9 @@ class Report:
             f"{plan.micro_batch_size} global-batch={plan.global_batch} seqs ({tokens_per_step} tokens) "
             f"model={cfg.init_from_hf or cfg.model} ({t.mcfg.family}, {t.mcfg.num_params() / 1e6:.1f}M params) "
             f"precision={t.precision} device={t.device}", flush=True)
+        if cfg.fp8 is not None:
+            print(f"[trainer3d] rank {dist.get_rank()} {fp8_description(cfg.fp8, t.pm.fp8_layers, t.mcfg.n_layer)}",
+                  flush=True)
         mem = t.engine.memory()
         mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731
         print(f"[trainer3d] rank {dist.get_rank()} memory ({t.engine.name}): params {mib('param')}, grads "

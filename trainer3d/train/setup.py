@@ -29,6 +29,7 @@ from trainer3d.parallel.batch import BatchPlan, plan_batch
 from trainer3d.parallel.compile import check_compiler
 from trainer3d.parallel.context_parallel import check_context_parallel
 from trainer3d.parallel.expert_parallel import check_expert_parallel
+from trainer3d.parallel.fp8 import check_fp8
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline, last_stage_pp_rank
 from trainer3d.parallel.sequence_parallel import check_sequence_parallel
 from trainer3d.plan import calibrate
@@ -367,5 +368,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         parse_step_range(cfg.profile_steps, cfg.max_steps)
     if cfg.compile:
         check_compiler(device_type())
+    if cfg.fp8 is not None:
+        check_fp8(cfg.fp8, cfg.precision, device_type())
     hellaswag = tuple(read_examples(cfg.eval_hellaswag, cfg.hellaswag_examples)) if cfg.eval_hellaswag else None
     return RunSetup(cfg=cfg, layout=layout, plan=plan, deepspeed=deepspeed, base_model=base_model, hellaswag=hellaswag)
