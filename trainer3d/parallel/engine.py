@@ -231,20 +231,23 @@ def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> tor
     Each tensor is read as rows of NORM_CHUNK elements (a view, no copy), each row's norm is taken in float32 and the
     rows' squares are summed in float64. A single float32 sum drifts with the element count (torch's get_total_norm:
     7e-5 relative on 3.2M elements, 2.3e-3 on GPT-2's 38.6M-element embedding), and differently for each way tp cuts
-    a tensor; rows of 4096 stay within 1e-9, at the cost of one plain norm (docs/parity.md)."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    a tensor; rows of 4096 stay within 1e-9, at the cost of one plain norm (docs/parity.md). The row norms of all
+    tensors are squared and summed together, one or two kernels a tensor: the GPU round found ~5 a tensor, 1,500
+    launches a step at GPT-2 medium, in a host-bound step (bench/README.md section 24)."""
+    norms: dict[torch.device, list[torch.Tensor]] = {}  # row norms, by the device the gradients are on (offload)
     for t in tensors:
         flat = t.detach().reshape(-1)
         dtype = torch.promote_types(flat.dtype, torch.float32)  # bf16 rows are summed in float32
         rows, tail = divmod(flat.numel(), NORM_CHUNK)
-        parts = []
         if rows:
-            parts.append(torch.linalg.vector_norm(flat[: rows * NORM_CHUNK].view(rows, NORM_CHUNK), dim=1,
-                                                  dtype=dtype).double().square().sum())
+            norms.setdefault(flat.device, []).append(
+                torch.linalg.vector_norm(flat[: rows * NORM_CHUNK].view(rows, NORM_CHUNK), dim=1, dtype=dtype))
         if tail:
-            parts.append(torch.linalg.vector_norm(flat[rows * NORM_CHUNK:], dtype=dtype).double().square())
-        for part in parts:
-            total += part.to(device)
+            norms.setdefault(flat.device, []).append(torch.linalg.vector_norm(flat[rows * NORM_CHUNK:], dtype=dtype)
+                                                     .reshape(1))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for parts in norms.values():
+        total += torch.cat(parts).double().square().sum().to(device)
     return total
 
 
