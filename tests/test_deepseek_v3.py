@@ -99,7 +99,9 @@ LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_paralle
            "dp2 ep2": dict(dp=2, ep=2), "cp2 tp2": dict(cp=2, tp=2)}
 
 
-MTP_LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "pp2": dict(pp=2)}
+# ... and where the MTP module meets data and expert parallelism (its experts over ep, its targets per dp rank's rows)
+# and full recomputation (its block recomputed in the backward like the stack's)
+MTP_LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "pp2": dict(pp=2), "dp2 ep2 recompute": dict(dp=2, ep=2, recompute="full")}
 MTP_COEF = 0.3  # λ, large enough for the MTP module to move the gradient norm
 
 
