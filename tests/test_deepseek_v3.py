@@ -109,6 +109,7 @@ def _world(rank, world_size, hf_dir, data, trip_dir, trip_data, run_dir, mtp_dir
     runs = {label: _train(hf_dir, layout, data) for label, layout in LAYOUTS.items()}
     # the round trip: the bias learned (loss-free balancing) at dp 2 × ep 2 × tp 2, saved
     runs["trip"] = _train(trip_dir, dict(dp=2, ep=2, tp=2, moe_bias_update_rate=1e-2), trip_data, run_dir)
+    runs["trip 1x1x1"] = _train(trip_dir, dict(moe_bias_update_rate=1e-2), trip_data)  # ... and in one process
     for label, layout in MTP_LAYOUTS.items():  # multi-token prediction (the one-process run saved, for the export)
         runs[f"mtp {label}"] = _train(mtp_dir, {**layout, "mtp_loss_coef": MTP_COEF}, data,
                                       mtp_run_dir if label == "1x1x1" else None)
@@ -118,7 +119,8 @@ def _world(rank, world_size, hf_dir, data, trip_dir, trip_data, run_dir, mtp_dir
 def test_trains_like_transformers_and_exports(tmp_path, capsys):
     """A random DeepseekV3ForCausalLM trained by transformers in a plain loop and by trainer3d --init-from-hf at six
     layouts: losses and gradient norms within 1e-5 (relative) at every step. Another, trained at dp 2 × ep 2 × tp 2
-    with loss-free balancing (rate 1e-2, 4 steps), saved and exported: transformers reads back the biases the
+    with loss-free balancing (rate 1e-2, 4 steps) equals its one-process run (losses, norms, the biases bitwise),
+    saved and exported: transformers reads back the biases the
     trainer held (each moved from the imported value by whole steps of ±rate), the export's logits are trainer3d's
     with them (and far from trainer3d's without), and its greedy generation is `trainer3d.sample --temperature 0`'s."""
     from trainer3d.checkpoint.format import Checkpoint
@@ -150,6 +152,12 @@ def test_trains_like_transformers_and_exports(tmp_path, capsys):
     report += _check_mtp(ours, mtp_ref, tmp_path)
 
     run = next(r["trip"] for r in results if r["trip"] is not None and "path" in r["trip"])
+    one = ours["trip 1x1x1"]  # loss-free balancing at dp 2 x ep 2 x tp 2 as in one process: every rank's loads counted
+    trip_rel = max(abs(a - b) / b for a, b in zip(run["losses"] + run["norms"], one["losses"] + one["norms"]))
+    report.append(f"loss-free balancing at dp2 ep2 tp2 against one process: loss and norm rel diff {trip_rel:.1e}, "
+                  f"biases equal: {all(torch.equal(run['tables'][k], v) for k, v in one['tables'].items())}")
+    assert trip_rel < 1e-5 and one["tables"].keys() == run["tables"].keys(), (run, one)
+    assert all(torch.equal(run["tables"][k], v) for k, v in one["tables"].items()), (run["tables"], one["tables"])
     assert export_main([run["path"], str(tmp_path / "export")]) == 0
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     assert type(exported) is transformers.DeepseekV3ForCausalLM
