@@ -41,8 +41,10 @@ def launch_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-# imported once by the forkserver, before it forks a rank (each rank re-imports nothing of these)
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "trainer3d.train.trainer", "parity"]
+# imported once by the forkserver, before it forks a rank (each rank re-imports nothing of these); rank_preload also
+# does once there what each rank would otherwise repeat (DeepSpeed's Muon import, its glue check, its CPU probe)
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "trainer3d.train.trainer", "parity",
+           "rank_preload"]
 
 
 def _worker(rank, world_size, port, out_dir, environ, fn, args):
@@ -80,12 +82,32 @@ def _worker(rank, world_size, port, out_dir, environ, fn, args):
     os._exit(0)
 
 
+def _start_forkserver() -> None:
+    """Start the forkserver (if it is not running) with the repository and tests/ on its PYTHONPATH: Python 3.11's
+    forkserver imports PRELOAD with the sys.path of its own command line, not the test process's, and skips a module
+    that fails to import without a word (parity and rank_preload did: every rank imported them again itself)."""
+    from multiprocessing import forkserver
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests] + ([saved] if saved else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 def run_world(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     """fn(rank, world_size, *args) on every rank; returns the list of results (rank order). `fn` must be a
     module-level function (it is pickled into spawned processes)."""
     with tempfile.TemporaryDirectory() as out_dir:
         method = "spawn" if os.environ.get("LD_PRELOAD") else "forkserver"
         mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        if method == "forkserver":
+            _start_forkserver()
         ctx = mp.start_processes(
             _worker, args=(world_size, free_port(), out_dir, dict(os.environ), fn, args), nprocs=world_size,
             join=False, start_method=method,

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO as the data-parallel axis (trainer3d/zero/), composed with TP and PP.
 
 - Parity: per-step losses of every ZeRO stage (0-3), with and without CPU offload, under 1F1B and interleaved
-  1F1B, equal the one-process reference within tests/parity.py's tolerances (fp32, 6 steps, 5 in the world of 8, clipping active):
+  1F1B, equal the one-process reference within tests/parity.py's tolerances (fp32, 5 steps, clipping active):
   losses, grad norms and final parameters (gathered from ZeRO's fp32 masters). (DDP at the same layouts is
   tests/test_parity.py's.)
 - Memory: under ZeRO-3 each rank holds 1/dp of its stage's parameters, gradients and optimizer states.
@@ -40,7 +40,9 @@ from trainer3d.errors import ConfigError
 from trainer3d.train.setup import validate
 from trainer3d.distributed.topology import Layout, Topology
 
-STEPS = 6  # test_parity.STEPS: 3 steps past the warm-up
+# test_parity.STEPS_8: 2 steps past the warm-up (3 steps), the last at a decayed learning rate. (test_parity's worlds of
+# 2 and 4 train 6 for its straggler check's three logging intervals of two, which has no counterpart here.)
+STEPS = 5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -423,7 +425,7 @@ def test_parity_world4():
 def test_parity_world8():
     require_ops()
     cases = world8_cases()
-    results, wall = _run(8, cases, timeout=900, steps=5)  # as test_parity's world of 8: 5 steps (2:32 at 10 here)
+    results, wall = _run(8, cases, timeout=900)  # 5 steps, as test_parity's world of 8 (2:32 at 10 here)
     table, failures = check_world(results, cases)
     _report("ZeRO parity, world 8", table, wall)
     lines, mem_failures = check_memory(results, cases)

@@ -12,6 +12,7 @@ stage over the dp group (docs/zero.md explains each and the measurements behind 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -21,9 +22,12 @@ from torch.distributed.pipelining import PipelineStage
 from trainer3d.private_api import WRITTEN_FOR, require
 
 
+@functools.cache
 def check_glue() -> None:
     """Fail loudly, naming the piece, if this DeepSpeed moved an internal the glue uses (the table:
-    trainer3d/private_api.py; and DeepSpeedEngine.backward's own steps, which glue 3 reproduces)."""
+    trainer3d/private_api.py; and DeepSpeedEngine.backward's own steps, which glue 3 reproduces). Once a process
+    (a pass is remembered: the installed DeepSpeed cannot change under it), since reading DeepSpeedEngine's source
+    costs ~0.7 s of CPU and every engine build (one per stage) asks."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     require("zero/")
