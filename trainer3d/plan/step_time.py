@@ -75,9 +75,13 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     """Seconds per optimizer step, by component."""
     tokens = cand.global_batch * cand.seq_len
     model_flops = cand.cfg.flops_per_token(cand.seq_len) * tokens
-    hw_flops = model_flops * (4 / 3 if cand.recompute else 1.0)
+    # full recomputation runs each block's forward again in the backward; under a split-backward schedule twice, once
+    # for the input-gradient pass and once for the weight pass (measured: (1,1,2) zbv 2.4x its time without, 1F1B
+    # 1.5x; docs/parallelism.md)
+    recomputed = (2 if SCHEDULES[cand.schedule].split_backward else 1) if cand.recompute else 0
+    hw_flops = model_flops * (1 + recomputed / 3)
     if cand.fp8:  # those matmuls at twice the bf16 peak (H100: 1979 vs 989 TFLOP/s dense); casts not counted
-        hw_flops -= 6 * fp8_weights(cand.cfg) * tokens * (4 / 3 if cand.recompute else 1.0) / 2
+        hw_flops -= 6 * fp8_weights(cand.cfg) * tokens * (1 + recomputed / 3) / 2
     peak = C.peak_tflops * 1e12 * C.mfu
     slow, mean = (pipeline_pace(cand.cfg, cand.pp, cand.schedule, cand.virtual_stages, cand.seq_len)
                   if cand.pp > 1 else (1.0, 1.0))
