@@ -33,6 +33,8 @@ _SPECS = {
     "all_gather": (("tensor_list", 0), ("group", 2)),
     "all_gather_into_tensor": (("output_tensor", 0), ("group", 2)),
     "_all_gather_base": (("output_tensor", 0), ("group", 2)),
+    "all_gather_single": (("output_tensor", 0), ("group", 2)),  # torch 2.13's names of the two above and below
+    "reduce_scatter_single": (("input", 1), ("group", 3)),
     "reduce_scatter": (("input_list", 1), ("group", 3)),
     "reduce_scatter_tensor": (("input", 1), ("group", 3)),
     "_reduce_scatter_base": (("input", 1), ("group", 3)),

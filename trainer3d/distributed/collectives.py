@@ -25,6 +25,21 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
+    """All-gather `shard` from every rank into `out` (rank order along dim 0): torch 2.13's all_gather_single, whose
+    older name all_gather_into_tensor warns there and is the only one before. Looked up at each call, so that a
+    wrapper of either (bench/measure.py counts bytes) sees it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group):
+    """Sum `full` over the ranks and keep this rank's dim-0 shard in `out`: torch 2.13's reduce_scatter_single (its
+    older name reduce_scatter_tensor warns there)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, full, group=group)
+
+
 def rendezvous_store():
     """The store every rank met in (torchrun's agent's, or rank 0's): small keys that need no collective, with no
     collective's timeout. None with one process."""

@@ -27,12 +27,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from trainer3d.data.batch import document_ids
-from trainer3d.distributed.collectives import group_size
+from trainer3d.distributed.collectives import all_gather_into, group_size, reduce_scatter_into
 from trainer3d.errors import LayoutError
 from trainer3d.models.attention import gqa
 from trainer3d.private_api import require
@@ -73,7 +72,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group, ctx.gathered_positions = group, gathered_positions
         rows = x.movedim(KV_SEQ_DIM, 0).contiguous()
         out = rows.new_empty((group_size(group) * rows.shape[0],) + tuple(rows.shape[1:]))
-        dist.all_gather_into_tensor(out, rows, group=group)
+        all_gather_into(out, rows, group)
         natural = torch.empty_like(out)
         natural[gathered_positions] = out  # row j of the gather is position gathered_positions[j]
         return natural.movedim(0, KV_SEQ_DIM)
@@ -82,7 +81,7 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad):
         rows = grad.movedim(KV_SEQ_DIM, 0)[ctx.gathered_positions].contiguous()
         out = rows.new_empty((rows.shape[0] // group_size(ctx.group),) + tuple(rows.shape[1:]))
-        dist.reduce_scatter_tensor(out, rows, group=ctx.group)
+        reduce_scatter_into(out, rows, ctx.group)
         return out.movedim(0, KV_SEQ_DIM), None, None
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer3d.distributed.collectives import all_reduce, group_size
+from trainer3d.distributed.collectives import all_gather_into, all_reduce, group_size, reduce_scatter_into
 from trainer3d.models.interface import CausalLM, ColumnParallel
 
 
@@ -71,7 +71,7 @@ def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[B, T/tp, ...] shards -> [B, T, ...], rank order along the sequence."""
     shards = x.movedim(SEQ_DIM, 0).contiguous()
     out = shards.new_empty((group_size(group) * shards.shape[0],) + tuple(shards.shape[1:]))
-    dist.all_gather_into_tensor(out, shards, group=group)
+    all_gather_into(out, shards, group)
     return out.movedim(0, SEQ_DIM).contiguous()
 
 
@@ -79,7 +79,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[B, T, ...] partial sums -> this rank's [B, T/tp, ...] shard of their sum."""
     full = x.movedim(SEQ_DIM, 0).contiguous()
     out = full.new_empty((full.shape[0] // group_size(group),) + tuple(full.shape[1:]))
-    dist.reduce_scatter_tensor(out, full, group=group)
+    reduce_scatter_into(out, full, group)
     return out.movedim(0, SEQ_DIM).contiguous()
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer3d.distributed.collectives import all_gather_into
 from trainer3d.fsio import write_text_atomic
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.comm import ring_factor, ring_steps
@@ -170,8 +171,7 @@ def _call(op: str, nbytes: int, group, device: torch.device):
         return lambda async_op=False: dist.all_reduce(x, group=group, async_op=async_op)
     if op == "all_gather":
         part = x[: x.numel() // n].clone()
-        return lambda async_op=False: dist.all_gather_into_tensor(x[: part.numel() * n], part, group=group,
-                                                                  async_op=async_op)
+        return lambda async_op=False: all_gather_into(x[: part.numel() * n], part, group, async_op)
     peer = lambda i: dist.get_global_rank(group, i % n) if group is not None else i % n  # noqa: E731
     got = torch.empty_like(x)
 
