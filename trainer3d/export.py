@@ -6,8 +6,8 @@
 CKPT is a checkpoint directory (`<out-dir>/checkpoints/step_000123`), a `checkpoints` directory or a run's
 --out-dir (both follow `latest`). The layout-free pieces are read directly (any layout saved them), tensor by
 tensor, every file's sha256 is checked, and OUT is written atomically by hf.save_hf_checkpoint with the tokenizer the run used
-(the bundled GPT-2 BPE unless the run passed --tokenizer), so the family's class (`GPT2LMHeadModel`,
-`LlamaForCausalLM`).from_pretrained(OUT) and `AutoTokenizer.from_pretrained(OUT)` load it.
+(the bundled GPT-2 BPE unless the run passed --tokenizer), so the family's class (its adapter's `hf.architecture`)
+.from_pretrained(OUT) and `AutoTokenizer.from_pretrained(OUT)` load it.
 
 So that `generate` stops where a reply ends, generation_config.json and config.json list the ids that end one (the
 chat template's end of turn, e.g. <|im_end|>, then the eos; --eos-token, or the run's, names another), and a chat
@@ -31,7 +31,7 @@ from trainer3d.checkpoint.hf import hf_tables, parse_size, save_hf_checkpoint
 from trainer3d.data.chat import read_template
 from trainer3d.data.export_tokenizer import export_tokenizer, special_ids, tokenizer_dir
 from trainer3d.errors import CheckpointError, DataError, UsageError
-from trainer3d.models import family_of
+from trainer3d.models import FAMILIES, family_of
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -39,8 +39,8 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16,
 }
 class CheckpointWeights(Mapping):
-    """A checkpoint's canonical parameters, and the tables the family's Hugging Face format holds (a router's
-    e_score_correction_bias), as a mapping that reads each whole tensor only when asked for it (from every piece that
+    """A checkpoint's canonical parameters, and the tables the family's Hugging Face format holds (a router's learned
+    bias: checkpoint.hf.hf_tables), as a mapping that reads each whole tensor only when asked for it (from every piece that
     holds a part of it), so an export holds one output file's tensors at a time."""
 
     def __init__(self, ckpt: Checkpoint):
@@ -100,8 +100,9 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m trainer3d.export",
-        description="Write a Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM) from a trainer3d checkpoint "
-                    "(any layout).",
+        description=f"Write a Hugging Face directory "
+                    f"({', '.join(sorted({f.hf.architecture for f in FAMILIES.values()}))}) from a trainer3d "
+                    "checkpoint (any layout).",
     )
     p.add_argument("checkpoint", help="step_* directory, checkpoints directory, or a run's --out-dir")
     p.add_argument("out", help="output directory (save_pretrained format)")
