@@ -246,10 +246,14 @@ def parse_row(spec: str) -> tuple[str, int, str]:
     return model, int(mbs), kind
 
 
+def fp8_of(kind: str) -> str | None:
+    return kind.split("fp8-")[1] if "fp8-" in kind else None
+
+
 def json_row(label: str, kind: str, r: dict, device: torch.device) -> dict:
     """One row of bench/results/gpu_mfu.json (the GPU round's record)."""
     return dict(model=r["model"], runner="bare" if kind.startswith("bare") else "trainer3d", micro_batch=r["mbs"],
-                seq=r["seq"], compiled="compile" in kind, fp8=kind.split("fp8-")[1] if "fp8-" in kind else None,
+                seq=r["seq"], compiled="compile" in kind, fp8=fp8_of(kind),
                 tokens_per_s=round(r["tps"], 1), step_ms=round(r["step_ms"], 2), tflops=round(r["tflops"], 2),
                 mfu=round(r["mfu"], 4) if r["mfu"] else None, peak_mem_bytes=r["mem"], loss=r["loss"],
                 warmup_s=round(r.get("warm_s", 0.0), 1), device=device_description(device), torch=torch.__version__,
@@ -282,12 +286,13 @@ def main(argv=None) -> int:
         device = torch.device("cuda", device.index or 0)  # set_device wants an index (torch 2.11)
         torch.cuda.set_device(device)  # TF32 and the rest left as the trainer leaves them
     reference = [{"eager": "bare", "compile": "bare-compile"}[r] for r in args.reference]
-    specs = args.rows or [(m, b, k) for m in args.models for b in args.micro_batch_size for k in ["trainer", *reference]]
+    specs = args.rows or [(m, b, k) for m in args.models for b in args.micro_batch_size
+                          for k in ["trainer", *reference]]
     rows, profiles, records = [], [], []
     began = time.perf_counter()
 
     def measure(model, mbs, kind):
-        fp8 = kind.split("fp8-")[1] if "fp8-" in kind else None
+        fp8 = fp8_of(kind)
         if kind.startswith("bare"):
             return run_reference(model, mbs, args.seq_len, args.steps, args.warmup, device, args.peak_tflops,
                                  "compile" if "compile" in kind else "eager", fp8)
@@ -345,10 +350,9 @@ def describe_breakdown(label: str, b: dict) -> str:
 def write_json(path: str, records: list[dict]) -> None:
     import json
 
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(records, f, indent=1)
-    os.replace(tmp, path)
+    from trainer3d.fsio import write_text_atomic
+
+    write_text_atomic(path, json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from trainer3d.fsio import write_text_atomic  # noqa: E402
 
 
 class Round:
@@ -72,10 +75,7 @@ class Round:
         self.rows.append((part, status, seconds, finding))
         lines = ["| part | status | seconds | finding |", "|---|---|---|---|"]
         lines += [f"| {p} | {s} | {t:.0f} | {f} |" for p, s, t, f in self.rows]
-        tmp = os.path.join(self.out, "summary.md.tmp")
-        with open(tmp, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        os.replace(tmp, os.path.join(self.out, "summary.md"))
+        write_text_atomic(os.path.join(self.out, "summary.md"), "\n".join(lines) + "\n")
 
     # ---- training runs ------------------------------------------------------------------------------------------
     def train(self, name: str, args: list[str], limit_s: float = 240, cpu: bool = False) -> dict:
@@ -148,17 +148,18 @@ def part_env(r: Round) -> tuple[str, str]:
 
 
 def part_smoke(r: Round) -> tuple[str, str]:
-    run = r.train("smoke", ["--max-steps", "3" if r.dry else "20"], 180)
-    if not ok(run):
-        return "failed", failed(run)
-    return "ok", f"loss {run['steps'][1]['loss']:.3f} -> {last(run):.3f}, {tok_s(run)}, peak {peak_gib(run):.2f} GiB"
+    return solo(r.train("smoke", ["--max-steps", "3" if r.dry else "20"], 180))
 
 
 def path_runs(r: Round, n: int) -> dict:
     """Each path: a function of the shared bf16 run's future returning (status, finding)."""
-    common = ["--max-steps", str(n), "--lr", "6e-4", "--min-lr", "6e-4", "--warmup-steps", "2", "--seed", "7"]
-    common += ["--seq-len", "64", "--global-batch", "2"] if r.dry else []
     half_precision = "fp32" if r.dry else "bf16"  # CPU autocast in bf16 is ~40x slower than fp32 (2 cores)
+
+    def flags(steps: int = n) -> list[str]:  # a constant lr after 2 warm-up steps: a run of fewer steps is a prefix
+        return ["--max-steps", str(steps), "--lr", "6e-4", "--min-lr", "6e-4", "--warmup-steps", "2", "--seed", "7",
+                *(["--seq-len", "64", "--global-batch", "2"] if r.dry else [])]
+
+    common = flags()
 
     def vs(base, run, what):
         if not ok(run):
@@ -175,17 +176,16 @@ def path_runs(r: Round, n: int) -> dict:
         return "ok", (f"fp32 GPU vs CPU: first loss {a['steps'][1]['loss']:.6f} vs {c['steps'][1]['loss']:.6f}, "
                       f"max Δloss {max_diff(a, c):.2e}, Δgrad_norm {max_diff(a, c, 'grad_norm'):.2e} over {n}")
 
-    def resume(base):  # with FP8 where the trainer has it: 0-n straight against 0-n/2, then --resume to n
-        half, fp8 = str(n // 2), ["--fp8", "rowwise"] if has_fp8 else []
-        straight = r.train("resume_straight", [*common, "--precision", half_precision, *fp8]) if fp8 else base.result()
-        a = r.train("resume", [*common[:1], half, *common[2:], "--precision", half_precision, "--save-every", half,
-                               *fp8])
-        b = r.train("resume", [*common, "--precision", half_precision, "--resume", *fp8]) if ok(a) else a
+    def resume(base):  # with FP8: 0-n straight against 0-n/2, then --resume to n
+        fp8 = ["--precision", half_precision, "--fp8", "rowwise"]
+        straight = r.train("resume_straight", [*common, *fp8])
+        a = r.train("resume", [*flags(n // 2), *fp8, "--save-every", str(n // 2)])
+        b = r.train("resume", [*common, *fp8, "--resume"]) if ok(a) else a
         if not ok(b, straight):
             return "failed", failed(b if not ok(b) else straight)
         later = {"steps": {s: v for s, v in b["steps"].items() if s > n // 2}}
-        return "ok", (f"steps {n // 2 + 1}-{n} after resume{' with --fp8 rowwise' if fp8 else ''}: max Δloss vs the "
-                      f"straight run {max_diff(straight, later):.2e}")
+        return "ok", (f"steps {n // 2 + 1}-{n} after resume with --fp8 rowwise: max Δloss vs the straight run "
+                      f"{max_diff(straight, later):.2e}")
 
     def fp8_row(recipe):
         def run(base):
@@ -194,8 +194,6 @@ def path_runs(r: Round, n: int) -> dict:
             said = [ln.split("fp8=")[1].split(" (")[0] for ln in run_["text"].splitlines() if "fp8=" in ln]
             return status, f"{said[0] if said else 'no fp8 banner'}; {finding}"
         return run
-
-    has_fp8 = trainer_has("--fp8")
 
     def init_from_hf(base):
         b = base.result()
@@ -207,8 +205,7 @@ def path_runs(r: Round, n: int) -> dict:
                                     os.path.join(b["dir"], "checkpoints", ckpts[-1]), hf], 120)
         if rc:
             return "failed", f"export rc {rc}"
-        run = r.train("init_from_hf", [*common[:1], "2", *common[2:], "--precision", half_precision,
-                                       "--init-from-hf", hf])
+        run = r.train("init_from_hf", [*flags(2), "--precision", half_precision, "--init-from-hf", hf])
         if not ok(run):
             return "failed", failed(run)
         return "ok", f"first loss {run['steps'][1]['loss']:.4f} after the bf16 run's last {last(b):.4f}"
@@ -229,9 +226,9 @@ def path_runs(r: Round, n: int) -> dict:
                                                                      "--document-mask"])),
         "Qwen3-MoE tiny": lambda base: solo(r.train("moe", [*bf16, "--model", "qwen3-moe-tiny"])),
         "DeepSeek-V3 tiny": lambda base: solo(r.train("deepseek", [*bf16, "--model", "deepseek-v3-tiny"])),
+        "fp8 rowwise": fp8_row("rowwise"),
+        "fp8 tensorwise": fp8_row("tensorwise"),
     }
-    if has_fp8:
-        paths["fp8 rowwise"], paths["fp8 tensorwise"] = fp8_row("rowwise"), fp8_row("tensorwise")
     return {"bf16": bf16, "paths": paths}
 
 
@@ -239,12 +236,6 @@ def solo(run: dict) -> tuple[str, str]:
     if not ok(run):
         return "failed", failed(run)
     return "ok", f"loss {run['steps'][1]['loss']:.3f} -> {last(run):.3f}, {tok_s(run)}, peak {peak_gib(run):.2f} GiB"
-
-
-def trainer_has(flag: str) -> bool:
-    text = subprocess.run([sys.executable, "launch/train_gpt2.py", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).stdout
-    return flag in text.split()
 
 
 def part_paths(r: Round) -> None:
@@ -292,11 +283,10 @@ def part_mfu(r: Round) -> tuple[str, str]:
 
 def planner_gib(r: Round, model: str, seq: int, batch: int, layout: str) -> str:
     """The planner's GiB per GPU for this layout on this device (python -m trainer3d.plan --evaluate)."""
-    gib = "139" if r.dry else None
-    if not r.dry:
-        import torch
+    import torch
 
-        gib = f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}" if torch.cuda.is_available() else "80"
+    gib = "139" if r.dry else f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}" \
+        if torch.cuda.is_available() else "80"
     rc, text = r.run("plan", [sys.executable, "-m", "trainer3d.plan", "--model", model, "--nodes", "1",
                               "--gpus-per-node", "1", "--gpu-memory-gib", gib, "--peak-tflops", "989",
                               "--seq-len", str(seq), "--global-batch", str(batch), "--vocab", "50257",
@@ -308,22 +298,20 @@ def planner_gib(r: Round, model: str, seq: int, batch: int, layout: str) -> str:
 
 
 def part_big(r: Round) -> None:
-    model, seq, batch, steps = ("llama-tiny", 128, 8, 3) if r.dry else ("llama3.2-3b", 2048, 8, 5)
+    model, seq, batch = ("llama-tiny", 128, 8) if r.dry else ("llama3.2-3b", 2048, 8)
     args = ["--model", model, "--seq-len", str(seq), "--global-batch", str(batch), "--micro-batches", str(batch),
-            "--max-steps", str(steps), "--recompute", "full", "--precision", "fp32" if r.dry else "bf16",
-            "--no-final-save"]
-    for name, extra, layout in [
-        ("big: recompute full", [], "tp=1,pp=1,mbs=1,zero=0,recompute=1"),
-        ("big: ZeRO-3 + CPU offload", ["--deepspeed_config", "ds_configs/zero3_offload.json"],
+            "--recompute", "full", "--precision", "fp32" if r.dry else "bf16", "--no-final-save"]
+    # offload: ~8 s a step on the H200, its first (DeepSpeedCPUAdam's build) ~12 s more: 3 steps
+    for name, run_name, extra, steps, layout in [
+        ("big: recompute full", "recompute_full", [], 5, "tp=1,pp=1,mbs=1,zero=0,recompute=1"),
+        ("big: ZeRO-3 + CPU offload", "zero3_offload", ["--deepspeed_config", "ds_configs/zero3_offload.json"], 3,
          "tp=1,pp=1,mbs=1,zero=3,offload=all,recompute=1"),
     ]:
         t0 = time.monotonic()
         if r.left() < 45:
             r.record(name, "skipped", 0, "the round's time is spent")
             continue
-        if extra and not r.dry:  # offload: ~8 s a step; its first step (DeepSpeedCPUAdam's build) ~12 s more
-            extra = [*extra, "--max-steps", "3"]
-        run = r.train(name.split(": ")[1].replace(" ", "_").replace("+", ""), [*args, *extra], r.left())
+        run = r.train(run_name, [*args, "--max-steps", str(3 if r.dry else steps), *extra], r.left())
         if not ok(run):
             r.record(name, "failed", time.monotonic() - t0, failed(run))
             continue

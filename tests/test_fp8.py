@@ -22,7 +22,7 @@ from trainer3d.config import TrainConfig
 from trainer3d.errors import ConfigError
 from trainer3d.models import build_model
 from trainer3d.parallel.fp8 import EMULATE_ENV, apply_fp8
-from trainer3d.parallel.tensor_parallel import TP_LINEARS, apply_tensor_parallel
+from trainer3d.parallel.tensor_parallel import apply_tensor_parallel
 from trainer3d.train.setup import validate
 
 STEPS = 20
@@ -53,7 +53,7 @@ def test_the_middle_blocks_linears_see_float8(recipe):
     for fp8 in (None, recipe):
         torch.manual_seed(0)
         model = apply_tensor_parallel(build_model(cfg.model_config(512)), None, 0, 1, None)
-        chosen = apply_fp8(model, fp8, 4, TP_LINEARS)
+        chosen = apply_fp8(model, fp8, 4)
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, 0.02)

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from trainer3d.errors import ConfigError
+from trainer3d.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, linear_at
 
 RECIPES = ("tensorwise", "rowwise")
 # Tests set this: torchao's emulation (float8 casts, the matmul in high precision), which runs on a CPU.
@@ -87,18 +88,22 @@ class FP8Matmul:
         return matmul_with_hp_or_float8_args.apply(x, weight.t(), self.mm_config, self.config)
 
 
-def apply_fp8(stage: nn.Module, recipe: str | None, n_layer: int, layer_types: tuple[type, ...]) -> list[str]:
-    """Give the eligible tensor-parallel linears of `stage`'s blocks an FP8Matmul (their `fp8` attribute); the
-    names of those that got one. `layer_types`: the column- and row-parallel layer classes."""
+def eligible(block_index: int, n_layer: int, weight: torch.Tensor) -> bool:
+    """THE rule of which linears run in FP8: not in the first or last block, both dims multiples of 16."""
+    return block_index not in (0, n_layer - 1) and all(n % 16 == 0 for n in weight.shape)
+
+
+def apply_fp8(stage: nn.Module, recipe: str | None, n_layer: int) -> list[str]:
+    """Give the eligible tensor-parallel linears of `stage`'s blocks (this rank's shards) an FP8Matmul (their `fp8`
+    attribute); the names of those that got one."""
     if recipe is None:
         return []
     matmul = FP8Matmul(recipe, emulate=emulated())
     chosen = []
     for index, block in stage.blocks.items():
-        if int(index) in (0, n_layer - 1):
-            continue
         for name, module in block.named_modules():
-            if isinstance(module, layer_types) and all(n % 16 == 0 for n in module.weight.shape):
+            tp_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+            if tp_linear and eligible(int(index), n_layer, module.weight):
                 module.fp8 = matmul
                 chosen.append(f"{stage.BLOCKS}.{index}.{name}")
     return chosen
@@ -117,16 +122,9 @@ def fp8_weights(mcfg) -> int:
     """Weights of the linears --fp8 runs in FP8 at tp=1, whole model (the planner's FP8 FLOPs: 6 per weight and token);
     read off the family's plain model on the meta device, as apply_fp8 chooses."""
     from trainer3d.models import build_model
-    from trainer3d.parallel.tensor_parallel import linear_at
 
     with torch.device("meta"):
         model = build_model(mcfg)
-    total = 0
-    for index, block in model.blocks.items():
-        if int(index) in (0, mcfg.n_layer - 1):
-            continue
-        for path in model.parallel_plan().linears:
-            m = linear_at(block, path)
-            if m is not None and all(n % 16 == 0 for n in m.weight.shape):
-                total += m.weight.numel()
-    return total
+    linears = [(int(index), linear_at(block, path)) for index, block in model.blocks.items()
+               for path in model.parallel_plan().linears]
+    return sum(m.weight.numel() for index, m in linears if m is not None and eligible(index, mcfg.n_layer, m.weight))

@@ -32,7 +32,7 @@ from trainer3d.parallel.fp8 import apply_fp8
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
 from trainer3d.parallel.tensor_parallel import (
-    TP_LINEARS, ShardedDropoutRNG, apply_tensor_parallel, from_full, gather_full, padded_vocab_size,
+    ShardedDropoutRNG, apply_tensor_parallel, from_full, gather_full, padded_vocab_size,
 )
 
 
@@ -104,7 +104,7 @@ def parallelize(
     listeners = [sequence] if sequence is not None else []  # told the running micro-batch (pipeline.py)
 
     # ... FP8 matmuls in the eligible tensor-parallel linears (--fp8)
-    fp8_layers = [name for s in stages for name in apply_fp8(s, cfg.fp8, mcfg.n_layer, TP_LINEARS)]
+    fp8_layers = [name for s in stages for name in apply_fp8(s, cfg.fp8, mcfg.n_layer)]
 
     # 3b. activation recomputation, around the tensor-parallel layers (their collectives run again in the backward)
     stages = [apply_recompute(s, cfg.recompute) for s in stages]

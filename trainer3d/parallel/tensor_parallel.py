@@ -245,9 +245,6 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-TP_LINEARS = (ColumnParallelLinear, RowParallelLinear)  # what --fp8 may run in FP8 (parallel/fp8.py)
-
-
 def vocab_parallel_weight(vocab_size, padded_vocab, dim, size, device=None) -> nn.Parameter:
     weight = nn.Parameter(torch.empty(padded_vocab // size, dim, device=device))
     weight.tp_spec = TPSpec(0, (vocab_size, dim), padded=padded_vocab)
