@@ -10,7 +10,7 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
   paths    tiny runs, 4 at a time: fp32 GPU vs CPU losses, bf16, --compile,         85 s
            --recompute selective, save -> resume, export -> --init-from-hf,
            ZeRO-1, ZeRO-3, --document-mask (flex attention), Qwen3-MoE tiny
-           (grouped GEMM), DeepSeek-V3 tiny (MLA, MTP), --fp8 where the trainer has it
+           (grouped GEMM), DeepSeek-V3 tiny (MLA, MTP), --fp8 rowwise and tensorwise
   mfu      bench/gpu_mfu.py: gpt2-medium, gpt2, llama3.2-1b in bf16, trainer3d       250 s for the first 6 rows
            eager and compiled against the bare compiled loop, FP8 (torchao) in the   (FP8's compile alone 118 s)
            bare loop; the top kernels of each trainer row
