@@ -147,22 +147,23 @@ def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, d
 
     from trainer3d.config import TrainConfig
     from trainer3d.train.metrics import device_peak_tflops
-    from trainer3d.models import init_value
-    from trainer3d.models.gpt2 import GPT
+    from trainer3d.models import build_model, init_value
 
     free_memory(device)
     mcfg = TrainConfig(model=model, seq_len=seq_len).model_config(50304)  # the trainer pads 50257 to 50304 too
-    net = GPT(mcfg)
+    net = build_model(mcfg)  # at tp 1 the family's parallel linears are plain linears
     with torch.no_grad():
-        for name, p in net.named_parameters():  # the tied lm_head is listed once, as wte.weight
+        for name, p in net.named_parameters():  # a tied lm_head is listed once, as the embedding
             p.copy_(init_value(mcfg, name, p.shape, TrainConfig.seed))
-        net.wte.weight[50257:].zero_()  # the trainer's padding rows are zeros too
+            if p.shape[0] == 50304:
+                p[50257:].zero_()  # the embedding's (and an untied head's) padding rows, zeros as the trainer's
     net = net.to(device)
+    net.init_tables(device)  # rotary frequencies, routers' biases
     if fp8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(fp8), module_filter_fn=lambda m, fqn:
-                                   fqn != "lm_head" and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+                                   m.out_features != 50304 and m.in_features % 16 == 0 and m.out_features % 16 == 0)
     params = list(net.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},  # as trainer3d.train
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

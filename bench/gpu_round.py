@@ -7,17 +7,17 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
   part     what it runs                                                   measured on one H200 (2026-11-27)
   env      nvidia-smi; torch, CUDA, NCCL, driver, DeepSpeed, torchao versions      6 s
   smoke    the default run (launch/train_gpt2.py) on CUDA, 20 steps                22 s
-  paths    tiny runs, 4 at a time: fp32 GPU vs CPU losses, bf16, --compile,         85 s
+  paths    tiny runs, 4 at a time: fp32 GPU vs CPU losses, bf16, --compile,         90 s
            --recompute selective, save -> resume, export -> --init-from-hf,
            ZeRO-1, ZeRO-3, --document-mask (flex attention), Qwen3-MoE tiny
            (grouped GEMM), DeepSeek-V3 tiny (MLA, MTP), --fp8 rowwise and tensorwise
-  mfu      bench/gpu_mfu.py: gpt2-medium, gpt2, llama3.2-1b in bf16, trainer3d       250 s for the first 6 rows
-           eager and compiled against the bare compiled loop, FP8 (torchao) in the   (FP8's compile alone 118 s)
-           bare loop; the top kernels of each trainer row
+  mfu      bench/gpu_mfu.py: gpt2-medium, gpt2, llama3.2-1b in bf16, trainer3d       387 s for 12 of 13 rows
+           eager and compiled against the bare compiled loop, then the trainer's     (bare FP8's compile 108 s)
+           --fp8 eager and compiled; the top kernels of each trainer row
   big      llama3.2-3b with full recomputation on one GPU, then under ZeRO-3 with    57 s; offload 193 s at 6
            CPU offload: tokens/s and peak memory against the planner's estimate     steps (now 3)
 
-llama3.2-1b, gpt2 compiled and FP8 tensorwise were past the first round's deadline; bench/README.md §24 has the round.
+Both rounds' figures are in bench/README.md §24; --parts skips what a round need not repeat (the second skipped big).
 --dry runs every part on CPU at tiny sizes (tests/test_gpu_round.py runs it, so that the round cannot rot).
 """
 
@@ -46,6 +46,7 @@ class Round:
         self.out, self.work, self.dry = out, work, dry
         self.deadline = time.monotonic() + budget_s
         self.rows: list[tuple[str, str, float, str]] = []  # (part, status, seconds, finding)
+        self.parts = ["env", "smoke", "paths", "mfu", "big"]
         self.log_path = os.path.join(out, "round.log")
 
     def left(self) -> float:
@@ -256,17 +257,17 @@ def part_paths(r: Round) -> None:
             r.record(f"paths: {futures[fut]}", status, time.monotonic() - t0, finding)
 
 
-MFU_ROWS = ["gpt2-medium:16:trainer", "gpt2-medium:16:bare-compile", "gpt2-medium:16:trainer-compile",
-            "gpt2:16:trainer", "gpt2:16:bare-compile", "llama3.2-1b:8:trainer", "llama3.2-1b:8:trainer-fp8-rowwise",
-            "gpt2-medium:16:trainer-fp8-rowwise", "gpt2:16:trainer-compile", "llama3.2-1b:8:trainer-compile",
-            "llama3.2-1b:8:trainer-compile-fp8-rowwise", "gpt2-medium:16:bare-compile-fp8-rowwise",
-            "gpt2-medium:16:bare-compile-fp8-tensorwise"]  # worth first; FP8's compile took ~2 minutes
+MFU_ROWS = ["gpt2-medium:16:trainer", "gpt2-medium:16:bare-compile", "gpt2-medium:16:trainer-fp8-rowwise",
+            "gpt2-medium:16:trainer-compile", "llama3.2-1b:8:trainer", "llama3.2-1b:8:trainer-fp8-rowwise",
+            "gpt2:16:trainer", "gpt2:16:bare-compile", "llama3.2-1b:8:trainer-compile-fp8-rowwise",
+            "gpt2-medium:16:trainer-compile-fp8-rowwise", "llama3.2-1b:8:bare-compile", "gpt2:16:trainer-compile",
+            "gpt2-medium:16:bare-compile-fp8-rowwise"]  # worth first; FP8's compile took ~2 minutes
 MFU_DRY = ["tiny:2:trainer", "tiny:2:trainer-compile", "tiny:2:bare-compile", "tiny:2:bare-fp8-rowwise",
            "tiny:2:trainer-fp8-rowwise"]
 
 
 def part_mfu(r: Round) -> tuple[str, str]:
-    limit = max(30.0, r.left() - (20 if r.dry else 120))  # leave the big part its start
+    limit = max(30.0, r.left() - ((20 if r.dry else 120) if "big" in r.parts else 0))  # leave the big part its start
     sizes = ["--seq-len", "64", "--steps", "2", "--warmup", "1", "--device", "cpu", "--peak-tflops", "1"] if r.dry \
         else ["--steps", "20", "--warmup", "3"]
     cmd = [sys.executable, "bench/gpu_mfu.py", "--rows", *(MFU_DRY if r.dry else MFU_ROWS), *sizes, "--profile",
@@ -324,15 +325,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu_round"))
     ap.add_argument("--budget-s", type=float, default=450, help="the whole round's wall time")
+    ap.add_argument("--parts", default="env,smoke,paths,mfu,big",
+                    help="which parts, comma-separated (a later round may skip what an earlier one measured)")
     ap.add_argument("--dry", action="store_true", default=os.environ.get("GPU_ROUND_DRY") == "1",
                     help="every part on CPU at tiny sizes (GPU_ROUND_DRY=1)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gpu_round_")
     r = Round(args.out, work, args.budget_s, args.dry)
+    r.parts = args.parts.split(",")
     r.log(f"# GPU round {'(dry, CPU)' if args.dry else ''} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     for name, fn in [("env", part_env), ("smoke", part_smoke), ("paths", part_paths), ("mfu", part_mfu),
                      ("big", part_big)]:
+        if name not in r.parts:
+            continue
         t0 = time.monotonic()
         try:
             res = fn(r)

@@ -21,7 +21,7 @@ from test_parity import case
 from trainer3d.config import TrainConfig
 from trainer3d.errors import ConfigError
 from trainer3d.models import build_model
-from trainer3d.parallel.fp8 import EMULATE_ENV, apply_fp8
+from trainer3d.parallel.fp8 import EMULATE_ENV, apply_fp8, describe
 from trainer3d.parallel.tensor_parallel import apply_tensor_parallel
 from trainer3d.train.setup import validate
 
@@ -65,6 +65,9 @@ def test_the_middle_blocks_linears_see_float8(recipe):
         else:
             assert sorted({n.split(".")[1] for n in chosen}) == ["1", "2"] and len(chosen) == 8, chosen
             assert seen.float8 >= 2 * len(chosen), seen.float8  # an input and a weight cast per FP8 linear
+            line = describe(fp8, chosen, 4, compiled=False)
+            assert line.startswith(f"fp8={fp8}: 8 linears in blocks 1-2 of 0-3") and "add --compile" in line, line
+            assert "add --compile" not in describe(fp8, chosen, 4, compiled=True)
 
 
 def test_refused_without_an_fp8_gpu(monkeypatch):

@@ -109,12 +109,14 @@ def apply_fp8(stage: nn.Module, recipe: str | None, n_layer: int) -> list[str]:
     return chosen
 
 
-def describe(recipe: str, chosen: list[str], total_blocks: int) -> str:
-    """One line for the banner: how many linears run in FP8 and in which blocks."""
+def describe(recipe: str, chosen: list[str], total_blocks: int, compiled: bool) -> str:
+    """One line for the banner: how many linears run in FP8 and in which blocks; a warning without --compile, where
+    torchao's casts and scales run as separate kernels (0.35-0.53x of bf16 on an H200: bench/README.md section 24)."""
     blocks = sorted({int(n.split(".")[1]) for n in chosen})
     span = f"blocks {blocks[0]}-{blocks[-1]}" if blocks else "no block"
+    slow = "" if compiled else "; without --compile FP8's casts run unfused, slower than bf16: add --compile"
     return (f"fp8={recipe}: {len(chosen)} linears in {span} of 0-{total_blocks - 1} (bf16: the first and last block, "
-            f"embedding, head, routers, experts, MTP; dims not multiples of 16)")
+            f"embedding, head, routers, experts, MTP; dims not multiples of 16){slow}")
 
 
 @lru_cache(maxsize=None)
