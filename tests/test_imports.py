@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer3d.plan",),  # the offline planner: trainer3d's own rules (pipeline, ZeRO buckets) priced for a cluster
     ("trainer3d.checkpoint",),  # format, save, load, signals, Hugging Face interop
     ("trainer3d.train",),  # setup (validation), the Trainer, the loop and its reporting
+    ("trainer3d.engine",),  # the Trainer as another program's training side (log-probs, a caller's loss, weights)
 ]
 ENTRY_POINTS = (
     "trainer3d.export", "trainer3d.evaluate", "trainer3d.prepare", "trainer3d.sample", "trainer3d.zero.__main__",

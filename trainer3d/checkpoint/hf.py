@@ -298,7 +298,7 @@ def _checked_keys(state: Mapping[str, torch.Tensor], cfg) -> dict[str, torch.Siz
     return {n: shape for n, shape in expected.items() if n in names}
 
 
-def _to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype, shape,
+def to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype, shape,
            tables: Mapping) -> dict[str, torch.Tensor]:
     """One canonical tensor as its Hugging Face tensors, checked against the `shape` the config gives it (`tables`:
     hf_tables(cfg), which keep fp32)."""
@@ -317,7 +317,7 @@ def canonical_to_hf(state: Mapping[str, torch.Tensor], cfg, dtype: torch.dtype =
     """The HF state dict (tied head omitted) from a canonical one, or from our module's own state_dict."""
     out, tables = {}, hf_tables(cfg)
     for name, shape in _checked_keys(state, cfg).items():
-        out.update(_to_hf(cfg, name, state[name], dtype, shape, tables))
+        out.update(to_hf(cfg, name, state[name], dtype, shape, tables))
     return out
 
 
@@ -368,7 +368,7 @@ def write_hf_weights(cfg, state: Mapping[str, torch.Tensor], shapes: Mapping[str
     for file, shard in zip(files, shards):
         tensors = {}
         for name in shard:
-            tensors.update(_to_hf(cfg, name, state[name], dtype, shapes[name], tables))
+            tensors.update(to_hf(cfg, name, state[name], dtype, shapes[name], tables))
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update({k: file for k in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())

@@ -60,25 +60,8 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
     pieces: dict[str, torch.Tensor] = {}
     adam_step = trainer.engine.adam_step()
     for name, (p, spec) in named_full_params(trainer.pm).items():
-        part = trainer.engine.partition_of(p, moments=adam_step is not None)
-        if part is not None:
-            if (spec is None or spec.axis != "tp") and topo.tp_rank != 0:
-                continue  # replicated over tp (an expert split over ep is): its tp peers hold the same partition
-            for offset, box in partition_boxes(spec, part.shape, *topo.shard_coords(spec), part.start, part.numel):
-                for kind, flat in part.tensors.items():
-                    data = flat.narrow(0, offset, box.numel).view(box.size)
-                    pieces[piece_key(kind, name, box.start, box.size)] = _to_host(data, pinned, copy)
-            continue
-        value = trainer.engine.param_value(p)
-        state = trainer.engine.optimizer_state_of(p)
-        shape = tuple(value.shape)
-        index, count = _writer_slice(spec, topo)
-        mine = slice_boxes(tp_boxes(spec, shape, *topo.shard_coords(spec)), shape, index, count)
-        for kind, t in [("param", value)] + [(k, state[k]) for k in MOMENTS if k in state]:
-            for b in mine:
-                part = t[tuple(slice(o, o + s) for o, s in zip(b.local, b.size))]
-                pieces[piece_key(kind, name, b.start, b.size)] = _to_host(part, pinned, copy=True)
-        del value, state
+        for kind, start, size, data, live in parameter_pieces(trainer, p, spec, adam_step is not None):
+            pieces[piece_key(kind, name, start, size)] = _to_host(data, pinned, copy or not live)
     index, count = _writer_slice(None, topo)  # tables: replicated wherever their module is
     for m in trainer.pm.stages:
         for name, t in m.state_tables().items():
@@ -94,6 +77,30 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
     for i, r in enumerate(sharded_rngs(trainer.pm)):
         pieces[f"{RNG_PREFIX}sharded{i}"] = r.state.clone().cpu()
     return pieces, adam_step
+
+
+def parameter_pieces(trainer, p, spec, moments: bool, kinds: tuple[str, ...] = ("param", *MOMENTS)):
+    """(kind, start, size, tensor, live) for each piece of parameter `p` (and, with `moments`, its AdamW moments) that
+    this rank writes (rank_pieces' rule), the tensor on the engine's device; `live`: a view of the engine's state."""
+    topo = trainer.topo
+    part = trainer.engine.partition_of(p, moments=moments)
+    if part is not None:
+        if (spec is None or spec.axis != "tp") and topo.tp_rank != 0:
+            return  # replicated over tp (an expert split over ep is): its tp peers hold the same partition
+        for offset, box in partition_boxes(spec, part.shape, *topo.shard_coords(spec), part.start, part.numel):
+            for kind, flat in part.tensors.items():
+                if kind in kinds:
+                    yield kind, box.start, box.size, flat.narrow(0, offset, box.numel).view(box.size), True
+        return
+    value = trainer.engine.param_value(p)
+    state = trainer.engine.optimizer_state_of(p) if moments else {}
+    shape = tuple(value.shape)
+    index, count = _writer_slice(spec, topo)
+    mine = slice_boxes(tp_boxes(spec, shape, *topo.shard_coords(spec)), shape, index, count)
+    for kind, t in [("param", value)] + [(k, state[k]) for k in MOMENTS if k in state]:
+        if kind in kinds:
+            for b in mine:
+                yield kind, b.start, b.size, t[tuple(slice(o, o + s) for o, s in zip(b.local, b.size))], False
 
 
 def _writer_slice(spec, topo) -> tuple[int, int]:

@@ -1,0 +1,163 @@
+"""trainer3d.engine, through its public calls only, against transformers: per-token log-probabilities (and entropies)
+of packed rows equal transformers' log-softmax of the same model run on each document alone, at one process, tp2·pp2
+and (Qwen3-MoE) dp2·ep2; a policy-gradient loss written here (ratio clip, advantages per row) trained through
+forward_backward/step equals transformers' model trained by torch's AdamW on the same loss, per step, in loss and
+gradient norm, under token-mean, sequence-mean and sum; the weights streamed by named_weights() are the reference's
+after training; save -> load gives the same log-probabilities. The reference shares no code with trainer3d."""
+
+from __future__ import annotations
+
+import torch
+
+from distributed import run_world
+from test_llama import hf_llama
+from test_llama_hf import hf_moe
+from trainer3d.config import TrainConfig
+
+VOCAB, SEQ, GB, LR, CLIP = 1000, 32, 8, 2e-3, 1.0
+AGGREGATIONS = ["token-mean", "sequence-mean", "sum", "token-mean"]  # one per step
+
+
+def batch(seed: int = 0):
+    """Rows of two documents each (the cut at a random place), a response mask that starts at a random place and
+    leaves out the position whose next token opens the second document, per-row advantages, and old log-probs
+    (the current ones moved by noise, so that the ratio clip is active)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (GB, SEQ + 1), generator=g)
+    cuts = torch.randint(8, 24, (GB,), generator=g)
+    documents = (torch.arange(SEQ + 1)[None, :] >= cuts[:, None]).long()
+    starts = torch.randint(2, 16, (GB,), generator=g)
+    mask = torch.arange(SEQ)[None, :] >= starts[:, None]
+    mask &= documents[:, :-1] == documents[:, 1:]  # not across documents
+    advantages = torch.randn(GB, 1, generator=g)
+    noise = 0.3 * torch.randn(GB, SEQ, generator=g)
+    return tokens, documents, mask, advantages, noise
+
+
+def pg_loss(logprobs, fields):
+    """PPO/GRPO's clipped surrogate, per token."""
+    ratio = torch.exp(logprobs - fields["old"])
+    return -torch.min(ratio * fields["adv"], ratio.clamp(0.8, 1.2) * fields["adv"])
+
+
+def reference_logprobs(model, tokens, documents):
+    """[B, T] log p(tokens[:, t+1]) from each document run alone (0 where t+1 opens the next document)."""
+    out = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
+    for b in range(tokens.shape[0]):
+        cut = int((documents[b] == 0).sum())
+        for s, e in [(0, cut), (cut, tokens.shape[1])]:
+            logits = model(tokens[b:b + 1, s:e]).logits[0, :-1].float()
+            out[b, s:e - 1] = torch.log_softmax(logits, -1).gather(-1, tokens[b, s + 1:e, None])[:, 0]
+    return out
+
+
+def reference_aggregate(losses, mask, aggregation):
+    m = mask.float()
+    if aggregation == "token-mean":
+        return (losses * m).sum() / m.sum()
+    if aggregation == "sequence-mean":
+        return ((losses * m).sum(1) / m.sum(1)).mean()
+    return (losses * m).sum()
+
+
+def reference_run(model, data):
+    """transformers' model, torch's AdamW (decay on matrices only) at a constant lr, clip_grad_norm_: per step the
+    aggregated loss and the norm; the seq-mean and token-mean norms of step 1 at the same weights."""
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    losses, norms, first = [], [], {}
+    for step, aggregation in enumerate(AGGREGATIONS):
+        tokens, documents, mask, adv, noise = data[step]
+        with torch.no_grad():
+            old = reference_logprobs(model, tokens, documents) + noise
+        lp = reference_logprobs(model, tokens, documents)
+        per_token = pg_loss(lp, {"old": old, "adv": adv})
+        if step == 0:
+            for other in ("token-mean", "sequence-mean"):
+                grads = torch.autograd.grad(reference_aggregate(per_token, mask, other), params, retain_graph=True)
+                first[other] = torch.cat([g.flatten() for g in grads]).norm().item()
+        loss = reference_aggregate(per_token, mask, aggregation)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, norms, first
+
+
+def _engine_run(hf_dir, layout, data, train, tmp):
+    from trainer3d.engine import Engine
+
+    layout = dict(layout)
+    n = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
+    cfg = TrainConfig(init_from_hf=hf_dir, seq_len=SEQ, global_batch=GB, micro_batches=2, precision="fp32",
+                      lr=LR, warmup_steps=0, min_lr=LR, max_steps=100, grad_clip=CLIP, weight_decay=0.1,
+                      document_mask=True, reset_position_ids=True, out_dir=tmp, **layout)
+    engine = Engine(cfg, ranks=list(range(n)))
+    out = None
+    if engine.active:
+        tokens, documents = data[0][0], data[0][1]
+        lp, entropy = engine.logprobs(tokens, documents, entropy=True)
+        out = {"logprobs": lp, "entropy": entropy}
+        if train:
+            out["losses"], out["norms"] = [], []
+            for step, aggregation in enumerate(AGGREGATIONS):
+                tokens, documents, mask, adv, noise = data[step]
+                old = engine.logprobs(tokens, documents) + noise
+                out["losses"].append(engine.forward_backward(tokens, pg_loss, mask=mask, aggregation=aggregation,
+                                                             fields={"old": old, "adv": adv}, documents=documents))
+                out["norms"].append(engine.step()["grad_norm"])
+            out["weights"] = dict(engine.named_weights())
+            before = engine.logprobs(tokens, documents)
+            engine.load(engine.save(tmp))
+            out["reloaded"] = (engine.logprobs(tokens, documents) - before).abs().max().item()
+    engine.close()
+    return out
+
+
+def _world(rank, world_size, runs, data, tmp):
+    return {label: _engine_run(hf_dir, layout, data, train, f"{tmp}/{label.replace(' ', '_')}")
+            for label, (hf_dir, layout, train) in runs.items()}
+
+
+def test_engine_against_transformers(tmp_path):
+    llama, moe = hf_llama(seed=3), hf_moe("qwen3", seed=3)
+    llama.save_pretrained(tmp_path / "llama")
+    moe.save_pretrained(tmp_path / "moe")
+    data = [batch(seed) for seed in range(len(AGGREGATIONS))]
+    runs = {"1p": (str(tmp_path / "llama"), {}, True),
+            "tp2 pp2": (str(tmp_path / "llama"), dict(tp=2, pp=2), True),
+            "moe dp2 ep2": (str(tmp_path / "moe"), dict(dp=2, ep=2), False)}
+    results = run_world(4, _world, runs, data, str(tmp_path / "runs"), timeout=600)[0]
+
+    tokens, documents = data[0][0], data[0][1]
+    with torch.no_grad():
+        for label, model in (("1p", llama), ("tp2 pp2", llama), ("moe dp2 ep2", moe)):
+            model.train(False)
+            ref = reference_logprobs(model, tokens, documents)
+            scored = documents[:, :-1] == documents[:, 1:]
+            gap = (results[label]["logprobs"] - ref)[scored].abs().max().item()
+            print(f"{label}: max |logprob - transformers'| {gap:.1e}")
+            assert gap < 2e-6, (label, gap)
+    with torch.no_grad():  # the entropy of position 0's distribution (always inside the first document)
+        probs = torch.log_softmax(llama(tokens[:, :1]).logits[:, 0].float(), -1)
+        assert torch.allclose(results["1p"]["entropy"][:, 0], -(probs.exp() * probs).sum(-1), atol=2e-6)
+
+    losses, norms, first = reference_run(llama.train(), data)
+    print(f"transformers: losses {losses}, norms {norms}; step 1's norm token-mean {first['token-mean']:.6f}, "
+          f"sequence-mean {first['sequence-mean']:.6f}")
+    assert abs(first["token-mean"] - first["sequence-mean"]) > 0.01 * first["token-mean"]  # they differ
+    assert max(norms) > CLIP  # clipping was active at some step
+    state = llama.state_dict()
+    for label in ("1p", "tp2 pp2"):
+        run = results[label]
+        loss_rel = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], losses))
+        norm_rel = max(abs(a - b) / b for a, b in zip(run["norms"], norms))
+        weights = max((run["weights"][k] - v).abs().max().item() for k, v in state.items())
+        print(f"{label}: loss rel diff {loss_rel:.1e}, norm rel diff {norm_rel:.1e}, weights {weights:.1e}, "
+              f"after save -> load {run['reloaded']:.1e}")
+        assert loss_rel < 1e-5 and norm_rel < 1e-5, (label, run["losses"], run["norms"])
+        assert sorted(run["weights"]) == sorted(state) and weights < 1e-5, (label, weights)
+        assert run["reloaded"] == 0.0

@@ -1,0 +1,280 @@
+"""trainer3d as the training side of another program (an RL framework's actor, a preference-optimization loop): the
+few calls such a backend needs (verl's engine, slime's actor), at every layout and engine a training run has.
+
+    engine = Engine(TrainConfig(init_from_hf="my-model", tp=2, pp=2, global_batch=8, seq_len=512, lr=1e-6))
+    lp = engine.logprobs(tokens)                        # [B, T]: log p(tokens[:, t+1] | tokens[:, :t+1])
+    loss = engine.forward_backward(tokens, loss_fn, mask=mask, fields={"advantages": adv, "old_logprobs": lp})
+    engine.step()                                       # {"grad_norm", "lr", "loss", "skipped"}
+    for hf_name, tensor in engine.named_weights(): ...  # to an inference engine
+    engine.save(out_dir); engine.close()
+
+Every rank of the job (torchrun, SLURM, the deepspeed launcher) runs the same calls with the same whole global batch
+(tokens [global_batch, seq_len + 1]); the engine takes this dp rank's rows, runs the pipeline schedule over them in
+the config's micro-batches, and gives every rank the whole result. Per-token values travel with their tokens through
+the schedule as extra channels of the targets ([B, T, channels]: the target, the row, the position, the loss weight,
+the caller's fields), so context parallelism's split of the sequence and pipeline parallelism's last stage need no
+rule of their own: the loss function sees its micro-batch's tokens wherever they are, and the results are written
+back by (row, position) and summed over the world once, one writer per token.
+
+`loss_fn(logprobs, fields) -> per-token losses`: logprobs [mb, T'] of this micro-batch's tokens on this rank (T' =
+seq_len, or seq_len/cp), fields the caller's [mb, T'] tensors split alike (and "mask"). The engine weights each
+token's loss by the aggregation, from the whole batch on the host: token-mean (1/N, N the global count of masked
+tokens: DAPO, Dr. GRPO), sequence-mean (1/(n_rows · n_i), n_i the row's masked tokens: GRPO), sum; so the gradient is
+that of the aggregated loss over the global batch at every layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import torch
+
+from trainer3d.checkpoint.hf import hf_tables, to_hf
+from trainer3d.checkpoint.load import apply, prepare
+from trainer3d.checkpoint.save import parameter_pieces, save_checkpoint
+from trainer3d.config import TrainConfig
+from trainer3d.distributed.collectives import all_reduce
+from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
+from trainer3d.errors import ConfigError, TrainingError
+from trainer3d.models import canonical_shapes, canonical_tables
+from trainer3d.optim import lr_at
+from trainer3d.parallel.parallelize import named_full_params
+from trainer3d.train.setup import validate
+from trainer3d.train.trainer import Trainer
+
+AGGREGATIONS = ("token-mean", "sequence-mean", "sum")
+TARGET, ROW, POSITION, WEIGHT, FIELDS = 0, 1, 2, 3, 4  # the channels of the targets a pass carries
+
+LossFn = Callable[[torch.Tensor, dict], torch.Tensor]
+
+
+def token_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """[B, T] float64: each token's weight in the aggregated loss over the whole batch (0 where mask is False)."""
+    m = mask.double()
+    if aggregation == "token-mean":
+        return m / m.sum().clamp(min=1)
+    if aggregation == "sequence-mean":
+        per_row = m.sum(dim=1, keepdim=True)
+        rows = (per_row > 0).sum().clamp(min=1)
+        return m / per_row.clamp(min=1) / rows
+    if aggregation == "sum":
+        return m
+    raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)} (got {aggregation!r}).")
+
+
+class Engine:
+    """One model at one layout, trained by a caller's loss. Construct it on every rank of the job (a collective);
+    `ranks`: the global ranks it lives on, where one world holds several (tests); `vocab_size`: the tokenizer's
+    (default: the --init-from-hf model's vocabulary, else GPT-2's); `eos_id`: the token that opens a document, which
+    --document-mask needs when no `documents` are passed."""
+
+    def __init__(self, cfg: TrainConfig, vocab_size: int | None = None, ranks: list[int] | None = None,
+                 eos_id: int | None = None):
+        env = LaunchEnv.from_environ()
+        n = len(ranks) if ranks else env.world_size
+        self.setup = validate(cfg, n)  # before any process group: bad input fails here
+        base = self.setup.base_model
+        self.vocab_size = vocab_size or (base.vocab_size if base is not None else 50257)
+        if getattr(self.setup.model_config(self.vocab_size), "mtp_layers", 0):
+            raise ConfigError("The engine trains the model's own head: build it without multi-token prediction "
+                              "(mtp_loss_coef=0).")
+        self.eos_id, self.passes = eos_id, 0
+        self.device = default_device(env.local_rank)
+        self.group = WorldGroup(env, self.device, cfg.dist_timeout)
+        self.topo = self.group.topology = self.setup.topology(ranks)
+        self.trainer = self._build(self.setup) if self.topo.active else None
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank is one of the engine's (always, unless `ranks` names a part of the world)."""
+        return self.trainer is not None
+
+    def _build(self, setup) -> Trainer:
+        mcfg = setup.model_config(self.vocab_size)
+        start = prepare(setup.cfg, mcfg, self.topo)  # --resume / --init-from-hf
+        # without an eos_id no token opens a document (-1): the calls then pass their `documents`
+        boundary = self.eos_id if self.eos_id is not None else -1
+        trainer = Trainer(setup, self.topo, self.device, mcfg, shard_value=start.shard_value, boundary=boundary)
+        apply(start, trainer)
+        trainer.engine.zero_grad()
+        return trainer
+
+    # ---- passes ----------------------------------------------------------------------------------------------
+    def _targets(self, tokens: torch.Tensor, weights: torch.Tensor, fields: dict) -> torch.Tensor:
+        """[B, T, 4 + fields] float64: target id, row, position, weight, then each field."""
+        B, T = tokens.shape[0], tokens.shape[1] - 1
+        rows = torch.arange(B, dtype=torch.float64)[:, None].expand(B, T)
+        positions = torch.arange(T, dtype=torch.float64)[None, :].expand(B, T)
+        channels = [tokens[:, 1:].double(), rows, positions, weights.double()]
+        return torch.stack(channels + [f.double().expand(B, T) for f in fields.values()], dim=-1)
+
+    def _check(self, tokens: torch.Tensor) -> None:
+        gb, seq = self.trainer.plan.global_batch, self.trainer.cfg.seq_len
+        if tokens.dim() != 2 or tuple(tokens.shape) != (gb, seq + 1):
+            raise ConfigError(f"tokens must be the whole global batch, [{gb}, {seq + 1}] (global_batch, seq_len + 1); "
+                              f"got {list(tokens.shape)}.")
+
+    def _pass(self, tokens, targets, documents, reduction, train: bool) -> list[torch.Tensor]:
+        """This dp rank's rows through the schedule, `reduction(logits, targets)` in the loss's place."""
+        t = self.trainer
+        if documents is None and t.cfg.uses_documents and self.eos_id is None:
+            raise ConfigError("Under document_mask / reset_position_ids pass each call its documents, or give the "
+                              "Engine the eos_id that opens one.")
+        per = t.plan.global_batch // t.topo.layout.dp
+        mine = slice(t.topo.dp_rank * per, (t.topo.dp_rank + 1) * per)
+        docs = documents[mine, :-1] if documents is not None else None
+        if t.balance is not None and train:
+            t.balance.begin_pass(None, t.plan.global_batch * t.cfg.seq_len)
+        t._reduction = reduction
+        try:
+            return t._schedule_pass(tokens[mine, :-1], targets[mine], train, docs)
+        finally:
+            t._reduction = None
+
+    def _gather(self, results: list[torch.Tensor], shape: tuple[int, int], width: int) -> torch.Tensor:
+        """The [B, T, width] values the last stage's ranks returned as [n, 2 + width] (row, position, values...), on
+        every rank: one writer per token (tp rank 0; each cp rank holds its own positions), one sum."""
+        out = torch.zeros(*shape, width, device=self.device)
+        if self.trainer.pm.has_last and self.topo.tp_rank == 0 and results:
+            got = torch.cat(results)
+            out[got[:, 0].long(), got[:, 1].long()] = got[:, 2:].float()
+        return all_reduce(out, self.topo.world_group).cpu()
+
+    def logprobs(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
+                 entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] float32 log-probabilities of tokens[:, 1:] (and, with `entropy`, the entropy of each position's
+        distribution), on every rank; no gradient, dropout off. `documents` [B, T + 1]: each token's document, for
+        packed rows under --document-mask."""
+        self._check(tokens)
+        t = self.trainer
+        t.engine.train(False)
+
+        def reduction(logits, targets):
+            values = [-t.token_losses(logits, targets[..., TARGET].long())]
+            if entropy:
+                values.append(vocab_parallel_entropy(logits, self.topo.tp_group, t.pm.vocab_start, t.mcfg.vocab_size))
+            return torch.stack([targets[..., ROW], targets[..., POSITION], *[v.double() for v in values]],
+                               dim=-1).flatten(0, 1)
+
+        targets = self._targets(tokens, torch.zeros(tokens.shape[0], tokens.shape[1] - 1), {})
+        with torch.no_grad():
+            out = self._gather(self._pass(tokens, targets, documents, reduction, train=False),
+                               (tokens.shape[0], tokens.shape[1] - 1), 2 if entropy else 1)
+        return (out[..., 0], out[..., 1]) if entropy else out[..., 0]
+
+    def forward_backward(self, tokens: torch.Tensor, loss_fn: LossFn, mask: torch.Tensor | None = None,
+                         fields: dict[str, torch.Tensor] | None = None, aggregation: str = "token-mean",
+                         documents: torch.Tensor | None = None) -> float:
+        """Accumulate the gradient of the aggregated loss Σ_tokens weight · loss_fn(logprobs, fields) over the global
+        batch; return that loss (on every rank). `mask` [B, T] (default: every token), `fields` {name: [B, T] or
+        [B, 1]} the caller's per-token values, given to loss_fn split as the tokens are, with "mask". Several calls
+        before one step() add their gradients (DDP; a ZeRO engine takes one call a step)."""
+        self._check(tokens)
+        t = self.trainer
+        if self.passes and t.deepspeed is not None:
+            raise TrainingError("A ZeRO engine takes one forward_backward per step(): pass the whole batch at once.")
+        B, T = tokens.shape[0], tokens.shape[1] - 1
+        mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask.bool()
+        fields = dict(fields or {})
+        if "mask" in fields:
+            raise ConfigError("'mask' is the engine's field (the mask argument); name yours otherwise.")
+        fields["mask"] = mask
+        names = list(fields)
+        targets = self._targets(tokens, token_weights(mask, aggregation), fields)
+        scale = (t.loss_scale.scale if t.loss_scale else 1.0) * t.topo.layout.dp_cp  # the engine averages over dp·cp
+        t.engine.train()
+
+        def reduction(logits, targets):
+            logprobs = -t.token_losses(logits, targets[..., TARGET].long())
+            given = {name: targets[..., FIELDS + i].to(logprobs.dtype) for i, name in enumerate(names)}
+            given["mask"] = given["mask"] > 0
+            losses = loss_fn(logprobs, given)
+            return (losses * targets[..., WEIGHT].to(losses.dtype)).sum() * scale
+
+        losses = self._pass(tokens, targets, documents, reduction, train=True)
+        self.passes += 1
+        local = torch.zeros(1, device=self.device)
+        if t.pm.has_last and self.topo.tp_rank == 0 and losses:
+            local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
+        self._loss = all_reduce(local, self.topo.world_group)[0] + (self._loss if self.passes > 1 else 0.0)
+        return float(self._loss)
+
+    def step(self) -> dict:
+        """Apply the gradient of the forward_backward calls since the last step: dp reduction, clip to --grad-clip,
+        AdamW at the schedule's lr (lr_at of the step count). {"grad_norm", "lr", "loss", "skipped"}; a non-finite
+        loss or norm skips the update and, under --on-nonfinite stop (the default), raises TrainingError."""
+        t = self.trainer
+        if not self.passes:
+            raise TrainingError("step() without a forward_backward since the last step: there is no gradient.")
+        lr = lr_at(t.step, t.cfg)
+        grad_scale = 1.0 / t.loss_scale.scale if t.loss_scale else 1.0
+        zero = torch.zeros((), device=self.device)
+        result = t.engine.step(lr, t.cfg.grad_clip, grad_scale, loss=self._loss.to(self.device), stop=zero)
+        if t.loss_scale:
+            t.loss_scale.update(result.stepped)
+        t.engine.zero_grad()
+        self.passes = 0
+        if t.balance is not None:
+            t.balance.end_step(result.stepped)
+        if not result.stepped and not t.loss_scale and t.cfg.on_nonfinite == "stop":
+            raise TrainingError(f"Step {t.step + 1} has a loss of {result.loss} and a gradient norm of "
+                                f"{result.grad_norm}, so it was not applied.")
+        t.step += 1
+        return {"grad_norm": result.grad_norm, "lr": lr, "loss": result.loss, "skipped": not result.stepped}
+
+    # ---- weights and checkpoints -----------------------------------------------------------------------------
+    def named_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, whole tensor on the host) for every weight of the model, on every rank, one canonical
+        tensor at a time: each rank writes the pieces it would checkpoint (one writer per element, whatever the tp,
+        ep, dp or ZeRO partition) into a zero tensor and one sum over the world makes it whole. No rank holds more
+        than its share plus one tensor. Collective: every rank iterates to the end."""
+        t = self.trainer
+        mcfg, tables = t.mcfg, hf_tables(t.mcfg)
+        mine = named_full_params(t.pm)
+        held_tables = {name: shape for name, shape in canonical_tables(mcfg).items() if name in tables}
+        for name, shape in [*canonical_shapes(mcfg).items(), *held_tables.items()]:
+            full = torch.zeros(shape, device=self.device)
+            if name in mine:
+                p, spec = mine[name]
+                for _, start, size, data, _ in parameter_pieces(t, p, spec, False, kinds=("param",)):
+                    full[tuple(slice(o, o + s) for o, s in zip(start, size))] = data.float()
+            elif name in held_tables:
+                self._write_table(full, name)
+            full = all_reduce(full, self.topo.world_group)
+            yield from to_hf(mcfg, name, full, dtype, shape, tables).items()
+
+    def _write_table(self, full: torch.Tensor, name: str) -> None:
+        """A table (a router's selection bias) is replicated wherever its module is: the lowest rank holding it
+        writes it."""
+        held = [s.state_tables()[name] for s in self.trainer.pm.stages if name in s.state_tables()]
+        flag = torch.tensor([float(self.topo.rank) if held else float("inf")])
+        first = all_reduce(flag, self.topo.world_group, torch.distributed.ReduceOp.MIN)
+        if held and self.topo.rank == int(first):
+            full.copy_(held[0].float())
+
+    def save(self, out_dir: str) -> str:
+        """A checkpoint of the model, optimizer and step under `out_dir`/checkpoints (what --resume and
+        trainer3d.export read); collective. Returns its directory."""
+        return str(save_checkpoint(self.trainer, out_dir))
+
+    def load(self, checkpoint: str) -> None:
+        """Rebuild from a checkpoint (a path, or an --out-dir's latest) as --resume does: weights, optimizer, step."""
+        cfg = dataclasses.replace(self.setup.cfg, resume=checkpoint, init_from_hf=None)
+        self.trainer = None
+        self.trainer, self.passes = self._build(dataclasses.replace(self.setup, cfg=cfg)), 0
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """[mb, T] entropy of the softmax over vocab-sharded logits, without a gradient: H = log S + M - Σ p·x, from
+    this shard's max, exp-sum and exp-weighted logit sum, all-reduced over tp (the padded columns masked)."""
+    n_valid = max(0, min(logits.shape[-1], vocab_size - vocab_start))
+    x = logits[..., :n_valid].float()
+    m = all_reduce(x.amax(dim=-1) if n_valid else torch.full(x.shape[:-1], -torch.inf, device=x.device), group,
+                   torch.distributed.ReduceOp.MAX)
+    e = torch.exp(x - m.unsqueeze(-1))
+    sums = all_reduce(torch.stack([e.sum(dim=-1), (e * x).sum(dim=-1)]), group)
+    return torch.log(sums[0]) + m - sums[1] / sums[0]
