@@ -80,6 +80,10 @@ class TrainConfig:
     # multi-token prediction (DeepSeek-V3): the MTP loss's weight λ (None: MTP_LOSS_COEF where the model has MTP
     # modules; 0: none built, the model trains without them)
     mtp_loss_coef: float | None = None
+    objective: str = "lm"  # "dpo": direct preference optimization over --data-format preference pairs (train/dpo.py)
+    dpo_beta: float = 0.1  # DPO's β: how far the policy may move from the reference
+    dpo_loss: str = "sigmoid"  # DPO's loss: "sigmoid" (the paper's, TRL's default) or "ipo"
+    dpo_label_smoothing: float = 0.0  # sigmoid: the share of pairs assumed mislabelled (cDPO / robust DPO)
     # a step whose loss or gradient norm is not finite: stop the run naming it, or skip its update and go on (fp16's
     # loss scale skips such steps whatever this says: they are how it finds its scale)
     on_nonfinite: str = "stop"
@@ -305,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"multi-token prediction (DeepSeek-V3): the weight λ of the MTP loss, λ/D·Σ_k L_k added to the "
                         f"loss (Megatron's --mtp-loss-scaling-factor); default {MTP_LOSS_COEF} where the model has MTP "
                         "modules; 0: none are built")
+    o.add_argument("--objective", default=d.objective, choices=("lm", "dpo"),
+                   help="lm: the next-token loss (pre-training, SFT); dpo: direct preference optimization over "
+                        "--data-format preference pairs against the initial weights (docs/dpo.md)")
+    o.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="dpo: β, the weight of the log-ratio margins")
+    o.add_argument("--dpo-loss", default=d.dpo_loss, choices=("sigmoid", "ipo"),
+                   help="dpo: the paper's sigmoid loss (TRL's default) or IPO's squared one")
+    o.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
+                   help="dpo, sigmoid: the share ε of pairs taken as mislabelled (cDPO / robust DPO); 0: off")
     o.add_argument("--seed", type=int, default=d.seed)
     da = p.add_argument_group("data")
     da.add_argument("--data", default=None,
@@ -316,10 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--data-split", default=d.data_split)
     da.add_argument("--text-field", default=d.text_field)
     da.add_argument("--tokenizer", default=None, help="HF tokenizer name or path (default: bundled GPT-2 BPE)")
-    da.add_argument("--data-format", default=d.data_format, choices=("text", "chat", "sharegpt"),
+    da.add_argument("--data-format", default=d.data_format, choices=("text", "chat", "sharegpt", "preference"),
                     help="chat: rows of {role, content} messages (or prompt/completion columns; ShareGPT's "
                          "{from, value} rows are recognised), rendered by the chat template, the loss on the assistant "
-                         "turns (supervised fine-tuning); sharegpt: chat whose rows are ShareGPT's")
+                         "turns (supervised fine-tuning); sharegpt: chat whose rows are ShareGPT's; preference: "
+                         "prompt/chosen/rejected rows for --objective dpo")
     da.add_argument("--messages-field", default=d.messages_field,
                     help="chat: the column holding the messages (ShareGPT: conversations)")
     da.add_argument("--train-on", default=d.train_on, choices=("assistant", "last", "all"),

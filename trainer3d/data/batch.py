@@ -26,6 +26,7 @@ class Batch:
     targets: int | None = None  # supervised targets of the whole global batch; None: global rows × seq_len
     inputs: int | None = None  # input tokens of the whole global batch that are not padding; None: rows × seq_len
     lengths: torch.Tensor | None = None  # [B] int64: each row's tokens before its padding; None: no padding
+    reference: torch.Tensor | None = None  # [B] float64: DPO's reference log-prob of each row (train/dpo.py)
 
 
 class LabeledRows:
@@ -40,18 +41,30 @@ class LabeledRows:
         self.counts = np.asarray(flags[:, 1:].sum(axis=1), dtype=np.int64) if len(flags) else np.zeros(0, np.int64)
         self.lengths = np.full(len(tokens), tokens.shape[1], np.int64) if lengths is None else np.asarray(lengths)
         self.shape = tokens.shape
+        self.reference: np.ndarray | None = None  # DPO's reference log-prob of each row (data/preference.py)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def __getitem__(self, index) -> LabeledRows:
-        return LabeledRows(self.tokens[index], self.flags[index], self.documents[index], self.lengths[index])
+        out = LabeledRows(self.tokens[index], self.flags[index], self.documents[index], self.lengths[index])
+        out.counts = self.counts[index]
+        out.reference = None if self.reference is None else self.reference[index]
+        return out
+
+    def supervised_in(self, index: np.ndarray) -> int:
+        part = self[index]
+        return int(part.counts.sum())
+
+    def inputs_in(self, index: np.ndarray) -> int:
+        part = self[index]
+        return int(np.minimum(part.lengths, part.tokens.shape[1] - 1).sum())
 
 
 def supervised_count(rows, index: np.ndarray) -> int:
     """Supervised targets of rows[index] (every target of a plain row)."""
     if isinstance(rows, LabeledRows):
-        return int(rows.counts[index].sum())
+        return rows.supervised_in(index)
     return len(index) * (rows.shape[1] - 1)
 
 
@@ -59,7 +72,7 @@ def input_count(rows, index: np.ndarray) -> int:
     """Input tokens of rows[index] that are not padding (a row of L tokens feeds min(L, seq_len) inputs): what a step
     trains on, for honest tokens/s."""
     if isinstance(rows, LabeledRows):
-        return int(np.minimum(rows.lengths[index], rows.shape[1] - 1).sum())
+        return rows.inputs_in(index)
     return len(index) * (rows.shape[1] - 1)
 
 
@@ -67,13 +80,15 @@ def take(rows, index: np.ndarray, targets: int | None = None, inputs: int | None
     """The Batch of rows[index]; `targets`, `inputs`: the counts of the global batch it belongs to."""
     if not isinstance(rows, LabeledRows):
         return Batch(torch.from_numpy(np.asarray(rows[index]).astype(np.int64)), targets=targets, inputs=inputs)
+    part = rows[index]  # a PairRows (data/preference.py) gives its pairs' rows, each pair's two adjacent
     return Batch(
-        tokens=torch.from_numpy(rows.tokens[index].astype(np.int64)),
-        supervised=torch.from_numpy(rows.flags[index][:, 1:].astype(bool)),
-        documents=torch.from_numpy(rows.documents[index].astype(np.int64)),
+        tokens=torch.from_numpy(part.tokens.astype(np.int64)),
+        supervised=torch.from_numpy(part.flags[:, 1:].astype(bool)),
+        documents=torch.from_numpy(part.documents.astype(np.int64)),
         targets=targets,
         inputs=inputs,
-        lengths=torch.from_numpy(rows.lengths[index].astype(np.int64)),
+        lengths=torch.from_numpy(part.lengths.astype(np.int64)),
+        reference=None if part.reference is None else torch.from_numpy(part.reference),
     )
 
 

@@ -5,6 +5,7 @@ corpus once; then every rank builds the same loader and validation passes over i
 from __future__ import annotations
 
 from trainer3d.data import BatchLoader, DataConfig, TokenBlocks, build_rows, val_batches
+from trainer3d.data.preference import build_pairs
 from trainer3d.data.mixture import MixtureBlocks, MixtureLoader, combine, mixture_validation, read_mixture
 from trainer3d.distributed.leader import leader_first
 
@@ -12,6 +13,8 @@ from trainer3d.distributed.leader import leader_first
 def build_blocks(cfg, data_cfg: DataConfig, rank: int, local_rank: int) -> TokenBlocks | MixtureBlocks:
     """`data_cfg` is the run's data config; a mixture's sources each replace its source fields (data, data_config,
     text_field, format, and the options an entry gives) and keep the rest (the tokenizer, ...)."""
+    if cfg.data_format == "preference":  # DPO's pairs, rendered in memory on every rank
+        return build_pairs(data_cfg, cfg.seq_len)
     if not cfg.data_mixture:
         return leader_first("tokenize the data into the cache", lambda: build_rows(data_cfg, cfg.seq_len),
                             rank, local_rank)

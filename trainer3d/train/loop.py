@@ -13,6 +13,7 @@ from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.signals import Checkpointer
 from trainer3d.config import parse_args
 from trainer3d.data.mixture import MixtureBlocks, MixtureValidation
+from trainer3d.data.preference import PairRows, describe as describe_pairs
 from trainer3d.data.sft import describe as describe_chat_rows
 from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.failure import Heartbeat, run_reported
@@ -23,6 +24,7 @@ from trainer3d.errors import UsageError, first_line
 from trainer3d.rundir import clear_run
 from trainer3d.train.data_setup import build_blocks, make_loader, make_val_batches
 from trainer3d.train.downstream import Downstream
+from trainer3d.train.dpo import load_or_score
 from trainer3d.train.metrics import device_peak_tflops
 from trainer3d.train.report import Report
 from trainer3d.train.profiling import StepProfiler
@@ -60,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
                     error = f"--overwrite could not remove the earlier run in {cfg.out_dir} ({first_line(e)})."
             agree_on_error(error, dist.group.WORLD, UsageError)
         topo = group.topology = setup.topology()
-        blocks = build_blocks(cfg, data_config(cfg), env.rank, env.local_rank)  # one source, or a mixture's
+        blocks = build_blocks(cfg, data_config(cfg), env.rank, env.local_rank)  # one source, a mixture's, or pairs
         if env.rank == 0:
             for line in chat_lines(blocks, cfg):
                 print(f"[trainer3d] {line}", flush=True)
-        loader = make_loader(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.seed)
+        dpo = cfg.objective == "dpo"  # the loader draws pairs, two rows each
+        loader = make_loader(blocks, plan.global_batch // 2 if dpo else plan.global_batch, topo.dp_rank, layout.dp,
+                             cfg.seed)
         run_setup = with_epochs(setup, loader.steps_per_epoch)  # --epochs: max_steps from the rows
         if env.rank == 0 and cfg.epochs:
             print(f"[trainer3d] --epochs {cfg.epochs:g}: {run_setup.cfg.max_steps} steps ({loader.steps_per_epoch} "
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if validates(cfg):  # too few rows: said before step 1
             make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, None)
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
+        if dpo:  # the initial weights' log-probs of every pair (or, resuming, the first run's)
+            load_or_score(trainer, blocks, cfg.out_dir, fresh=start.checkpoint is None)
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
         run(trainer, loader,
             lambda: make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches), downstream)
@@ -144,6 +150,8 @@ def validates(cfg) -> bool:
 
 def chat_lines(blocks, cfg) -> list[str]:
     """The chat data's line for the run's rows or each chat source of a mixture, with its mask options."""
+    if isinstance(blocks, PairRows):
+        return [describe_pairs(blocks.stats)]
     if isinstance(blocks, MixtureBlocks):
         named = [(f"{name}: ", part.stats) for name, part in zip(blocks.names, blocks.parts)]
     else:

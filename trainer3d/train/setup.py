@@ -86,8 +86,10 @@ RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("moe_aux_loss_coef", 0.0, None, False), ("moe_z_loss_coef", 0.0, None, False),
     ("moe_bias_update_rate", 0.0, None, False), ("straggler_factor", 1.0, None, False),
     ("straggler_intervals", 1, None, False), ("val_fraction", 0.0, 0.5, True), ("adam_eps", 0.0, None, False),
+    ("dpo_label_smoothing", 0.0, 0.5, True),
 )
-POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor", "device_memory_gib", "epochs")  # above 0
+POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor", "device_memory_gib", "epochs",
+            "dpo_beta")  # above 0
 
 
 def flag(field: str) -> str:
@@ -262,6 +264,42 @@ CHAT_ONLY = {"train_on": "assistant", "train_roles": None, "on_bad_row": "drop",
              "messages_field": "messages", "pack": True, "chat_template": None, "chat_template_kwargs": None}
 
 
+def check_dpo(cfg: TrainConfig) -> TrainConfig:
+    """--objective dpo trains on --data-format preference pairs and nothing else does; its pairs hold nothing out for
+    validation (--val-fraction is set to 0)."""
+    dpo_flags = [k for k, v in (("dpo_beta", 0.1), ("dpo_loss", "sigmoid"), ("dpo_label_smoothing", 0.0))
+                 if getattr(cfg, k) != v]
+    if cfg.objective != "dpo":
+        if cfg.objective != "lm":
+            raise ConfigError(f"--objective must be lm or dpo (got {cfg.objective!r}).")
+        if cfg.data_format == "preference":
+            raise ConfigError("--data-format preference holds pairs for --objective dpo; add it.")
+        if dpo_flags:
+            raise ConfigError(f"{flag(dpo_flags[0])} applies to --objective dpo; add it or drop the flag.")
+        return cfg
+    if cfg.data_format != "preference" or cfg.data is None or cfg.data_mixture:
+        raise ConfigError("--objective dpo trains on preference pairs: pass --data-format preference and --data with "
+                          "prompt/chosen/rejected rows.")
+    if cfg.dpo_loss not in ("sigmoid", "ipo"):
+        raise ConfigError(f"--dpo-loss must be sigmoid or ipo (got {cfg.dpo_loss!r}).")
+    if cfg.dpo_label_smoothing and cfg.dpo_loss != "sigmoid":
+        raise ConfigError("--dpo-label-smoothing applies to the sigmoid loss; drop it with --dpo-loss ipo.")
+    if cfg.cp > 1 or cfg.mtp_loss_coef:
+        raise ConfigError("--objective dpo runs without context parallelism and multi-token prediction (a pair's "
+                          "log-prob is summed on one rank): drop --cp / --mtp-loss-coef.")
+    if cfg.val_data or cfg.eval_hellaswag:
+        raise ConfigError("--objective dpo does not validate yet: drop --val-data / --eval-hellaswag.")
+    return dataclasses.replace(cfg, val_fraction=0.0, eval_every=0)
+
+
+def check_dpo_batch(plan) -> None:
+    """A pair's two rows share a micro-batch: an even number of rows in each."""
+    if plan.micro_batch_size % 2:
+        raise ConfigError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch, and a "
+                          f"micro-batch here holds {plan.micro_batch_size} rows: make --global-batch (rows, two per "
+                          "pair) / (dp · --micro-batches) even.")
+
+
 def check_chat(cfg: TrainConfig) -> TrainConfig:
     """Chat data needs a fast tokenizer with a chat template, mask options that make sense and a corpus of
     conversations (checked here, before any process group); packed conversations are masked apart and their positions
@@ -270,7 +308,8 @@ def check_chat(cfg: TrainConfig) -> TrainConfig:
     sources = read_mixture(cfg.data_mixture, cfg.text_field) if cfg.data_mixture else []
     mixed_chat = any(s.format in CHAT_FORMATS for s in sources)
     if cfg.data_format not in CHAT_FORMATS and not mixed_chat:
-        given = [k for k, v in CHAT_ONLY.items() if getattr(cfg, k) != v]
+        pair_flags = ("on_bad_row", "overlong", "chat_template") if cfg.data_format == "preference" else ()
+        given = [k for k, v in CHAT_ONLY.items() if getattr(cfg, k) != v and k not in pair_flags]
         if given:
             raise ConfigError(f"{flag(given[0])} applies to chat data; add --data-format chat or drop it.")
         return cfg
@@ -328,7 +367,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         base_model = hf_model_config(cfg.init_from_hf)
         if cfg.tokenizer is None and has_tokenizer_files(cfg.init_from_hf):  # the weights' own tokenizer
             cfg = dataclasses.replace(cfg, tokenizer=cfg.init_from_hf)
-    cfg = check_chat(cfg)
+    cfg = check_chat(check_dpo(cfg))
     if cfg.eos_token is not None:  # the reply's end the export and sample will stop at: one token of the vocabulary
         from trainer3d.data.tokenizer import load_tokenizer
         from trainer3d.data.turn_end import end_of_turn_ids
@@ -364,6 +403,8 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
     else:
         plan = plan_batch(cfg, layout.dp, layout.pp)
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches, cfg.sequence_parallel)
+    if cfg.objective == "dpo":
+        check_dpo_batch(plan)
     if cfg.profile_steps is not None:
         parse_step_range(cfg.profile_steps, cfg.max_steps)
     if cfg.compile:

@@ -27,6 +27,7 @@ from trainer3d.parallel.moe_balance import MoEBalance
 from trainer3d.parallel.mtp import install_mtp
 from trainer3d.parallel.parallelize import parallelize
 from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
+from trainer3d.train.dpo import DPO
 from trainer3d.train.setup import RunSetup
 from trainer3d.train.stragglers import WorkClock
 from trainer3d.zero.engine import zero_engine_factory
@@ -61,6 +62,7 @@ class Trainer:
         if self.balance is not None:
             self.pm.listeners.append(self.balance)  # told each micro-batch: its padding
         self.mtp = install_mtp(self)  # multi-token prediction's targets and losses (parallel/mtp.py), or None
+        self.objective = DPO(self) if cfg.objective == "dpo" else None  # a pair loss in the token loss's place
         self.boundary = boundary
         self.logging_rank = topo.global_rank(topo.last_stage_pp_rank, 0, 0)
         self.is_logging_rank = dist.get_rank() == self.logging_rank
@@ -79,6 +81,8 @@ class Trainer:
         if self._reduction is not None:  # a forward-only pass with its own reduction (forward_only)
             return self._reduction(logits, targets)
         scale = self.loss_scale.scale if self.loss_scale else 1.0
+        if self.objective is not None:
+            return self.objective.loss(logits, targets, scale * self._weight)
         supervised = targets >= 0  # the Batch's unsupervised targets are negative (_schedule_pass)
         losses = torch.where(supervised, self.token_losses(logits, targets.clamp(min=0)), 0.0)
         if self.mtp is None or not self.mtp.in_pass:
@@ -127,6 +131,10 @@ class Trainer:
         if batch.supervised is not None:
             targets = targets.masked_fill(~batch.supervised, -1)
         count = batch.targets if batch.targets is not None else self.plan.global_batch * self.cfg.seq_len
+        if self.objective is not None:  # DPO: the mean over the global batch's pairs
+            count = self.plan.global_batch // 2
+            targets = self.objective.targets(batch, targets)
+            self.objective.begin_pass()
         self._weight = self.topo.layout.dp_cp / max(1, count)
         documents = batch.documents[:, :-1] if batch.documents is not None else None
         if train:
@@ -145,19 +153,26 @@ class Trainer:
                 mtp.end_pass()
         # One rank per dp replica and context shard (last stage, tp rank 0) contributes its targets' share (and its
         # MTP depths' shares); the world sums. Training, each rank also puts its step time in its own slot after them.
-        world, depth = self.topo.layout.world_size, mtp.depth if mtp is not None else 0
+        world, depth = self.topo.layout.world_size, (mtp.depth if mtp is not None else 0) + self.objective_width
         local = torch.zeros(2 + depth + (world if train else 0), device=self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
             local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
             if mtp is not None:
-                local[2:2 + depth] = mtp.sums
+                local[2:2 + mtp.depth] = mtp.sums
+            if self.objective is not None:  # its metrics' sums, after the MTP depths'
+                local[2 + depth - self.objective_width:2 + depth] = self.objective.sums
         local[1] = float(stop_requested)
         if train:
             local[2 + depth + self.topo.rank] = self.clock.seconds()
         total = all_reduce(local, self.topo.world_group).double()
-        total[2:2 + depth] /= self.topo.layout.dp_cp  # each depth's mean loss L_k
+        total[2:2 + depth - self.objective_width] /= self.topo.layout.dp_cp  # each MTP depth's mean loss L_k
         return total[0] / self.topo.layout.dp_cp, total[1], total[2:] if train else None
+
+    @property
+    def objective_width(self) -> int:
+        """How many sums the objective adds to the step's all-reduce (DPO's metrics)."""
+        return len(self.objective.sums) if self.objective is not None else 0
 
     def _mtp_documents(self, batch: Batch) -> torch.Tensor | None:
         """[B, seq_len + 1] each token's document where the rows' documents are known (stored, or opened by the
@@ -187,9 +202,13 @@ class Trainer:
                 "check the data, then resume" + ("." if self.deepspeed else " (--on-nonfinite skip trains past such "
                                                  "steps)."))
         self.step += 1
-        depth = self.mtp.depth if self.mtp is not None else 0  # the extra vector: the MTP depths' losses, then times
+        # the extra vector: the MTP depths' losses, the objective's sums, then every rank's step time
+        depth = self.mtp.depth if self.mtp is not None else 0
+        width = depth + self.objective_width
         record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                  "skipped": not result.stepped, "stop": result.stop, "rank_step_times": result.extra[depth:]}
+                  "skipped": not result.stepped, "stop": result.stop, "rank_step_times": result.extra[width:]}
+        if self.objective is not None:
+            record.update(self.objective.record(result.extra[depth:width], self.plan.global_batch // 2))
         if depth:  # the mean over depths of L_k (the loss trained is loss + --mtp-loss-coef × this)
             record["mtp_loss"] = sum(result.extra[:depth]) / depth
         if self.loss_scale:

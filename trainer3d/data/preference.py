@@ -1,0 +1,144 @@
+"""Preference pairs for DPO (`--data-format preference`): rows of `prompt`, `chosen` and `rejected`, each a string or
+a list of {role, content} messages (TRL's standard and conversational shapes), as two rows each: prompt + chosen and
+prompt + rejected, the loss on the completion's targets only.
+
+Tokenized as TRL's DPOTrainer does, so that the same pairs give the same tokens: a conversational prompt is rendered
+by the chat template with the generation prompt, a completion by rendering prompt + completion and keeping what
+follows the rendered prompt; a plain-text pair is the prompt's tokens then the completion's with the tokenizer's eos.
+A pair whose longer side is past `seq_len + 1` tokens loses its prompt's head (`overlong` truncate; the completions
+are kept whole) or is dropped. A pair missing a side, with identical completions, or with an empty completion is
+dropped and counted (`on_bad_row` drop) or stops the run (error).
+
+The pairs sit as rows 2i (chosen) and 2i + 1 (rejected) of a LabeledRows, and `PairRows` indexes pairs: the loader
+shuffles, shards over dp and batches whole pairs, so a pair never splits across ranks or micro-batches (an even number
+of rows per micro-batch). Small sets: rendered in memory on each rank, no cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from trainer3d.data.batch import LabeledRows
+from trainer3d.data.cache import default_cache_dir
+from trainer3d.data.sources import DataConfig, _resolve_source
+from trainer3d.data.tokenizer import load_tokenizer
+from trainer3d.errors import DataError
+
+log = logging.getLogger(__name__)
+SIDES = ("prompt", "chosen", "rejected")
+
+
+class BadPair(Exception):
+    pass
+
+
+class PairRows(LabeledRows):
+    """A LabeledRows of 2n rows (chosen, rejected, chosen, ...) indexed by pair: pairs[idx] is the LabeledRows of the
+    rows of those pairs, each pair's two rows adjacent. `reference`: each row's reference log-probability (summed
+    over its completion), set once the reference model has scored them (train/dpo.py)."""
+
+    def __init__(self, tokens, flags, lengths, stats: dict, vocab_size: int, eos_id: int | None):
+        super().__init__(tokens, flags, np.zeros_like(tokens), lengths)
+        self.stats, self.vocab_size, self.eos_id = stats, vocab_size, eos_id
+        self.shape = (len(tokens) // 2, tokens.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.tokens) // 2
+
+    def __getitem__(self, index) -> LabeledRows:
+        pairs = np.atleast_1d(np.arange(len(self))[index])
+        return LabeledRows.__getitem__(self, np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1))
+
+
+def _messages(x) -> bool:
+    return isinstance(x, list) and all(isinstance(m, dict) and "role" in m for m in x)
+
+
+def encode_pair(tok, row: dict) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids, rejected ids) of one row, TRL's way. Raises BadPair."""
+    missing = [k for k in SIDES if not row.get(k)]
+    if missing:
+        raise BadPair(f"it has no {missing[0]!r}")
+    prompt, chosen, rejected = (row[k] for k in SIDES)
+    if chosen == rejected:
+        raise BadPair("its chosen and rejected completions are identical")
+    if _messages(prompt):
+        if not (_messages(chosen) and _messages(rejected)):
+            raise BadPair("its prompt is a list of messages and a completion is not")
+        head = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        sides = []
+        for completion in (chosen, rejected):
+            full = tok.apply_chat_template(prompt + completion, tokenize=False)
+            if not full.startswith(head):
+                raise BadPair("the chat template renders the prompt differently once a completion follows it")
+            sides.append(tok(full[len(head):], add_special_tokens=False)["input_ids"])
+        return tok(head, add_special_tokens=False)["input_ids"], sides[0], sides[1]
+    if not all(isinstance(x, str) for x in (prompt, chosen, rejected)):
+        raise BadPair("its prompt, chosen and rejected are neither all strings nor all lists of messages")
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return ids(prompt), ids(chosen) + [tok.eos_token_id], ids(rejected) + [tok.eos_token_id]
+
+
+def fit(prompt: list[int], completions: list[list[int]], limit: int, overlong: str) -> list[int] | None:
+    """The prompt, its head cut so that prompt + the longer completion fits in `limit` tokens (None: drop)."""
+    over = len(prompt) + max(len(c) for c in completions) - limit
+    if over <= 0:
+        return prompt
+    if overlong == "drop" or over >= len(prompt):
+        return None
+    return prompt[over:]
+
+
+def build_pairs(cfg: DataConfig, seq_len: int) -> PairRows:
+    """Every usable pair of the corpus as two rows of seq_len + 1 tokens, padded with the eos (in no loss)."""
+    tok = load_tokenizer(cfg.tokenizer)
+    if cfg.chat_template:
+        from trainer3d.data.chat import read_template
+
+        tok.chat_template = read_template(cfg.chat_template)
+    src = _resolve_source(cfg, Path(cfg.cache_dir or default_cache_dir()) / "hf")
+    rows = src.load()
+    width, pad = seq_len + 1, tok.eos_token_id if tok.eos_token_id is not None else 0
+    tokens, flags, lengths = [], [], []
+    bad, overlong, examples = 0, 0, []
+    for i, row in enumerate(rows):
+        try:
+            prompt, chosen, rejected = encode_pair(tok, row)
+        except BadPair as e:
+            if cfg.on_bad_row == "error":
+                raise DataError(f"Row {i} of {src.name} cannot be trained on: {e}; fix it or pass --on-bad-row drop.")
+            bad += 1
+            examples.append((i, str(e)))
+            continue
+        head = fit(prompt, [chosen, rejected], width, cfg.overlong)
+        if head is None:
+            overlong += 1
+            continue
+        for completion in (chosen, rejected):
+            ids = head + completion
+            t = np.full(width, pad, dtype=np.int64)
+            t[:len(ids)] = ids
+            f = np.zeros(width, dtype=np.uint8)
+            f[len(head):len(ids)] = 1  # flags[k]: token k is a supervised target
+            tokens.append(t), flags.append(f), lengths.append(len(ids))
+    stats = {"pairs": len(tokens) // 2, "bad": bad, "overlong": overlong, "overlong_rule": cfg.overlong,
+             "bad_examples": examples[:3], "corpus": src.name}
+    if not tokens:
+        raise DataError(f"{src.name} has no usable preference pair ({bad} bad, {overlong} longer than --seq-len "
+                        f"{seq_len} + 1 tokens); each row needs 'prompt', 'chosen' and 'rejected'.")
+    return PairRows(np.stack(tokens), np.stack(flags), np.asarray(lengths, dtype=np.int64), stats, len(tok),
+                    tok.eos_token_id)
+
+
+def describe(stats: dict) -> str:
+    """The run's line about its pairs."""
+    line = f"preference pairs: {stats['pairs']} from {stats['corpus']}"
+    if stats["bad"]:
+        named = "; ".join(f"row {i}: {why}" for i, why in stats["bad_examples"])
+        line += f"; {stats['bad']} dropped ({named})"
+    if stats["overlong"]:
+        line += f"; {stats['overlong']} longer than a row dropped"
+    return line

@@ -1,0 +1,115 @@
+"""Direct preference optimization (`--objective dpo`; Rafailov et al. 2023), as TRL's DPOTrainer computes it, at every
+layout but context parallelism.
+
+A pair's rows are adjacent in its micro-batch (data/preference.py). On the last stage each row's policy log-prob is
+the sum of its completion's token log-probs (the vocab-parallel loss's, negated; IPO: their mean), and its reference
+log-prob rides beside its targets in one more column. With h = (π_c - ref_c) - (π_r - ref_r):
+  sigmoid: -(1 - ε)·log σ(β·h) - ε·log σ(-β·h)   (ε: --dpo-label-smoothing, cDPO / robust DPO)
+  ipo:     (h - 1/(2β))²
+The loss is the mean over the global batch's pairs: each micro-batch's sum over its pairs times dp / the global
+pairs (the engine averages over dp). TRL's metrics ride in the step's one all-reduce: rewards/chosen = β(π_c - ref_c),
+rewards/rejected, rewards/margins and rewards/accuracies (the share of pairs with chosen > rejected), means over pairs.
+
+The reference log-probs are the initial weights' (TRL's ref_model=None), scored once before the first step by the same
+trainer and layout (forward-only passes over every pair) and kept in <out-dir>/dpo_reference.npy, so a --resume uses
+the same ones after the weights have moved.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainer3d.data.batch import Batch
+from trainer3d.errors import DataError
+from trainer3d.fsio import replace_durably, temp_name
+from trainer3d.train.downstream import forward_rows
+
+LOSSES = ("sigmoid", "ipo")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies")  # summed over pairs in the step's all-reduce
+REFERENCE_FILE = "dpo_reference.npy"
+
+
+class DPO:
+    def __init__(self, trainer):
+        cfg = trainer.cfg
+        self.trainer, self.beta, self.kind, self.smoothing = trainer, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing
+        self.sums = torch.zeros(len(METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
+
+    def targets(self, batch: Batch, targets: torch.Tensor) -> torch.Tensor:
+        """[B, T + 1] float64: the targets (-1 where not supervised), then each row's reference log-prob."""
+        if batch.reference is None:
+            raise DataError("DPO rows without reference log-probs: score them first (train/dpo.py reference).")
+        return torch.cat([targets.double(), batch.reference.double()[:, None]], dim=1)
+
+    def row_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[rows] each row's completion log-prob (IPO: per token) from this rank's logits shard."""
+        ids = targets.long()
+        supervised = ids >= 0
+        logprobs = -self.trainer.token_losses(logits, ids.clamp(min=0)) * supervised
+        total = logprobs.sum(dim=1)
+        return total / supervised.sum(dim=1).clamp(min=1) if self.kind == "ipo" else total
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
+        """The micro-batch's pairs' summed loss times `weight` (dp / the global pairs, times the loss scale)."""
+        policy = self.row_logprobs(logits, targets[:, :-1])
+        ratios = policy - targets[:, -1].to(policy.dtype)
+        chosen, rejected = ratios[0::2], ratios[1::2]
+        h = chosen - rejected
+        if self.kind == "ipo":
+            losses = (h - 1 / (2 * self.beta)) ** 2
+        else:
+            losses = -(1 - self.smoothing) * F.logsigmoid(self.beta * h) - self.smoothing * F.logsigmoid(-self.beta * h)
+        with torch.no_grad():
+            self.sums += torch.stack([self.beta * chosen.sum(), self.beta * rejected.sum(),
+                                      (chosen > rejected).float().sum()]).to(self.sums)
+        return losses.sum() * weight
+
+    def begin_pass(self) -> None:
+        self.sums.zero_()
+
+    @staticmethod
+    def record(sums: list[float], pairs: int) -> dict:
+        """TRL's names, means over the global batch's pairs."""
+        out = {name: value / pairs for name, value in zip(METRICS, sums)}
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
+
+
+def reference_logprobs(trainer, rows) -> np.ndarray:
+    """[2n] float64: each row's completion log-prob under the trainer's current weights (the reference, before the
+    first step): forward-only passes over every row, every rank getting every value."""
+    dpo, flat = trainer.objective, rows.tokens
+
+    def make_batch(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        real = np.minimum(idx, len(flat) - 1)
+        tokens = torch.from_numpy(flat[real].astype(np.int64))
+        supervised = torch.from_numpy(rows.flags[real][:, 1:].astype(bool)) & torch.from_numpy(idx < len(flat))[:, None]
+        return tokens[:, :-1], tokens[:, 1:].masked_fill(~supervised, -1)
+
+    out = forward_rows(trainer, len(flat), make_batch, lambda lg, tg: dpo.row_logprobs(lg, tg)[:, None], width=1)
+    return out[:, 0].double().cpu().numpy()
+
+
+def load_or_score(trainer, rows, out_dir: str, fresh: bool) -> None:
+    """Set rows.reference: scored now and written atomically to <out_dir>/dpo_reference.npy (a fresh run), or read
+    from there (a resumed run; its pairs must be this run's)."""
+    path = Path(out_dir) / REFERENCE_FILE
+    if not fresh and path.exists():
+        reference = np.load(path, allow_pickle=False)
+        if reference.shape != (len(rows.tokens),):
+            raise DataError(f"{path} scores {reference.shape[0]} rows and this run has {len(rows.tokens)}; resume "
+                            "with the same preference data and --seq-len.")
+    else:
+        reference = reference_logprobs(trainer, rows)
+        if trainer.is_logging_rank:
+            os.makedirs(out_dir, exist_ok=True)
+            tmp = temp_name(path)
+            with open(tmp, "wb") as f:
+                np.save(f, reference, allow_pickle=False)
+            replace_durably(tmp, path)
+    rows.reference = reference
