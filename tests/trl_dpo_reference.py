@@ -209,9 +209,9 @@ def _check(tmp: Path, conversational: bool, loss_type: str, steps: int = 3, beta
         print(f"  step {k}: " + " ".join(f"{m} {h[m]:.8g}" for m in METRICS))
     tokens = trl_dpo_tokenized(str(model_dir), rows, out_dir=str(tmp / "tok"))
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    print("  row 0 prompt   %r" % tok.decode(tokens["prompt_ids"][0]))
-    print("  row 0 chosen   %r" % tok.decode(tokens["chosen_ids"][0]))
-    print("  row 0 rejected %r" % tok.decode(tokens["rejected_ids"][0]))
+    print(f"  row 0 prompt   {tok.decode(tokens['prompt_ids'][0])!r}")
+    print(f"  row 0 chosen   {tok.decode(tokens['chosen_ids'][0])!r}")
+    print(f"  row 0 rejected {tok.decode(tokens['rejected_ids'][0])!r}")
     # each logged step against the same formulas by hand, from the policy that step's forward saw, in float64
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     policy = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()

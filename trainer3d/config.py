@@ -82,7 +82,7 @@ class TrainConfig:
     mtp_loss_coef: float | None = None
     objective: str = "lm"  # "dpo": direct preference optimization over --data-format preference pairs (train/dpo.py)
     dpo_beta: float = 0.1  # DPO's β: how far the policy may move from the reference
-    dpo_loss: str = "sigmoid"  # DPO's loss: "sigmoid" (the paper's, TRL's default) or "ipo"
+    dpo_loss: str = "sigmoid"  # DPO's loss: "sigmoid" (the paper's, TRL's default), "robust" or "ipo"
     dpo_label_smoothing: float = 0.0  # sigmoid: the share of pairs assumed mislabelled (cDPO / robust DPO)
     # a step whose loss or gradient norm is not finite: stop the run naming it, or skip its update and go on (fp16's
     # loss scale skips such steps whatever this says: they are how it finds its scale)
@@ -313,10 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lm: the next-token loss (pre-training, SFT); dpo: direct preference optimization over "
                         "--data-format preference pairs against the initial weights (docs/dpo.md)")
     o.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="dpo: β, the weight of the log-ratio margins")
-    o.add_argument("--dpo-loss", default=d.dpo_loss, choices=("sigmoid", "ipo"),
-                   help="dpo: the paper's sigmoid loss (TRL's default) or IPO's squared one")
+    o.add_argument("--dpo-loss", default=d.dpo_loss, choices=("sigmoid", "robust", "ipo"),
+                   help="dpo: the paper's sigmoid loss (TRL's default; with --dpo-label-smoothing: cDPO), robust DPO "
+                        "(TRL's robust) or IPO's squared one")
     o.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
-                   help="dpo, sigmoid: the share ε of pairs taken as mislabelled (cDPO / robust DPO); 0: off")
+                   help="dpo, sigmoid and robust: the share ε of pairs taken as mislabelled; 0: off")
     o.add_argument("--seed", type=int, default=d.seed)
     da = p.add_argument_group("data")
     da.add_argument("--data", default=None,

@@ -3,8 +3,9 @@ a list of {role, content} messages (TRL's standard and conversational shapes), a
 prompt + rejected, the loss on the completion's targets only.
 
 Tokenized as TRL's DPOTrainer does, so that the same pairs give the same tokens: a conversational prompt is rendered
-by the chat template with the generation prompt, a completion by rendering prompt + completion and keeping what
-follows the rendered prompt; a plain-text pair is the prompt's tokens then the completion's with the tokenizer's eos.
+by the chat template with the generation prompt and each side as prompt + completion without it; plain text is the
+tokenizer's (special tokens included) of the prompt and of prompt + completion + eos; the completion is what follows
+the longest common prefix of the prompt's tokens and both sides'.
 A pair whose longer side is past `seq_len + 1` tokens loses its prompt's head (`overlong` truncate; the completions
 are kept whole) or is dropped. A pair missing a side, with identical completions, or with an empty completion is
 dropped and counted (`on_bad_row` drop) or stops the run (error).
@@ -57,8 +58,17 @@ def _messages(x) -> bool:
     return isinstance(x, list) and all(isinstance(m, dict) and "role" in m for m in x)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def encode_pair(tok, row: dict) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, chosen ids, rejected ids) of one row, TRL's way. Raises BadPair."""
+    """(prompt ids, chosen ids, rejected ids) of one row, as TRL's DPOTrainer tokenizes it: the prompt and both whole
+    sequences tokenized, the prompt cut to its longest common prefix with both, each completion what follows it.
+    Raises BadPair."""
     missing = [k for k in SIDES if not row.get(k)]
     if missing:
         raise BadPair(f"it has no {missing[0]!r}")
@@ -68,18 +78,22 @@ def encode_pair(tok, row: dict) -> tuple[list[int], list[int], list[int]]:
     if _messages(prompt):
         if not (_messages(chosen) and _messages(rejected)):
             raise BadPair("its prompt is a list of messages and a completion is not")
-        head = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        sides = []
-        for completion in (chosen, rejected):
-            full = tok.apply_chat_template(prompt + completion, tokenize=False)
-            if not full.startswith(head):
-                raise BadPair("the chat template renders the prompt differently once a completion follows it")
-            sides.append(tok(full[len(head):], add_special_tokens=False)["input_ids"])
-        return tok(head, add_special_tokens=False)["input_ids"], sides[0], sides[1]
-    if not all(isinstance(x, str) for x in (prompt, chosen, rejected)):
+        render = lambda messages, **kw: tok(tok.apply_chat_template(messages, tokenize=False, **kw),  # noqa: E731
+                                            add_special_tokens=False)["input_ids"]
+        head = render(prompt, add_generation_prompt=True)
+        sides = [render(prompt + chosen), render(prompt + rejected)]
+    elif all(isinstance(x, str) for x in (prompt, chosen, rejected)):
+        eos = tok.eos_token or ""
+        ends = lambda text: text if text.endswith(eos) else text + eos  # noqa: E731
+        head = tok(prompt)["input_ids"]
+        sides = [tok(prompt + ends(chosen))["input_ids"], tok(prompt + ends(rejected))["input_ids"]]
+    else:
         raise BadPair("its prompt, chosen and rejected are neither all strings nor all lists of messages")
-    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return ids(prompt), ids(chosen) + [tok.eos_token_id], ids(rejected) + [tok.eos_token_id]
+    cut = min(_common_prefix(head, side) for side in sides)
+    completions = [side[cut:] for side in sides]
+    if not all(completions):
+        raise BadPair("a completion renders to no token")
+    return head[:cut], completions[0], completions[1]
 
 
 def fit(prompt: list[int], completions: list[list[int]], limit: int, overlong: str) -> list[int] | None:

@@ -2,10 +2,11 @@
 layout but context parallelism.
 
 A pair's rows are adjacent in its micro-batch (data/preference.py). On the last stage each row's policy log-prob is
-the sum of its completion's token log-probs (the vocab-parallel loss's, negated; IPO: their mean), and its reference
-log-prob rides beside its targets in one more column. With h = (π_c - ref_c) - (π_r - ref_r):
-  sigmoid: -(1 - ε)·log σ(β·h) - ε·log σ(-β·h)   (ε: --dpo-label-smoothing, cDPO / robust DPO)
-  ipo:     (h - 1/(2β))²
+the sum of its completion's token log-probs (the vocab-parallel loss's, negated), and its reference log-prob rides
+beside its targets in one more column. With h = (π_c - ref_c) - (π_r - ref_r) (ε: --dpo-label-smoothing):
+  sigmoid: -(1 - ε)·log σ(β·h) - ε·log σ(-β·h)          (ε = 0: the paper's DPO; ε > 0: cDPO)
+  robust:  (-(1 - ε)·log σ(β·h) + ε·log σ(-β·h)) / (1 - 2ε)   (Chowdhury et al. 2024; TRL's "robust")
+  ipo:     ((π_c - ref_c)/|c| - (π_r - ref_r)/|r| - 1/(2β))²   (|c|, |r|: the completions' tokens; TRL's)
 The loss is the mean over the global batch's pairs: each micro-batch's sum over its pairs times dp / the global
 pairs (the engine averages over dp). TRL's metrics ride in the step's one all-reduce: rewards/chosen = β(π_c - ref_c),
 rewards/rejected, rewards/margins and rewards/accuracies (the share of pairs with chosen > rejected), means over pairs.
@@ -29,7 +30,7 @@ from trainer3d.errors import DataError
 from trainer3d.fsio import replace_durably, temp_name
 from trainer3d.train.downstream import forward_rows
 
-LOSSES = ("sigmoid", "ipo")
+LOSSES = ("sigmoid", "ipo", "robust")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies")  # summed over pairs in the step's all-reduce
 REFERENCE_FILE = "dpo_reference.npy"
 
@@ -47,23 +48,24 @@ class DPO:
         return torch.cat([targets.double(), batch.reference.double()[:, None]], dim=1)
 
     def row_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """[rows] each row's completion log-prob (IPO: per token) from this rank's logits shard."""
+        """[rows] each row's completion log-prob, summed over its tokens, from this rank's logits shard."""
         ids = targets.long()
         supervised = ids >= 0
-        logprobs = -self.trainer.token_losses(logits, ids.clamp(min=0)) * supervised
-        total = logprobs.sum(dim=1)
-        return total / supervised.sum(dim=1).clamp(min=1) if self.kind == "ipo" else total
+        return (-self.trainer.token_losses(logits, ids.clamp(min=0)) * supervised).sum(dim=1)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
         """The micro-batch's pairs' summed loss times `weight` (dp / the global pairs, times the loss scale)."""
         policy = self.row_logprobs(logits, targets[:, :-1])
         ratios = policy - targets[:, -1].to(policy.dtype)
         chosen, rejected = ratios[0::2], ratios[1::2]
-        h = chosen - rejected
-        if self.kind == "ipo":
-            losses = (h - 1 / (2 * self.beta)) ** 2
+        if self.kind == "ipo":  # per-token log-ratios (TRL's; its rewards stay summed)
+            lengths = (targets[:, :-1] >= 0).sum(dim=1).clamp(min=1).to(ratios.dtype)
+            losses = (chosen / lengths[0::2] - rejected / lengths[1::2] - 1 / (2 * self.beta)) ** 2
         else:
-            losses = -(1 - self.smoothing) * F.logsigmoid(self.beta * h) - self.smoothing * F.logsigmoid(-self.beta * h)
+            h, eps = self.beta * (chosen - rejected), self.smoothing
+            losses = -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)  # cDPO (Mitchell 2023); eps 0: DPO
+            if self.kind == "robust":  # Chowdhury et al. 2024, TRL's "robust"
+                losses = (-(1 - eps) * F.logsigmoid(h) + eps * F.logsigmoid(-h)) / (1 - 2 * eps)
         with torch.no_grad():
             self.sums += torch.stack([self.beta * chosen.sum(), self.beta * rejected.sum(),
                                       (chosen > rejected).float().sum()]).to(self.sums)

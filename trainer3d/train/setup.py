@@ -280,10 +280,10 @@ def check_dpo(cfg: TrainConfig) -> TrainConfig:
     if cfg.data_format != "preference" or cfg.data is None or cfg.data_mixture:
         raise ConfigError("--objective dpo trains on preference pairs: pass --data-format preference and --data with "
                           "prompt/chosen/rejected rows.")
-    if cfg.dpo_loss not in ("sigmoid", "ipo"):
-        raise ConfigError(f"--dpo-loss must be sigmoid or ipo (got {cfg.dpo_loss!r}).")
-    if cfg.dpo_label_smoothing and cfg.dpo_loss != "sigmoid":
-        raise ConfigError("--dpo-label-smoothing applies to the sigmoid loss; drop it with --dpo-loss ipo.")
+    if cfg.dpo_loss not in ("sigmoid", "robust", "ipo"):
+        raise ConfigError(f"--dpo-loss must be sigmoid, robust or ipo (got {cfg.dpo_loss!r}).")
+    if cfg.dpo_label_smoothing and cfg.dpo_loss == "ipo":
+        raise ConfigError("--dpo-label-smoothing applies to the sigmoid and robust losses; drop it with --dpo-loss ipo.")
     if cfg.cp > 1 or cfg.mtp_loss_coef:
         raise ConfigError("--objective dpo runs without context parallelism and multi-token prediction (a pair's "
                           "log-prob is summed on one rank): drop --cp / --mtp-loss-coef.")
