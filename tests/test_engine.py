@@ -1,8 +1,8 @@
 """trainer3d.engine, through its public calls only, against transformers: per-token log-probabilities (and entropies)
-of packed rows equal transformers' log-softmax of the same model run on each document alone, at one process, tp2·pp2
-and (Qwen3-MoE) dp2·ep2; a policy-gradient loss written here (ratio clip, advantages per row) trained through
-forward_backward/step equals transformers' model trained by torch's AdamW on the same loss, per step, in loss and
-gradient norm, under token-mean, sequence-mean and sum; the weights streamed by named_weights() are the reference's
+of packed rows equal transformers' log-softmax of the same model run on each document alone, at one process, tp2·pp2,
+ZeRO-3 at dp4 and (Qwen3-MoE) dp2·ep2; a policy-gradient loss written here (ratio clip, advantages per row) trained
+through forward_backward/step equals transformers' model trained by torch's AdamW on the same loss, per step, in loss
+and gradient norm, under token-mean, sequence-mean and sum (1p, tp2·pp2, ZeRO-3 dp4); the weights streamed by named_weights() are the reference's
 after training; save -> load gives the same log-probabilities. The reference shares no code with trainer3d."""
 
 from __future__ import annotations
@@ -129,12 +129,13 @@ def test_engine_against_transformers(tmp_path):
     data = [batch(seed) for seed in range(len(AGGREGATIONS))]
     runs = {"1p": (str(tmp_path / "llama"), {}, True),
             "tp2 pp2": (str(tmp_path / "llama"), dict(tp=2, pp=2), True),
-            "moe dp2 ep2": (str(tmp_path / "moe"), dict(dp=2, ep=2), False)}
+            "moe dp2 ep2": (str(tmp_path / "moe"), dict(dp=2, ep=2), False),
+            "zero3 dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero3.json"), True)}
     results = run_world(4, _world, runs, data, str(tmp_path / "runs"), timeout=600)[0]
 
     tokens, documents = data[0][0], data[0][1]
     with torch.no_grad():
-        for label, model in (("1p", llama), ("tp2 pp2", llama), ("moe dp2 ep2", moe)):
+        for label, model in (("1p", llama), ("tp2 pp2", llama), ("moe dp2 ep2", moe), ("zero3 dp4", llama)):
             model.train(False)
             ref = reference_logprobs(model, tokens, documents)
             scored = documents[:, :-1] == documents[:, 1:]
@@ -151,7 +152,7 @@ def test_engine_against_transformers(tmp_path):
     assert abs(first["token-mean"] - first["sequence-mean"]) > 0.01 * first["token-mean"]  # they differ
     assert max(norms) > CLIP  # clipping was active at some step
     state = llama.state_dict()
-    for label in ("1p", "tp2 pp2"):
+    for label in ("1p", "tp2 pp2", "zero3 dp4"):
         run = results[label]
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], losses))
         norm_rel = max(abs(a - b) / b for a, b in zip(run["norms"], norms))
