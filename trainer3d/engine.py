@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from trainer3d.checkpoint.hf import hf_tables, to_hf
+from trainer3d.checkpoint.hf import hf_tables, hf_tensors
 from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.save import parameter_pieces, save_checkpoint
 from trainer3d.config import TrainConfig
@@ -242,7 +242,9 @@ class Engine:
             elif name in held_tables:
                 self._write_table(full, name)
             full = all_reduce(full, self.topo.world_group)
-            yield from to_hf(mcfg, name, full, dtype, shape, tables).items()
+            yield from hf_tensors(mcfg, name, full.to("cpu", torch.float32 if name in tables else dtype),
+                                  tables).items()  # views of `full`: no second copy
+            del full
 
     def _write_table(self, full: torch.Tensor, name: str) -> None:
         """A table (a router's selection bias) is replicated wherever its module is: the lowest rank holding it

@@ -89,7 +89,7 @@ def hf_tables(cfg) -> dict[str, tuple[str, torch.Size]]:
     return {name: (hf, shape) for name, (hf, shape) in named.items() if hf is not None}
 
 
-def _hf_tensors(cfg, name: str, tensor: torch.Tensor, tables: Mapping) -> dict[str, torch.Tensor]:
+def hf_tensors(cfg, name: str, tensor: torch.Tensor, tables: Mapping) -> dict[str, torch.Tensor]:
     """A canonical parameter or table as the Hugging Face tensors it is stored as (a table: itself, in fp32)."""
     if name in tables:
         return {tables[name][0]: tensor.float()}
@@ -310,7 +310,7 @@ def to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype, shape,
         raise TypeError(f"state dict: tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
     tensor = tensor.detach().to(device="cpu", dtype=torch.float32 if name in tables else dtype)
     # (contiguous clones: safetensors refuses tensors that share storage)
-    return {k: v.contiguous().clone() for k, v in _hf_tensors(cfg, name, tensor, tables).items()}
+    return {k: v.contiguous().clone() for k, v in hf_tensors(cfg, name, tensor, tables).items()}
 
 
 def canonical_to_hf(state: Mapping[str, torch.Tensor], cfg, dtype: torch.dtype = torch.float32) -> dict:
@@ -343,7 +343,7 @@ def plan_shards(cfg, shapes: Mapping[str, torch.Size], dtype: torch.dtype, max_b
     shards: list[list[str]] = [[]]
     used = 0
     for name, shape in shapes.items():
-        parts = _hf_tensors(cfg, name, torch.empty(shape, device="meta", dtype=dtype), tables)
+        parts = hf_tensors(cfg, name, torch.empty(shape, device="meta", dtype=dtype), tables)
         size = sum(t.numel() * t.element_size() for t in parts.values())
         if shards[-1] and used + size > max_bytes:
             shards.append([])

@@ -1,0 +1,78 @@
+"""What trainer3d.engine's named_weights() costs each rank: the rise of its resident memory while it streams the whole
+model's Hugging Face tensors (one at a time, each made whole by a sum over the world), against the rank's share of the
+training state and the largest tensor; and how long the stream takes (docs/post_training.md).
+
+    python bench/engine_weights.py [--model gpt2] [--layouts tp2pp2,dp4,zero3dp4]
+
+Memory per rank is measured from outside (the parent samples every rank's resident set every 20 ms,
+bench/checkpoint_state.Sampler) and from inside (the kernel's peak-RSS counter VmHWM, reset just before the stream).
+"rise" = the peak during the stream minus the resident set just before it. The consumer drops each tensor at once,
+as an inference engine's weight loader would after copying it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.checkpoint_state import Sampler, _hwm, _reset_hwm, _rss  # noqa: E402
+from bench.harness import fmt_bytes, stamp, table  # noqa: E402
+
+LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "dp4": dict(), "zero3dp4": dict(deepspeed_config="ds_configs/zero3.json")}
+
+
+def _world(rank, world, model, layout, out):
+    import gc
+
+    import torch.distributed as dist
+
+    from trainer3d.config import TrainConfig
+    from trainer3d.engine import Engine
+
+    cfg = TrainConfig(model=model, seq_len=64, global_batch=8, micro_batches=2, precision="fp32", out_dir=out,
+                      **LAYOUTS[layout])
+    engine = Engine(cfg)
+    mem = engine.trainer.engine.memory()
+    share = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
+    gc.collect()
+    dist.barrier()
+    before, t0 = _rss(), time.time()
+    _reset_hwm()
+    largest = count = 0
+    for _, tensor in engine.named_weights():
+        largest, count = max(largest, tensor.numel() * tensor.element_size()), count + 1
+        del tensor
+    t1 = time.time()
+    out = dict(layout=layout, rank=rank, pid=os.getpid(), share=share, largest=largest, tensors=count, t0=t0, t1=t1,
+               inside=_hwm() - before, seconds=t1 - t0)
+    engine.close()
+    return out
+
+
+def main() -> int:
+    from distributed import run_world
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--layouts", default="tp2pp2,dp4,zero3dp4")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as out, Sampler() as sampler:
+        for layout in args.layouts.split(","):
+            for r in run_world(4, _world, args.model, layout, out, timeout=3000):
+                outside = sampler.rise(r["pid"], r["t0"], r["t1"])
+                rows.append([layout, r["rank"], fmt_bytes(r["share"]), fmt_bytes(r["largest"]), fmt_bytes(outside),
+                             fmt_bytes(r["inside"]), f"{max(outside, r['inside']) / r['largest']:.2f}",
+                             f"{r['seconds']:.1f}"])
+    print(table(rows, ["layout", "rank", "share (params+grads+Adam)", "largest tensor", "rise (outside)",
+                       "rise (VmHWM)", "rise / largest", "stream s"]))
+    print(stamp("python bench/engine_weights.py " + " ".join(sys.argv[1:])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
