@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "modules; 0: none are built")
     o.add_argument("--objective", default=d.objective, choices=("lm", "dpo"),
                    help="lm: the next-token loss (pre-training, SFT); dpo: direct preference optimization over "
-                        "--data-format preference pairs against the initial weights (docs/dpo.md)")
+                        "--data-format preference pairs against the initial weights (docs/post_training.md)")
     o.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="dpo: β, the weight of the log-ratio margins")
     o.add_argument("--dpo-loss", default=d.dpo_loss, choices=("sigmoid", "robust", "ipo"),
                    help="dpo: the paper's sigmoid loss (TRL's default; with --dpo-label-smoothing: cDPO), robust DPO "
