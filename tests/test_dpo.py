@@ -1,8 +1,8 @@
 """--objective dpo against TRL's DPOTrainer (tests/trl_dpo_reference.py): a random Llama with a chat tokenizer, 16
 conversational preference pairs, the whole set one batch a step, fp32, a constant lr. Per step the loss, the gradient
 norm and TRL's rewards/chosen, rewards/rejected and rewards/margins (and accuracies once the policy has moved) equal
-TRL's, at one process, tp2·pp2 and ZeRO-3 at dp4 (sigmoid), and at one process for IPO and robust DPO; the pairs'
-tokens equal TRL's, conversational and plain text; bad pairs are dropped and counted or refused; the CLI writes the
+TRL's, at one process, tp2·pp2 and ZeRO-3 at dp4 (sigmoid), and at one process for IPO, robust DPO and another model
+as the reference (--ref-model); the pairs' tokens equal TRL's, conversational and plain text; bad pairs are dropped and counted or refused; the CLI writes the
 metrics."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ RUNS = {  # label: (our layout flags, loss, label smoothing)
     "zero3 dp4": (dict(dp=4, deepspeed_config="ds_configs/zero3.json"), "sigmoid", 0.0),  # DeepSpeed: the whole world
     "1p ipo": ({}, "ipo", 0.0),
     "1p robust": ({}, "robust", 0.1),
+    "1p ref-model": (dict(ref_model="REF"), "sigmoid", 0.0),  # another model as the reference (TRL's ref_model=)
 }
 
 
@@ -39,10 +40,11 @@ def _dpo_run(model_dir, data, layout, loss, smoothing, out_dir):
     from trainer3d.data import BatchLoader
     from trainer3d.data.preference import build_pairs
     from trainer3d.train.dpo import load_or_score
+    from trainer3d.train.loop import score_with_reference
     from trainer3d.train.setup import data_config, validate
     from trainer3d.train.trainer import Trainer
 
-    layout = dict(layout)
+    layout = {k: (f"{model_dir}-ref" if v == "REF" else v) for k, v in layout.items()}
     n = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
     cfg = TrainConfig(init_from_hf=model_dir, objective="dpo", data_format="preference", data=data, seq_len=SEQ,
                       global_batch=32, micro_batches=2, precision="fp32", lr=LR, warmup_steps=0, min_lr=LR,
@@ -56,9 +58,12 @@ def _dpo_run(model_dir, data, layout, loss, smoothing, out_dir):
         loader = BatchLoader(pairs, setup.plan.global_batch // 2, topo.dp_rank, setup.layout.dp, setup.cfg.seed)
         mcfg = setup.model_config(pairs.vocab_size)
         start = prepare(setup.cfg, mcfg, topo)
+        if setup.cfg.ref_model:
+            score_with_reference(setup, topo, torch.device("cpu"), mcfg, pairs, out_dir)
         trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value, boundary=pairs.eos_id)
         apply(start, trainer, loader)
-        load_or_score(trainer, pairs, out_dir, fresh=True)
+        if pairs.reference is None:
+            load_or_score(trainer, pairs, out_dir, fresh=True)
         out = [trainer.train_step(loader.next_batch()) for _ in range(STEPS)]
     topo.destroy()
     return out
@@ -72,22 +77,25 @@ def _world(rank, world_size, model_dir, data, tmp):
 def test_dpo_equals_trl(tmp_path):
     model_dir, rows = tmp_path / "model", preference_rows(16, conversational=True)
     tiny_chat_model(model_dir)
+    tiny_chat_model(f"{model_dir}-ref", seed=6)
     write_rows(tmp_path / "pairs.jsonl", rows)
     ours = run_world(4, _world, str(model_dir), str(tmp_path / "pairs.jsonl"), str(tmp_path / "runs"), timeout=900)[0]
-    refs = {(loss, eps): trl_dpo_run(str(model_dir), rows, STEPS, LR, BETA, loss, eps, out_dir=str(tmp_path / loss))
-            for _, loss, eps in RUNS.values()}
-    for label, (_, loss, eps) in RUNS.items():
-        ref, run = refs[(loss, eps)], ours[label]
+    refs = {(loss, eps, "ref_model" in flags): trl_dpo_run(
+        str(model_dir), rows, STEPS, LR, BETA, loss, eps, out_dir=str(tmp_path / loss),
+        ref_model_dir=f"{model_dir}-ref" if "ref_model" in flags else None) for flags, loss, eps in RUNS.values()}
+    for label, (flags, loss, eps) in RUNS.items():
+        ref, run = refs[(loss, eps, "ref_model" in flags)], ours[label]
         print(f"\n{label}: TRL losses {[r['loss'] for r in ref]}, ours {[r['loss'] for r in run]}")
         for step, (r, o) in enumerate(zip(ref, run)):
             for key in ("loss", "grad_norm"):
                 assert abs(o[key] - r[key]) <= 1e-5 * abs(r[key]), (label, step, key, o[key], r[key])
             for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
                 assert abs(o[key] - r[key]) < 1e-5, (label, step, key, o[key], r[key])
-            if step:  # at step 1 every reward is 0 up to rounding: TRL's tie gives 0, ours may not
+            if step or "ref_model" in flags:  # at step 1 every reward is 0 up to rounding but with --ref-model
                 assert o["rewards/accuracies"] == r["rewards/accuracies"], (label, step)
         assert run[-1]["rewards/margins"] > 0.05  # it learns the preference
-    assert refs[("sigmoid", 0.0)][-1]["loss"] != refs[("robust", 0.1)][-1]["loss"]  # robust's ε did something
+    assert refs[("sigmoid", 0.0, False)][-1]["loss"] != refs[("robust", 0.1, False)][-1]["loss"]  # robust's ε acts
+    assert abs(refs[("sigmoid", 0.0, True)][0]["loss"] - 0.6931472) > 1e-3  # another reference: not ln 2 at step 1
 
 
 @pytest.mark.parametrize("conversational", [True, False])
@@ -126,3 +134,11 @@ def test_cli_counts_bad_pairs_and_logs_rewards(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "Row 8 of" in p.stderr and "identical" in p.stderr, (p.returncode, p.stderr[-2000:])
     assert not (tmp_path / "run2" / "metrics.jsonl").exists()
+    from test_llama import hf_llama
+
+    hf_llama(seed=1, vocab_size=64, hidden_size=32).save_pretrained(tmp_path / "other")
+    for ref, said in ((tmp_path, "is not a Hugging Face model directory"), (tmp_path / "other",
+                                                                          "is not the policy's architecture")):
+        p = subprocess.run(cmd[:-1] + [str(tmp_path / "run3"), "--ref-model", str(ref)], env=launch_env(),
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and said in p.stderr, p.stderr[-2000:]

@@ -92,7 +92,7 @@ def _config(out_dir, n: int, steps: int, lr: float, beta: float, loss_type: str,
     return trl.DPOConfig(**kw)
 
 
-def _trainer(model_dir, rows, args):
+def _trainer(model_dir, rows, args, ref_model_dir=None):
     import datasets
     import transformers
     import trl
@@ -101,8 +101,9 @@ def _trainer(model_dir, rows, args):
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    trainer = trl.DPOTrainer(model=str(model_dir), args=args, train_dataset=datasets.Dataset.from_list(rows),
-                             processing_class=tok)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_model_dir)) if ref_model_dir else None
+    trainer = trl.DPOTrainer(model=str(model_dir), ref_model=ref, args=args,
+                             train_dataset=datasets.Dataset.from_list(rows), processing_class=tok)
     trainer.remove_callback(transformers.PrinterCallback)
     return trainer
 
@@ -120,7 +121,8 @@ class _one_thread:
 
 def trl_dpo_run(model_dir: str, rows: list[dict], steps: int, lr: float, beta: float, loss_type: str = "sigmoid",
                 label_smoothing: float = 0.0, max_length: int | None = None, *, out_dir: str,
-                max_grad_norm: float = 1.0, seed: int = 0, keep: dict | None = None, **overrides) -> list[dict]:
+                max_grad_norm: float = 1.0, seed: int = 0, keep: dict | None = None, ref_model_dir: str | None = None,
+                **overrides) -> list[dict]:
     """Train the Hugging Face model in `model_dir` (its tokenizer there too) with trl.DPOTrainer on `rows`, all of
     them in each step's one batch, for `steps` steps; per step, TRL's log entry (loss, grad_norm before clipping,
     learning_rate, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
@@ -133,7 +135,7 @@ def trl_dpo_run(model_dir: str, rows: list[dict], steps: int, lr: float, beta: f
     args = _config(out_dir, len(rows), steps, lr, beta, loss_type, label_smoothing, max_length, max_grad_norm,
                    seed, **overrides)
     with _one_thread():
-        trainer = _trainer(model_dir, rows, args)
+        trainer = _trainer(model_dir, rows, args, ref_model_dir)
         if keep is not None:
             before = keep.setdefault("policy_before", {})
 

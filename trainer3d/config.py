@@ -84,6 +84,7 @@ class TrainConfig:
     dpo_beta: float = 0.1  # DPO's β: how far the policy may move from the reference
     dpo_loss: str = "sigmoid"  # DPO's loss: "sigmoid" (the paper's, TRL's default), "robust" or "ipo"
     dpo_label_smoothing: float = 0.0  # sigmoid: the share of pairs assumed mislabelled (cDPO / robust DPO)
+    ref_model: str | None = None  # DPO's reference: a Hugging Face directory (default: the initial weights)
     # a step whose loss or gradient norm is not finite: stop the run naming it, or skip its update and go on (fp16's
     # loss scale skips such steps whatever this says: they are how it finds its scale)
     on_nonfinite: str = "stop"
@@ -318,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(TRL's robust) or IPO's squared one")
     o.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
                    help="dpo, sigmoid and robust: the share ε of pairs taken as mislabelled; 0: off")
+    o.add_argument("--ref-model", default=None, metavar="DIR",
+                   help="dpo: the reference model, a Hugging Face directory of the policy's architecture (default: "
+                        "the initial weights, as TRL's ref_model=None)")
     o.add_argument("--seed", type=int, default=d.seed)
     da = p.add_argument_group("data")
     da.add_argument("--data", default=None,

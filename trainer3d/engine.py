@@ -202,7 +202,8 @@ class Engine:
 
     def step(self) -> dict:
         """Apply the gradient of the forward_backward calls since the last step: dp reduction, clip to --grad-clip,
-        AdamW at the schedule's lr (lr_at of the step count). {"grad_norm", "lr", "loss", "skipped"}; a non-finite
+        AdamW at the schedule's lr (lr_at of the step count). {"grad_norm", "lr", "loss", "skipped"} (and a MoE's
+        routing statistics, as training logs them); a non-finite
         loss or norm skips the update and, under --on-nonfinite stop (the default), raises TrainingError."""
         t = self.trainer
         if not self.passes:
@@ -215,13 +216,12 @@ class Engine:
             t.loss_scale.update(result.stepped)
         t.engine.zero_grad()
         self.passes = 0
-        if t.balance is not None:
-            t.balance.end_step(result.stepped)
+        balance = t.balance.end_step(result.stepped) if t.balance is not None else {}  # MoE: routing statistics
         if not result.stepped and not t.loss_scale and t.cfg.on_nonfinite == "stop":
             raise TrainingError(f"Step {t.step + 1} has a loss of {result.loss} and a gradient norm of "
                                 f"{result.grad_norm}, so it was not applied.")
         t.step += 1
-        return {"grad_norm": result.grad_norm, "lr": lr, "loss": result.loss, "skipped": not result.stepped}
+        return {"grad_norm": result.grad_norm, "lr": lr, "loss": result.loss, "skipped": not result.stepped, **balance}
 
     # ---- weights and checkpoints -----------------------------------------------------------------------------
     def named_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,13 +11,14 @@ The loss is the mean over the global batch's pairs: each micro-batch's sum over 
 pairs (the engine averages over dp). TRL's metrics ride in the step's one all-reduce: rewards/chosen = β(π_c - ref_c),
 rewards/rejected, rewards/margins and rewards/accuracies (the share of pairs with chosen > rejected), means over pairs.
 
-The reference log-probs are the initial weights' (TRL's ref_model=None), scored once before the first step by the same
-trainer and layout (forward-only passes over every pair) and kept in <out-dir>/dpo_reference.npy, so a --resume uses
-the same ones after the weights have moved.
+The reference log-probs are the initial weights' (TRL's ref_model=None), or --ref-model's (a Trainer of that model at
+the same layout, built, used and dropped before the policy's), scored once before the first step (forward-only passes
+over every pair) and kept in <out-dir>/dpo_reference.npy, so a --resume uses the same ones after the weights moved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -25,9 +26,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.data.batch import Batch
-from trainer3d.errors import DataError
+from trainer3d.errors import ConfigError, DataError
 from trainer3d.fsio import replace_durably, temp_name
+from trainer3d.models import canonical_shapes
 from trainer3d.train.downstream import forward_rows
 
 LOSSES = ("sigmoid", "ipo", "robust")
@@ -115,3 +118,56 @@ def load_or_score(trainer, rows, out_dir: str, fresh: bool) -> None:
                 np.save(f, reference, allow_pickle=False)
             replace_durably(tmp, path)
     rows.reference = reference
+
+
+# ---- the flags' rules, before any process group (train/setup.validate calls them) ----------------------------------
+def check_dpo(cfg):
+    """--objective dpo trains on --data-format preference pairs and nothing else does; its pairs hold nothing out for
+    validation (--val-fraction is set to 0)."""
+    dpo_flags = [k for k, v in (("dpo_beta", 0.1), ("dpo_loss", "sigmoid"), ("dpo_label_smoothing", 0.0),
+                                ("ref_model", None)) if getattr(cfg, k) != v]
+    if cfg.objective != "dpo":
+        if cfg.objective != "lm":
+            raise ConfigError(f"--objective must be lm or dpo (got {cfg.objective!r}).")
+        if cfg.data_format == "preference":
+            raise ConfigError("--data-format preference holds pairs for --objective dpo; add it.")
+        if dpo_flags:
+            raise ConfigError(f"--{dpo_flags[0].replace('_', '-')} applies to --objective dpo; add it or drop the flag.")
+        return cfg
+    if cfg.data_format != "preference" or cfg.data is None or cfg.data_mixture:
+        raise ConfigError("--objective dpo trains on preference pairs: pass --data-format preference and --data with "
+                          "prompt/chosen/rejected rows.")
+    if cfg.dpo_loss not in ("sigmoid", "robust", "ipo"):
+        raise ConfigError(f"--dpo-loss must be sigmoid, robust or ipo (got {cfg.dpo_loss!r}).")
+    if cfg.dpo_label_smoothing and cfg.dpo_loss == "ipo":
+        raise ConfigError("--dpo-label-smoothing applies to the sigmoid and robust losses; drop it with --dpo-loss ipo.")
+    if cfg.cp > 1 or cfg.mtp_loss_coef:
+        raise ConfigError("--objective dpo runs without context parallelism and multi-token prediction (a pair's "
+                          "log-prob is summed on one rank): drop --cp / --mtp-loss-coef.")
+    if cfg.val_data or cfg.eval_hellaswag:
+        raise ConfigError("--objective dpo does not validate yet: drop --val-data / --eval-hellaswag.")
+    if cfg.ref_model is not None and not (Path(cfg.ref_model).expanduser() / "config.json").is_file():
+        raise ConfigError(f"--ref-model {cfg.ref_model} is not a Hugging Face model directory (no config.json).")
+    return dataclasses.replace(cfg, val_fraction=0.0, eval_every=0)
+
+
+def check_reference(cfg, mcfg, vocab_size: int) -> None:
+    """--ref-model must be the policy's architecture: the same parameters, shape for shape."""
+    if cfg.ref_model is None:
+        return
+    ref = cfg.model_config(vocab_size, base=hf_model_config(cfg.ref_model))
+    if canonical_shapes(ref) != canonical_shapes(mcfg):
+        raise ConfigError(f"--ref-model {cfg.ref_model} is not the policy's architecture ({mcfg.family}, "
+                          f"{mcfg.num_params() / 1e6:.1f}M parameters); pass a model of the same shapes.")
+
+
+def check_dpo_batch(plan, layout) -> None:
+    """A pair's two rows share a micro-batch: an even number of rows in each; and one rank sums a row (--layout auto
+    chose no context parallelism)."""
+    if layout.cp > 1:
+        raise ConfigError("--objective dpo runs without context parallelism: pass --cp 1 (--layout auto: as a "
+                          "constraint).")
+    if plan.micro_batch_size % 2:
+        raise ConfigError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch, and a "
+                          f"micro-batch here holds {plan.micro_batch_size} rows: make --global-batch (rows, two per "
+                          "pair) / (dp · --micro-batches) even.")

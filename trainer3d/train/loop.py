@@ -3,6 +3,8 @@ checkpoint state, then train to --max-steps, logging on one rank (console, progr
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import math
 import sys
 import time
@@ -75,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"a pass over the training rows)", flush=True)
         mcfg = setup.model_config(blocks.vocab_size)
         start = prepare(run_setup.cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
+        if dpo and cfg.ref_model and start.checkpoint is None:  # --ref-model scores the pairs first, then goes
+            score_with_reference(run_setup, topo, device, mcfg, blocks, cfg.out_dir)
         trainer = Trainer(run_setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
         if validates(cfg):  # too few rows: said before step 1
             make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, None)
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
-        if dpo:  # the initial weights' log-probs of every pair (or, resuming, the first run's)
+        if dpo and blocks.reference is None:  # the initial weights' log-probs of every pair (resuming: the first run's)
             load_or_score(trainer, blocks, cfg.out_dir, fresh=start.checkpoint is None)
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
         run(trainer, loader,
@@ -131,6 +135,19 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
     # of a dead rank waits until the failure is reported (dist.failure.run_reported)
     saver.close()
     report.summarize(saver.last_saved)
+
+
+def score_with_reference(setup, topo, device, mcfg, rows, out_dir: str) -> None:
+    """--ref-model: its log-probs of every row (rows.reference, and the file), by a Trainer of it at this layout, freed
+    before the policy's is built."""
+    cfg = dataclasses.replace(setup.cfg, init_from_hf=setup.cfg.ref_model, resume=None)
+    start = prepare(cfg, mcfg, topo)
+    reference = Trainer(dataclasses.replace(setup, cfg=cfg), topo, device, mcfg, shard_value=start.shard_value,
+                        boundary=rows.eos_id)
+    apply(start, reference)
+    load_or_score(reference, rows, out_dir, fresh=True)
+    del reference, start
+    gc.collect()
 
 
 def evaluation(trainer: Trainer, make_val_batches, downstream: Downstream) -> dict:

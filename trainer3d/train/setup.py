@@ -34,6 +34,7 @@ from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline, last_stage_pp
 from trainer3d.parallel.sequence_parallel import check_sequence_parallel
 from trainer3d.plan import calibrate
 from trainer3d.plan.auto import Machine, read_machine, resolve_auto
+from trainer3d.train.dpo import check_dpo, check_dpo_batch, check_reference
 from trainer3d.train.metrics import device_peak_tflops
 from trainer3d.train.profiling import parse_step_range
 from trainer3d.zero.config import DeepSpeedSpec, resolve_deepspeed
@@ -264,42 +265,6 @@ CHAT_ONLY = {"train_on": "assistant", "train_roles": None, "on_bad_row": "drop",
              "messages_field": "messages", "pack": True, "chat_template": None, "chat_template_kwargs": None}
 
 
-def check_dpo(cfg: TrainConfig) -> TrainConfig:
-    """--objective dpo trains on --data-format preference pairs and nothing else does; its pairs hold nothing out for
-    validation (--val-fraction is set to 0)."""
-    dpo_flags = [k for k, v in (("dpo_beta", 0.1), ("dpo_loss", "sigmoid"), ("dpo_label_smoothing", 0.0))
-                 if getattr(cfg, k) != v]
-    if cfg.objective != "dpo":
-        if cfg.objective != "lm":
-            raise ConfigError(f"--objective must be lm or dpo (got {cfg.objective!r}).")
-        if cfg.data_format == "preference":
-            raise ConfigError("--data-format preference holds pairs for --objective dpo; add it.")
-        if dpo_flags:
-            raise ConfigError(f"{flag(dpo_flags[0])} applies to --objective dpo; add it or drop the flag.")
-        return cfg
-    if cfg.data_format != "preference" or cfg.data is None or cfg.data_mixture:
-        raise ConfigError("--objective dpo trains on preference pairs: pass --data-format preference and --data with "
-                          "prompt/chosen/rejected rows.")
-    if cfg.dpo_loss not in ("sigmoid", "robust", "ipo"):
-        raise ConfigError(f"--dpo-loss must be sigmoid, robust or ipo (got {cfg.dpo_loss!r}).")
-    if cfg.dpo_label_smoothing and cfg.dpo_loss == "ipo":
-        raise ConfigError("--dpo-label-smoothing applies to the sigmoid and robust losses; drop it with --dpo-loss ipo.")
-    if cfg.cp > 1 or cfg.mtp_loss_coef:
-        raise ConfigError("--objective dpo runs without context parallelism and multi-token prediction (a pair's "
-                          "log-prob is summed on one rank): drop --cp / --mtp-loss-coef.")
-    if cfg.val_data or cfg.eval_hellaswag:
-        raise ConfigError("--objective dpo does not validate yet: drop --val-data / --eval-hellaswag.")
-    return dataclasses.replace(cfg, val_fraction=0.0, eval_every=0)
-
-
-def check_dpo_batch(plan) -> None:
-    """A pair's two rows share a micro-batch: an even number of rows in each."""
-    if plan.micro_batch_size % 2:
-        raise ConfigError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch, and a "
-                          f"micro-batch here holds {plan.micro_batch_size} rows: make --global-batch (rows, two per "
-                          "pair) / (dp · --micro-batches) even.")
-
-
 def check_chat(cfg: TrainConfig) -> TrainConfig:
     """Chat data needs a fast tokenizer with a chat template, mask options that make sense and a corpus of
     conversations (checked here, before any process group); packed conversations are masked apart and their positions
@@ -375,6 +340,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         end_of_turn_ids(load_tokenizer(cfg.tokenizer), cfg.eos_token)
     check_size_flags(cfg, base_model or MODEL_PRESETS[cfg.model])
     mcfg = cfg.model_config(vocab_size, base=base_model)
+    check_reference(cfg, mcfg, vocab_size)
     if cfg.seq_len > mcfg.n_positions:
         raise ConfigError(
             f"--seq-len {cfg.seq_len} exceeds the model's context of {mcfg.n_positions} positions; "
@@ -404,7 +370,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         plan = plan_batch(cfg, layout.dp, layout.pp)
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches, cfg.sequence_parallel)
     if cfg.objective == "dpo":
-        check_dpo_batch(plan)
+        check_dpo_batch(plan, layout)
     if cfg.profile_steps is not None:
         parse_step_range(cfg.profile_steps, cfg.max_steps)
     if cfg.compile:
