@@ -96,7 +96,9 @@ def _train(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = 
 
 
 LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),
-           "dp2 ep2": dict(dp=2, ep=2), "cp2 tp2": dict(cp=2, tp=2)}
+           "dp2 ep2": dict(dp=2, ep=2), "cp2 tp2": dict(cp=2, tp=2),
+           # ZeRO-3 with the experts over ep 2 (its edp 2 partitions them); at dp 4: DeepSpeed's barriers span the world
+           "zero3 dp4 ep2": dict(dp=4, ep=2, deepspeed_config="ds_configs/zero3.json")}
 
 
 # ... and where the MTP module meets data and expert parallelism (its experts over ep, its targets per dp rank's rows)
@@ -117,8 +119,8 @@ def _world(rank, world_size, hf_dir, data, trip_dir, trip_data, run_dir, mtp_dir
 
 
 def test_trains_like_transformers_and_exports(tmp_path, capsys):
-    """A random DeepseekV3ForCausalLM trained by transformers in a plain loop and by trainer3d --init-from-hf at six
-    layouts: losses and gradient norms within 1e-5 (relative) at every step. Another, trained at dp 2 × ep 2 × tp 2
+    """A random DeepseekV3ForCausalLM trained by transformers in a plain loop and by trainer3d --init-from-hf at seven
+    layouts (ZeRO-3 at dp 4 × ep 2 among them): losses and gradient norms within 1e-5 (relative) at every step. Another, trained at dp 2 × ep 2 × tp 2
     with loss-free balancing (rate 1e-2, 4 steps) equals its one-process run (losses, norms, the biases bitwise),
     saved and exported: transformers reads back the biases the
     trainer held (each moved from the imported value by whole steps of ±rate), the export's logits are trainer3d's
