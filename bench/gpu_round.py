@@ -10,7 +10,8 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
   paths    tiny runs, 4 at a time: fp32 GPU vs CPU losses, bf16, --compile,         90 s
            --recompute selective, save -> resume, export -> --init-from-hf,
            ZeRO-1, ZeRO-3, --document-mask (flex attention), Qwen3-MoE tiny
-           (grouped GEMM), DeepSeek-V3 tiny (MLA, MTP), --fp8 rowwise and tensorwise
+           (grouped GEMM), DeepSeek-V3 tiny (MLA, MTP), --fp8 rowwise and tensorwise,
+           --objective dpo, trainer3d.engine (examples/grpo, 3 steps)       (the last two: not yet on a GPU)
   mfu      bench/gpu_mfu.py: gpt2-medium, gpt2, llama3.2-1b in bf16, trainer3d       387 s for 12 of 13 rows
            eager and compiled against the bare compiled loop, then the trainer's     (bare FP8's compile 108 s)
            --fp8 eager and compiled; the top kernels of each trainer row
@@ -211,6 +212,33 @@ def path_runs(r: Round, n: int) -> dict:
             return "failed", failed(run)
         return "ok", f"first loss {run['steps'][1]['loss']:.4f} after the bf16 run's last {last(b):.4f}"
 
+    def dpo(base):  # --objective dpo on text pairs (the bundled GPT-2 tokenizer): its first loss is ln 2
+        data = os.path.join(r.work, "pairs.jsonl")
+        words = "the cat sat on a mat while dog ran fast and slow birds sing songs of old kings".split()
+        with open(data, "w") as f:
+            for i in range(64):
+                pick = lambda k, j: " ".join(words[(i * 7 + j * 3 + m) % len(words)] for m in range(k))  # noqa: E731
+                row = {"prompt": pick(6, 0), "chosen": " " + pick(4, 1), "rejected": " " + pick(5, 2)}
+                f.write(json.dumps(row) + "\n")
+        run = r.train("dpo", [*flags(n), "--precision", half_precision, "--objective", "dpo", "--data-format",
+                              "preference", "--data", data, "--seq-len", "64", "--global-batch", "8"])
+        if not ok(run):
+            return "failed", failed(run)
+        return "ok", (f"--objective dpo: loss {run['steps'][1]['loss']:.6f} (ln 2 = 0.693147) -> {last(run):.4f}, "
+                      f"rewards/margins {last(run, 'rewards/margins'):.4f}; {tok_s(run)}")
+
+    def engine(base):  # the GRPO example: the engine on this device, its rollouts in a CPU process of transformers
+        out = os.path.join(r.work, "grpo")
+        cmd = [sys.executable, "examples/grpo/grpo.py", "--steps", "3", "--prompts", "4", "--group", "4", "--out-dir",
+               out]
+        rc, text = r.run("grpo", cmd, 180, {"CUDA_VISIBLE_DEVICES": ""} if r.dry else None)
+        path = os.path.join(out, "grpo.jsonl")
+        if rc or not os.path.exists(path):
+            return "failed", f"rc {rc}: {(text.strip().splitlines() or ['no output'])[-1][:160]}"
+        recs = [json.loads(line) for line in open(path)]
+        return "ok", (f"trainer3d.engine (examples/grpo): step 1's KL between the engine's log-probs and transformers' "
+                      f"of the streamed weights {recs[0]['kl']:.2e}; rewards {[round(x['reward'], 3) for x in recs]}")
+
     bf16 = [*common, "--precision", half_precision]
     paths = {
         "fp32 GPU vs CPU": fp32,
@@ -229,6 +257,8 @@ def path_runs(r: Round, n: int) -> dict:
         "DeepSeek-V3 tiny": lambda base: solo(r.train("deepseek", [*bf16, "--model", "deepseek-v3-tiny"])),
         "fp8 rowwise": fp8_row("rowwise"),
         "fp8 tensorwise": fp8_row("tensorwise"),
+        "DPO": dpo,
+        "engine (GRPO)": engine,
     }
     return {"bf16": bf16, "paths": paths}
 

@@ -250,7 +250,7 @@ class Engine:
         """A table (a router's selection bias) is replicated wherever its module is: the lowest rank holding it
         writes it."""
         held = [s.state_tables()[name] for s in self.trainer.pm.stages if name in s.state_tables()]
-        flag = torch.tensor([float(self.topo.rank) if held else float("inf")])
+        flag = torch.tensor([float(self.topo.rank) if held else float("inf")], device=self.device)  # (NCCL: device)
         first = all_reduce(flag, self.topo.world_group, torch.distributed.ReduceOp.MIN)
         if held and self.topo.rank == int(first):
             full.copy_(held[0].float())

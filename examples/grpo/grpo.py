@@ -75,6 +75,13 @@ def rollout_worker(init_dir: str, inbox, outbox, reply: int, group: int, seed: i
         outbox.put((rows.clone(), ref.clone()))
 
 
+def broadcast(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rank 0's tensor on every rank, through the engine's group (NCCL on GPUs: device tensors)."""
+    t = t.to(device)
+    dist.broadcast(t, 0)
+    return t.cpu()
+
+
 def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     r = rewards.view(-1, group)
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
@@ -142,8 +149,7 @@ def main(argv=None) -> int:
         if rank == 0:
             inbox.put((weights, prompts))
             tokens, ref = outbox.get()
-        dist.broadcast(tokens, 0)
-        dist.broadcast(ref, 0)
+        tokens, ref = broadcast(tokens, engine.device), broadcast(ref, engine.device)
         rewards = (tokens[:, 1:] == tokens[:, :1]).float().mean(1)
         adv = group_advantages(rewards, args.group)
         old = engine.logprobs(tokens)
