@@ -26,6 +26,7 @@ that of the aggregated loss over the global batch at every layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Iterator
 
 import torch
@@ -38,7 +39,6 @@ from trainer3d.distributed.collectives import all_reduce
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.errors import ConfigError, TrainingError
 from trainer3d.models import canonical_shapes, canonical_tables
-from trainer3d.optim import lr_at
 from trainer3d.parallel.parallelize import named_full_params
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer
@@ -203,24 +203,19 @@ class Engine:
     def step(self) -> dict:
         """Apply the gradient of the forward_backward calls since the last step: dp reduction, clip to --grad-clip,
         AdamW at the schedule's lr (lr_at of the step count). {"grad_norm", "lr", "loss", "skipped"} (and a MoE's
-        routing statistics, as training logs them); a non-finite
-        loss or norm skips the update and, under --on-nonfinite stop (the default), raises TrainingError."""
+        routing statistics, as training logs them); a non-finite loss or norm skips the update and, under
+        --on-nonfinite stop (the default), raises TrainingError, as training does (Trainer.optimizer_step)."""
         t = self.trainer
         if not self.passes:
             raise TrainingError("step() without a forward_backward since the last step: there is no gradient.")
-        lr = lr_at(t.step, t.cfg)
-        grad_scale = 1.0 / t.loss_scale.scale if t.loss_scale else 1.0
-        zero = torch.zeros((), device=self.device)
-        result = t.engine.step(lr, t.cfg.grad_clip, grad_scale, loss=self._loss.to(self.device), stop=zero)
-        if t.loss_scale:
-            t.loss_scale.update(result.stepped)
-        t.engine.zero_grad()
-        self.passes = 0
-        balance = t.balance.end_step(result.stepped) if t.balance is not None else {}  # MoE: routing statistics
-        if not result.stepped and not t.loss_scale and t.cfg.on_nonfinite == "stop":
-            raise TrainingError(f"Step {t.step + 1} has a loss of {result.loss} and a gradient norm of "
-                                f"{result.grad_norm}, so it was not applied.")
-        t.step += 1
+        result = None
+        try:  # the Trainer's step (lr schedule, clip, fp16's scale, non-finite rule); the gradient is spent either way
+            result, lr = t.optimizer_step(self._loss.to(self.device), torch.zeros((), device=self.device))
+        finally:
+            t.engine.zero_grad()
+            self.passes = 0
+            stepped = result is not None and result.stepped
+            balance = t.balance.end_step(stepped) if t.balance is not None else {}  # MoE: routing statistics
         return {"grad_norm": result.grad_norm, "lr": lr, "loss": result.loss, "skipped": not result.stepped, **balance}
 
     # ---- weights and checkpoints -----------------------------------------------------------------------------
@@ -230,21 +225,28 @@ class Engine:
         ep, dp or ZeRO partition) into a zero tensor and one sum over the world makes it whole. No rank holds more
         than its share plus one tensor. Collective: every rank iterates to the end."""
         t = self.trainer
-        mcfg, tables = t.mcfg, hf_tables(t.mcfg)
+        mcfg, (shapes, tables) = t.mcfg, self._weight_shapes
         mine = named_full_params(t.pm)
-        held_tables = {name: shape for name, shape in canonical_tables(mcfg).items() if name in tables}
-        for name, shape in [*canonical_shapes(mcfg).items(), *held_tables.items()]:
+        for name, shape in shapes.items():
             full = torch.zeros(shape, device=self.device)
             if name in mine:
                 p, spec = mine[name]
                 for _, start, size, data, _ in parameter_pieces(t, p, spec, False, kinds=("param",)):
                     full[tuple(slice(o, o + s) for o, s in zip(start, size))] = data.float()
-            elif name in held_tables:
+            elif name in tables:
                 self._write_table(full, name)
             full = all_reduce(full, self.topo.world_group)
             yield from hf_tensors(mcfg, name, full.to("cpu", torch.float32 if name in tables else dtype),
                                   tables).items()  # views of `full`: no second copy
             del full
+
+    @functools.cached_property
+    def _weight_shapes(self) -> tuple[dict, dict]:
+        """(canonical name -> shape of every parameter and of each table the HF format holds, hf_tables): read off
+        the model on the meta device once, not at every stream."""
+        mcfg, tables = self.trainer.mcfg, hf_tables(self.trainer.mcfg)
+        held = {name: shape for name, shape in canonical_tables(mcfg).items() if name in tables}
+        return {**canonical_shapes(mcfg), **held}, tables
 
     def _write_table(self, full: torch.Tensor, name: str) -> None:
         """A table (a router's selection bias) is replicated wherever its module is: the lowest rank holding it

@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(args.seed + 1)
     loss_fn = grpo_loss(args.clip, args.kl_coef)
     for step in range(1, args.steps + 1):
-        weights = {k: v.clone() for k, v in engine.named_weights()}  # every rank iterates; rank 0 keeps them
+        weights = {k: v for k, v in engine.named_weights() if rank == 0}  # every rank iterates; rank 0 keeps them
         prompts = torch.randint(0, DIGITS, (args.prompts, 1), generator=g)
         tokens = torch.zeros(rows, 1 + args.reply, dtype=torch.long)  # [digit, reply...]: every target is a reply's
         ref = torch.zeros(rows, args.reply)

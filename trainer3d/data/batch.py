@@ -46,25 +46,21 @@ class LabeledRows:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def rows_of(self, index):
+        """The rows that `index` names (a PairRows indexes pairs: each pair's two rows)."""
+        return index
+
     def __getitem__(self, index) -> LabeledRows:
+        index = self.rows_of(index)
         out = LabeledRows(self.tokens[index], self.flags[index], self.documents[index], self.lengths[index])
-        out.counts = self.counts[index]
         out.reference = None if self.reference is None else self.reference[index]
         return out
-
-    def supervised_in(self, index: np.ndarray) -> int:
-        part = self[index]
-        return int(part.counts.sum())
-
-    def inputs_in(self, index: np.ndarray) -> int:
-        part = self[index]
-        return int(np.minimum(part.lengths, part.tokens.shape[1] - 1).sum())
 
 
 def supervised_count(rows, index: np.ndarray) -> int:
     """Supervised targets of rows[index] (every target of a plain row)."""
     if isinstance(rows, LabeledRows):
-        return rows.supervised_in(index)
+        return int(rows.counts[rows.rows_of(index)].sum())
     return len(index) * (rows.shape[1] - 1)
 
 
@@ -72,7 +68,7 @@ def input_count(rows, index: np.ndarray) -> int:
     """Input tokens of rows[index] that are not padding (a row of L tokens feeds min(L, seq_len) inputs): what a step
     trains on, for honest tokens/s."""
     if isinstance(rows, LabeledRows):
-        return rows.inputs_in(index)
+        return int(np.minimum(rows.lengths[rows.rows_of(index)], rows.shape[1] - 1).sum())
     return len(index) * (rows.shape[1] - 1)
 
 

@@ -17,7 +17,6 @@ of rows per micro-batch). Small sets: rendered in memory on each rank, no cache.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,6 @@ from trainer3d.data.sources import DataConfig, _resolve_source
 from trainer3d.data.tokenizer import load_tokenizer
 from trainer3d.errors import DataError
 
-log = logging.getLogger(__name__)
 SIDES = ("prompt", "chosen", "rejected")
 
 
@@ -49,9 +47,9 @@ class PairRows(LabeledRows):
     def __len__(self) -> int:
         return len(self.tokens) // 2
 
-    def __getitem__(self, index) -> LabeledRows:
+    def rows_of(self, index):
         pairs = np.atleast_1d(np.arange(len(self))[index])
-        return LabeledRows.__getitem__(self, np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1))
+        return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
 
 
 def _messages(x) -> bool:
@@ -137,7 +135,9 @@ def build_pairs(cfg: DataConfig, seq_len: int) -> PairRows:
             t[:len(ids)] = ids
             f = np.zeros(width, dtype=np.uint8)
             f[len(head):len(ids)] = 1  # flags[k]: token k is a supervised target
-            tokens.append(t), flags.append(f), lengths.append(len(ids))
+            tokens.append(t)
+            flags.append(f)
+            lengths.append(len(ids))
     stats = {"pairs": len(tokens) // 2, "bad": bad, "overlong": overlong, "overlong_rule": cfg.overlong,
              "bad_examples": examples[:3], "corpus": src.name}
     if not tokens:

@@ -43,6 +43,7 @@ class DPO:
         cfg = trainer.cfg
         self.trainer, self.beta, self.kind, self.smoothing = trainer, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing
         self.sums = torch.zeros(len(METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
+        self.pairs = trainer.plan.global_batch // 2  # a step's (--global-batch counts rows, two a pair)
 
     def targets(self, batch: Batch, targets: torch.Tensor) -> torch.Tensor:
         """[B, T + 1] float64: the targets (-1 where not supervised), then each row's reference log-prob."""
@@ -77,10 +78,9 @@ class DPO:
     def begin_pass(self) -> None:
         self.sums.zero_()
 
-    @staticmethod
-    def record(sums: list[float], pairs: int) -> dict:
+    def record(self, sums: list[float]) -> dict:
         """TRL's names, means over the global batch's pairs."""
-        out = {name: value / pairs for name, value in zip(METRICS, sums)}
+        out = {name: value / self.pairs for name, value in zip(METRICS, sums)}
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
         return out
 

@@ -51,8 +51,8 @@ class Report:
             f"model={cfg.init_from_hf or cfg.model} ({t.mcfg.family}, {t.mcfg.num_params() / 1e6:.1f}M params) "
             f"precision={t.precision} device={t.device}", flush=True)
         if cfg.fp8 is not None:
-            print(f"[trainer3d] rank {dist.get_rank()} {fp8_description(cfg.fp8, t.pm.fp8_layers, t.mcfg.n_layer, cfg.compile)}",
-                  flush=True)
+            line = fp8_description(cfg.fp8, t.pm.fp8_layers, t.mcfg.n_layer, cfg.compile)
+            print(f"[trainer3d] rank {dist.get_rank()} {line}", flush=True)
         mem = t.engine.memory()
         mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731
         print(f"[trainer3d] rank {dist.get_rank()} memory ({t.engine.name}): params {mib('param')}, grads "

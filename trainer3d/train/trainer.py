@@ -132,7 +132,7 @@ class Trainer:
             targets = targets.masked_fill(~batch.supervised, -1)
         count = batch.targets if batch.targets is not None else self.plan.global_batch * self.cfg.seq_len
         if self.objective is not None:  # DPO: the mean over the global batch's pairs
-            count = self.plan.global_batch // 2
+            count = self.objective.pairs
             targets = self.objective.targets(batch, targets)
             self.objective.begin_pass()
         self._weight = self.topo.layout.dp_cp / max(1, count)
@@ -153,20 +153,21 @@ class Trainer:
                 mtp.end_pass()
         # One rank per dp replica and context shard (last stage, tp rank 0) contributes its targets' share (and its
         # MTP depths' shares); the world sums. Training, each rank also puts its step time in its own slot after them.
-        world, depth = self.topo.layout.world_size, (mtp.depth if mtp is not None else 0) + self.objective_width
-        local = torch.zeros(2 + depth + (world if train else 0), device=self.device)
+        world, depth = self.topo.layout.world_size, mtp.depth if mtp is not None else 0
+        extra = depth + self.objective_width  # the MTP depths' losses, then the objective's sums
+        local = torch.zeros(2 + extra + (world if train else 0), device=self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
             local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
             if mtp is not None:
-                local[2:2 + mtp.depth] = mtp.sums
-            if self.objective is not None:  # its metrics' sums, after the MTP depths'
-                local[2 + depth - self.objective_width:2 + depth] = self.objective.sums
+                local[2:2 + depth] = mtp.sums
+            if self.objective is not None:
+                local[2 + depth:2 + extra] = self.objective.sums
         local[1] = float(stop_requested)
         if train:
-            local[2 + depth + self.topo.rank] = self.clock.seconds()
+            local[2 + extra + self.topo.rank] = self.clock.seconds()
         total = all_reduce(local, self.topo.world_group).double()
-        total[2:2 + depth - self.objective_width] /= self.topo.layout.dp_cp  # each MTP depth's mean loss L_k
+        total[2:2 + depth] /= self.topo.layout.dp_cp  # each depth's mean loss L_k
         return total[0] / self.topo.layout.dp_cp, total[1], total[2:] if train else None
 
     @property
@@ -190,9 +191,30 @@ class Trainer:
         self.engine.train()
         self.engine.zero_grad()
         loss, stop, times = self._run_schedule(batch, train=True, stop_requested=stop_requested, data_s=data_s)
+        result, lr = self.optimizer_step(loss, stop, times)
+        # the extra vector: the MTP depths' losses, the objective's sums, then every rank's step time
+        depth = self.mtp.depth if self.mtp is not None else 0
+        width = depth + self.objective_width
+        record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                  "skipped": not result.stepped, "stop": result.stop, "rank_step_times": result.extra[width:]}
+        if self.objective is not None:
+            record.update(self.objective.record(result.extra[depth:width]))
+        if depth:  # the mean over depths of L_k (the loss trained is loss + --mtp-loss-coef × this)
+            record["mtp_loss"] = sum(result.extra[:depth]) / depth
+        if self.loss_scale:
+            record.update(loss_scale=self.loss_scale.scale)
+        if self.balance is not None:  # one all-reduce and one read of the step's routing statistics
+            record.update(self.balance.end_step(result.stepped))
+        record.update(self.engine.memory())  # sizes only: no device read
+        return record
+
+    def optimizer_step(self, loss: torch.Tensor, stop: torch.Tensor, extra: torch.Tensor | None = None):
+        """After a step's backward: the engine's step at the schedule's lr (`loss`, `stop`, `extra`: device tensors it
+        reads in its one transfer), fp16's loss scale updated, a non-finite step refused under --on-nonfinite stop,
+        the step counted. (StepResult, lr); train_step's and trainer3d.engine's."""
         lr = lr_at(self.step, self.cfg)
         grad_scale = 1.0 / self.loss_scale.scale if self.loss_scale else 1.0
-        result = self.engine.step(lr, self.cfg.grad_clip, grad_scale, loss=loss, stop=stop, extra=times)
+        result = self.engine.step(lr, self.cfg.grad_clip, grad_scale, loss=loss, stop=stop, extra=extra)
         if self.loss_scale:
             self.loss_scale.update(result.stepped)
         elif not result.stepped and self.cfg.on_nonfinite == "stop":
@@ -202,21 +224,7 @@ class Trainer:
                 "check the data, then resume" + ("." if self.deepspeed else " (--on-nonfinite skip trains past such "
                                                  "steps)."))
         self.step += 1
-        # the extra vector: the MTP depths' losses, the objective's sums, then every rank's step time
-        depth = self.mtp.depth if self.mtp is not None else 0
-        width = depth + self.objective_width
-        record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                  "skipped": not result.stepped, "stop": result.stop, "rank_step_times": result.extra[width:]}
-        if self.objective is not None:
-            record.update(self.objective.record(result.extra[depth:width], self.plan.global_batch // 2))
-        if depth:  # the mean over depths of L_k (the loss trained is loss + --mtp-loss-coef × this)
-            record["mtp_loss"] = sum(result.extra[:depth]) / depth
-        if self.loss_scale:
-            record.update(loss_scale=self.loss_scale.scale)
-        if self.balance is not None:  # one all-reduce and one read of the step's routing statistics
-            record.update(self.balance.end_step(result.stepped))
-        record.update(self.engine.memory())  # sizes only: no device read
-        return record
+        return result, lr
 
     def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor, reduction) -> list[torch.Tensor]:
         """A forward pass without gradients (eval mode) over this dp rank's rows, inputs [local_batch, seq_len], in
