@@ -1,6 +1,5 @@
 """What a checkpoint costs each rank: memory during a save, bytes written and read, save time against the number of
-ranks writing, and the training step's stall under --async-save (issue 22; bench/README.md section "Checkpoint
-state at scale").
+ranks writing, and the training step's stall under --async-save (issue 22; bench/checkpoint_state.md).
 
     python bench/checkpoint_state.py [--model gpt2-medium] [--sections save,resume,scaling,async]
 

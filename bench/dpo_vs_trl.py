@@ -39,7 +39,7 @@ pair's two rows, prompt + completion each): pairs/s × the set's mean tokens a p
 trainers shuffle the pairs differently (trainer3d's loader and TRL's sampler), so the losses after step 1 differ; at
 step 1 policy = reference and every loss is ln 2, which the bench checks.
 
-    python bench/dpo_vs_trl.py                        # the bench/README.md table (~4 min)
+    python bench/dpo_vs_trl.py                        # the bench/dpo_vs_trl.md table (~4 min)
     python bench/dpo_vs_trl.py --rounds 1 --sides trainer3d trl
 """
 

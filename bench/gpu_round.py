@@ -18,7 +18,7 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
   big      llama3.2-3b with full recomputation on one GPU, then under ZeRO-3 with    57 s; offload 193 s at 6
            CPU offload: tokens/s and peak memory against the planner's estimate     steps (now 3)
 
-Both rounds' figures are in bench/README.md §24; --parts skips what a round need not repeat (the second skipped big).
+Both rounds' figures are in bench/gpu_round.md; --parts skips what a round need not repeat (the second skipped big).
 --dry runs every part on CPU at tiny sizes (tests/test_gpu_round.py runs it, so that the round cannot rot).
 """
 

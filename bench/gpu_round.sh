@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU round: everything one lent GPU session measures, unattended, in at most ~8 minutes on one H100/H200.
 # What each part runs and how long it is estimated to take: bench/gpu_round.py's docstring (estimates until a round
-# has run; bench/README.md's GPU section has the measured ones). Results are written as they come, under $OUT
+# has run; bench/gpu_round.md has the measured ones). Results are written as they come, under $OUT
 # (the device tool's output folder; default bench/results/gpu_round): summary.md (one row per part), round.log (every
 # command's output), env.txt (nvidia-smi, torch, CUDA, NCCL, driver, DeepSpeed, torchao), gpu_mfu.json, mfu.txt,
 # kernels.txt (the top kernels of each trainer row).

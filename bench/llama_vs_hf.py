@@ -13,7 +13,7 @@ Memory: each side in a process of its own, three steps; the peak resident set sa
 VmHWM, read by this process) and the peak of the process's own malloc counter (bench/memhook.c) over the steps, after
 the model is built.
 
-    python bench/llama_vs_hf.py                  # the bench/README.md table: llama-tiny and a mid-size shape
+    python bench/llama_vs_hf.py                  # the bench/llama_vs_hf.md table: llama-tiny and a mid-size shape
     python bench/llama_vs_hf.py --rounds 20 --shapes mid
 """
 

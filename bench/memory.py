@@ -6,7 +6,7 @@ and the peak during a step, both relative to what the process held before the tr
 is plan.memory.estimate_memory for the same rank. ZeRO rows (DeepSpeed, `--deepspeed_config`) run when
 trainer3d/zero.py exists.
 
-    python bench/memory.py                 # the README table
+    python bench/memory.py                 # the bench/memory.md table
     python bench/memory.py --quick         # fewer layouts
     python bench/memory.py --activations   # per layer, against Korthikanti et al. (bench/activations.py)
 """

@@ -14,7 +14,7 @@ the backward: 4·N·k·H·4 bytes as a mean over the ranks, plus the E·8-byte c
 the (ep−1)/ep of it bound for other ranks), the step time as a ratio to ep 1 (the median of
 rounds that rotate the layouts), and each rank's peak malloc during a step.
 
-    python bench/moe.py                       # both sections, the bench/README.md tables
+    python bench/moe.py                       # both sections, the bench/moe.md tables
     python bench/moe.py --sections block --rounds 20
 """
 

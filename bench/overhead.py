@@ -18,7 +18,7 @@ split, stage bookkeeping), the vocab-parallel cross-entropy (a custom autograd f
 vocab padded to a multiple of 128 (50257 -> 50304: +0.09% head FLOPs), the loss/grad-norm all-reduces (no-ops at
 world size 1) and the per-step memory report.
 
-    python bench/overhead.py                     # the README table (default tiny model, seq 128, batch 8)
+    python bench/overhead.py                     # the bench/overhead.md table (default tiny model, seq 128, batch 8)
     python bench/overhead.py --pairs 40 --model gpt2 --seq-len 256 --batch 4
 """
 

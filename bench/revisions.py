@@ -6,7 +6,7 @@ first five, per run; the speed ratio against the first revision is the median of
 Whole runs rather than one process (bench/overhead.py's way) because two revisions cannot share a process; a
 run's median over 20 steps scatters by a few percent between runs, so take several rounds to see 5%.
 
-    python bench/revisions.py 406c14d 6192886 HEAD                    # issue 25's config (section 3b)
+    python bench/revisions.py 406c14d 6192886 HEAD                    # issue 25's config (bench/revisions.md)
     python bench/revisions.py HEAD~1 HEAD --rounds 5 -- --n-embd 128  # other flags after --
 """
 

@@ -11,7 +11,7 @@ row is the same run read at its 128th token. Tokens/s counts new tokens only, pr
     python bench/sample.py                 # ~4 min on 2 shared cores (the recompute runs are most of it)
     python bench/sample.py --rounds 1 --new-tokens 64 128
 
-Last run (bench/README.md section 11): 2026-11-23 21:20-21:24 UTC, x86_64, 2 cores shared with other engineers'
+Last run (bench/sample.md): 2026-11-23 21:20-21:24 UTC, x86_64, 2 cores shared with other engineers'
 jobs (load average 2-4), torch 2.13.0+cpu, OMP_NUM_THREADS=1, `python bench/sample.py`: cache 23.3 / 22.7 tok/s at
 128 / 256 new tokens, recompute 4.37 / 2.56 tok/s, speed-up 5.3× / 8.9×, same tokens.
 """

@@ -1,6 +1,7 @@
 """What the documents say must stay true of the code: the README states the suite's counts as tests/counts.py derives
-them from the tests' markers, and every `trainer3d.` name and every repository path that README.md, bench/README.md
-and docs/ mention exists."""
+them from the tests' markers, every `trainer3d.` name and every repository path that README.md, bench/*.md (the
+benchmarks' index and one page per benchmark) and docs/ mention exists, every relative link in them resolves, and the
+index links every benchmark's page."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "docs").glob("*.md"))]
 SOURCES = [p for p in (ROOT / "trainer3d").rglob("*.py")] + [p for p in (ROOT / "tests").glob("*.py")] + \
     [p for p in (ROOT / "bench").glob("*.py")] + [p for p in (ROOT / "launch").rglob("*.py")]
 PACKAGE = "parallel|zero|checkpoint|train|data|models|plan|distributed"
@@ -25,6 +26,7 @@ MODULE_ATTR = re.compile(rf"(?<![\w./-])(?:trainer3d/)?((?:{PACKAGE})/[\w/]*\w+)
 # `Class.attribute` where the class is one of ours
 CLASS_ATTR = re.compile(r"`([A-Z]\w+)\.([a-z_]\w*)")
 MARKDOWN = re.compile(r"\b([\w-]+\.md)\b")
+LINK = re.compile(r"\]\(([^()\s]+)\)")  # a markdown link's (or image's) target
 PRIVATE = re.compile(r"`(_[a-z]\w+)`")
 
 
@@ -112,4 +114,10 @@ def test_every_name_and_path_in_the_documents_exists():
         missing += [f"{where}: {m}" for m in sorted(set(MARKDOWN.findall(text))) if m not in markdown]
         missing += [f"{where}: {n}" for n in sorted(set(PRIVATE.findall(text)))
                     if n not in source and not _in_libraries(n)]
+        missing += [f"{where}: link {t}" for t in sorted(set(LINK.findall(text)))  # relative links resolve
+                    if t.split("#")[0] and not re.match(r"[a-z]+:", t) and not (doc.parent / t.split("#")[0]).exists()]
+    # the benchmarks' index (bench/README.md) links every benchmark's page
+    index = set(LINK.findall((ROOT / "bench" / "README.md").read_text()))
+    missing += [f"bench/README.md: no link to {p.name}" for p in sorted((ROOT / "bench").glob("*.md"))
+                if p.name != "README.md" and p.name not in index]
     assert not missing, "\n".join(missing)

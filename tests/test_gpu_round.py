@@ -3,7 +3,7 @@ session runs unattended cannot rot between the sessions that have a GPU.
 
 Each part must finish ok, and where both sides of a comparison run on this CPU in fp32 the round must find them
 equal: the "GPU" and CPU fp32 runs, the recomputed run, the resumed steps with FP8 on (the round's comparisons are
-live, not printed constants). The MFU part writes its JSON rows with the fields bench/README.md §24 reads.
+live, not printed constants). The MFU part writes its JSON rows with the fields bench/gpu_round.md reads.
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ def test_published_megatron_layouts_fit_and_land_near_their_throughput():
     """Narayanan et al. 2021, Table 1: GPT-3 175B at (t 8, p 8) on 1024 A100-80GB and the 1T model at (t 8, p 64) on
     3072, both with full recomputation and micro-batch 1, at 138 and 163 TFLOP/s per GPU (recomputation counted).
     The planner must find both layouts fit in 80 GB and put them within 25% of the published speed at its default
-    50% kernel efficiency (129 and 124 now: bench/README.md, planner section)."""
+    50% kernel efficiency (129 and 124 now: bench/planner.md)."""
     from trainer3d.plan.cli import cluster_from_preset
     from trainer3d.plan.report import model_flops_utilization
 

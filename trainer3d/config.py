@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument(
         "--compile", action="store_true",
         help="torch.compile (inductor) each transformer block: ~15 s of compiling per process before the first step; "
-        "on CPU it needs a C++ compiler and gains little in fp32 (bench/README.md, section 12)",
+        "on CPU it needs a C++ compiler and gains little in fp32 (bench/compile.md)",
     )
     lay.add_argument(
         "--fp8", choices=("tensorwise", "rowwise"), default=None,

@@ -36,7 +36,7 @@ def adam(params, lr: float, betas: tuple[float, float], eps: float, decoupled: b
     """AdamW (Adam: decoupled=False): torch's fused kernel where torch has one for every parameter's device and dtype
     (CUDA and CPU, floating point), else foreach, else the per-tensor loop. Fused makes one pass over the weights,
     gradients and moments per step; torch's default on CPU is the per-tensor loop, 6-8x slower on GPT-2 124M's
-    parameters (bench/README.md section 13). Implementations differ in the last bits; the pick depends only on the
+    parameters (bench/optimizer_step.md). Implementations differ in the last bits; the pick depends only on the
     device and dtype, so a resumed run steps as the saved one did (bitwise), and every engine's torch Adam is built
     here."""
     params = list(params)

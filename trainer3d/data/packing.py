@@ -2,7 +2,7 @@
 
 Best-fit decreasing takes the conversations longest first (ties in the corpus's order, so the rows are the same on
 every rank and every run) and puts each into the fullest row it still fits, opening a row where none does: rows end
-99.6% full where filling them in the corpus's order left a quarter of each empty (bench/README.md §21, 512 tokens). A
+99.6% full where filling them in the corpus's order left a quarter of each empty (bench/sft.md, 512 tokens). A
 packed row's documents are its conversations, stored beside the tokens; the rest of the row is padding, a document of
 its own in no loss.
 """

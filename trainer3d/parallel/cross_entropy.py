@@ -3,8 +3,8 @@ ranks, with two all-reduces of per-token scalars and never the logits themselves
 
 When the logits need a gradient, the loss consumes them, as Megatron's does: their storage becomes the exponentials
 and, in the backward, the gradient. Nothing logits-sized is allocated from the loss's forward to the end of its
-backward, and no softmax is recomputed (bench/README.md §14: the memory and the loss's time; §3b: the whole step
-1.21× faster than with the recomputing loss)."""
+backward, and no softmax is recomputed (bench/loss_memory.md: the memory and the loss's time; bench/revisions.md:
+the whole step 1.21× faster than with the recomputing loss)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from trainer3d.distributed.collectives import all_reduce
 
 # Elements of the logits per chunk; low-precision logits take one chunk of fp32 temporaries. On a GPU 256 MiB: the GPU
 # round found 16 MiB chunks (83 tokens at GPT-2's vocabulary) cost ~3,000 kernel launches a step and made the step
-# host-bound (bench/README.md §24). On a CPU 16 MiB, which stays in cache (§14).
+# host-bound (bench/gpu_round.md). On a CPU 16 MiB, which stays in cache (bench/loss_memory.md).
 LOSS_CHUNK_ELEMENTS = 1 << 26
 CPU_LOSS_CHUNK_ELEMENTS = 1 << 22
 

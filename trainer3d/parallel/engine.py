@@ -233,7 +233,7 @@ def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> tor
     7e-5 relative on 3.2M elements, 2.3e-3 on GPT-2's 38.6M-element embedding), and differently for each way tp cuts
     a tensor; rows of 4096 stay within 1e-9, at the cost of one plain norm (docs/parity.md). The row norms of all
     tensors are squared and summed together, one or two kernels a tensor: the GPU round found ~5 a tensor, 1,500
-    launches a step at GPT-2 medium, in a host-bound step (bench/README.md section 24)."""
+    launches a step at GPT-2 medium, in a host-bound step (bench/gpu_round.md)."""
     norms: dict[torch.device, list[torch.Tensor]] = {}  # row norms, by the device the gradients are on (offload)
     for t in tensors:
         flat = t.detach().reshape(-1)

@@ -111,7 +111,7 @@ def apply_fp8(stage: nn.Module, recipe: str | None, n_layer: int) -> list[str]:
 
 def describe(recipe: str, chosen: list[str], total_blocks: int, compiled: bool) -> str:
     """One line for the banner: how many linears run in FP8 and in which blocks; a warning without --compile, where
-    torchao's casts and scales run as separate kernels (0.35-0.53x of bf16 on an H200: bench/README.md section 24)."""
+    torchao's casts and scales run as separate kernels (0.35-0.53x of bf16 on an H200: bench/gpu_round.md)."""
     blocks = sorted({int(n.split(".")[1]) for n in chosen})
     span = f"blocks {blocks[0]}-{blocks[-1]}" if blocks else "no block"
     slow = "" if compiled else "; without --compile FP8's casts run unfused, slower than bf16: add --compile"

@@ -247,7 +247,7 @@ class _FreeLogitsAfterBackward:
     """The loss works in the logits' storage (parallel/cross_entropy.py), so once the last stage's backward is done
     it holds a used gradient. torch's schedules keep the last forward's output in a local variable until the next
     forward, so that storage would live on through the next micro-batch's head, two logits-sized tensors at the last
-    stage's peak (bench/README.md §14b). Free it when the micro-batch's backward is done, as Megatron-LM frees a
+    stage's peak (bench/last_stage_memory.md). Free it when the micro-batch's backward is done, as Megatron-LM frees a
     pipeline output (deallocate_output_tensor); with a split backward, after the weight pass, which still reads it."""
 
     def __init__(self, *args, **kwargs):
@@ -307,7 +307,7 @@ class _MendedBefore2_13:
     def _validate_fwd_outputs(self, outputs):
         """The last stage's output goes to the loss, never on the wire, and with multi-token prediction its length
         differs between training (the D extra predictions) and evaluation: checked only where it is sent, as torch
-        2.13 (which dropped this check) has it. Seen on torch 2.11 on a GPU (bench/README.md, the GPU round)."""
+        2.13 (which dropped this check) has it. Seen on torch 2.11 on a GPU (bench/gpu_round.md)."""
         if not self.is_last:
             super()._validate_fwd_outputs(outputs)
 

@@ -1,6 +1,6 @@
 """Analytic communication per rank and optimizer step: what the trainer passes to each collective and send.
 
-bench/comm_volume.py counts the trainer's calls and compares them with `analytic_comm` (bench/README.md has the
+bench/comm_volume.py counts the trainer's calls and compares them with `analytic_comm` (bench/comm_volume.md has the
 per-group formulas). Bytes are payloads, what is passed to the call (all_reduce / broadcast / send: the tensor;
 all_gather: the gathered output; reduce_scatter: the input); `ring_factor` converts a payload into the bytes a
 rank sends with a ring algorithm. T = micro-batch size × sequence length.

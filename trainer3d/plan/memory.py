@@ -1,6 +1,6 @@
 """Device memory per rank: model states (ZeRO paper), saved activations (Korthikanti et al.), the buffers and
 transients trainer3d and DeepSpeed add. bench/memory.py checks it against measured peaks (within 10%); the
-derivation of each term is in bench/README.md, section "Memory per rank".
+derivation of each term is in bench/memory.md.
 
 A mixture of experts adds (tests/test_plan.py measures the block's saved tensors): its experts' state divided by ep
 and left out of DDP's buckets at ep > 1 (reduced over edp in flat buckets after the backward); per token the family's
