@@ -120,13 +120,15 @@ def describe(recipe: str, chosen: list[str], total_blocks: int, compiled: bool) 
 
 
 @lru_cache(maxsize=None)
-def fp8_weights(mcfg) -> int:
-    """Weights of the linears --fp8 runs in FP8 at tp=1, whole model (the planner's FP8 FLOPs: 6 per weight and token);
-    read off the family's plain model on the meta device, as apply_fp8 chooses."""
+def fp8_linears(mcfg) -> tuple[int, int]:
+    """(weights, Σ in + out features) of the linears --fp8 runs in FP8 at tp=1, whole model: the planner's FP8 FLOPs
+    (6 per weight and token) and its casts (each token's activations and their gradients, per linear); read off the
+    family's plain model on the meta device, as apply_fp8 chooses."""
     from trainer3d.models import build_model
 
     with torch.device("meta"):
         model = build_model(mcfg)
     linears = [(int(index), linear_at(block, path)) for index, block in model.blocks.items()
                for path in model.parallel_plan().linears]
-    return sum(m.weight.numel() for index, m in linears if m is not None and eligible(index, mcfg.n_layer, m.weight))
+    chosen = [m for index, m in linears if m is not None and eligible(index, mcfg.n_layer, m.weight)]
+    return sum(m.weight.numel() for m in chosen), sum(m.in_features + m.out_features for m in chosen)

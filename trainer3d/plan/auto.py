@@ -78,12 +78,13 @@ def read_machine(world: int, local_rank: int = 0, environ: Mapping[str, str] = o
 
 
 def machine_cluster(m: Machine) -> Cluster:
-    """The planner's Cluster for `m`: a GPU's preset by name (A100, else H100's numbers), CPU_CONSTANTS on a CPU;
+    """The planner's Cluster for `m`: a GPU's preset by name (A100, H200, else H100's numbers), CPU_CONSTANTS on a CPU;
     the machine's `measured` constants replace them."""
     if m.device == "cpu":
         base = dict(CPU_CONSTANTS)
     else:
-        base = {k: v for k, v in CLUSTERS["a100-80g" if "A100" in m.name else "h100"].items() if k != "gpus_per_node"}
+        preset = "a100-80g" if "A100" in m.name else "h200" if "H200" in m.name else "h100"
+        base = {k: v for k, v in CLUSTERS[preset].items() if k != "gpus_per_node"}
     base.update(gpu_memory_gib=m.memory_gib, host_memory_gib=m.host_memory_gib)
     if m.peak_tflops:
         base["peak_tflops"] = m.peak_tflops

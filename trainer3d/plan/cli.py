@@ -15,7 +15,8 @@ Step time = compute (model FLOPs / GPUs / (peak × --mfu), × 4/3 with recomputa
 share) + pipeline bubble (schedule formulas; see bench/pipeline_bubble.py) + exposed communication (payloads
 from comm.analytic_comm, ring factors, tp over the intra-node bandwidth, dp and pp over the inter-node one
 when their groups span nodes; DDP's and ZeRO's gradient reduction overlaps the backward it can overlap) + CPU
-offload (PCIe transfers and CPU Adam). It is a model for ranking layouts, not a promise of seconds.
+offload (PCIe transfers and CPU Adam) + with --fp8, torchao's casts (per token and linear width, fitted to an
+H200). It is a model for ranking layouts, not a promise of seconds.
 
 A mixture of experts (qwen3-30b-a3b, mixtral-8x7b, ...) is planned as the trainer runs it: parameters counted layer by
 layer with each ep rank's n_experts/ep experts (under ZeRO their state partitioned over edp), the active FLOPs (MFU counts those), and the
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-offload", action="store_true")
     s.add_argument("--no-recompute", action="store_true", help="leave out activation checkpointing")
     s.add_argument("--fp8", action="store_true", help="every plan with the trainer's --fp8 (its eligible matmuls at "
-                   "twice the bf16 peak)")
+                   "twice the bf16 peak, plus torchao's casts: Cluster.fp8_cast_s)")
     s.add_argument("--max-micro-batch-size", type=int, default=64)
     s.add_argument("--cp-sizes", type=int, nargs="+", default=None,
                    help="context-parallel sizes to consider (default: 1 and the powers of two that leave each rank at "

@@ -9,6 +9,9 @@ CLUSTERS = {
     "a100-80g": dict(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=312, intra_node_gbps=230, inter_node_gbps=25),
     "a100-40g": dict(gpus_per_node=8, gpu_memory_gib=40, peak_tflops=312, intra_node_gbps=230, inter_node_gbps=25),
     "h100": dict(gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, intra_node_gbps=360, inter_node_gbps=50),
+    # an H100's compute and links, 141 GiB of faster HBM: FP8's casts as fitted on one (Cluster.fp8_cast_s)
+    "h200": dict(gpus_per_node=8, gpu_memory_gib=141, peak_tflops=989, intra_node_gbps=360, inter_node_gbps=50,
+                 fp8_cast_s=6.0e-12),
 }
 
 
@@ -26,6 +29,11 @@ class Cluster:
     # two moments and writes three (28 bytes in fp32), memory-bound: ~60% of an H100's 3.35 TB/s (calibrated)
     adam_params_per_s: float = 7e10
     mfu: float = 0.5  # fraction of peak the kernels reach (compute only; bubble and comm come on top)
+    # --fp8: seconds per element of a linear's input or output per token that torchao's scaling and casting costs a
+    # compiled step (activations forward, their gradients backward: 2·(in + out) a token), fitted to the GPU round's
+    # H200 rows (gpt2-medium, llama3.2-1b, 3b: 4.9-8.4e-12 each; 6.0e-12 puts the three FP8/bf16 step ratios within
+    # 13%, bench/gpu_round.md) and scaled to an H100's HBM (3.35 vs 4.8 TB/s)
+    fp8_cast_s: float = 8.6e-12
     overlap: float = 0.5  # fraction of a compute window that communication running beside it can hide behind
     intra_node_latency_s: float = 0.0  # per ring step of a collective (plan/calibrate.py measures it; 0: not modeled)
     inter_node_latency_s: float = 0.0

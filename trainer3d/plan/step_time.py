@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from trainer3d.distributed.topology import Layout
-from trainer3d.parallel.fp8 import fp8_weights
+from trainer3d.parallel.fp8 import fp8_linears
 from trainer3d.parallel.pipeline import SCHEDULES, stage_cost, stage_ids
 from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params, rank_params
 from trainer3d.plan.cluster import Cluster
@@ -80,14 +80,19 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     # 1.5x; docs/parallelism.md)
     recomputed = (2 if SCHEDULES[cand.schedule].split_backward else 1) if cand.recompute else 0
     hw_flops = model_flops * (1 + recomputed / 3)
-    if cand.fp8:  # those matmuls at twice the bf16 peak (H100: 1979 vs 989 TFLOP/s dense); casts not counted
-        hw_flops -= 6 * fp8_weights(cand.cfg) * tokens * (1 + recomputed / 3) / 2
+    fp8_casts = 0.0
+    if cand.fp8:  # those matmuls at twice the bf16 peak (H100: 1979 vs 989 TFLOP/s dense), plus torchao's casts
+        weights, width = fp8_linears(cand.cfg)
+        hw_flops -= 6 * weights * tokens * (1 + recomputed / 3) / 2
+        fp8_casts = 2 * width * tokens * (1 + recomputed / 3) * C.fp8_cast_s
     peak = C.peak_tflops * 1e12 * C.mfu
     slow, mean = (pipeline_pace(cand.cfg, cand.pp, cand.schedule, cand.virtual_stages, cand.seq_len)
                   if cand.pp > 1 else (1.0, 1.0))
     compute = hw_flops / cand.world / peak * (slow / mean)
     t_mb = compute / cand.micro_batches  # one micro-batch through this rank's stages, forward + backward
     out = {"compute": compute}
+    if cand.fp8:
+        out["fp8 casts"] = fp8_casts / cand.world * (slow / mean)
     if cand.pp > 1:
         coef = BUBBLE_COEF[cand.schedule]
         coef = 1.0 / cand.virtual_stages if coef is None else coef
