@@ -171,7 +171,8 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
         tables = {k: v.clone() for m in trainer.pm.stages for k, v in m.state_tables().items()}  # routers' biases
         result = {"losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank),
                   "dtypes": watch.dtypes, "compiled_graphs": watch.graphs, "tables": tables, "rank_step_times": times,
-                  "resolved": resolved_layout(setup), "layout_choice": setup.cfg.layout_choice}
+                  "resolved": resolved_layout(setup), "layout_choice": setup.cfg.layout_choice,
+                  "loss_graphs": loss_graphs()}
         if topo.tp_rank == 0 and topo.dp_rank == 0:
             result.update(params=params, head_copy=head_copy)
     topo.destroy()
@@ -203,6 +204,15 @@ def as_trained(results: list, cases: list[dict]) -> list[dict]:
             c = {**{k: v for k, v in c.items() if k not in ("world", "slow_rank")}, **run["resolved"]}
         out.append(c)
     return out
+
+
+def loss_graphs() -> int:
+    """The graphs dynamo holds for the loss's chunk statistics in this process (--compile compiles them)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from trainer3d.parallel.cross_entropy import _chunk_stats
+
+    return len(_debug_get_cache_entry_list(_chunk_stats.__code__))
 
 
 class FeatureWatch:

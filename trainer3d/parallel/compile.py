@@ -2,8 +2,9 @@
 and before the data-parallel engine (torchtitan's order), so pipeline splitting, TP, recomputation, DDP/ZeRO and
 checkpoints see the same modules and parameter names as without it (nn.Module.compile() wraps no module).
 
-Only blocks: the rest of a stage is an embedding lookup and the LM head, one matmul each, and the loss is the trainer's
-hand-written chunked vocab-parallel autograd Function, whose memory behaviour is its point; nothing there to fuse.
+Blocks, and the loss's per-chunk passes: the rest of a stage is an embedding lookup and the LM head, one matmul each;
+the loss stays the hand-written chunked vocab-parallel autograd Function (its memory behaviour is its point), whose
+chunk statistics (max, exp, sums over the logits) run as one compiled graph (parallel/cross_entropy.py).
 Every block runs the same code under the same guards, so all of a stage's blocks share one compiled graph (compile
 time does not grow with depth).
 

@@ -8,6 +8,8 @@ the whole step 1.21× faster than with the recomputing loss)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -31,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     that p - 1 does not lose the digits of a confident prediction to the logits' dtype."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size, chunk, consume):
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, chunk, consume, stats):
         n_local = logits.shape[-1]
         n_valid = max(0, min(n_local, vocab_size - vocab_start))
         flat, tgt = logits.view(-1, n_local), target.reshape(-1)
@@ -47,16 +49,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 if consume:
                     x.zero_()
                 continue
-            m = x[:, :n_valid].max(dim=-1)[0].to(acc)
-            local_max[a:b] = m
-            sums[0, a:b] = x.gather(-1, local_target[a:b, None]).squeeze(-1).to(acc).masked_fill(outside[a:b], 0.0)
-            in_place = consume and x.dtype == acc
-            e = (x if in_place else x.to(acc, copy=True)).sub_(m.unsqueeze(-1)).exp_()
-            e[:, n_valid:] = 0.0
-            sums[1, a:b] = e.sum(dim=-1)
-            target_exp[a:b] = e.gather(-1, local_target[a:b, None]).squeeze(-1).masked_fill(outside[a:b], 0.0)
-            if consume and not in_place:
-                x.copy_(e)
+            local_max[a:b], sums[0, a:b], sums[1, a:b], target_exp[a:b] = stats(
+                x, local_target[a:b], outside[a:b], n_valid, consume)
         global_max = all_reduce(local_max.clone(), group, dist.ReduceOp.MAX)
         rescale = torch.exp(local_max - global_max)  # 0 on a padding-only shard (m_r = -inf)
         sums[1] *= rescale
@@ -82,7 +76,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         for a, b in _spans(exps.shape[0], ctx.chunk):
             exps[a:b].mul_(row[a:b].unsqueeze(-1))
         exps[rows, local_target] = target_grad.to(exps.dtype)
-        return logits, None, None, None, None, None, None
+        return logits, None, None, None, None, None, None, None
+
+
+def _chunk_stats(x: torch.Tensor, local_target: torch.Tensor, outside: torch.Tensor, n_valid: int, consume: bool):
+    """One chunk of rows: (row max m, target logit, Σ exp(x - m), the target's exponential), in fp32 or wider; with
+    `consume` the exponentials (0 on padded columns) are written over `x`. Eager, each step is a pass over the chunk
+    (an fp32 copy of a low-precision one first); under --compile inductor fuses the element-wise steps into the
+    reductions' passes (the GPU round found the eager passes ~10% of a GPT-2 step on an H200, bench/gpu_round.md)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    m = x[:, :n_valid].max(dim=-1)[0].to(acc)
+    target_logit = x.gather(-1, local_target[:, None]).squeeze(-1).to(acc).masked_fill(outside, 0.0)
+    in_place = consume and x.dtype == acc
+    e = (x if in_place else x.to(acc, copy=True)).sub_(m.unsqueeze(-1)).exp_()
+    e[:, n_valid:] = 0.0
+    target_exp = e.gather(-1, local_target[:, None]).squeeze(-1).masked_fill(outside, 0.0)
+    if consume and not in_place:
+        x.copy_(e)
+    return m, target_logit, e.sum(dim=-1), target_exp
+
+
+@functools.cache
+def _compiled_chunk_stats():
+    """_chunk_stats under torch.compile, built once per process (its graphs are shared by every chunk and trainer)."""
+    return torch.compile(_chunk_stats, dynamic=True)  # one graph for every chunk height and shard width
 
 
 def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -90,14 +107,15 @@ def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def vocab_parallel_cross_entropy(
-    logits, target, group, vocab_start: int, vocab_size: int, chunk_tokens: int | None = None
+    logits, target, group, vocab_start: int, vocab_size: int, chunk_tokens: int | None = None, compiled: bool = False
 ) -> torch.Tensor:
     """Per-token losses (shape of `target`); `logits` is this rank's vocab slice starting at `vocab_start`.
     Where autograd will differentiate them, the logits are overwritten (then hold the gradient): pass a copy to
     keep them. `chunk_tokens`: tokens per chunk (default: LOSS_CHUNK_ELEMENTS elements of this shard, on a CPU
-    CPU_LOSS_CHUNK_ELEMENTS)."""
+    CPU_LOSS_CHUNK_ELEMENTS). `compiled` (--compile): each chunk's passes as one inductor graph."""
     budget = CPU_LOSS_CHUNK_ELEMENTS if logits.device.type == "cpu" else LOSS_CHUNK_ELEMENTS
     chunk = chunk_tokens or max(1, budget // logits.shape[-1])
     consume = torch.is_grad_enabled() and logits.requires_grad
+    stats = _compiled_chunk_stats() if compiled else _chunk_stats
     return _VocabParallelCrossEntropy.apply(logits.contiguous(), target, group, vocab_start, vocab_size, chunk,
-                                            consume)
+                                            consume, stats)
