@@ -91,7 +91,7 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     compute = hw_flops / cand.world / peak * (slow / mean)
     t_mb = compute / cand.micro_batches  # one micro-batch through this rank's stages, forward + backward
     out = {"compute": compute}
-    if cand.fp8:
+    if cand.fp8:  # memory-bound, spread over the ranks as the FLOPs are
         out["fp8 casts"] = fp8_casts / cand.world * (slow / mean)
     if cand.pp > 1:
         coef = BUBBLE_COEF[cand.schedule]
