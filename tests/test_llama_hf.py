@@ -193,7 +193,9 @@ def test_import_train_export_generate(family, tmp_path, capsys):
         assert all(r["losses"] == run["losses"] for r in results)
         assert ("param", "lm_head.weight") not in ckpt.pieces  # tied: stored once, as the embedding
 
+    capsys.readouterr()
     assert export_main([run["path"], str(tmp_path / "export")]) == 0
+    assert f"({type(hf).__name__}, float32)" in capsys.readouterr().out  # what it wrote (a MoE's class, not its family's)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     assert type(exported) is type(hf)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")  # the run's tokenizer, exported with it

@@ -18,6 +18,7 @@ model_max_length (data/export_tokenizer.py).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from trainer3d.checkpoint.hf import hf_tables, parse_size, save_hf_checkpoint
 from trainer3d.data.chat import read_template
 from trainer3d.data.export_tokenizer import export_tokenizer, special_ids, tokenizer_dir
 from trainer3d.errors import CheckpointError, DataError, UsageError
-from trainer3d.models import FAMILIES, family_of
+from trainer3d.models import FAMILIES
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"trainer3d.export: error: {e}", file=sys.stderr)
         return 2
-    architecture = family_of(Checkpoint(resolve_checkpoint(args.checkpoint)).model_config).hf.architecture
+    architecture = json.loads((Path(out) / "config.json").read_text())["architectures"][0]  # a MoE's, not its family's
     print(f"trainer3d.export: wrote {out} ({architecture}, {args.dtype})")
     return 0
 
