@@ -24,7 +24,9 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import Case, build_trainer, fmt_bytes, local_batch, stamp, table, zero_available  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Case, build_trainer, candidate_of, fmt_bytes, local_batch, stamp, table, zero_available,
+)
 
 GROUPS = ["tp", "cp", "pp", "dp", "embedding", "mp", "world"]
 MODEL = dict(n_layer=4, n_embd=64, n_head=4, vocab=512, seq_len=32)
@@ -68,19 +70,6 @@ def count_layouts(rank: int, world: int, cases: list[Case]) -> list:
         out.append(res)
     counter.uninstall()
     return out
-
-
-def candidate_of(case: Case, zero_stage: int = 0):
-    from trainer3d.plan.candidate import Candidate
-
-    return Candidate(
-        cfg=case.model_config(), dp=case.dp, tp=case.tp, pp=case.pp, cp=case.cp, schedule=case.schedule,
-        virtual_stages=case.virtual_stages, micro_batches=case.micro_batches, micro_batch_size=case.micro_batch_size,
-        seq_len=case.seq_len, zero_stage=zero_stage,
-        # the trainer's bf16 without DeepSpeed is torch.autocast over fp32 parameters
-        precision="bf16-autocast" if case.extra.get("precision") == "bf16" else "fp32",
-        sequence_parallel=bool(case.extra.get("sequence_parallel")),
-    )
 
 
 def zero_stage_of(case: Case) -> int:

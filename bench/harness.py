@@ -74,6 +74,22 @@ class Case:
         return self.train_config().model_config(self.vocab)
 
 
+def candidate_of(case: Case, zero_stage: int = 0, offload: bool = False):
+    """The planner's Candidate for `case` (trainer3d/plan/candidate.py), as the trainer runs it: its bf16 without
+    DeepSpeed is torch.autocast over fp32 parameters; ZeRO `offload` moves the optimizer (and, at stage 3, the
+    parameters) to the host."""
+    from trainer3d.plan.candidate import Candidate
+
+    return Candidate(
+        cfg=case.model_config(), dp=case.dp, tp=case.tp, pp=case.pp, cp=case.cp, schedule=case.schedule,
+        virtual_stages=case.virtual_stages, micro_batches=case.micro_batches, micro_batch_size=case.micro_batch_size,
+        seq_len=case.seq_len, precision="bf16-autocast" if case.extra.get("precision") == "bf16" else "fp32",
+        zero_stage=zero_stage, offload_optimizer=offload, offload_params=offload and zero_stage == 3,
+        sequence_parallel=bool(case.extra.get("sequence_parallel")), recompute=case.extra.get("recompute") == "full",
+        ep=case.extra.get("ep", 1),
+    )
+
+
 def zero_label(ds) -> str:
     if isinstance(ds, str):
         return os.path.splitext(os.path.basename(ds))[0]

@@ -21,7 +21,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import Case, build_trainer, fmt_bytes, local_batch, stamp, table, zero_available  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Case, build_trainer, candidate_of, fmt_bytes, local_batch, stamp, table, zero_available,
+)
 
 STEPS = 3  # the last one is measured: the first allocates Adam's state and the pipeline's buffers (2 suffice)
 
@@ -36,18 +38,6 @@ def ds_config(stage: int, offload: bool, case: Case) -> dict:
         zero_stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
         micro_batch_size=case.micro_batch_size, micro_batches=case.micro_batches, dp=case.dp, precision="fp32",
         cfg=case.model_config(),
-    )
-
-
-def candidate_of(case: Case, zero_stage: int = 0, offload: bool = False):
-    from trainer3d.plan.candidate import Candidate
-
-    return Candidate(
-        cfg=case.model_config(), dp=case.dp, tp=case.tp, pp=case.pp, schedule=case.schedule,
-        virtual_stages=case.virtual_stages, micro_batches=case.micro_batches,
-        micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, precision="fp32",
-        zero_stage=zero_stage, offload_optimizer=offload, offload_params=offload and zero_stage == 3,
-        sequence_parallel=bool(case.extra.get("sequence_parallel")), recompute=case.extra.get("recompute") == "full",
     )
 
 

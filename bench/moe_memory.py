@@ -31,7 +31,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.checkpoint_state import Sampler, _hwm, _reset_hwm, _rss  # noqa: E402
-from bench.harness import Case, build_trainer, fmt_bytes, local_batch, stamp, table  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Case, build_trainer, candidate_of, fmt_bytes, local_batch, stamp, table, world_barrier,
+)
 from bench.memory import ds_config  # noqa: E402
 
 WORLD = 4
@@ -61,10 +63,7 @@ def _world(rank, world, layout, steps):
     del tr, topo
     gc.collect()
     case = case_of(layout)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
+    world_barrier()
     before, base, t0 = _rss(), mc.current(), time.time()
     _reset_hwm()
     mc.reset_peak()
@@ -73,7 +72,7 @@ def _world(rank, world, layout, steps):
         tr.train_step(local_batch(case, topo, s))
     t1 = time.time()
     out = dict(layout=layout, rank=rank, pid=os.getpid(), t0=t0, t1=t1, vmhwm=_hwm() - before,
-               malloc=mc.peak() - base, coords=(topo.pp_rank, topo.dp_rank, topo.tp_rank))
+               malloc=mc.peak() - base)
     time.sleep(0.1)  # the outside sampler's last reads fall inside [t0, t1 + 0.1]
     out["t1"] = time.time()
     topo.destroy()
@@ -82,14 +81,11 @@ def _world(rank, world, layout, steps):
 
 def planner(layout: str) -> tuple[float, float]:
     """(the planner's step peak on a CPU host, the bytes of every MoE layer's gathered experts of one ep rank)."""
-    from trainer3d.plan.candidate import Candidate, expert_params
+    from trainer3d.plan.candidate import expert_params
     from trainer3d.plan.memory import estimate_memory
 
-    case = case_of(layout)
     stage, ep = LAYOUTS[layout]
-    cand = Candidate(cfg=case.model_config(), dp=case.dp, micro_batches=case.micro_batches,
-                     micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, precision="fp32",
-                     zero_stage=stage, ep=ep)
+    cand = candidate_of(case_of(layout), stage)
     e = estimate_memory(cand, 0)
     gathered = expert_params(cand.cfg, 1, cand.stages(0), ep) * 4
     return e.peak + e.offloaded + e.host_buffers, gathered
@@ -107,17 +103,16 @@ def main(argv=None) -> int:
     with Sampler() as sampler, preloaded_memhook():
         for layout in args.layouts.split(","):
             model, gathered = planner(layout)
+            kept = fmt_bytes(gathered) if LAYOUTS[layout][0] == 3 else "-"  # a ZeRO-3 rank's, had none been freed
             results = run_world(WORLD, _world, layout, args.steps, timeout=1800)
             ratios = []
             for r in results:
                 outside = sampler.rise(r["pid"], r["t0"], r["t1"])
                 ratios.append((outside / model, r["vmhwm"] / model, r["malloc"] / model))
                 rows.append([layout, r["rank"], fmt_bytes(outside), fmt_bytes(r["vmhwm"]), fmt_bytes(r["malloc"]),
-                             fmt_bytes(model), f"{outside / model:.2f}", f"{r['vmhwm'] / model:.2f}",
-                             f"{r['malloc'] / model:.2f}", fmt_bytes(gathered) if LAYOUTS[layout][0] == 3 else "-"])
+                             fmt_bytes(model), *(f"{x:.2f}" for x in ratios[-1]), kept])
             span = lambda i: f"{min(x[i] for x in ratios):.2f}-{max(x[i] for x in ratios):.2f}"  # noqa: E731
-            summary.append([layout, fmt_bytes(model), span(0), span(1), span(2),
-                            fmt_bytes(gathered) if LAYOUTS[layout][0] == 3 else "-"])
+            summary.append([layout, fmt_bytes(model), span(0), span(1), span(2), kept])
     print(table(rows, ["layout", "rank", "rise (outside)", "rise (VmHWM)", "malloc peak", "planner",
                        "outside / planner", "VmHWM / planner", "malloc / planner", "all gathered experts"]))
     print()

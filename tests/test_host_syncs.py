@@ -154,8 +154,7 @@ def test_a_step_makes_only_the_collectives_its_layout_needs():
     with sequence parallelism) every rank still reads the host once, makes one world all-reduce (the loss with the
     stop requests: no barrier of its own) and one model-parallel one (the norm), and in every other group exactly
     the calls the planner's analytic count says the layout needs (trainer3d/plan/comm.py)."""
-    from bench.comm_volume import candidate_of
-    from bench.harness import Case
+    from bench.harness import Case, candidate_of
     from trainer3d.plan.comm import analytic_comm
 
     model = dict(n_layer=4, n_embd=64, n_head=4, vocab=512, seq_len=32)
