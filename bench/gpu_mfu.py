@@ -36,6 +36,15 @@ import torch  # noqa: E402
 from bench.harness import stamp, table  # noqa: E402
 
 
+def config_of(model: str, **kw):
+    """The TrainConfig of a row's MODEL: a preset, or PRESET/N for its first N layers (a wide model's per-layer
+    speed, FP8's at d = 4096 say, on one GPU that cannot hold all its layers with AdamW)."""
+    from trainer3d.config import TrainConfig
+
+    name, _, layers = model.partition("/")
+    return TrainConfig(model=name, n_layer=int(layers) if layers else None, **kw)
+
+
 def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, warmup: int, device: torch.device,
             peak_override: float | None, precision: str, profile: bool = False, compile: bool = False,
             fp8: str | None = None) -> dict:
@@ -50,7 +59,7 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, device_id=device if device.type == "cuda" else None)
-    cfg = TrainConfig(model=model, seq_len=seq_len, global_batch=mbs * grad_accum, micro_batches=grad_accum,
+    cfg = config_of(model, seq_len=seq_len, global_batch=mbs * grad_accum, micro_batches=grad_accum,
                       precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4, compile=compile, fp8=fp8)
     mcfg = cfg.model_config(50257)
     setup = validate(cfg, 1, mcfg.vocab_size)
@@ -150,7 +159,7 @@ def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, d
     from trainer3d.models import build_model, init_value
 
     free_memory(device)
-    mcfg = TrainConfig(model=model, seq_len=seq_len).model_config(50304)  # the trainer pads 50257 to 50304 too
+    mcfg = config_of(model, seq_len=seq_len).model_config(50304)  # the trainer pads 50257 to 50304 too
     net = build_model(mcfg)  # at tp 1 the family's parallel linears are plain linears
     with torch.no_grad():
         for name, p in net.named_parameters():  # a tied lm_head is listed once, as the embedding
@@ -205,7 +214,7 @@ def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, d
     sync()
     dt = time.perf_counter() - t0
     tps = steps * mbs * seq_len / dt
-    fpt = TrainConfig(model=model, seq_len=seq_len).model_config(50257).flops_per_token(seq_len)
+    fpt = config_of(model, seq_len=seq_len).model_config(50257).flops_per_token(seq_len)
     peak = device_peak_tflops(device, "bf16" if device.type == "cuda" else "fp32", peak_override)
     out = dict(model=model, params=mcfg.num_params(), mbs=mbs, accum=1, seq=seq_len, steps=steps,
                step_ms=1000 * dt / steps, tps=tps, tflops=tps * fpt / 1e12, peak=peak,
