@@ -50,7 +50,6 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
             fp8: str | None = None) -> dict:
     import torch.distributed as dist
 
-    from trainer3d.config import TrainConfig
 
     from trainer3d.train.setup import validate
     from trainer3d.train.metrics import device_peak_tflops
