@@ -262,7 +262,7 @@ def fp8_of(kind: str) -> str | None:
 def json_row(label: str, kind: str, r: dict, device: torch.device) -> dict:
     """One row of bench/results/gpu_mfu.json (the GPU round's record)."""
     return dict(model=r["model"], runner="bare" if kind.startswith("bare") else "trainer3d", micro_batch=r["mbs"],
-                seq=r["seq"], compiled="compile" in kind, fp8=fp8_of(kind),
+                grad_accum=r["accum"], seq=r["seq"], compiled="compile" in kind, fp8=fp8_of(kind),
                 tokens_per_s=round(r["tps"], 1), step_ms=round(r["step_ms"], 2), tflops=round(r["tflops"], 2),
                 mfu=round(r["mfu"], 4) if r["mfu"] else None, peak_mem_bytes=r["mem"], loss=r["loss"],
                 warmup_s=round(r.get("warm_s", 0.0), 1), device=device_description(device), torch=torch.__version__,
