@@ -15,7 +15,9 @@ import torch
 
 from trainer3d import data as D
 from trainer3d.data import BatchLoader, DataConfig, DataError, TokenBlocks, build_token_blocks, val_batches
+from trainer3d.data import cache as cache_module
 from trainer3d.data.cache import _Encode, _n_val
+from trainer3d.data.tokenizer import tokenizer_facts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -207,9 +209,16 @@ def test_cache_reuse_and_rebuild(tmp_path, monkeypatch):
     def no_tokenizer(self, batch):
         raise AssertionError("the tokenizer ran on a cache hit")
 
+    def not_loaded(name):
+        raise AssertionError("the bundled tokenizer was loaded on a cache hit (transformers' import: seconds a run)")
+
     with monkeypatch.context() as m:
         m.setattr(_Encode, "__call__", no_tokenizer)
-        again = build(tmp_path, corpus)
+        with monkeypatch.context() as m2:
+            m2.setattr(cache_module, "load_tokenizer", not_loaded)
+            again = build(tmp_path, corpus)
+        bundled = D.load_tokenizer(None)  # the facts read from its files are the loaded tokenizer's
+        assert tokenizer_facts(None)[1:] == (bundled.eos_token_id, len(bundled)) == (first.eos_id, first.vocab_size)
         assert again.stats["cached"] and not again.stats["tokenized"] and again.fingerprint == first.fingerprint
         assert np.array_equal(again.train, first.train)
         longer = build(tmp_path, corpus, seq_len=32)  # new seq_len: re-packed from the cached tokens

@@ -32,7 +32,7 @@ from trainer3d.data.shards import (
     TokenWindows, check_tokenizer, looks_prepared, manifest_fingerprint, open_windows, read_manifest, token_dtype,
 )
 from trainer3d.data.sources import DataConfig, _no_text, _resolve_source, _select_text, _Source
-from trainer3d.data.tokenizer import _tokenizer_identity, load_tokenizer, tokenizer_identity
+from trainer3d.data.tokenizer import is_bundled_gpt2, load_tokenizer, tokenizer_facts, tokenizer_identity
 from trainer3d.errors import DataError
 from trainer3d.fsio import write_text_atomic
 
@@ -205,14 +205,14 @@ def build_token_blocks(cfg: DataConfig | None, seq_len: int) -> TokenBlocks:
     if not 0.0 <= cfg.val_fraction < 0.5:
         raise DataError(f"val_fraction {cfg.val_fraction} is outside [0, 0.5); set it to e.g. 0.01, or 0 for none.")
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-    tok = load_tokenizer(cfg.tokenizer)
-    eos_id, vocab_size = int(tok.eos_token_id), len(tok)
+    tok = None if is_bundled_gpt2(cfg.tokenizer) else load_tokenizer(cfg.tokenizer)  # the bundled one: on a miss
+    identity, eos_id, vocab_size = tokenizer_facts(cfg.tokenizer, tok)
     dtype = token_dtype(vocab_size)
     src = _resolve_source(cfg, cache / "hf")
     tok_key = _hash({
         "format": FORMAT_VERSION,
         "corpus": src.identity,
-        "tokenizer": _tokenizer_identity(tok),
+        "tokenizer": identity,
         "text_field": src.fixed_field or cfg.text_field,
     })
     blocks_key = _hash({"tokens": tok_key, "seq_len": seq_len, "dtype": dtype.str, "eos": eos_id})
@@ -230,6 +230,7 @@ def build_token_blocks(cfg: DataConfig | None, seq_len: int) -> TokenBlocks:
     )
     retokenized = False
     if not cached:
+        tok = tok if tok is not None else load_tokenizer(cfg.tokenizer)
         tokens, info, retokenized = _tokenize(src, cfg, tok, tok_dir, tok_key)
         n_blocks = _pack(tokens, eos_id, block, dtype, bin_path)
         meta = {
