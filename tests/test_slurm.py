@@ -28,7 +28,7 @@ SBATCH = str(ROOT / "launch" / "slurm" / "train_gpt2.sbatch")
 TINY = ["--model", "tiny", "--n-layer", "2", "--seq-len", "32", "--global-batch", "8", "--tp", "2",
         "--eval-every", "0", "--log-every", "1", "--dist-timeout", "120"]
 AUTO = [*TINY[:8], *TINY[10:], "--layout", "auto"]  # TINY without --tp 2: the planner picks
-JOB_TIMEOUT = 300
+JOB_TIMEOUT = 600  # a hang guard: the requeue test took 46-56 s alone, 255 s beside the suite's other worker
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -577,16 +577,21 @@ def test_mpu_over_topology():
     assert (mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()) == (3, 2)
 
 
-def test_ops_build_recovers_from_a_killed_build():
+def test_ops_build_recovers_from_a_killed_build(tmp_path):
     """A build killed half-way leaves torch's `lock` file, on which every later load of the op would wait forever;
-    the next build (holding the checkout's flock, so no live builder can own that lock) removes it and loads."""
+    the next build (holding the checkout's flock, so no live builder can own that lock) removes it and loads. In a
+    copy of the built ops (torch finds them built there too): the suite's other worker loads the checkout's own, and
+    each load takes and drops torch's lock, which would race a lock planted there."""
+    import shutil
     import subprocess
     import sys
 
     require_ops()
-    lock = os.path.join(zero_ops.default_extensions_dir(), "cpu_adam", "lock")
+    ext = tmp_path / "torch_extensions"
+    shutil.copytree(zero_ops.default_extensions_dir(), ext, ignore=shutil.ignore_patterns(".trainer3d-build.lock"))
+    lock = os.path.join(ext, "cpu_adam", "lock")
     open(lock, "w").close()
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=zero_ops.default_extensions_dir())
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext))
     out = subprocess.run([sys.executable, "-m", "trainer3d.zero", "--build-ops"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
