@@ -48,18 +48,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"needs(condition): skip unless the machine meets it ({', '.join(NEEDS)})")
 
 
-# The slowest files (their seconds alone, 2026-11-27: 354, 343, 219, 192, 185, 111, 97, 85, 75, 73) start first, so
-# that with two workers (pyproject's `-n 2 --dist loadfile`) the last file to start is a short one; the rest keep
-# their collection order.
-SLOW_FIRST = ("test_checkpoint.py", "test_parity.py", "test_gpu_round.py", "test_zero.py", "test_faults.py",
-              "test_slurm.py", "test_fp8.py", "test_compile.py", "test_llama_hf.py", "test_context_parallel.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: a file's tests keep their order
-
-
 def pytest_runtest_setup(item):
     for mark in item.iter_markers("needs"):
         (condition,) = mark.args
