@@ -218,7 +218,7 @@ def test_cache_reuse_and_rebuild(tmp_path, monkeypatch):
             m2.setattr(cache_module, "load_tokenizer", not_loaded)
             again = build(tmp_path, corpus)
         bundled = D.load_tokenizer(None)  # the facts read from its files are the loaded tokenizer's
-        assert tokenizer_facts(None)[1:] == (bundled.eos_token_id, len(bundled)) == (first.eos_id, first.vocab_size)
+        assert tokenizer_facts(None, lambda: bundled)[1:] == (bundled.eos_token_id, len(bundled)) == (first.eos_id, first.vocab_size)
         assert again.stats["cached"] and not again.stats["tokenized"] and again.fingerprint == first.fingerprint
         assert np.array_equal(again.train, first.train)
         longer = build(tmp_path, corpus, seq_len=32)  # new seq_len: re-packed from the cached tokens

@@ -16,6 +16,7 @@ interleaved with training text) is the validation split.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ from trainer3d.data.shards import (
     TokenWindows, check_tokenizer, looks_prepared, manifest_fingerprint, open_windows, read_manifest, token_dtype,
 )
 from trainer3d.data.sources import DataConfig, _no_text, _resolve_source, _select_text, _Source
-from trainer3d.data.tokenizer import is_bundled_gpt2, load_tokenizer, tokenizer_facts, tokenizer_identity
+from trainer3d.data.tokenizer import load_tokenizer, tokenizer_facts, tokenizer_identity
 from trainer3d.errors import DataError
 from trainer3d.fsio import write_text_atomic
 
@@ -205,8 +206,8 @@ def build_token_blocks(cfg: DataConfig | None, seq_len: int) -> TokenBlocks:
     if not 0.0 <= cfg.val_fraction < 0.5:
         raise DataError(f"val_fraction {cfg.val_fraction} is outside [0, 0.5); set it to e.g. 0.01, or 0 for none.")
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-    tok = None if is_bundled_gpt2(cfg.tokenizer) else load_tokenizer(cfg.tokenizer)  # the bundled one: on a miss
-    identity, eos_id, vocab_size = tokenizer_facts(cfg.tokenizer, tok)
+    tokenizer = functools.cache(functools.partial(load_tokenizer, cfg.tokenizer))  # loaded once, only if needed
+    identity, eos_id, vocab_size = tokenizer_facts(cfg.tokenizer, tokenizer)
     dtype = token_dtype(vocab_size)
     src = _resolve_source(cfg, cache / "hf")
     tok_key = _hash({
@@ -230,8 +231,7 @@ def build_token_blocks(cfg: DataConfig | None, seq_len: int) -> TokenBlocks:
     )
     retokenized = False
     if not cached:
-        tok = tok if tok is not None else load_tokenizer(cfg.tokenizer)
-        tokens, info, retokenized = _tokenize(src, cfg, tok, tok_dir, tok_key)
+        tokens, info, retokenized = _tokenize(src, cfg, tokenizer(), tok_dir, tok_key)
         n_blocks = _pack(tokens, eos_id, block, dtype, bin_path)
         meta = {
             "key": blocks_key,

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from trainer3d.errors import DataError, first_line
 
@@ -62,14 +62,14 @@ def tokenizer_identity(name_or_path: str | None) -> str:
     return _tokenizer_identity(load_tokenizer(name_or_path))
 
 
-def tokenizer_facts(name_or_path: str | None, tok: PreTrainedTokenizerBase | None = None) -> tuple[str, int, int]:
+def tokenizer_facts(name_or_path: str | None, tokenizer: Callable[[], PreTrainedTokenizerBase]) -> tuple[str, int, int]:
     """(identity, end-of-text id, vocabulary size): what a data cache is keyed by and packs with. The bundled GPT-2
     BPE's are read from its files, so that a run whose blocks are cached never imports transformers (1.3 s of every
-    process's start); any other tokenizer's from `tok`, loaded if not given."""
+    process's start); any other tokenizer's from the one `tokenizer()` loads."""
     if is_bundled_gpt2(name_or_path):
         vocab = json.loads((BUNDLED_TOKENIZER_DIR / "vocab.json").read_text())
         return tokenizer_identity(None), vocab["<|endoftext|>"], len(vocab)
-    tok = tok if tok is not None else load_tokenizer(name_or_path)
+    tok = tokenizer()
     return _tokenizer_identity(tok), int(tok.eos_token_id), len(tok)
 
 
