@@ -50,7 +50,6 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
             fp8: str | None = None) -> dict:
     import torch.distributed as dist
 
-
     from trainer3d.train.setup import validate
     from trainer3d.train.metrics import device_peak_tflops
     from trainer3d.train.trainer import Trainer
@@ -59,7 +58,7 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, device_id=device if device.type == "cuda" else None)
     cfg = config_of(model, seq_len=seq_len, global_batch=mbs * grad_accum, micro_batches=grad_accum,
-                      precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4, compile=compile, fp8=fp8)
+                    precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4, compile=compile, fp8=fp8)
     mcfg = cfg.model_config(50257)
     setup = validate(cfg, 1, mcfg.vocab_size)
     plan = setup.plan
