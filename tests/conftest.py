@@ -37,6 +37,13 @@ def in_ci() -> bool:
 
 
 def pytest_configure(config):
+    # Two test files run at once on the machine's cores (pyproject's -n 2), so a process's second intra-op thread
+    # only spin-waits against the other worker's (a tiny model's step took 1.3 s instead of 30 ms): every test, and
+    # every process it starts (they inherit the variable), computes on one thread
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
     # --layout auto reads a calibration of this kind of machine where one was measured (plan/calibrate.py): the tests
     # plan with the presets' constants, whatever a user of this machine calibrated
     if "TRAINER3D_CALIBRATION" not in os.environ:

@@ -16,7 +16,6 @@ import json
 import random
 
 import pytest
-import torch
 import transformers
 
 from chat_data import END, EOS, WORDS, chat_tokenizer, template
@@ -83,17 +82,7 @@ def _conversations(n: int = 16) -> list[list[dict[str, str]]]:
              {"role": "assistant", "content": ANSWER}] for _ in range(n)]
 
 
-@pytest.fixture
-def one_thread():
-    """A tiny model steps as fast on one thread, and then no other process on the cores stalls it (two threads
-    spin-waiting on a busy 2-core machine took 1.3 s a step instead of 30 ms)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_a_chat_fine_tune_exports_a_model_that_stops_at_the_end_of_its_turn(tmp_path, monkeypatch, capsys, one_thread):
+def test_a_chat_fine_tune_exports_a_model_that_stops_at_the_end_of_its_turn(tmp_path, monkeypatch, capsys):
     """Guards the user's path (module docstring): before the fix, transformers' `generate` without an eos from the
     caller ran on past <|im_end|> (config.json's eos was <|end_of_text|>, no generation_config.json), and so did
     `trainer3d.sample --chat`. One process, no torchrun; 16 conversations one per row (--no-pack: packed they fill

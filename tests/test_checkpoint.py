@@ -553,7 +553,6 @@ def _main_in_process(monkeypatch, cache, args) -> int:
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("TRAINER3D_CACHE", str(cache))
-    torch.set_num_threads(1)
     return main(args)
 
 

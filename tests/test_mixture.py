@@ -224,7 +224,6 @@ def mixture_file(tmp_path_factory):
 def _main(rank, world_size, args):
     from trainer3d.train.loop import main
 
-    torch.set_num_threads(1)
     return main(args)
 
 

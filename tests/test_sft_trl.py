@@ -177,14 +177,10 @@ def test_sft_equals_trl_per_step(tmp_path, monkeypatch, capsys):
         world = 4 if LAYOUTS[layout] else 1
         codes[layout] = dict(zip(argvs, run_world(world, _trainer3d, list(argvs.values()), timeout=600)[0]))
 
-    worlds_s, threads = time.perf_counter() - start, torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: more threads only contend (16x slower matmuls seen under load)
-    try:
-        trl_runs = [trl_run(hf_dir, tmp_path / f"{name}.jinja", packed, seq, tmp_path / f"trl-{name}-{packed}")
-                    for name, packed, seq, _ in cases]
-        gaps = packed_attention_gap(hf_dir, next(r["batch"] for r, c in zip(trl_runs, cases) if c[1]))
-    finally:
-        torch.set_num_threads(threads)
+    worlds_s = time.perf_counter() - start
+    trl_runs = [trl_run(hf_dir, tmp_path / f"{name}.jinja", packed, seq, tmp_path / f"trl-{name}-{packed}")
+                for name, packed, seq, _ in cases]
+    gaps = packed_attention_gap(hf_dir, next(r["batch"] for r, c in zip(trl_runs, cases) if c[1]))
     trl_s = time.perf_counter() - start - worlds_s
 
     lines, failures = [f"TRL's padding-free packing against each conversation alone (float64 logits): {gaps}"], []

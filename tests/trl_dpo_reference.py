@@ -108,17 +108,6 @@ def _trainer(model_dir, rows, args, ref_model_dir=None):
     return trainer
 
 
-class _one_thread:
-    """2 shared cores: more threads only contend."""
-
-    def __enter__(self):
-        self.threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.threads)
-
-
 def trl_dpo_run(model_dir: str, rows: list[dict], steps: int, lr: float, beta: float, loss_type: str = "sigmoid",
                 label_smoothing: float = 0.0, max_length: int | None = None, *, out_dir: str,
                 max_grad_norm: float = 1.0, seed: int = 0, keep: dict | None = None, ref_model_dir: str | None = None,
@@ -134,17 +123,16 @@ def trl_dpo_run(model_dir: str, rows: list[dict], steps: int, lr: float, beta: f
 
     args = _config(out_dir, len(rows), steps, lr, beta, loss_type, label_smoothing, max_length, max_grad_norm,
                    seed, **overrides)
-    with _one_thread():
-        trainer = _trainer(model_dir, rows, args, ref_model_dir)
-        if keep is not None:
-            before = keep.setdefault("policy_before", {})
+    trainer = _trainer(model_dir, rows, args, ref_model_dir)
+    if keep is not None:
+        before = keep.setdefault("policy_before", {})
 
-            class Snapshot(transformers.TrainerCallback):
-                def on_step_begin(self, args, state, control, model=None, **kw):
-                    before[state.global_step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        class Snapshot(transformers.TrainerCallback):
+            def on_step_begin(self, args, state, control, model=None, **kw):
+                before[state.global_step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-            trainer.add_callback(Snapshot())
-        trainer.train()
+        trainer.add_callback(Snapshot())
+    trainer.train()
     if keep is not None:
         keep["trainer"] = trainer
     log = [h for h in trainer.state.log_history if "loss" in h and "rewards/chosen" in h]
@@ -158,8 +146,7 @@ def trl_dpo_tokenized(model_dir: str, rows: list[dict], max_length: int | None =
     of chosen rows then rejected rows, right-padded with the pad id, attention_mask, completion_mask (before
     truncation to max_length in prompt_ids/..._ids, after it in batch)}."""
     args = _config(out_dir, len(rows), 1, 1e-6, 0.1, "sigmoid", 0.0, max_length, 1.0, 0)
-    with _one_thread():
-        trainer = _trainer(model_dir, rows, args)
+    trainer = _trainer(model_dir, rows, args)
     data = trainer.train_dataset
     examples = [data[i] for i in range(len(data))]
     return {"prompt_ids": [e["prompt_ids"] for e in examples], "chosen_ids": [e["chosen_ids"] for e in examples],
