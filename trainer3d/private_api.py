@@ -132,6 +132,9 @@ PRIVATE: tuple[Private, ...] = (
     Private("deepspeed.runtime.zero.stage3.clear_backward_seen_flag", "zero/glue.py", "backward bracketing", "set"),
     Private("deepspeed.ops.adam.cpu_adam.fp32_optimizer_states", "zero/state.py",
             "DeepSpeedCPUAdam's moment dtype", "set"),
+    Private("deepspeed.ops.op_builder.builder.OpBuilder.jit_load", "zero/ops.py", "ops built without -g",
+            params=("self", "verbose")),
+    Private("deepspeed.ops.op_builder.builder.OpBuilder.cxx_args", "zero/ops.py", "ops built without -g"),
     # DeepSpeed: checkpoint state
     Private(f"{_S3}._optimizer_states_and_gradient_swap_in", "zero/state.py", "loading under NVMe optimizer offload"),
     Private(f"{_S3}._optimizer_states_and_gradient_swap_out", "zero/state.py", "loading under NVMe optimizer offload"),

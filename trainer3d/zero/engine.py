@@ -30,7 +30,12 @@ from trainer3d.zero.config import DeepSpeedSpec
 from trainer3d.zero.experts import ExpertMPU, ExpertShard, detached, expert_config, moe_blocks, over_edp
 from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
 from trainer3d.zero.grads import grad_shares, is_zero_param, z3_set_local_grad
-from trainer3d.zero.ops import check_deepspeed_version, default_extensions_dir, use_prebuilt_ops
+from trainer3d.zero.ops import (
+    build_without_debug_info,
+    check_deepspeed_version,
+    default_extensions_dir,
+    use_prebuilt_ops,
+)
 
 
 class ZeroEngine(DataParallelEngine):
@@ -217,6 +222,7 @@ def prepare_deepspeed(topo, device: torch.device, verbose: bool) -> None:
     check_deepspeed_version()
     if "TORCH_EXTENSIONS_DIR" not in os.environ and os.path.isdir(default_extensions_dir()):
         use_prebuilt_ops()  # what `python -m trainer3d.zero --build-ops` built for this checkout
+    build_without_debug_info()  # as build_ops built them: other flags would rebuild them
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 

@@ -12,6 +12,7 @@ import os
 import sys
 
 from trainer3d.errors import ConfigError
+from trainer3d.private_api import require
 
 # glue.py reaches into these DeepSpeed versions' internals; pyproject pins the same range.
 DEEPSPEED_MIN, DEEPSPEED_BELOW = (0, 19, 8), (0, 20, 0)
@@ -47,6 +48,7 @@ def check_deepspeed_version(version: str | None = None) -> str:
     return version
 
 
+DEBUG_FLAG = "-g"  # what build_without_debug_info takes out of DeepSpeed's compiler flags
 OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 OP_DIRS = {"ShareMemCommBuilder": "deepspeed_shm_comm", "CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
 
@@ -64,18 +66,50 @@ def use_prebuilt_ops() -> str:
     return path
 
 
+def build_without_debug_info() -> None:
+    """DeepSpeed compiles its ops with -g, which is 40% of a CPU op's compile time (cpu_adam_impl.cpp: 52 -> 32 s of
+    CPU) for debug info no run reads. trainer3d's processes build and load them without it, every one of them
+    (zero/engine.prepare_deepspeed, build_ops): torch's JIT rebuilds an op whose flags changed. Idempotent."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    require("zero/ops.py")
+    if getattr(OpBuilder.jit_load, "trainer3d_no_debug_info", False):
+        return
+    jit_load = OpBuilder.jit_load
+
+    def load(self, verbose=True):
+        cxx_args = self.cxx_args
+        self.cxx_args = lambda: [a for a in cxx_args() if a != DEBUG_FLAG]
+        return jit_load(self, verbose)
+
+    load.trainer3d_no_debug_info = True
+    OpBuilder.jit_load = load
+
+
+def _built_with_debug_info(op_dir: str) -> bool:
+    """An op built by DeepSpeed's own flags (a checkout's ops from before build_without_debug_info): its build.ninja
+    (torch's JIT writes it) compiles with -g, so the next load would rebuild it."""
+    try:
+        with open(os.path.join(op_dir, "build.ninja")) as f:
+            return any(line.startswith("cflags") and DEBUG_FLAG in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def ops_needed(accelerator: str = "cpu", nvme: bool = False) -> list[str]:
     names = ["CPUAdamBuilder"] + (["ShareMemCommBuilder"] if accelerator == "cpu" else [])
     return names + (["AsyncIOBuilder"] if nvme else [])
 
 
 def missing_ops(names=None, path: str | None = None) -> list[str]:
-    """Ops (builder names) whose shared library is not in the build directory yet, or that a stale lock blocks."""
+    """Ops (builder names) whose shared library is not in the build directory yet, that a stale lock blocks, or
+    that were built with other flags."""
     path = path or default_extensions_dir()
     out = []
     for name in names or ops_needed():
         d = os.path.join(path, OP_DIRS[name])
-        if not os.path.isfile(os.path.join(d, OP_DIRS[name] + ".so")) or os.path.exists(os.path.join(d, "lock")):
+        if (not os.path.isfile(os.path.join(d, OP_DIRS[name] + ".so")) or os.path.exists(os.path.join(d, "lock"))
+                or _built_with_debug_info(d)):
             out.append(name)
     return out
 
@@ -102,6 +136,7 @@ def build_ops(names=OPS) -> dict[str, str]:
 
     path = use_prebuilt_ops()
     os.makedirs(path, exist_ok=True)
+    build_without_debug_info()
     from deepspeed.accelerator import get_accelerator
 
     status = {}
