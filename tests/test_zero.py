@@ -607,7 +607,7 @@ def test_ops_are_built_without_debug_info(tmp_path):
     for name in zero_ops.ops_needed("cpu"):
         ninja = Path(zero_ops.default_extensions_dir()) / zero_ops.OP_DIRS[name] / "build.ninja"
         cflags = next(line for line in ninja.read_text().splitlines() if line.startswith("cflags"))
-        assert "-O3" in cflags.split() and "-g" not in cflags.split(), (name, cflags)
+        assert "-fopenmp" in cflags.split() and "-g" not in cflags.split(), (name, cflags)  # DeepSpeed's, less -g
     old = tmp_path / "cpu_adam"
     old.mkdir()
     (old / "cpu_adam.so").write_bytes(b"")
