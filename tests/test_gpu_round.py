@@ -14,6 +14,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from ds_ops import require_ops
+
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ["env", "smoke", "paths: bf16 eager", "paths: fp32 GPU vs CPU", "paths: compile", "paths: recompute",
          "paths: save -> resume", "paths: export -> init-from-hf", "paths: ZeRO-1", "paths: ZeRO-3",
@@ -31,6 +33,7 @@ def _summary(out: Path) -> dict[str, tuple[str, str]]:
 
 
 def test_dry_round_runs_every_part_and_compares(tmp_path):
+    require_ops()  # its ZeRO paths load the checkout's ops (built by whichever test needs them first)
     out = tmp_path / "out"
     env = {**os.environ, "GPU_ROUND_DRY": "1", "OUT": str(out), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["bash", "bench/gpu_round.sh", "--budget-s", "420"], cwd=REPO, env=env, capture_output=True,
