@@ -14,6 +14,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from ds_ops import require_ops
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,12 +34,13 @@ def _summary(out: Path) -> dict[str, tuple[str, str]]:
     return rows
 
 
+@pytest.mark.timeout(1500)  # the round's 720 s, after the ops build where no test before it built them
 def test_dry_round_runs_every_part_and_compares(tmp_path):
     require_ops()  # its ZeRO paths load the checkout's ops (built by whichever test needs them first)
     out = tmp_path / "out"
     env = {**os.environ, "GPU_ROUND_DRY": "1", "OUT": str(out), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(["bash", "bench/gpu_round.sh", "--budget-s", "420"], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run(["bash", "bench/gpu_round.sh", "--budget-s", "540"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=720)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = _summary(out)
     assert sorted(rows) == sorted(PARTS), rows.keys()
