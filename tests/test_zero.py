@@ -601,7 +601,7 @@ def test_ops_build_recovers_from_a_killed_build(tmp_path):
 
 
 def test_ops_are_built_without_debug_info(tmp_path):
-    """The checkout's ops compile without DeepSpeed's -g (40% of their compile time), and an op built with it (a
+    """The checkout's ops compile without DeepSpeed's -g (23-40% of their compile time), and an op built with it (a
     checkout's from before) counts as missing, so that --build-ops rebuilds it rather than the first run."""
     require_ops()
     for name in zero_ops.ops_needed("cpu"):

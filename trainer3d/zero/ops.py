@@ -67,7 +67,7 @@ def use_prebuilt_ops() -> str:
 
 
 def build_without_debug_info() -> None:
-    """DeepSpeed compiles its ops with -g, which is 40% of a CPU op's compile time (cpu_adam_impl.cpp: 52 -> 32 s of
+    """DeepSpeed compiles its ops with -g, 23-40% of a CPU op's compile time (cpu_adam_impl.cpp: 52 -> 32 s of
     CPU) for debug info no run reads. trainer3d's processes build and load them without it, every one of them
     (zero/engine.prepare_deepspeed, build_ops): torch's JIT rebuilds an op whose flags changed. Idempotent."""
     from deepspeed.ops.op_builder.builder import OpBuilder
