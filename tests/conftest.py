@@ -52,8 +52,6 @@ def pytest_configure(config):
         os.environ["TRAINER3D_CALIBRATION"] = tempfile.mkdtemp(prefix="trainer3d-calibration-")
     # --fp8 on this GPU-less machine: torchao's emulation (parallel/fp8.py); test_fp8.py unsets it to see the refusal
     os.environ.setdefault("TRAINER3D_FP8_EMULATE", "1")
-    global _TIMELINE_HERE
-    _TIMELINE_HERE = hasattr(config, "workerinput") or not config.getoption("numprocesses", None)
     config.addinivalue_line("markers", f"needs(condition): skip unless the machine meets it ({', '.join(NEEDS)})")
 
 
@@ -82,23 +80,21 @@ def pytest_runtest_makereport(item, call):
 TIMELINE_ENV = "TRAINER3D_TEST_TIMELINE"  # a file: when each test started and ended, on which worker (docs/testing.md)
 
 
-_TIMELINE_HERE = True  # False in xdist's controller, which hears every worker's tests again
+def _timeline(path: str, event: str, nodeid: str) -> None:
+    import time
+
+    with open(path, "a") as f:
+        f.write(f"{time.time():.1f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} {event} {nodeid}\n")
 
 
-def _timeline(event: str, nodeid: str) -> None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With TRAINER3D_TEST_TIMELINE set, each test's start and end (setup to teardown) where it runs (a worker, or
+    the one process under -n 0; never xdist's controller): when each worker was busy, and what ran last while the
+    other waited (tests/timeline.py)."""
     path = os.environ.get(TIMELINE_ENV)
-    if path and _TIMELINE_HERE:
-        import time
-
-        with open(path, "a") as f:
-            f.write(f"{time.time():.1f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} {event} {nodeid}\n")
-
-
-def pytest_runtest_logstart(nodeid, location):
-    """With TRAINER3D_TEST_TIMELINE set, each test's start and end (setup to teardown) per worker: when each worker
-    was busy, and what ran last while the other waited."""
-    _timeline("start", nodeid)
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    _timeline("end", nodeid)
+    if path:
+        _timeline(path, "start", item.nodeid)
+    yield
+    if path:
+        _timeline(path, "end", item.nodeid)

@@ -543,7 +543,7 @@ def corpus(tmp_path_factory):
 
 def _env(cache, **extra):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", TRAINER3D_CACHE=str(cache), TQDM_DISABLE="1", **fault_plugin.env(**extra))
+    env.update(TRAINER3D_CACHE=str(cache), TQDM_DISABLE="1", **fault_plugin.env(**extra))
     return env
 
 

@@ -75,7 +75,6 @@ def test_default_corpus_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     script = textwrap.dedent(
         """

@@ -43,7 +43,7 @@ def test_deepspeed_launcher_zero3_offload(tmp_path):
         "--data", str(data), "--out-dir", str(out),
     ]
     env = dict(
-        os.environ, OMP_NUM_THREADS="1", TRAINER3D_CACHE=str(tmp_path / "cache"),
+        os.environ, TRAINER3D_CACHE=str(tmp_path / "cache"),
         TORCH_EXTENSIONS_DIR=zero_ops.default_extensions_dir(), HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
     )
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)

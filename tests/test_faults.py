@@ -79,7 +79,7 @@ def test_peers_name_a_rank_that_failed_on_its_own(tmp_path):
     """Without torchrun (plain processes, as under `srun` or a hand-made launch) nobody tears the job down: rank 1
     raises, rank 0 waits --dist-timeout, then names rank 1 and its error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_", "SLURM_"))}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
                **fault_plugin.env(TRAINER3D_FAULT="raise:rank=1:step=3"))
     cmd = [sys.executable, ENTRY, *TINY, "--tp", "2", "--out-dir", str(tmp_path / "run"), "--max-steps", "200",
            "--dist-timeout", "15"]

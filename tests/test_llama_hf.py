@@ -235,7 +235,7 @@ def test_llama_end_to_end_under_torchrun(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    env.update(PYTHONPATH=str(root))
     hellaswag = write_jsonl(tmp_path / "hellaswag.jsonl", REAL_EXAMPLES)
     out = tmp_path / "run"
     common = ["--model", "llama-tiny", "--n-layer", "4", "--seq-len", "32", "--global-batch", "8", "--eval-every", "3",

@@ -238,7 +238,7 @@ def _torchrun(args, out, cache, nproc=4):
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            str(REPO / "launch" / "train_gpt2.py"), *args, "--out-dir", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", TRAINER3D_CACHE=str(cache), PYTHONPATH=str(REPO), TQDM_DISABLE="1")
+    env.update(TRAINER3D_CACHE=str(cache), PYTHONPATH=str(REPO), TQDM_DISABLE="1")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

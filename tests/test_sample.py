@@ -106,7 +106,7 @@ WORDS = "the king and queen of a small castle were walking in gardens under brig
 
 def _env(**extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TQDM_DISABLE="1", **extra)
+    env.update(PYTHONPATH=str(REPO), TQDM_DISABLE="1", **extra)
     return env
 
 

@@ -33,7 +33,7 @@ def _env(tmp: Path) -> dict:
         if k.startswith(("WANDB_", "TRAINER3D_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
             del env[k]
     env.update(
-        OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_DIR=str(tmp / "wandb"), WANDB_API_KEY=SECRET,
+        WANDB_MODE="offline", WANDB_DIR=str(tmp / "wandb"), WANDB_API_KEY=SECRET,
         PYTHONPATH=str(ROOT),
     )
     (tmp / "wandb").mkdir(parents=True, exist_ok=True)

@@ -72,9 +72,9 @@ def build_without_debug_info() -> None:
     (zero/engine.prepare_deepspeed, build_ops): torch's JIT rebuilds an op whose flags changed. Idempotent."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    require("zero/ops.py")
     if getattr(OpBuilder.jit_load, "trainer3d_no_debug_info", False):
         return
+    require("zero/ops.py")
     jit_load = OpBuilder.jit_load
 
     def load(self, verbose=True):
