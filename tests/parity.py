@@ -207,12 +207,13 @@ def as_trained(results: list, cases: list[dict]) -> list[dict]:
 
 
 def loss_graphs() -> int:
-    """The graphs dynamo holds for the loss's chunk statistics in this process (--compile compiles them)."""
+    """The graphs dynamo holds in this process for the loss's chunk passes (--compile compiles them): the fewer of the
+    forward's statistics' and the backward's scaling's, so that both must have run compiled to count."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from trainer3d.parallel.cross_entropy import _chunk_stats
+    from trainer3d.parallel.cross_entropy import _chunk_stats, _scale_chunk
 
-    return len(_debug_get_cache_entry_list(_chunk_stats.__code__))
+    return min(len(_debug_get_cache_entry_list(f.__code__)) for f in (_chunk_stats, _scale_chunk))
 
 
 class FeatureWatch:

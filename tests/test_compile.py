@@ -5,8 +5,8 @@ at (1,2,2), recomputation under --compile draws the same masks again: selective 
 eagerly between compiled graphs) and full (the checkpoint runs the compiled block) give bitwise the same losses (and
 the same as no recomputation: checked when this was written, left out to save a compile).
 
-The loss's chunk statistics (parallel/cross_entropy.py) run compiled: dynamo holds a graph for them after the first
-compiled case (PARITY[0], one process: its last stage), none after the eager reference.
+The loss's chunk passes (parallel/cross_entropy.py: the forward's statistics, the backward's scaling) run compiled:
+dynamo holds a graph for each after the first compiled case (PARITY[0], one process: its last stage), none after the eager reference.
 
 A mixture of experts at dp 2 × ep 2 compiles too (the dispatch's all-to-all and its one host read of the splits run
 eagerly between the compiled graphs) and matches its own one-process eager run.
@@ -40,7 +40,7 @@ def test_compile_matches_eager_and_replays_dropout():
         assert runs[0][0]["compiled_graphs"] == 0  # the eager reference compiled nothing
     assert results[0][0]["loss_graphs"] == 0  # (the first run of each process: nothing compiled before it)
     last_stage = [r[1]["loss_graphs"] for r in results if r[1] is not None]
-    assert last_stage and min(last_stage) > 0, last_stage  # the loss's chunk statistics ran compiled
+    assert last_stage and min(last_stage) > 0, last_stage  # the loss's chunk passes ran compiled
     ref = results[0][0]["losses"]
     first = 1 + len(PARITY)
     dropout = [next(r[i] for r in results if r[i] is not None)["losses"] for i in range(first, first + len(DROPOUT))]

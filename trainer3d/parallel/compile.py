@@ -4,7 +4,8 @@ checkpoints see the same modules and parameter names as without it (nn.Module.co
 
 Blocks, and the loss's per-chunk passes: the rest of a stage is an embedding lookup and the LM head, one matmul each;
 the loss stays the hand-written chunked vocab-parallel autograd Function (its memory behaviour is its point), whose
-chunk statistics (max, exp, sums over the logits) run as one compiled graph (parallel/cross_entropy.py).
+chunk passes run as compiled graphs: the forward's statistics (max, exp, sums over the logits) and the backward's
+scaling of the exponentials into the gradient (parallel/cross_entropy.py).
 Every block runs the same code under the same guards, so all of a stage's blocks share one compiled graph (compile
 time does not grow with depth).
 
