@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 PARTS = ["env", "smoke", "paths: bf16 eager", "paths: fp32 GPU vs CPU", "paths: compile", "paths: recompute",
          "paths: save -> resume", "paths: export -> init-from-hf", "paths: ZeRO-1", "paths: ZeRO-3",
          "paths: document mask (flex)", "paths: Qwen3-MoE tiny", "paths: DeepSeek-V3 tiny", "paths: fp8 rowwise",
-         "paths: fp8 tensorwise", "paths: DPO", "paths: engine (GRPO)", "mfu",
+         "paths: fp8 tensorwise", "paths: DPO", "paths: engine (GRPO)", "fp8", "mfu",
          "big: recompute full", "big: ZeRO-3 + CPU offload"]
 
 
@@ -52,6 +52,9 @@ def test_dry_round_runs_every_part_and_compares(tmp_path):
     assert "with --fp8 rowwise" in rows["paths: save -> resume"][1]  # FP8's resume is exact too
     for recipe in ("rowwise", "tensorwise"):  # the banner's count: tiny's 4 blocks, the middle two's 4 linears each
         assert rows[f"paths: fp8 {recipe}"][1].startswith(f"{recipe}: 8 linears in blocks 1-2"), rows
+    losses = re.search(r"last steps ([0-9.]+) -> ([0-9.]+) with --fp8 tensorwise", rows["fp8"][1])
+    bf16, fp8 = float(losses.group(1)), float(losses.group(2))  # FP8 changes the loss, by less than the issue's 1%
+    assert bf16 != fp8 and abs(fp8 / bf16 - 1) < 0.01, rows["fp8"]
     assert rows["paths: DPO"][1].startswith("--objective dpo: loss 0.693147"), rows["paths: DPO"]  # ln 2: ref = policy
     kl = float(re.search(r"KL [^0-9]* ([0-9.e+-]+);", rows["paths: engine (GRPO)"][1]).group(1))
     assert kl < 1e-6, rows["paths: engine (GRPO)"]  # the streamed weights are the engine's
