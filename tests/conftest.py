@@ -77,6 +77,21 @@ def pytest_runtest_makereport(item, call):
             report.longrepr = f"CI: skipped ({why}): {report.longrepr}"
 
 
+# Files whose one or few tests run for minutes: queued first. xdist's default queue (pyproject's
+# --no-loadscope-reorder turns it off) hands out the files with the most tests first, so these came last, and one
+# worker ran them alone while the other sat idle (277 s of a 41-minute run, tests/timeline.py).
+LONG_FEW = ("test_gpu_round.py", "test_compile.py", "test_sft_trl.py", "test_deepspeed_launcher.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The queue: LONG_FEW first, then the other files, those with the most tests first (xdist's own order)."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.path.name, []).append(item)
+    order = sorted(files, key=lambda f: (LONG_FEW.index(f) if f in LONG_FEW else len(LONG_FEW), -len(files[f])))
+    items[:] = [item for f in order for item in files[f]]
+
+
 TIMELINE_ENV = "TRAINER3D_TEST_TIMELINE"  # a file: when each test started and ended, on which worker (docs/testing.md)
 
 
