@@ -25,7 +25,7 @@ import torch
 import transformers
 
 import fault_plugin
-from distributed import free_port, run_world
+from distributed import free_port, launch_env, run_world
 from parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL, max_rel
 from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.checkpoint.format import Checkpoint, latest_checkpoint, resolve_checkpoint
@@ -542,9 +542,7 @@ def corpus(tmp_path_factory):
 
 
 def _env(cache, **extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(TRAINER3D_CACHE=str(cache), TQDM_DISABLE="1", **fault_plugin.env(**extra))
-    return env
+    return launch_env(TRAINER3D_CACHE=str(cache), TQDM_DISABLE="1", **fault_plugin.env(**extra))
 
 
 def _main_in_process(monkeypatch, cache, args) -> int:

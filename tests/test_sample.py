@@ -8,7 +8,6 @@ prints the same text every time, another seed other text, and bad input is one l
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed import launch_env
 from trainer3d.generate import generate, new_token_budget, pick_next_token
 from trainer3d.models.attention import KVCache
 from trainer3d.models.gpt2 import GPT, GPTConfig
@@ -105,9 +105,7 @@ WORDS = "the king and queen of a small castle were walking in gardens under brig
 
 
 def _env(**extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(REPO), TQDM_DISABLE="1", **extra)
-    return env
+    return launch_env(TQDM_DISABLE="1", **extra)
 
 
 @pytest.fixture(scope="module")

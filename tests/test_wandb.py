@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from distributed import launch_env
 from trainer3d.models import MODEL_PRESETS
 from trainer3d.train.tracking import resolve_mode
 from wandb_reader import read_config, read_history
@@ -28,16 +28,8 @@ TRAIN_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes"
 
 
 def _env(tmp: Path) -> dict:
-    env = dict(os.environ)
-    for k in list(env):
-        if k.startswith(("WANDB_", "TRAINER3D_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-            del env[k]
-    env.update(
-        WANDB_MODE="offline", WANDB_DIR=str(tmp / "wandb"), WANDB_API_KEY=SECRET,
-        PYTHONPATH=str(ROOT),
-    )
     (tmp / "wandb").mkdir(parents=True, exist_ok=True)
-    return env
+    return launch_env(WANDB_MODE="offline", WANDB_DIR=str(tmp / "wandb"), WANDB_API_KEY=SECRET)
 
 
 def _run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
