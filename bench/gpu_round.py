@@ -126,9 +126,21 @@ def failed(run: dict) -> str:
     return f"rc {run['rc']}: {tail[0][:160]}"
 
 
-def tok_s(run: dict) -> str:
+def median_tok_s(run: dict) -> float | None:
+    """The median tokens/s of a run's steps after the second (the first ones compile and warm up)."""
     rates = sorted(rec["tokens_per_s"] for s, rec in run["steps"].items() if s > 2 and rec.get("tokens_per_s"))
-    return f"{rates[len(rates) // 2]:,.0f} tok/s" if rates else "- tok/s"
+    return rates[len(rates) // 2] if rates else None
+
+
+def tok_s(run: dict) -> str:
+    rate = median_tok_s(run)
+    return f"{rate:,.0f} tok/s" if rate is not None else "- tok/s"
+
+
+def tail_loss(run: dict, steps: int = 5) -> float:
+    """The mean loss of a run's last `steps` logged steps."""
+    last_steps = sorted(run["steps"])[-steps:]
+    return sum(run["steps"][s]["loss"] for s in last_steps) / len(last_steps)
 
 
 def peak_gib(run: dict) -> float:
@@ -307,12 +319,11 @@ def part_fp8(r: Round) -> tuple[str, str]:
     fp8 = r.train("fp8_tensorwise", [*common, "--fp8", "tensorwise"], 240) if ok(base) else base
     if not ok(base, fp8):
         return "failed", failed(fp8 if ok(base) else base)
-    tail = lambda run: sum(run["steps"][s]["loss"] for s in sorted(run["steps"])[-5:]) / 5  # noqa: E731
-    rates = [float(tok_s(x).split()[0].replace(",", "")) for x in (base, fp8)]
-    change = 100 * (tail(fp8) / tail(base) - 1)
+    change = 100 * (tail_loss(fp8) / tail_loss(base) - 1)
+    speed = f"{median_tok_s(fp8) / median_tok_s(base):.2f}x" if median_tok_s(base) and median_tok_s(fp8) else "-"
     return "ok", (f"{' '.join(model[1:2] if r.dry else model[1:4])}, {n} steps: mean loss of the last steps "
-                  f"{tail(base):.4f} -> {tail(fp8):.4f} with --fp8 tensorwise ({change:+.3f}%); {tok_s(base)} -> "
-                  f"{tok_s(fp8)} ({rates[1] / rates[0]:.2f}x); peak {peak_gib(base):.1f} -> {peak_gib(fp8):.1f} GiB")
+                  f"{tail_loss(base):.4f} -> {tail_loss(fp8):.4f} with --fp8 tensorwise ({change:+.3f}%); "
+                  f"{tok_s(base)} -> {tok_s(fp8)} ({speed}); peak {peak_gib(base):.1f} -> {peak_gib(fp8):.1f} GiB")
 
 
 MFU_ROWS = ["gpt2-medium:16:trainer", "gpt2-medium:16:bare-compile", "gpt2-medium:16:trainer-fp8-rowwise",
