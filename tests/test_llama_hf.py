@@ -224,18 +224,15 @@ def test_llama_end_to_end_under_torchrun(tmp_path):
     every evaluation, a checkpoint; `trainer3d.evaluate` of it in one process gives the HellaSwag the run logged; the
     run resumes at (dp 2, tp 2, pp 1) and goes on."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from distributed import free_port
+    from distributed import free_port, launch_env
     from test_hellaswag import REAL_EXAMPLES, write_jsonl
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(root))
+    env = launch_env()
     hellaswag = write_jsonl(tmp_path / "hellaswag.jsonl", REAL_EXAMPLES)
     out = tmp_path / "run"
     common = ["--model", "llama-tiny", "--n-layer", "4", "--seq-len", "32", "--global-batch", "8", "--eval-every", "3",

@@ -7,7 +7,6 @@ last checkpoint is the last finite step's, also under --keep-last 1."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import free_port, run_world
+from distributed import free_port, launch_env, run_world
 from ds_ops import require_ops
 from parity import VOCAB, global_batches, parity_config
 from trainer3d.zero import ops as zero_ops
@@ -76,9 +75,7 @@ def test_a_diverging_run_exits_2_and_keeps_its_last_finite_checkpoint(tmp_path, 
     exit code is seen; --on-nonfinite skip is refused there: test_cli): every process exits 2, one sentence, no
     traceback."""
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT))
+    env = launch_env()
     # AdamW's first update moves every weight by about the learning rate: 1e20 overflows the next forward pass
     cmd = [sys.executable, str(ROOT / "launch" / "train_gpt2.py"), "--model", "tiny", "--n-layer", "2", "--seq-len",
            "32", "--global-batch", "4", "--lr", "1e20", "--warmup-steps", "0", "--max-steps", "6", "--save-every", "1",

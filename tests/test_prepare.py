@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distributed import free_port
+from distributed import free_port, launch_env
 import fault_plugin
 from trainer3d.data.prepare import build_parser, prepare
 from trainer3d.data.shards import TokenWindows, open_windows, read_manifest
@@ -237,8 +237,7 @@ def _torchrun(args, out, cache, nproc=4):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            str(REPO / "launch" / "train_gpt2.py"), *args, "--out-dir", str(out)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(TRAINER3D_CACHE=str(cache), PYTHONPATH=str(REPO), TQDM_DISABLE="1")
+    env = launch_env(TRAINER3D_CACHE=str(cache), TQDM_DISABLE="1")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
