@@ -138,6 +138,10 @@ L_CP = dict(tp=2, cp=2, pp=2, sequence_parallel=True)
 # scores, is saved as a table all the same: zeros here.)
 MOE = dict(model="qwen3-moe-tiny", n_kv_heads=4, ffn_hidden=160, lr=3e-4, moe_aux_loss_coef=0.01)
 MOE_RESHARD = {"moe_to_ep4": dict(dp=4, tp=2, ep=4), "moe_to_ep1_pp4": dict(dp=2, pp=4), "moe_to_111": dict()}
+# Routing is discontinuous: a token whose top-k scores tie to rounding picks another expert at another ep. Seen on an
+# AVX-512 machine: at step 7 every run at ep 2 (fresh or resumed) against every run at ep 1 or 4, the loss 8e-8 apart,
+# the gradient norm 2.0e-5. The reshards keep the loss bound; their norms are held to 1e-4.
+MOE_NORM_RTOL = 1e-4
 
 
 def _world_scenarios(rank, world_size, tmp, hf_dir, hf_batches):
@@ -219,7 +223,7 @@ def _assert_resumes_exactly(results, straight_key: str, resumed_key: str, n: int
 
 
 def _assert_continues(results, straight_key, resumed_key, rel: float = LOSS_RTOL,
-                      abs_param: float | None = PARAM_ATOL, n: int = N) -> dict:
+                      abs_param: float | None = PARAM_ATOL, n: int = N, norm_rel: float = NORM_RTOL) -> dict:
     """A run resumed (possibly at another layout or engine) from the straight run's checkpoint at step n starts from
     exactly the saved state and continues its losses and gradient norms within `rel` (the parity tolerances by
     default: tests/parity.py) and its final parameters within `abs_param` (None: not compared). Returns the resumed
@@ -228,10 +232,10 @@ def _assert_continues(results, straight_key, resumed_key, rel: float = LOSS_RTOL
     res, losses, params = _merged(results, resumed_key)
     assert res["start_step"] == n
     _assert_loaded_exactly(results, straight_key, resumed_key)
-    loss_rel, norm_rel = max_rel(losses, ref_losses[n:]), max_rel(res["grad_norms"], ref["grad_norms"][n:])
-    print(f"\n{resumed_key} vs {straight_key}: loss rel diff {loss_rel:.1e}, grad norm {norm_rel:.1e}")
-    assert loss_rel <= rel, f"{resumed_key}: loss rel diff {loss_rel:.2e} from the uninterrupted run {straight_key}"
-    assert norm_rel <= max(rel, NORM_RTOL), f"{resumed_key}: grad norm rel diff {norm_rel:.2e} from {straight_key}"
+    loss_diff, norm_diff = max_rel(losses, ref_losses[n:]), max_rel(res["grad_norms"], ref["grad_norms"][n:])
+    print(f"\n{resumed_key} vs {straight_key}: loss rel diff {loss_diff:.1e}, grad norm {norm_diff:.1e}")
+    assert loss_diff <= rel, f"{resumed_key}: loss rel diff {loss_diff:.2e} from the uninterrupted run {straight_key}"
+    assert norm_diff <= max(rel, norm_rel), f"{resumed_key}: grad norm rel diff {norm_diff:.2e} from {straight_key}"
     if abs_param is not None:
         assert max((params[k] - ref_params[k]).abs().max().item() for k in ref_params) <= abs_param
     assert res["loader"] == ref["loader"]
@@ -290,7 +294,7 @@ def test_moe_checkpoints_resume_and_reshard_over_ep(world_results):
     ckpt = Checkpoint(resolve_checkpoint(tmp / "moe"))
     assert ckpt.meta["layout"]["ep"] == 2
     for key in MOE_RESHARD:
-        _assert_continues(results, "moe_straight", key)
+        _assert_continues(results, "moe_straight", key, norm_rel=MOE_NORM_RTOL)
 
 
 def test_context_parallel_checkpoints_are_layout_free(world_results):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from distributed import run_world
+from parity import PARAM_ATOL
 from test_llama import hf_llama
 from test_llama_hf import hf_moe
 from trainer3d.config import TrainConfig
@@ -160,7 +161,9 @@ def test_engine_against_transformers(tmp_path):
         print(f"{label}: loss rel diff {loss_rel:.1e}, norm rel diff {norm_rel:.1e}, weights {weights:.1e}, "
               f"after save -> load {run['reloaded']:.1e}")
         assert loss_rel < 1e-5 and norm_rel < 1e-5, (label, run["losses"], run["norms"])
-        assert sorted(run["weights"]) == sorted(state) and weights < 1e-5, (label, weights)
+        # the parity rule's bound on weights (tests/parity.py): AdamW moves an element whose gradient is ~0 by up to
+        # lr on rounding alone (1.1e-5 at tp 2 x pp 2 on an AVX-512 machine)
+        assert sorted(run["weights"]) == sorted(state) and weights < PARAM_ATOL, (label, weights)
         assert run["reloaded"] == 0.0
 
 
