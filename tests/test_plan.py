@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer3d.errors import ConfigError
 from trainer3d.models import MODEL_PRESETS
 from trainer3d.models.gpt2 import GPTConfig
 from trainer3d.plan.candidate import Candidate, rank_params
 from trainer3d.plan.cli import main
-from trainer3d.plan.cluster import Cluster
+from trainer3d.plan.cluster import FP8_CAST_SHARE, Cluster
 from trainer3d.plan.comm import analytic_comm
 from trainer3d.plan.memory import estimate_memory
 from trainer3d.plan.report import launch_command
@@ -614,13 +615,14 @@ def test_calibration_measures_caches_and_replaces_the_assumed_constants(tmp_path
 def test_fp8_runs_its_matmuls_at_twice_the_rate():
     """--fp8's plans: the linears of blocks 1 to L-2 (GPT-2: 12·d² weights a block) at twice the bf16 peak, plus
     torchao's casts (2·(in + out) elements a token of each such linear: GPT-2's 3d+d, d+d, d+4d, 4d+d), the rest and
-    the memory as bf16's; the launch command carries the flag."""
+    the memory as bf16's; tensorwise's casts at FP8_CAST_SHARE's share of rowwise's; the launch command carries the
+    recipe, and --evaluate's fp8= takes one."""
     from trainer3d.plan.step_time import step_times
 
     cfg = MODEL_PRESETS["gpt2-medium"]
     C = Cluster(nodes=1, **H100)
     base = Candidate(cfg=cfg, micro_batches=16, seq_len=1024, precision="bf16-autocast")
-    fp8 = Candidate(**{**base.__dict__, "fp8": True})
+    fp8 = Candidate(**{**base.__dict__, "fp8": "rowwise"})
     fp8_flops = 6 * (cfg.n_layer - 2) * 12 * cfg.n_embd**2 * 16 * 1024  # a step's, in the FP8 linears
     all_flops = cfg.flops_per_token(1024) * 16 * 1024
     times = step_times(fp8, C)
@@ -632,6 +634,16 @@ def test_fp8_runs_its_matmuls_at_twice_the_rate():
     assert estimate_memory(fp8, 0).peak == estimate_memory(base, 0).peak
     plan = evaluate(fp8, C)
     assert "--fp8 rowwise" in launch_command(plan, C, "torchrun", "gpt2-medium", None)
+    tensorwise = Candidate(**{**base.__dict__, "fp8": "tensorwise"})
+    tw_times = step_times(tensorwise, C)
+    assert tw_times["compute"] == times["compute"]  # the same matmuls, cheaper casts
+    assert math.isclose(tw_times["fp8 casts"], casts * FP8_CAST_SHARE["tensorwise"], rel_tol=1e-9)
+    assert FP8_CAST_SHARE["tensorwise"] < 1
+    assert "--fp8 tensorwise" in launch_command(evaluate(tensorwise, C), C, "torchrun", "gpt2-medium", None)
+    for text, recipe in (("fp8=1", "rowwise"), ("fp8=tensorwise", "tensorwise"), ("fp8=0", None)):
+        assert parse_layout(text, cfg, C, 16, 1024).fp8 == recipe, text
+    with pytest.raises(ConfigError, match="fp8=mxfp8 is none of"):
+        parse_layout("fp8=mxfp8", cfg, C, 16, 1024)
 
 
 def test_full_recomputation_under_a_split_backward_runs_the_forward_twice():
@@ -674,7 +686,7 @@ def test_fp8_step_ratio_against_the_gpu_round():
         C = Cluster(nodes=1, **{**CLUSTERS["h200"], "gpus_per_node": 1, "mfu": bf16["mfu"]})
         base = Candidate(cfg=MODEL_PRESETS[model], micro_batches=1, micro_batch_size=bf16["micro_batch"],
                          seq_len=bf16["seq"], precision="bf16-autocast")
-        with_fp8 = Candidate(**{**base.__dict__, "fp8": True})
+        with_fp8 = Candidate(**{**base.__dict__, "fp8": "rowwise"})
         ratio = step(with_fp8, C) / step(base, C)
         measured = bf16["tokens_per_s"] / fp8["tokens_per_s"]
         predicted[model] = ratio
@@ -686,15 +698,16 @@ def test_fp8_step_ratio_against_the_gpu_round():
                       .read_text())
     wide = {r["fp8"]: r for r in rows if r["model"] == "llama3.1-8b/8" and r["runner"] == "trainer3d"
             and r["grad_accum"] == 4}
-    bf16, fp8 = wide[None], wide["rowwise"]
+    bf16 = wide[None]
     C = Cluster(nodes=1, **{**CLUSTERS["h200"], "gpus_per_node": 1, "mfu": bf16["mfu"]})
     cfg = dataclasses.replace(MODEL_PRESETS["llama3.1-8b"], n_layer=8, vocab_size=50304)
     base = Candidate(cfg=cfg, micro_batches=4, micro_batch_size=8, seq_len=1024, precision="bf16-autocast")
-    ratio = step(Candidate(**{**base.__dict__, "fp8": True}), C) / step(base, C)
-    measured = bf16["tokens_per_s"] / fp8["tokens_per_s"]
-    assert abs(ratio / measured - 1) < 0.15 and ratio < 1 and measured < 1, (ratio, measured)
+    for recipe in ("rowwise", "tensorwise"):  # tensorwise: 0.83 of the step measured, its casts FP8_CAST_SHARE's
+        ratio = step(Candidate(**{**base.__dict__, "fp8": recipe}), C) / step(base, C)
+        measured = bf16["tokens_per_s"] / wide[recipe]["tokens_per_s"]
+        assert abs(ratio / measured - 1) < 0.15 and ratio < 1 and measured < 1, (recipe, ratio, measured)
     big = Candidate(cfg=MODEL_PRESETS["llama3.1-70b"], micro_batch_size=1, seq_len=8192, precision="bf16-autocast",
                     tp=8)
     C = Cluster(nodes=1, **CLUSTERS["h200"])
-    fp8_times, bf16_times = step_times(Candidate(**{**big.__dict__, "fp8": True}), C), step_times(big, C)
+    fp8_times, bf16_times = step_times(Candidate(**{**big.__dict__, "fp8": "rowwise"}), C), step_times(big, C)
     assert fp8_times["compute"] + fp8_times["fp8 casts"] < 0.85 * bf16_times["compute"], (fp8_times, bf16_times)

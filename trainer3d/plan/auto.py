@@ -159,7 +159,7 @@ def search(cfg: TrainConfig, mcfg, C: Cluster, zero: str, device: str):
         schedules=[cfg.schedule] if cfg.given("schedule") else SCHEDULES,
         zero_stages=zero_stages(cfg, zero), offload=zero in ("auto", "json"),
         recompute=not pooled and (not cfg.given("recompute") or cfg.recompute == "full"), fixed=fixed,
-        cp_sizes=cp_sizes, precision="fp32" if fp32 else None, fp8=cfg.fp8 is not None)
+        cp_sizes=cp_sizes, precision="fp32" if fp32 else None, fp8=cfg.fp8)
 
 
 def choose(cfg: TrainConfig, mcfg, m: Machine) -> tuple[Plan, Plan | None, dict]:

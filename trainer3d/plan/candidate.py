@@ -113,7 +113,7 @@ class Candidate:
     zero3_persistence: int | None = None  # None: the "auto" value (zero.config.auto_buckets)
     zero_bucket_elems: int | None = None  # DeepSpeed reduce_bucket_size; None: the "auto" value
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of the dp×cp line
-    fp8: bool = False  # --fp8: the eligible block linears' matmuls at twice the bf16 rate (parallel/fp8.py)
+    fp8: str | None = None  # --fp8's recipe: the eligible block linears' matmuls at twice the bf16 rate (parallel/fp8.py)
 
     @property
     def tokens(self) -> int:  # T: a rank's tokens of a micro-batch (its 1/cp share of every sequence)
@@ -159,7 +159,7 @@ def describe(cand: Candidate) -> str:
     if cand.sequence_parallel:
         s += " +sp"
     if cand.fp8:
-        s += " +fp8"
+        s += f" +fp8 {cand.fp8}"
     return s
 
 

@@ -141,7 +141,7 @@ def train_flags(p: Plan, model_name: str | None, ds_path: str | None) -> list[st
     if c.sequence_parallel:
         flags += ["--sequence-parallel"]
     if c.fp8:
-        flags += ["--fp8", "rowwise"]
+        flags += ["--fp8", c.fp8]
     if c.zero_stage:
         flags += ["--deepspeed_config", ds_path or "plan_ds_config.json"]
     return flags

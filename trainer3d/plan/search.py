@@ -16,7 +16,7 @@ from trainer3d.parallel.expert_parallel import check_expert_parallel
 from trainer3d.parallel.pipeline import SCHEDULES, pipeline_problem
 from trainer3d.parallel.sequence_parallel import sequence_split_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
-from trainer3d.plan.cluster import Cluster
+from trainer3d.plan.cluster import FP8_CAST_SHARE, Cluster
 from trainer3d.plan.memory import MemoryEstimate, estimate_memory
 from trainer3d.plan.step_time import step_times
 
@@ -95,11 +95,11 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
                     zero_stages=(0, 1, 2, 3), offload: bool = True, recompute: bool = True,
                     max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False,
                     cp_sizes: tuple[int, ...] | None = None, fixed: dict[str, int] | None = None,
-                    precision: str | None = None, fp8: bool = False) -> Search:
+                    precision: str | None = None, fp8: str | None = None) -> Search:
     """Every feasible plan, fastest first; offload only where the plan does not fit without it. `cp_sizes`: the
     context-parallel sizes to try (default_cp_sizes); `fixed`: tp and/or pp held at a value (a launch's explicit
     flags, plan/auto.py); `precision`: one of candidate.PRECISIONS for every plan (default: bf16 autocast for DDP,
-    bf16 mixed precision under ZeRO, what a GPU run does); `fp8`: every plan with --fp8."""
+    bf16 mixed precision under ZeRO, what a GPU run does); `fp8`: every plan with --fp8 of that recipe."""
     refuse = Refusals()
     cfg = replace(model, n_positions=max(model.n_positions, seq_len))
     schedules = list(schedules or ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
@@ -185,7 +185,7 @@ def _pipelines(cfg, pp: int, local_batch: int, schedules: list[str], max_micro_b
 
 
 def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bool, refuse,
-             precision: str | None = None, fp8: bool = False) -> list[Plan]:
+             precision: str | None = None, fp8: str | None = None) -> list[Plan]:
     """The plans of one layout that fit, over ZeRO stages, offload and recomputation; offload only where the plan
     does not fit without it."""
     plans = []
@@ -231,6 +231,14 @@ def best_distinct(plans: list[Plan], top: int) -> list[Plan]:
     return out
 
 
+def _fp8_recipe(value: str, text: str) -> str | None:
+    """--evaluate's fp8=: a recipe, 1/true for rowwise (the flag's default), 0/false for none."""
+    recipes = {"0": None, "false": None, "1": "rowwise", "true": "rowwise", **{r: r for r in FP8_CAST_SHARE}}
+    if value not in recipes:
+        raise ConfigError(f"--evaluate: fp8={value} is none of {', '.join(recipes)} (in {text!r}).")
+    return recipes[value]
+
+
 def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) -> Candidate:
     """The candidate of an --evaluate string, e.g. `tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1` (`ep=8`: the
     experts over 8 of the dp×cp ranks)."""
@@ -266,7 +274,7 @@ def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) ->
         precision="bf16-autocast" if z == 0 else "bf16-mixed", zero_stage=z,
         offload_optimizer=off in ("opt", "all"), offload_params=off == "all", recompute=kv.get("recompute", "0") in ("1", "true"),
         sequence_parallel=tp > 1 and kv.get("sp", "1") in ("1", "true"),  # on with tp, as the search has it
-        cp=cp, ep=ep, fp8=kv.get("fp8", "0") in ("1", "true"),
+        cp=cp, ep=ep, fp8=_fp8_recipe(kv.get("fp8", "0"), text),
     )
 
 

@@ -20,7 +20,7 @@ from trainer3d.distributed.topology import Layout
 from trainer3d.parallel.fp8 import fp8_linears
 from trainer3d.parallel.pipeline import SCHEDULES, stage_cost, stage_ids
 from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params, rank_params
-from trainer3d.plan.cluster import Cluster
+from trainer3d.plan.cluster import FP8_CAST_SHARE, Cluster
 from trainer3d.plan.comm import analytic_comm, ring_steps
 
 BUBBLE_COEF = {  # idle time per (p-1) micro-batch slots, relative to 1F1B's
@@ -84,7 +84,7 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     if cand.fp8:  # those matmuls at twice the bf16 peak (H100: 1979 vs 989 TFLOP/s dense), plus torchao's casts
         weights, width = fp8_linears(cand.cfg)
         hw_flops -= 6 * weights * tokens * (1 + recomputed / 3) / 2
-        fp8_casts = 2 * width * tokens * (1 + recomputed / 3) * C.fp8_cast_s
+        fp8_casts = 2 * width * tokens * (1 + recomputed / 3) * C.fp8_cast_s * FP8_CAST_SHARE[cand.fp8]
     peak = C.peak_tflops * 1e12 * C.mfu
     slow, mean = (pipeline_pace(cand.cfg, cand.pp, cand.schedule, cand.virtual_stages, cand.seq_len)
                   if cand.pp > 1 else (1.0, 1.0))
