@@ -320,7 +320,8 @@ def part_fp8(r: Round) -> tuple[str, str]:
     if not ok(base, fp8):
         return "failed", failed(fp8 if ok(base) else base)
     change = 100 * (tail_loss(fp8) / tail_loss(base) - 1)
-    speed = f"{median_tok_s(fp8) / median_tok_s(base):.2f}x" if median_tok_s(base) and median_tok_s(fp8) else "-"
+    rate_base, rate_fp8 = median_tok_s(base), median_tok_s(fp8)
+    speed = f"{rate_fp8 / rate_base:.2f}x" if rate_base and rate_fp8 else "-"
     return "ok", (f"{' '.join(model[1:2] if r.dry else model[1:4])}, {n} steps: mean loss of the last steps "
                   f"{tail_loss(base):.4f} -> {tail_loss(fp8):.4f} with --fp8 tensorwise ({change:+.3f}%); "
                   f"{tok_s(base)} -> {tok_s(fp8)} ({speed}); peak {peak_gib(base):.1f} -> {peak_gib(fp8):.1f} GiB")

@@ -20,6 +20,7 @@ import torch
 from trainer3d.errors import ConfigError
 from trainer3d.models import MODEL_PRESETS
 from trainer3d.models.gpt2 import GPTConfig
+from trainer3d.parallel.fp8 import RECIPES as FP8_RECIPES
 from trainer3d.plan.candidate import Candidate, rank_params
 from trainer3d.plan.cli import main
 from trainer3d.plan.cluster import FP8_CAST_SHARE, Cluster
@@ -638,7 +639,7 @@ def test_fp8_runs_its_matmuls_at_twice_the_rate():
     tw_times = step_times(tensorwise, C)
     assert tw_times["compute"] == times["compute"]  # the same matmuls, cheaper casts
     assert math.isclose(tw_times["fp8 casts"], casts * FP8_CAST_SHARE["tensorwise"], rel_tol=1e-9)
-    assert FP8_CAST_SHARE["tensorwise"] < 1
+    assert FP8_CAST_SHARE["tensorwise"] < 1 and set(FP8_CAST_SHARE) == set(FP8_RECIPES)  # every recipe priced
     assert "--fp8 tensorwise" in launch_command(evaluate(tensorwise, C), C, "torchrun", "gpt2-medium", None)
     for text, recipe in (("fp8=1", "rowwise"), ("fp8=tensorwise", "tensorwise"), ("fp8=0", None)):
         assert parse_layout(text, cfg, C, 16, 1024).fp8 == recipe, text

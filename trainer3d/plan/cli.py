@@ -36,8 +36,9 @@ from dataclasses import replace
 from trainer3d.config import SIZE_FLAGS
 from trainer3d.errors import UsageError
 from trainer3d.models import MODEL_PRESETS, family_of
+from trainer3d.parallel.fp8 import RECIPES as FP8_RECIPES
 from trainer3d.plan.candidate import describe, gib
-from trainer3d.plan.cluster import CLUSTERS, FP8_CAST_SHARE, Cluster
+from trainer3d.plan.cluster import CLUSTERS, Cluster
 from trainer3d.plan.report import format_plans, launch_command, plan_deepspeed_config, why
 from trainer3d.plan.search import best_distinct, enumerate_plans, evaluate, parse_layout, representative_ranks
 from trainer3d.plan.state_memory import worst_state_memory
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zero-stages", type=int, nargs="+", default=[0, 1, 2, 3])
     s.add_argument("--no-offload", action="store_true")
     s.add_argument("--no-recompute", action="store_true", help="leave out activation checkpointing")
-    s.add_argument("--fp8", nargs="?", const="rowwise", default=None, choices=sorted(FP8_CAST_SHARE),
+    s.add_argument("--fp8", nargs="?", const="rowwise", default=None, choices=FP8_RECIPES,
                    help="every plan with the trainer's --fp8 of this recipe (default rowwise): its eligible matmuls at "
                    "twice the bf16 peak, plus torchao's casts (Cluster.fp8_cast_s, times FP8_CAST_SHARE's recipe)")
     s.add_argument("--max-micro-batch-size", type=int, default=64)

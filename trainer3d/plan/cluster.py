@@ -18,7 +18,7 @@ CLUSTERS = {
 # --fp8: a recipe's casts and scales against rowwise's (Cluster.fp8_cast_s is rowwise's): tensorwise takes one amax
 # per tensor where rowwise takes one per row, and scales the matmul's output once; its casts fitted 0.67x of rowwise's
 # on an H200 (gpu_round3, llama3.1-8b's first 8 layers) and 0.54x on an H100 (gpu_round4, the same on real tokens)
-FP8_CAST_SHARE = {"rowwise": 1.0, "tensorwise": 0.6}
+FP8_CAST_SHARE = {"rowwise": 1.0, "tensorwise": 0.6}  # a price for each of parallel/fp8.py's RECIPES
 
 
 @dataclass(frozen=True)

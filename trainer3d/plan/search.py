@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.models import family_of
 from trainer3d.parallel.expert_parallel import check_expert_parallel
+from trainer3d.parallel.fp8 import RECIPES as FP8_RECIPES
 from trainer3d.parallel.pipeline import SCHEDULES, pipeline_problem
 from trainer3d.parallel.sequence_parallel import sequence_split_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
-from trainer3d.plan.cluster import FP8_CAST_SHARE, Cluster
+from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.memory import MemoryEstimate, estimate_memory
 from trainer3d.plan.step_time import step_times
 
@@ -233,7 +234,7 @@ def best_distinct(plans: list[Plan], top: int) -> list[Plan]:
 
 def _fp8_recipe(value: str, text: str) -> str | None:
     """--evaluate's fp8=: a recipe, 1/true for rowwise (the flag's default), 0/false for none."""
-    recipes = {"0": None, "false": None, "1": "rowwise", "true": "rowwise", **{r: r for r in FP8_CAST_SHARE}}
+    recipes = {"0": None, "false": None, "1": "rowwise", "true": "rowwise", **{r: r for r in FP8_RECIPES}}
     if value not in recipes:
         raise ConfigError(f"--evaluate: fp8={value} is none of {', '.join(recipes)} (in {text!r}).")
     return recipes[value]
