@@ -4,10 +4,10 @@ A GPU comes to this project by chance, for about 15 minutes, so the whole measur
 one command. Parts run in the order of their worth, each under its own time limit and all under --budget-s, and
 every part rewrites $OUT/summary.md when it ends, so a round cut short still says what it found:
 
-  part     what it runs                                                   measured (H200 2026-11-27, H100 11-28)
+  part     what it runs                                                   measured (H200 2026-11-27/28, H100 11-28)
   env      nvidia-smi; torch, CUDA, NCCL, driver, DeepSpeed, torchao versions      6 s
   smoke    the default run (launch/train_gpt2.py) on CUDA, 20 steps                22 s
-  paths    tiny runs, 4 at a time: fp32 GPU vs CPU losses, bf16, --compile,         90 s H200, 143 s H100
+  paths    tiny runs, 4 at a time: fp32 GPU vs CPU losses, bf16, --compile,         90-129 s H200, 143 s H100
            --recompute selective, save -> resume, export -> --init-from-hf,
            ZeRO-1, ZeRO-3, --document-mask (flex attention), Qwen3-MoE tiny
            (grouped GEMM), DeepSeek-V3 tiny (MLA, MTP), --fp8 rowwise and tensorwise,
@@ -17,9 +17,10 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
            the loss after the same steps and tokens/s
   mfu      bench/gpu_mfu.py: gpt2-medium, gpt2, llama3.2-1b in bf16, trainer3d       387 s for 12 of 13 rows (H200);
            eager and compiled against the bare compiled loop, then the trainer's     6 compiled rows 215 s (H100)
-           --fp8 eager and compiled; the top kernels of each trainer row
-  big      llama3.2-3b with full recomputation on one GPU, then under ZeRO-3 with    57 s; offload 193 s at 6
-           CPU offload: tokens/s and peak memory against the planner's estimate     steps (now 3)
+           --fp8 eager and compiled; the top kernels of each trainer row; then        4 compiled gpt2 rows 133 s
+           bench/step_phases.py: a gpt2 step's host time by phase and its syncs      (H200); phases ~35 s
+  big      llama3.2-3b with full recomputation on one GPU, then under ZeRO-3 with    51 s; offload 123 s at
+           CPU offload: tokens/s and peak memory against the planner's estimate     3 steps (H200, 5th round)
 
 The rounds' figures are in bench/gpu_round.md; --parts skips what a round need not repeat and --mfu-rows picks the
 mfu part's rows (the fourth round: env,fp8,mfu with the six compiled bf16 rows, then env,paths,fp8).
@@ -350,6 +351,15 @@ def part_mfu(r: Round) -> tuple[str, str]:
     path = os.path.join(r.out, "gpu_mfu.json")
     done = json.load(open(path)) if os.path.exists(path) else []
     found = ", ".join(f"{x['label']} {100 * x['mfu']:.1f}%" if x["mfu"] else x["label"] for x in done)
+    # where the trainer's host time goes, and what synchronizes its step (bench/step_phases.py)
+    phases = ["--model", "tiny", "--micro-batch-size", "2", "--seq-len", "64", "--steps", "2"] if r.dry \
+        else ["--model", "gpt2", "--micro-batch-size", "16", "--compile"]
+    prc, text = r.run("mfu: step phases", [sys.executable, "bench/step_phases.py", *phases], 90,
+                      {"CUDA_VISIBLE_DEVICES": ""} if r.dry else None)
+    with open(os.path.join(r.out, "phases.txt"), "w") as f:
+        f.write(text)
+    step = next((ln.split("|")[2].strip() for ln in text.splitlines() if ln.startswith("| the step ")), None)
+    found += f"; step phases: {f'a {step} ms step' if prc == 0 and step else f'rc {prc}'} (phases.txt)"
     return ("ok" if rc == 0 else f"rc {rc}"), f"{len(done)}/{len(rows)} rows: {found}"
 
 

@@ -4,7 +4,7 @@
 # has run; bench/gpu_round.md has the measured ones). Results are written as they come, under $OUT
 # (the device tool's output folder; default bench/results/gpu_round): summary.md (one row per part), round.log (every
 # command's output), env.txt (nvidia-smi, torch, CUDA, NCCL, driver, DeepSpeed, torchao), gpu_mfu.json, mfu.txt,
-# kernels.txt (the top kernels of each trainer row).
+# kernels.txt (the top kernels of each trainer row), phases.txt (a gpt2 step: host time by phase, its syncs).
 #
 #   bash ../shared/tools/device_wheels.sh                    # here, once: .whl/ with what the GPU image lacks
 #   device run, carry [".whl"]:  bash bench/gpu_round.sh      # there; installs .whl/ first

@@ -66,3 +66,5 @@ def test_dry_round_runs_every_part_and_compares(tmp_path):
         assert r["tokens_per_s"] > 0 and r["device"] == "cpu" and r["torch"].startswith("2.")
         assert {"model", "micro_batch", "compiled", "fp8", "mfu", "peak_mem_bytes"} <= r.keys()
     assert [r["fp8"] for r in mfu] == [None, None, None, "rowwise", "rowwise"]
+    assert re.search(r"step phases: a [0-9.]+ ms step", rows["mfu"][1]), rows["mfu"]  # bench/step_phases.py ran
+    assert "| read_scalars (the step's one device read) |" in (out / "phases.txt").read_text()

@@ -19,6 +19,17 @@ def group_world_size(group) -> int:
     return group_size(group) if dist.is_initialized() else 1
 
 
+def host_values(values: list[float], device: torch.device) -> torch.Tensor:
+    """A float32 vector of host numbers on `device` without waiting for the device: a plain copy from pageable memory
+    (or `t[i] = float`) synchronizes the stream, which stalled every CUDA step until its backward had run (the GPU
+    then idled while the host launched the rest: bench/gpu_round.md, the fifth round). From pinned memory the copy
+    is queued like a kernel; torch's pinned allocator keeps the buffer until the copy has run."""
+    t = torch.tensor(values, dtype=torch.float32)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)

@@ -89,7 +89,7 @@ def _chunk_stats(x: torch.Tensor, local_target: torch.Tensor, outside: torch.Ten
     target_logit = x.gather(-1, local_target[:, None]).squeeze(-1).to(acc).masked_fill(outside, 0.0)
     in_place = consume and x.dtype == acc
     e = (x if in_place else x.to(acc, copy=True)).sub_(m.unsqueeze(-1)).exp_()
-    e[:, n_valid:] = 0.0
+    e[:, n_valid:].zero_()  # a kernel; `= 0.0` would copy a host number (tests/test_host_syncs.py)
     target_exp = e.gather(-1, local_target[:, None]).squeeze(-1).masked_fill(outside, 0.0)
     if consume and not in_place:
         x.copy_(e)

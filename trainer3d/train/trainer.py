@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.data.batch import Batch, document_ids, real_inputs
-from trainer3d.distributed.collectives import all_reduce
+from trainer3d.distributed.collectives import all_reduce, host_values
 from trainer3d.errors import TrainingError
 from trainer3d.models.moe import expert_casts_cached
 from trainer3d.optim import DynamicLossScale, lr_at
@@ -155,7 +155,11 @@ class Trainer:
         # MTP depths' shares); the world sums. Training, each rank also puts its step time in its own slot after them.
         world, depth = self.topo.layout.world_size, mtp.depth if mtp is not None else 0
         extra = depth + self.objective_width  # the MTP depths' losses, then the objective's sums
-        local = torch.zeros(2 + extra + (world if train else 0), device=self.device)
+        host = [0.0] * (2 + extra + (world if train else 0))  # the host's numbers, copied in one queued transfer
+        host[1] = float(stop_requested)
+        if train:
+            host[2 + extra + self.topo.rank] = self.clock.seconds()
+        local = host_values(host, self.device)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
             local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
@@ -163,9 +167,6 @@ class Trainer:
                 local[2:2 + depth] = mtp.sums
             if self.objective is not None:
                 local[2 + depth:2 + extra] = self.objective.sums
-        local[1] = float(stop_requested)
-        if train:
-            local[2 + extra + self.topo.rank] = self.clock.seconds()
         total = all_reduce(local, self.topo.world_group).double()
         total[2:2 + depth] /= self.topo.layout.dp_cp  # each depth's mean loss L_k
         return total[0] / self.topo.layout.dp_cp, total[1], total[2:] if train else None
