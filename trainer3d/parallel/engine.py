@@ -226,27 +226,38 @@ def sum_tied_grads(copies: list[nn.Parameter], embedding_group, read: Callable, 
 NORM_CHUNK = 4096  # elements per partial norm: float32 sums of 4096 squares keep ~1e-9 of their value (below)
 
 
-def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device,
+                   foreach: bool | None = None) -> torch.Tensor:
     """The sum of the squares of every element of `tensors`, a float64 device scalar: THE norm rule of every engine.
-    Each tensor is read as rows of NORM_CHUNK elements (a view, no copy), each row's norm is taken in float32 and the
-    rows' squares are summed in float64. A single float32 sum drifts with the element count (torch's get_total_norm:
-    7e-5 relative on 3.2M elements, 2.3e-3 on GPT-2's 38.6M-element embedding), and differently for each way tp cuts
-    a tensor; rows of 4096 stay within 1e-9, at the cost of one plain norm (docs/parity.md). The row norms of all
-    tensors are squared and summed together, one or two kernels a tensor: the GPU round found ~5 a tensor, 1,500
-    launches a step at GPT-2 medium, in a host-bound step (bench/gpu_round.md)."""
-    norms: dict[torch.device, list[torch.Tensor]] = {}  # row norms, by the device the gradients are on (offload)
+    Each tensor's norm is taken in float32 (bf16 ones too) and their squares are summed in float64. On CPU torch's
+    norm of a whole tensor drifts with its element count (get_total_norm: 7e-5 relative on 3.2M elements, 2.3e-3 on
+    GPT-2's 38.6M-element embedding), and differently for each way tp cuts a tensor, so there each tensor is read as
+    rows of NORM_CHUNK elements (a view, no copy) whose norms are squared and summed in float64: within a few 1e-9
+    (tests/test_precision.py), at the cost of one plain norm (docs/testing.md, the parity rules). On CUDA (`foreach`
+    None) one multi-tensor kernel takes every tensor's norm (torch._foreach_norm: per-thread sums of ~128 elements,
+    then trees, no drift with the count; the GPU round's fp32 GPU-vs-CPU path compares the norms), where the rows
+    cost a launch or two a tensor: ~300 launches and 4 ms of host time in a GPT-2 step whose host was its bottleneck
+    (bench/gpu_round.md, the fifth round)."""
+    rows_of: dict[torch.device, list[torch.Tensor]] = {}  # row norms, by the device the gradients are on (offload)
+    whole: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # tensors for one foreach norm each
     for t in tensors:
         flat = t.detach().reshape(-1)
+        if (flat.is_cuda if foreach is None else foreach) and flat.numel():
+            whole.setdefault((flat.device, flat.dtype), []).append(flat)
+            continue
         dtype = torch.promote_types(flat.dtype, torch.float32)  # bf16 rows are summed in float32
         rows, tail = divmod(flat.numel(), NORM_CHUNK)
         if rows:
-            norms.setdefault(flat.device, []).append(
+            rows_of.setdefault(flat.device, []).append(
                 torch.linalg.vector_norm(flat[: rows * NORM_CHUNK].view(rows, NORM_CHUNK), dim=1, dtype=dtype))
         if tail:
-            norms.setdefault(flat.device, []).append(torch.linalg.vector_norm(flat[rows * NORM_CHUNK:], dtype=dtype)
-                                                     .reshape(1))
+            rows_of.setdefault(flat.device, []).append(torch.linalg.vector_norm(flat[rows * NORM_CHUNK:], dtype=dtype)
+                                                       .reshape(1))
+    for (dev, dtype), flats in whole.items():
+        norms = torch._foreach_norm(flats, 2, dtype=torch.promote_types(dtype, torch.float32))
+        rows_of.setdefault(dev, []).append(torch.stack(norms))
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for parts in norms.values():
+    for parts in rows_of.values():
         total += torch.cat(parts).double().square().sum().to(device)
     return total
 
