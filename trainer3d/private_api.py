@@ -52,6 +52,8 @@ PRIVATE: tuple[Private, ...] = (
     # torch
     Private("torch.optim.optimizer._default_to_fused_or_foreach", "optim.py", "AdamW fused where torch has it"),
     Private("torch._foreach_mul_", "parallel/ddp.py", "scale every gradient in one kernel"),
+    Private("torch._foreach_norm", "parallel/engine.py (the norm of parallel/ddp.py and zero/engine.py)",
+            "the gradient norm on CUDA in one kernel per dtype, called (tensors, 2, dtype=)"),
     Private("torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", "parallel/ddp.py",
             "experts split over ep left out of DDP (reduced over their edp group)"),
     Private("torch._grouped_mm", "models/moe.py", "the experts' grouped matmul (a loop over experts where absent)"),
