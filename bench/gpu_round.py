@@ -20,7 +20,8 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
            --fp8 eager and compiled; the top kernels of each trainer row; then        4 compiled gpt2 rows 133 s
            bench/step_phases.py: a gpt2 step's host time by phase and its syncs      (H200); phases ~35 s
   big      llama3.2-3b with full recomputation on one GPU, then under ZeRO-3 with    51 s; offload 123 s at
-           CPU offload: tokens/s and peak memory against the planner's estimate     3 steps (H200, 5th round)
+           CPU offload (the planner's JSON): tokens/s and peak memory against the   3 steps (H200, 5th round)
+           planner's estimate
 
 The rounds' figures are in bench/gpu_round.md; --parts skips what a round need not repeat and --mfu-rows picks the
 mfu part's rows (the fourth round: env,fp8,mfu with the six compiled bf16 rows, then env,paths,fp8).
@@ -383,10 +384,20 @@ def part_big(r: Round) -> None:
     model, seq, batch = ("llama-tiny", 128, 8) if r.dry else ("llama3.2-3b", 2048, 8)
     args = ["--model", model, "--seq-len", str(seq), "--global-batch", str(batch), "--micro-batches", str(batch),
             "--recompute", "full", "--precision", "fp32" if r.dry else "bf16", "--no-final-save"]
-    # offload: ~8 s a step on the H200, its first (DeepSpeedCPUAdam's build) ~12 s more: 3 steps
+    # offload: ~8 s a step on the H200, its first (DeepSpeedCPUAdam's build) ~12 s more: 3 steps. It runs the
+    # DeepSpeed JSON the planner writes for that layout (what --layout auto runs: ZeRO-3's live parameters bounded to
+    # two blocks), so that the peak is measured against the estimate of the same configuration; the first and fifth
+    # rounds ran ds_configs/zero3_offload.json (DeepSpeed's 1e9 live parameters) and found 3x the estimate
+    from trainer3d.config import TrainConfig
+    from trainer3d.plan.report import deepspeed_config
+
+    planned = os.path.join(r.work, "zero3_offload_planned.json")
+    with open(planned, "w") as f:
+        json.dump(deepspeed_config(3, True, True, 1, batch, 1, TrainConfig(model=model).model_config(50257),
+                                   "fp32" if r.dry else "bf16-mixed"), f)
     for name, run_name, extra, steps, layout in [
         ("big: recompute full", "recompute_full", [], 5, "tp=1,pp=1,mbs=1,zero=0,recompute=1"),
-        ("big: ZeRO-3 + CPU offload", "zero3_offload", ["--deepspeed_config", "ds_configs/zero3_offload.json"], 3,
+        ("big: ZeRO-3 + CPU offload (the planner's JSON)", "zero3_offload", ["--deepspeed_config", planned], 3,
          "tp=1,pp=1,mbs=1,zero=3,offload=all,recompute=1"),
     ]:
         t0 = time.monotonic()
