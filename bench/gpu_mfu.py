@@ -45,13 +45,13 @@ def config_of(model: str, **kw):
     return TrainConfig(model=name, n_layer=int(layers) if layers else None, **kw)
 
 
-def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, warmup: int, device: torch.device,
-            peak_override: float | None, precision: str, profile: bool = False, compile: bool = False,
-            fp8: str | None = None) -> dict:
+def one_process_trainer(model: str, mbs: int, grad_accum: int, seq_len: int, device: torch.device,
+                        precision: str = "auto", compile: bool = False, fp8: str | None = None):
+    """(trainer3d's Trainer at (1,1,1) on `device`, its model config, 4 synthetic global batches on the device, seed
+    0): what a trainer row times here and bench/step_phases.py takes apart."""
     import torch.distributed as dist
 
     from trainer3d.train.setup import validate
-    from trainer3d.train.metrics import device_peak_tflops
     from trainer3d.train.trainer import Trainer
 
     if not dist.is_initialized():
@@ -61,12 +61,21 @@ def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, war
                     precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4, compile=compile, fp8=fp8)
     mcfg = cfg.model_config(50257)
     setup = validate(cfg, 1, mcfg.vocab_size)
-    plan = setup.plan
     free_memory(device)  # the previous row's Trainer (reference cycles) would count in this row's peak memory
     trainer = Trainer(setup, setup.topology(), device, mcfg)
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, mcfg.vocab_size, (plan.global_batch, seq_len + 1), generator=g).to(device)
+    batches = [torch.randint(0, mcfg.vocab_size, (setup.plan.global_batch, seq_len + 1), generator=g).to(device)
                for _ in range(4)]
+    return trainer, mcfg, batches
+
+
+def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, warmup: int, device: torch.device,
+            peak_override: float | None, precision: str, profile: bool = False, compile: bool = False,
+            fp8: str | None = None) -> dict:
+    from trainer3d.train.metrics import device_peak_tflops
+
+    trainer, mcfg, batches = one_process_trainer(model, mbs, grad_accum, seq_len, device, precision, compile, fp8)
+    plan = trainer.plan
 
     def sync():
         if device.type == "cuda":

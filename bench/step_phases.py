@@ -4,7 +4,7 @@ and synchronizations counted, and (CUDA) every synchronizing call of one step pr
 A step whose GPU idles while the bare loop's does not (the fifth GPU round: GPU busy 37 ms of gpt2's 48 ms step) is
 either host-bound (the phases add up to the step and the read waits for nothing) or stalled by a synchronization
 (torch.cuda.set_sync_debug_mode names it). This found the two host numbers written into a CUDA tensor in every step
-(bench/gpu_round.md, the fifth round). One process, (1,1,1), synthetic tokens as bench/gpu_mfu.py.
+(bench/gpu_round.md, the fifth round). One process, (1,1,1): bench/gpu_mfu.py's trainer row.
 
     python bench/step_phases.py --model gpt2 --micro-batch-size 16 --compile      # on the GPU (the round's mfu part)
     python bench/step_phases.py --model tiny --micro-batch-size 2 --seq-len 64     # CPU: the phases only
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.gpu_mfu import one_process_trainer  # noqa: E402
 from bench.harness import stamp, table  # noqa: E402
 
 WAIT = "read_scalars (the step's one device read)"
@@ -52,9 +53,8 @@ def print_syncs(step) -> None:
         frames = [f for f in traceback.extract_stack()[:-2] if "trainer3d" in f.filename]
         print(f"synchronizing: {message}\n  " + "\n  ".join(f"{f.filename}:{f.lineno} {f.line}" for f in frames[-4:]))
 
-    saved = warnings.showwarning
-    warnings.showwarning = show
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores showwarning and the filters on the way out
+        warnings.showwarning = show
         warnings.simplefilter("always")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode(1)
@@ -62,7 +62,6 @@ def print_syncs(step) -> None:
             step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    warnings.showwarning = saved
 
 
 def launches_per_step(step, device: torch.device, steps: int = 2) -> dict:
@@ -85,23 +84,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps, after 5 untimed")
     ap.add_argument("--compile", action="store_true")
     args = ap.parse_args(argv)
-    from trainer3d.config import TrainConfig
     from trainer3d.parallel import engine as engine_module
-    from trainer3d.train.setup import validate
-    from trainer3d.train.trainer import Trainer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    cfg = TrainConfig(model=args.model, seq_len=args.seq_len, global_batch=args.micro_batch_size, micro_batches=1,
-                      precision="bf16" if cuda else "fp32", max_steps=10**6, warmup_steps=10, lr=6e-4,
-                      compile=args.compile)
-    mcfg = cfg.model_config(50257)
-    setup = validate(cfg, 1, mcfg.vocab_size)
-    trainer = Trainer(setup, setup.topology(), device, mcfg)
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, mcfg.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=g).to(device)
-               for _ in range(4)]
+    trainer, _, batches = one_process_trainer(args.model, args.micro_batch_size, 1, args.seq_len, device,
+                                              compile=args.compile)  # bf16 on CUDA, fp32 on CPU
     for i in range(5):
         trainer.train_step(batches[i % 4])
     if cuda:
