@@ -37,9 +37,9 @@ def count_reads():
 
         def counted(self, *args, **kwargs):
             caller = sys._getframe(1).f_code
-            if name == "__setitem__" and not isinstance(args[1], (int, float, bool)):
-                pass  # a tensor written into a tensor stays on the device
-            elif caller.co_filename.startswith(PACKAGE):
+            # a tensor written into a tensor stays on the device; a host number does not
+            on_device = name == "__setitem__" and not isinstance(args[1], (int, float, bool))
+            if not on_device and caller.co_filename.startswith(PACKAGE):
                 calls.append(f"{os.path.relpath(caller.co_filename, PACKAGE)}:{caller.co_name} .{name}")
             return original(self, *args, **kwargs)
 
@@ -84,12 +84,10 @@ def _ds(stage: int, offload: str = "none") -> dict:
 
 def test_count_reads_sees_a_read():
     """The counter itself: a read (or a host number's write) from trainer3d code is seen, one from here is not."""
-    from trainer3d.parallel.engine import read_scalars
-
     from trainer3d.parallel import engine
 
     with count_reads() as calls:
-        assert read_scalars(torch.tensor(2.0), torch.tensor(3.0, dtype=torch.float64)) == [2.0, 3.0]
+        assert engine.read_scalars(torch.tensor(2.0), torch.tensor(3.0, dtype=torch.float64)) == [2.0, 3.0]
         torch.tensor(1.0).item()
         # code that claims to be engine.py's: a number written into a tensor counts, a tensor does not
         exec(compile("t = torch.zeros(2); t[0] = 1.0; t[1] = torch.tensor(2.0)", engine.__file__, "exec"),
