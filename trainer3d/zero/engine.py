@@ -65,6 +65,9 @@ class ZeroEngine(DataParallelEngine):
                 engine.trainer3d_companions.append(self._initialize(
                     deepspeed, shard, ExpertMPU(topo), expert_config(spec.ds_config, topo.layout.edp), module))
         self._engine_of = {id(p): e for e in self.engines for p in self._params[id(e)]}
+        # which of each engine's parameters this rank counts in the norm, decided once (as DDPEngine.norm_params)
+        self._norm_params = {id(e): [p for p in self._params[id(e)]
+                                     if counts_in_norm(self._stage_of[id(e)], p, topo.tp_rank)] for e in self.engines}
         self._grad_mem = None  # (bytes, offloaded) of the gradients as the last step held them (memory.report)
 
     def _initialize(self, deepspeed, module: nn.Module, mpu, ds_config: dict, stage: nn.Module):
@@ -170,11 +173,10 @@ class ZeroEngine(DataParallelEngine):
         clipping reads), so nothing is copied back from CPU or swapped in from NVMe for it. A device scalar
         (float64), not read here."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        tp_rank, dp_rank = self.topo.tp_rank, self.topo.dp_cp_rank
+        dp_rank = self.topo.dp_cp_rank
         kept_norms = self.spec.zero_stage == 3 and self.spec.offload_optimizer != "none"
         for e in self.engines:
-            module, opt = self._stage_of[id(e)], e.optimizer
-            counted = [p for p in self.params_of(e) if counts_in_norm(module, p, tp_rank)]
+            opt, counted = e.optimizer, self._norm_params[id(e)]
             if kept_norms:  # each partition's norm, as DeepSpeed took it
                 norms = opt.norm_for_param_grads
                 for p in counted:
