@@ -102,14 +102,23 @@ def _timeline(path: str, event: str, nodeid: str) -> None:
         f.write(f"{time.time():.1f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} {event} {nodeid}\n")
 
 
+def _cpu_seconds() -> float:
+    """This process's CPU time and that of its finished children (the ranks and runs a test started and joined)."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With TRAINER3D_TEST_TIMELINE set, each test's start and end (setup to teardown) where it runs (a worker, or
-    the one process under -n 0; never xdist's controller): when each worker was busy, and what ran last while the
-    other waited (tests/timeline.py)."""
+    the one process under -n 0; never xdist's controller), and the CPU seconds it used: when each worker was busy,
+    what ran last while the other waited, and what the suite's CPU-bound time is spent on (tests/timeline.py)."""
     path = os.environ.get(TIMELINE_ENV)
     if path:
         _timeline(path, "start", item.nodeid)
+        cpu = _cpu_seconds()
     yield
     if path:
-        _timeline(path, "end", item.nodeid)
+        _timeline(path, f"end,cpu={_cpu_seconds() - cpu:.1f}", item.nodeid)
