@@ -103,11 +103,22 @@ def _timeline(path: str, event: str, nodeid: str) -> None:
 
 
 def _cpu_seconds() -> float:
-    """This process's CPU time and that of its finished children (the ranks and runs a test started and joined)."""
+    """This process's CPU time, its finished children's (the runs a test started and joined), and its live children's
+    with the children they reaped (a forkserver's ranks: tests/distributed.py)."""
     import resource
 
-    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+    total = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        except OSError:
+            continue  # it ended meanwhile
+        if int(fields[1]) == me:  # ppid; then utime, stime, cutime, cstime
+            total += sum(int(x) for x in fields[11:15]) / tick
+    return total
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -13,7 +13,7 @@ from trainer3d.zero import ops as zero_ops
 
 
 def require_ops(nvme: bool = False) -> None:
-    names = zero_ops.ops_needed("cpu", nvme=nvme)
+    names = zero_ops.ops_needed(nvme=nvme)
     if zero_ops.missing_ops(names):
         status = zero_ops.build_ops(zero_ops.missing_ops(names))
         print(f"\n[tests] built DeepSpeed ops into {status.get('_dir')}: "

@@ -173,7 +173,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
             "module_dtypes": sorted({str(p.dtype) for e in zdp.engines for p in zdp.params_of(e)}),
             "compiled_graphs": watch.graphs,
             "memory": mem, "stage_numel": numel, "partition_numel": part, "init_s": t_init, "step_s": t_steps / steps,
-            "nvme_swap": swapped,
+            "nvme_swap": swapped, "shm_op": deepspeed.comm.comm.cdb.shm_comm_op is not None,
         }
         if topo.tp_rank == 0 and topo.dp_rank == 0:
             result.update(params=params, head_copy=head_copy)
@@ -380,6 +380,9 @@ def test_parity_world2(world2):
     assert not failures, "\n".join(failures)
     compiled = [[r[i]["compiled_graphs"] for r in results] for i, (lay, _) in enumerate(cases, 1) if lay.get("compile")]
     assert compiled and all(min(g) > 0 for g in compiled), compiled  # --compile acted under ZeRO-3
+    # DeepSpeed's CPU backend neither built nor loaded its inference all-reduce op (zero/ops.skip_inference_shm_op)
+    shm = [r[i]["shm_op"] for r in results for i in range(1, len(cases) + 1) if r[i] and "shm_op" in r[i]]
+    assert shm and not any(shm), shm
 
 
 def test_zero3_memory_world2(world2):
@@ -604,7 +607,7 @@ def test_ops_are_built_without_debug_info(tmp_path):
     """The checkout's ops compile without DeepSpeed's -g (23-40% of their compile time), and an op built with it (a
     checkout's from before) counts as missing, so that --build-ops rebuilds it rather than the first run."""
     require_ops()
-    for name in zero_ops.ops_needed("cpu"):
+    for name in zero_ops.ops_needed():
         ninja = Path(zero_ops.default_extensions_dir()) / zero_ops.OP_DIRS[name] / "build.ninja"
         cflags = next(line for line in ninja.read_text().splitlines() if line.startswith("cflags"))
         assert "-fopenmp" in cflags.split() and "-g" not in cflags.split(), (name, cflags)  # DeepSpeed's, less -g

@@ -137,6 +137,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("deepspeed.ops.op_builder.builder.OpBuilder.jit_load", "zero/ops.py", "ops built without -g",
             params=("self", "verbose")),
     Private("deepspeed.ops.op_builder.builder.OpBuilder.cxx_args", "zero/ops.py", "ops built without -g"),
+    Private("deepspeed.comm.torch.build_shm_op", "zero/ops.py", "no shared-memory inference op on a CPU host"),
     # DeepSpeed: checkpoint state
     Private(f"{_S3}._optimizer_states_and_gradient_swap_in", "zero/state.py", "loading under NVMe optimizer offload"),
     Private(f"{_S3}._optimizer_states_and_gradient_swap_out", "zero/state.py", "loading under NVMe optimizer offload"),

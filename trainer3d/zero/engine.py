@@ -34,6 +34,7 @@ from trainer3d.zero.ops import (
     build_without_debug_info,
     check_deepspeed_version,
     default_extensions_dir,
+    skip_inference_shm_op,
     use_prebuilt_ops,
 )
 
@@ -225,6 +226,7 @@ def prepare_deepspeed(topo, device: torch.device, verbose: bool) -> None:
     if "TORCH_EXTENSIONS_DIR" not in os.environ and os.path.isdir(default_extensions_dir()):
         use_prebuilt_ops()  # what `python -m trainer3d.zero --build-ops` built for this checkout
     build_without_debug_info()  # as build_ops built them: other flags would rebuild them
+    skip_inference_shm_op()
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 

@@ -1,7 +1,8 @@
 """DeepSpeed itself: the version range the glue was written against, and its JIT-built ops, built once.
 
-On a CPU host deepspeed.init_distributed builds deepspeed_shm_comm and DeepSpeedCPUAdam builds cpu_adam (1-4
-minutes each on 2 cores); ZeRO-Infinity's NVMe offload builds async_io. A run killed while building leaves a
+DeepSpeedCPUAdam builds cpu_adam (about a minute on 2 cores); ZeRO-Infinity's NVMe offload builds async_io (3
+minutes). On a CPU host deepspeed.init_distributed would also build deepspeed_shm_comm, which only DeepSpeed's
+inference all-reduce uses: trainer3d skips it (skip_inference_shm_op). A run killed while building leaves a
 `lock` file that makes every later run wait forever, and two different `ninja` binaries on PATH make torch
 rebuild from scratch. So they are built here, once, into one per-checkout directory, with the PATH the runs have.
 """
@@ -49,8 +50,8 @@ def check_deepspeed_version(version: str | None = None) -> str:
 
 
 DEBUG_FLAG = "-g"  # what build_without_debug_info takes out of DeepSpeed's compiler flags
-OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
-OP_DIRS = {"ShareMemCommBuilder": "deepspeed_shm_comm", "CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
+OPS = ("CPUAdamBuilder", "AsyncIOBuilder")
+OP_DIRS = {"CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
 
 
 def default_extensions_dir() -> str:
@@ -96,9 +97,19 @@ def _built_with_debug_info(op_dir: str) -> bool:
         return False
 
 
-def ops_needed(accelerator: str = "cpu", nvme: bool = False) -> list[str]:
-    names = ["CPUAdamBuilder"] + (["ShareMemCommBuilder"] if accelerator == "cpu" else [])
-    return names + (["AsyncIOBuilder"] if nvme else [])
+def skip_inference_shm_op() -> None:
+    """DeepSpeed's communication backend builds and loads deepspeed_shm_comm on a CPU host (40 s of compiling on 2
+    cores, a shared-memory segment per rank) for its inference all-reduce alone (module_inject's tensor-parallel
+    layers), which trainer3d never calls: without the op, that all-reduce would fall back to torch.distributed's."""
+    require("zero/ops.py")
+    import importlib
+
+    # (`import deepspeed.comm.torch as m` would bind the package's attribute `torch`: torch itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def ops_needed(nvme: bool = False) -> list[str]:
+    return ["CPUAdamBuilder"] + (["AsyncIOBuilder"] if nvme else [])
 
 
 def missing_ops(names=None, path: str | None = None) -> list[str]:
