@@ -102,10 +102,10 @@ def skip_inference_shm_op() -> None:
     cores, a shared-memory segment per rank) for its inference all-reduce alone (module_inject's tensor-parallel
     layers), which trainer3d never calls: without the op, that all-reduce would fall back to torch.distributed's."""
     require("zero/ops.py")
-    import importlib
+    from importlib import import_module
 
     # (`import deepspeed.comm.torch as m` would bind the package's attribute `torch`: torch itself)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def ops_needed(nvme: bool = False) -> list[str]:
