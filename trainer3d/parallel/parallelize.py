@@ -85,7 +85,7 @@ def parallelize(
     n_stages = L.pp * pipeline.stages_per_rank(cfg.schedule, cfg.virtual_stages)
     ranges = pipeline.balance_layers(mcfg, n_stages, cfg.seq_len)
     ids = pipeline.stage_ids(topo.pp_rank, L.pp, cfg.schedule, cfg.virtual_stages)
-    stages = [model.stage(ranges[i], first=i == 0, last=i == n_stages - 1) for i in ids]
+    stages = [model] if n_stages == 1 else [model.stage(ranges[i], first=i == 0, last=i == n_stages - 1) for i in ids]
 
     # 3. tensor parallel. Dropout on head-sharded attention uses a per-tp-rank stream; everything else uses
     # the default generator, seeded alike on tp peers (seed_rngs).
