@@ -604,17 +604,23 @@ def test_ops_build_recovers_from_a_killed_build(tmp_path):
 
 
 def test_ops_are_built_without_debug_info(tmp_path):
-    """The checkout's ops compile without DeepSpeed's -g (23-40% of their compile time), and an op built with it (a
-    checkout's from before) counts as missing, so that --build-ops rebuilds it rather than the first run."""
-    require_ops()
-    for name in zero_ops.ops_needed():
-        ninja = Path(zero_ops.default_extensions_dir()) / zero_ops.OP_DIRS[name] / "build.ninja"
-        cflags = next(line for line in ninja.read_text().splitlines() if line.startswith("cflags"))
-        assert "-fopenmp" in cflags.split() and "-g" not in cflags.split(), (name, cflags)  # DeepSpeed's, less -g
-    old = tmp_path / "cpu_adam"
-    old.mkdir()
-    (old / "cpu_adam.so").write_bytes(b"")
-    (old / "build.ninja").write_text("cflags = -DTORCH_EXTENSION_NAME=cpu_adam -O3 -g -Wno-reorder\n")
-    assert zero_ops.missing_ops(["CPUAdamBuilder"], path=str(tmp_path)) == ["CPUAdamBuilder"]
-    (old / "build.ninja").write_text("cflags = -DTORCH_EXTENSION_NAME=cpu_adam -O3 -Wno-reorder\n")
-    assert zero_ops.missing_ops(["CPUAdamBuilder"], path=str(tmp_path)) == []
+    """The checkout's ops compile without DeepSpeed's -g (23-40% of their compile time), async_io with the precompiled
+    torch/extension.h (its .gch gone after the build), and an op built otherwise (a checkout's from before) counts as
+    missing, so that --build-ops rebuilds it rather than the first run."""
+    require_ops(nvme=nvme_op_available())
+    ext = Path(zero_ops.default_extensions_dir())
+    for name in zero_ops.ops_needed(nvme=nvme_op_available()):
+        cflags = zero_ops._cflags(str(ext / zero_ops.OP_DIRS[name]))
+        assert "-fopenmp" in cflags and "-g" not in cflags, (name, cflags)  # DeepSpeed's, less -g
+        assert ("-include" in cflags) == (zero_ops.OP_DIRS[name] in zero_ops.PRECOMPILED), (name, cflags)
+    assert not list(ext.glob("*.gch"))  # 785 MB, needed only while building
+    for op, flags in (("cpu_adam", "-O3 -g"), ("async_io", "-O0")):  # -g; no -include where one belongs
+        old = tmp_path / op
+        old.mkdir()
+        (old / f"{op}.so").write_bytes(b"")
+        (old / "build.ninja").write_text(f"cflags = -DTORCH_EXTENSION_NAME={op} {flags} -Wno-reorder\n")
+    assert zero_ops.missing_ops(["CPUAdamBuilder", "AsyncIOBuilder"], path=str(tmp_path)) == ["CPUAdamBuilder",
+                                                                                             "AsyncIOBuilder"]
+    (tmp_path / "cpu_adam" / "build.ninja").write_text("cflags = -DTORCH_EXTENSION_NAME=cpu_adam -O3 -Wno-reorder\n")
+    (tmp_path / "async_io" / "build.ninja").write_text("cflags = -O0 -include /x/trainer3d_torch_extension.h\n")
+    assert zero_ops.missing_ops(["CPUAdamBuilder", "AsyncIOBuilder"], path=str(tmp_path)) == []

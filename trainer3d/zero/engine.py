@@ -31,7 +31,7 @@ from trainer3d.zero.experts import ExpertMPU, ExpertShard, detached, expert_conf
 from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
 from trainer3d.zero.grads import grad_shares, is_zero_param, z3_set_local_grad
 from trainer3d.zero.ops import (
-    build_without_debug_info,
+    op_build_flags,
     check_deepspeed_version,
     default_extensions_dir,
     skip_inference_shm_op,
@@ -225,7 +225,7 @@ def prepare_deepspeed(topo, device: torch.device, verbose: bool) -> None:
     check_deepspeed_version()
     if "TORCH_EXTENSIONS_DIR" not in os.environ and os.path.isdir(default_extensions_dir()):
         use_prebuilt_ops()  # what `python -m trainer3d.zero --build-ops` built for this checkout
-    build_without_debug_info()  # as build_ops built them: other flags would rebuild them
+    op_build_flags()  # as build_ops built them: other flags would rebuild them
     skip_inference_shm_op()
     import deepspeed
     from deepspeed.utils import logger as ds_logger

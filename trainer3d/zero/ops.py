@@ -9,6 +9,7 @@ rebuild from scratch. So they are built here, once, into one per-checkout direct
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -49,9 +50,14 @@ def check_deepspeed_version(version: str | None = None) -> str:
     return version
 
 
-DEBUG_FLAG = "-g"  # what build_without_debug_info takes out of DeepSpeed's compiler flags
+DEBUG_FLAG = "-g"  # what op_build_flags takes out of DeepSpeed's compiler flags
 OPS = ("CPUAdamBuilder", "AsyncIOBuilder")
 OP_DIRS = {"CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
+# Ops whose translation units each parse torch/extension.h (9 of async_io's 12: 17 of each one's 26 CPU-seconds on
+# 2 cores). They -include PCH_HEADER, which build_ops precompiles (GCC's .gch beside it, 41 CPU-seconds) with the flags
+# of the build.ninja torch wrote, and deletes once the op is built (785 MB; GCC's dependency files do not list it).
+PRECOMPILED = ("async_io",)
+PCH_HEADER = "trainer3d_torch_extension.h"
 
 
 def default_extensions_dir() -> str:
@@ -67,34 +73,102 @@ def use_prebuilt_ops() -> str:
     return path
 
 
-def build_without_debug_info() -> None:
-    """DeepSpeed compiles its ops with -g, 23-40% of a CPU op's compile time (cpu_adam_impl.cpp: 52 -> 32 s of
-    CPU) for debug info no run reads. trainer3d's processes build and load them without it, every one of them
-    (zero/engine.prepare_deepspeed, build_ops): torch's JIT rebuilds an op whose flags changed. Idempotent."""
+def _pch_header() -> str:
+    """PCH_HEADER in torch's extensions directory, written if absent: every compile of a PRECOMPILED op includes it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from trainer3d.fsio import write_text_atomic
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    path = os.path.join(root, PCH_HEADER)
+    if not os.path.exists(path):
+        os.makedirs(root, exist_ok=True)
+        write_text_atomic(path, "#include <torch/extension.h>\n")
+    return path
+
+
+def op_build_flags() -> None:
+    """The flags every trainer3d process builds and loads DeepSpeed's ops with (zero/engine.prepare_deepspeed,
+    build_ops): torch's JIT rebuilds an op whose flags changed. DeepSpeed's less -g (23-40% of a CPU op's compile time,
+    cpu_adam_impl.cpp: 52 -> 32 s of CPU, for debug info no run reads), and PRECOMPILED ops' -include. Idempotent."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    if getattr(OpBuilder.jit_load, "trainer3d_no_debug_info", False):
+    if getattr(OpBuilder.jit_load, "trainer3d_flags", False):
         return
     require("zero/ops.py")
     jit_load = OpBuilder.jit_load
 
     def load(self, verbose=True):
         cxx_args = self.cxx_args
-        self.cxx_args = lambda: [a for a in cxx_args() if a != DEBUG_FLAG]
+        include = ["-include", _pch_header()] if self.name in PRECOMPILED else []
+        self.cxx_args = lambda: [a for a in cxx_args() if a != DEBUG_FLAG] + include
         return jit_load(self, verbose)
 
-    load.trainer3d_no_debug_info = True
+    load.trainer3d_flags = True
     OpBuilder.jit_load = load
 
 
-def _built_with_debug_info(op_dir: str) -> bool:
-    """An op built by DeepSpeed's own flags (a checkout's ops from before build_without_debug_info): its build.ninja
-    (torch's JIT writes it) compiles with -g, so the next load would rebuild it."""
+def _cflags(op_dir: str) -> list[str] | None:
+    """The compiler flags of an op's build.ninja (torch's JIT writes it), None without one."""
     try:
         with open(os.path.join(op_dir, "build.ninja")) as f:
-            return any(line.startswith("cflags") and DEBUG_FLAG in line.split() for line in f)
+            return next((line.split("=", 1)[1].split() for line in f if line.startswith("cflags")), [])
     except OSError:
+        return None
+
+
+def _built_with_other_flags(op_dir: str) -> bool:
+    """An op built by other flags than op_build_flags' (a checkout's from before them): the next load would rebuild it."""
+    cflags = _cflags(op_dir)
+    if cflags is None:
         return False
+    return DEBUG_FLAG in cflags or (os.path.basename(op_dir) in PRECOMPILED) != ("-include" in cflags)
+
+
+@contextlib.contextmanager
+def _precompiling(ops: set[str]):
+    """While build_ops builds `ops` (directory names): just before ninja compiles a PRECOMPILED one, precompile its
+    header with that build.ninja's flags; the .gch goes once the build has. A torch without the hook builds without."""
+    import torch.utils.cpp_extension as ext
+
+    run, made = getattr(ext, "_run_ninja_build", None), []
+
+    def precompile_then_run(build_directory, verbose, error_prefix):
+        if os.path.basename(build_directory) in ops & set(PRECOMPILED):
+            made.append(_precompile(build_directory))
+        return run(build_directory, verbose, error_prefix)
+
+    if run is not None:
+        ext._run_ninja_build = precompile_then_run
+    try:
+        yield
+    finally:
+        if run is not None:
+            ext._run_ninja_build = run
+        for gch in filter(None, made):
+            with contextlib.suppress(OSError):
+                os.remove(gch)
+
+
+def _precompile(op_dir: str) -> str | None:
+    """PCH_HEADER's .gch for the op in `op_dir`, compiled as ninja will compile its sources; None if that failed (the
+    sources then parse the header themselves)."""
+    import shlex
+    import subprocess
+
+    ninja = {}
+    with open(os.path.join(op_dir, "build.ninja")) as f:
+        for line in f:
+            key, eq, value = line.partition(" = ")
+            if eq and key in ("cxx", "cflags", "post_cflags"):
+                ninja[key] = shlex.split(value)
+    flags = ninja.get("cflags", []) + ninja.get("post_cflags", [])
+    at = flags.index("-include")
+    header = flags[at + 1]
+    del flags[at:at + 2]
+    cmd = [*ninja.get("cxx", ["c++"]), *flags, "-x", "c++-header", header, "-o", header + ".gch"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return header + ".gch" if done.returncode == 0 else None
 
 
 def skip_inference_shm_op() -> None:
@@ -120,7 +194,7 @@ def missing_ops(names=None, path: str | None = None) -> list[str]:
     for name in names or ops_needed():
         d = os.path.join(path, OP_DIRS[name])
         if (not os.path.isfile(os.path.join(d, OP_DIRS[name] + ".so")) or os.path.exists(os.path.join(d, "lock"))
-                or _built_with_debug_info(d)):
+                or _built_with_other_flags(d)):
             out.append(name)
     return out
 
@@ -147,12 +221,13 @@ def build_ops(names=OPS) -> dict[str, str]:
 
     path = use_prebuilt_ops()
     os.makedirs(path, exist_ok=True)
-    build_without_debug_info()
+    op_build_flags()
     from deepspeed.accelerator import get_accelerator
 
     status = {}
     with open(os.path.join(path, ".trainer3d-build.lock"), "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # another test session or build of this checkout finishes first
+        to_build = {OP_DIRS[name] for name in missing_ops(names, path)}
         for name in names:
             builder = get_accelerator().create_op_builder(name)
             if builder is None:
@@ -168,7 +243,8 @@ def build_ops(names=OPS) -> dict[str, str]:
                 os.remove(lock)
                 print(f"[trainer3d] removed {lock}, left by a build that was killed", file=sys.stderr)
             t0 = time.time()
-            builder.load(verbose=False)
+            with _precompiling(to_build):
+                builder.load(verbose=False)
             status[name] = f"ok ({time.time() - t0:.0f} s)"
     status["_dir"] = path
     status["_ninja"] = shutil.which("ninja") or "none"
