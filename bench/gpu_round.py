@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,8 +190,8 @@ def path_runs(r: Round, n: int) -> dict:
         return "ok", (f"{what}: max Δloss vs bf16 eager {max_diff(b, run):.2e}, Δgrad_norm "
                       f"{max_diff(b, run, 'grad_norm'):.2e} over {n} steps; {tok_s(run)}, peak {peak_gib(run):.2f} GiB")
 
-    def fp32(base):
-        a = r.train("fp32_gpu", [*common, "--precision", "fp32"])
+    def fp32(base):  # (dry: the bf16 eager run is this fp32 run already, its --save-every changing nothing)
+        a = base.result() if r.dry else r.train("fp32_gpu", [*common, "--precision", "fp32"])
         c = r.train("fp32_cpu", [*common, "--precision", "fp32"], cpu=True)
         if not ok(a, c):
             return "failed", failed(a if not ok(a) else c)
@@ -199,7 +200,7 @@ def path_runs(r: Round, n: int) -> dict:
 
     def resume(base):  # with FP8: 0-n straight against 0-n/2, then --resume to n
         fp8 = ["--precision", half_precision, "--fp8", "rowwise"]
-        straight = r.train("resume_straight", [*common, *fp8])
+        straight = rowwise()
         a = r.train("resume", [*flags(n // 2), *fp8, "--save-every", str(n // 2)])
         b = r.train("resume", [*common, *fp8, "--resume"]) if ok(a) else a
         if not ok(b, straight):
@@ -210,7 +211,7 @@ def path_runs(r: Round, n: int) -> dict:
 
     def fp8_row(recipe):
         def run(base):
-            run_ = r.train(f"fp8_{recipe}", [*bf16, "--fp8", recipe])
+            run_ = rowwise() if recipe == "rowwise" else r.train(f"fp8_{recipe}", [*bf16, "--fp8", recipe])
             status, finding = vs(base, run_, f"--fp8 {recipe}")
             said = [ln.split("fp8=")[1].split(" (")[0] for ln in run_["text"].splitlines() if "fp8=" in ln]
             return status, f"{said[0] if said else 'no fp8 banner'}; {finding}"
@@ -259,6 +260,7 @@ def path_runs(r: Round, n: int) -> dict:
                       f"of the streamed weights {recs[0]['kl']:.2e}; rewards {[round(x['reward'], 3) for x in recs]}")
 
     bf16 = [*common, "--precision", half_precision]
+    rowwise = once(lambda: r.train("fp8_rowwise", [*bf16, "--fp8", "rowwise"]))  # the resume path's straight run too
     paths = {
         "fp32 GPU vs CPU": fp32,
         "compile": lambda base: vs(base, r.train("compile", [*bf16, "--compile"]), "--compile"),
@@ -280,6 +282,18 @@ def path_runs(r: Round, n: int) -> dict:
         "engine (GRPO)": engine,
     }
     return {"bf16": bf16, "paths": paths}
+
+
+def once(fn):
+    """fn's result, computed by the first caller; a concurrent caller waits for it (two paths share a run)."""
+    lock, box = threading.Lock(), []
+
+    def get():
+        with lock:
+            if not box:
+                box.append(fn())
+        return box[0]
+    return get
 
 
 def solo(run: dict) -> tuple[str, str]:
