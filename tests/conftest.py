@@ -30,6 +30,7 @@ NEEDS: dict[str, Need] = {
 }
 ALLOWED_ENV = "TRAINER3D_ALLOWED_SKIPS"  # conditions CI may skip for, space-separated (.ci/run)
 _SKIPPED_FOR = pytest.StashKey[str]()
+_CALIBRATION = pytest.StashKey[str]()
 
 
 def in_ci() -> bool:
@@ -49,10 +50,19 @@ def pytest_configure(config):
     if "TRAINER3D_CALIBRATION" not in os.environ:
         import tempfile
 
-        os.environ["TRAINER3D_CALIBRATION"] = tempfile.mkdtemp(prefix="trainer3d-calibration-")
+        os.environ["TRAINER3D_CALIBRATION"] = config.stash[_CALIBRATION] = tempfile.mkdtemp(
+            prefix="trainer3d-calibration-")
     # --fp8 on this GPU-less machine: torchao's emulation (parallel/fp8.py); test_fp8.py unsets it to see the refusal
     os.environ.setdefault("TRAINER3D_FP8_EMULATE", "1")
     config.addinivalue_line("markers", f"needs(condition): skip unless the machine meets it ({', '.join(NEEDS)})")
+
+
+def pytest_unconfigure(config):
+    calibration = config.stash.get(_CALIBRATION, None)  # the session's own, made above: gone with it
+    if calibration is not None:
+        import shutil
+
+        shutil.rmtree(calibration, ignore_errors=True)
 
 
 def pytest_runtest_setup(item):
