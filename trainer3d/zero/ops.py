@@ -1,7 +1,7 @@
 """DeepSpeed itself: the version range the glue was written against, and its JIT-built ops, built once.
 
-DeepSpeedCPUAdam builds cpu_adam (about a minute on 2 cores); ZeRO-Infinity's NVMe offload builds async_io (3
-minutes). On a CPU host deepspeed.init_distributed would also build deepspeed_shm_comm, which only DeepSpeed's
+DeepSpeedCPUAdam builds cpu_adam (about a minute on 2 cores); ZeRO-Infinity's NVMe offload builds async_io (2
+minutes, with a precompiled torch/extension.h: PRECOMPILED). On a CPU host deepspeed.init_distributed would also build deepspeed_shm_comm, which only DeepSpeed's
 inference all-reduce uses: trainer3d skips it (skip_inference_shm_op). A run killed while building leaves a
 `lock` file that makes every later run wait forever, and two different `ninja` binaries on PATH make torch
 rebuild from scratch. So they are built here, once, into one per-checkout directory, with the PATH the runs have.
@@ -9,7 +9,6 @@ rebuild from scratch. So they are built here, once, into one per-checkout direct
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -54,8 +53,10 @@ DEBUG_FLAG = "-g"  # what op_build_flags takes out of DeepSpeed's compiler flags
 OPS = ("CPUAdamBuilder", "AsyncIOBuilder")
 OP_DIRS = {"CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
 # Ops whose translation units each parse torch/extension.h (9 of async_io's 12: 17 of each one's 26 CPU-seconds on
-# 2 cores). They -include PCH_HEADER, which build_ops precompiles (GCC's .gch beside it, 41 CPU-seconds) with the flags
-# of the build.ninja torch wrote, and deletes once the op is built (785 MB; GCC's dependency files do not list it).
+# 2 cores). They -include PCH_HEADER, which is written into the op's build directory (where ninja compiles: a relative
+# path, so that a copy of the built ops stays built) and, before a build from scratch, precompiled there with the flags
+# of the build.ninja torch wrote (GCC's .gch beside it: 41 CPU-seconds, 785 MB, deleted after the build; GCC's
+# dependency files do not list it).
 PRECOMPILED = ("async_io",)
 PCH_HEADER = "trainer3d_torch_extension.h"
 
@@ -73,39 +74,44 @@ def use_prebuilt_ops() -> str:
     return path
 
 
-def _pch_header() -> str:
-    """PCH_HEADER in torch's extensions directory, written if absent: every compile of a PRECOMPILED op includes it."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    from trainer3d.fsio import write_text_atomic
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    path = os.path.join(root, PCH_HEADER)
-    if not os.path.exists(path):
-        os.makedirs(root, exist_ok=True)
-        write_text_atomic(path, "#include <torch/extension.h>\n")
-    return path
-
-
 def op_build_flags() -> None:
     """The flags every trainer3d process builds and loads DeepSpeed's ops with (zero/engine.prepare_deepspeed,
     build_ops): torch's JIT rebuilds an op whose flags changed. DeepSpeed's less -g (23-40% of a CPU op's compile time,
-    cpu_adam_impl.cpp: 52 -> 32 s of CPU, for debug info no run reads), and PRECOMPILED ops' -include. Idempotent."""
+    cpu_adam_impl.cpp: 52 -> 32 s of CPU, for debug info no run reads), and PRECOMPILED ops' -include (with torch's
+    ninja step wrapped to provide the header). Idempotent."""
+    import torch.utils.cpp_extension as cpp_extension
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     if getattr(OpBuilder.jit_load, "trainer3d_flags", False):
         return
     require("zero/ops.py")
-    jit_load = OpBuilder.jit_load
+    jit_load, run_ninja = OpBuilder.jit_load, cpp_extension._run_ninja_build
 
     def load(self, verbose=True):
         cxx_args = self.cxx_args
-        include = ["-include", _pch_header()] if self.name in PRECOMPILED else []
+        include = ["-include", PCH_HEADER] if self.name in PRECOMPILED else []
         self.cxx_args = lambda: [a for a in cxx_args() if a != DEBUG_FLAG] + include
         return jit_load(self, verbose)
 
+    def ninja_with_header(build_directory, verbose, error_prefix):
+        """torch calls this under its lock of the build directory, after writing build.ninja."""
+        if os.path.basename(build_directory) not in PRECOMPILED:
+            return run_ninja(build_directory, verbose, error_prefix)
+        from trainer3d.fsio import write_text_atomic
+
+        header = os.path.join(build_directory, PCH_HEADER)
+        if not os.path.exists(header):
+            write_text_atomic(header, "#include <torch/extension.h>\n")
+        from_scratch = not os.path.exists(os.path.join(build_directory, os.path.basename(build_directory) + ".so"))
+        gch = _precompile(build_directory) if from_scratch else None
+        try:
+            return run_ninja(build_directory, verbose, error_prefix)
+        finally:
+            if gch:
+                os.remove(gch)
+
     load.trainer3d_flags = True
-    OpBuilder.jit_load = load
+    OpBuilder.jit_load, cpp_extension._run_ninja_build = load, ninja_with_header
 
 
 def _cflags(op_dir: str) -> list[str] | None:
@@ -125,31 +131,6 @@ def _built_with_other_flags(op_dir: str) -> bool:
     return DEBUG_FLAG in cflags or (os.path.basename(op_dir) in PRECOMPILED) != ("-include" in cflags)
 
 
-@contextlib.contextmanager
-def _precompiling(ops: set[str]):
-    """While build_ops builds `ops` (directory names): just before ninja compiles a PRECOMPILED one, precompile its
-    header with that build.ninja's flags; the .gch goes once the build has. A torch without the hook builds without."""
-    import torch.utils.cpp_extension as ext
-
-    run, made = getattr(ext, "_run_ninja_build", None), []
-
-    def precompile_then_run(build_directory, verbose, error_prefix):
-        if os.path.basename(build_directory) in ops & set(PRECOMPILED):
-            made.append(_precompile(build_directory))
-        return run(build_directory, verbose, error_prefix)
-
-    if run is not None:
-        ext._run_ninja_build = precompile_then_run
-    try:
-        yield
-    finally:
-        if run is not None:
-            ext._run_ninja_build = run
-        for gch in filter(None, made):
-            with contextlib.suppress(OSError):
-                os.remove(gch)
-
-
 def _precompile(op_dir: str) -> str | None:
     """PCH_HEADER's .gch for the op in `op_dir`, compiled as ninja will compile its sources; None if that failed (the
     sources then parse the header themselves)."""
@@ -164,11 +145,11 @@ def _precompile(op_dir: str) -> str | None:
                 ninja[key] = shlex.split(value)
     flags = ninja.get("cflags", []) + ninja.get("post_cflags", [])
     at = flags.index("-include")
-    header = flags[at + 1]
     del flags[at:at + 2]
-    cmd = [*ninja.get("cxx", ["c++"]), *flags, "-x", "c++-header", header, "-o", header + ".gch"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    return header + ".gch" if done.returncode == 0 else None
+    gch = os.path.join(op_dir, PCH_HEADER + ".gch")
+    cmd = [*ninja.get("cxx", ["c++"]), *flags, "-x", "c++-header", PCH_HEADER, "-o", gch]
+    done = subprocess.run(cmd, cwd=op_dir, capture_output=True, text=True)
+    return gch if done.returncode == 0 else None
 
 
 def skip_inference_shm_op() -> None:
@@ -227,7 +208,6 @@ def build_ops(names=OPS) -> dict[str, str]:
     status = {}
     with open(os.path.join(path, ".trainer3d-build.lock"), "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # another test session or build of this checkout finishes first
-        to_build = {OP_DIRS[name] for name in missing_ops(names, path)}
         for name in names:
             builder = get_accelerator().create_op_builder(name)
             if builder is None:
@@ -243,8 +223,7 @@ def build_ops(names=OPS) -> dict[str, str]:
                 os.remove(lock)
                 print(f"[trainer3d] removed {lock}, left by a build that was killed", file=sys.stderr)
             t0 = time.time()
-            with _precompiling(to_build):
-                builder.load(verbose=False)
+            builder.load(verbose=False)
             status[name] = f"ok ({time.time() - t0:.0f} s)"
     status["_dir"] = path
     status["_ninja"] = shutil.which("ninja") or "none"
