@@ -1,10 +1,11 @@
 """DeepSpeed itself: the version range the glue was written against, and its JIT-built ops, built once.
 
 DeepSpeedCPUAdam builds cpu_adam (about a minute on 2 cores); ZeRO-Infinity's NVMe offload builds async_io (2
-minutes, with a precompiled torch/extension.h: PRECOMPILED). On a CPU host deepspeed.init_distributed would also build deepspeed_shm_comm, which only DeepSpeed's
-inference all-reduce uses: trainer3d skips it (skip_inference_shm_op). A run killed while building leaves a
-`lock` file that makes every later run wait forever, and two different `ninja` binaries on PATH make torch
-rebuild from scratch. So they are built here, once, into one per-checkout directory, with the PATH the runs have.
+minutes, with a precompiled torch/extension.h: PRECOMPILED). On a CPU host deepspeed.init_distributed would also
+build deepspeed_shm_comm, which only DeepSpeed's inference all-reduce uses: trainer3d skips it
+(skip_inference_shm_op). A run killed while building leaves a `lock` file that makes every later run wait forever, and
+two different `ninja` binaries on PATH make torch rebuild from scratch. So they are built here, once, into one
+per-checkout directory, with the PATH the runs have.
 """
 
 from __future__ import annotations
