@@ -31,9 +31,9 @@ from trainer3d.zero.experts import ExpertMPU, ExpertShard, detached, expert_conf
 from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
 from trainer3d.zero.grads import grad_shares, is_zero_param, z3_set_local_grad
 from trainer3d.zero.ops import (
-    op_build_flags,
     check_deepspeed_version,
     default_extensions_dir,
+    op_build_flags,
     skip_inference_shm_op,
     use_prebuilt_ops,
 )

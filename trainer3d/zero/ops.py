@@ -14,6 +14,7 @@ import os
 import sys
 
 from trainer3d.errors import ConfigError
+from trainer3d.fsio import write_text_atomic
 from trainer3d.private_api import require
 
 # glue.py reaches into these DeepSpeed versions' internals; pyproject pins the same range.
@@ -98,13 +99,10 @@ def op_build_flags() -> None:
         """torch calls this under its lock of the build directory, after writing build.ninja."""
         if os.path.basename(build_directory) not in PRECOMPILED:
             return run_ninja(build_directory, verbose, error_prefix)
-        from trainer3d.fsio import write_text_atomic
-
         header = os.path.join(build_directory, PCH_HEADER)
         if not os.path.exists(header):
             write_text_atomic(header, "#include <torch/extension.h>\n")
-        from_scratch = not os.path.exists(os.path.join(build_directory, os.path.basename(build_directory) + ".so"))
-        gch = _precompile(build_directory) if from_scratch else None
+        gch = None if os.path.isfile(_library(build_directory)) else _precompile(build_directory)  # from scratch
         try:
             return run_ninja(build_directory, verbose, error_prefix)
         finally:
@@ -115,13 +113,29 @@ def op_build_flags() -> None:
     OpBuilder.jit_load, cpp_extension._run_ninja_build = load, ninja_with_header
 
 
-def _cflags(op_dir: str) -> list[str] | None:
-    """The compiler flags of an op's build.ninja (torch's JIT writes it), None without one."""
+def _library(op_dir: str) -> str:
+    """The op's shared library in its build directory (torch names it after the directory)."""
+    return os.path.join(op_dir, os.path.basename(op_dir) + ".so")
+
+
+def _ninja_variables(op_dir: str) -> dict[str, list[str]] | None:
+    """The top-level variables (`cxx`, `cflags`, ...) of an op's build.ninja (torch's JIT writes it), each split as
+    the shell would; None without one."""
+    import shlex
+
     try:
         with open(os.path.join(op_dir, "build.ninja")) as f:
-            return next((line.split("=", 1)[1].split() for line in f if line.startswith("cflags")), [])
+            lines = f.read().splitlines()
     except OSError:
         return None
+    return {key: shlex.split(value) for key, eq, value in (line.partition(" = ") for line in lines)
+            if eq and key.isidentifier()}
+
+
+def _cflags(op_dir: str) -> list[str] | None:
+    """The compiler flags of an op's build.ninja, None without one."""
+    ninja = _ninja_variables(op_dir)
+    return None if ninja is None else ninja.get("cflags", [])
 
 
 def _built_with_other_flags(op_dir: str) -> bool:
@@ -135,15 +149,9 @@ def _built_with_other_flags(op_dir: str) -> bool:
 def _precompile(op_dir: str) -> str | None:
     """PCH_HEADER's .gch for the op in `op_dir`, compiled as ninja will compile its sources; None if that failed (the
     sources then parse the header themselves)."""
-    import shlex
     import subprocess
 
-    ninja = {}
-    with open(os.path.join(op_dir, "build.ninja")) as f:
-        for line in f:
-            key, eq, value = line.partition(" = ")
-            if eq and key in ("cxx", "cflags", "post_cflags"):
-                ninja[key] = shlex.split(value)
+    ninja = _ninja_variables(op_dir) or {}
     flags = ninja.get("cflags", []) + ninja.get("post_cflags", [])
     at = flags.index("-include")
     del flags[at:at + 2]
@@ -175,8 +183,7 @@ def missing_ops(names=None, path: str | None = None) -> list[str]:
     out = []
     for name in names or ops_needed():
         d = os.path.join(path, OP_DIRS[name])
-        if (not os.path.isfile(os.path.join(d, OP_DIRS[name] + ".so")) or os.path.exists(os.path.join(d, "lock"))
-                or _built_with_other_flags(d)):
+        if not os.path.isfile(_library(d)) or os.path.exists(os.path.join(d, "lock")) or _built_with_other_flags(d):
             out.append(name)
     return out
 
