@@ -50,10 +50,10 @@ ZERO_PUBLIC = {
     "ArgumentParser", "Enum", "ExitStack", "Init", "JSONDecodeError", "LOCK_EX", "Module", "Parameter", "WARNING",
     "W_OK", "X_OK", "abspath", "access", "add_argument", "asdict", "basename", "check_config", "contextmanager",
     "create_op_builder", "current_device", "deepcopy", "dirname", "dp_rank", "dumps", "enter_context", "environ",
-    "exit", "filterwarnings", "flock", "get_backend", "get_process_group_ranks", "get_rank", "get_world_size",
-    "getsize", "getsource", "is_available", "is_compatible", "isdir", "isfile", "lineno", "makedirs", "module",
-    "parse_known_args", "pp_rank", "print_help", "returncode", "sep", "setLevel", "set_gradient_accumulation_boundary",
-    "stderr", "submod", "suppress", "time", "tp_rank", "walk", "which",
+    "exit", "filterwarnings", "findall", "flock", "get_backend", "get_process_group_ranks", "get_rank",
+    "get_world_size", "getsize", "getsource", "is_available", "is_compatible", "isdir", "isfile", "lineno", "makedirs",
+    "module", "normpath", "parse_known_args", "pp_rank", "print_help", "returncode", "sep", "setLevel",
+    "set_gradient_accumulation_boundary", "stderr", "submod", "suppress", "time", "tp_rank", "walk", "which",
 }
 
 

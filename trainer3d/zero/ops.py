@@ -58,7 +58,8 @@ OP_DIRS = {"CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
 # 2 cores). They -include PCH_HEADER, which is written into the op's build directory (where ninja compiles: a relative
 # path, so that a copy of the built ops stays built) and, before a build from scratch, precompiled there with the flags
 # of the build.ninja torch wrote (GCC's .gch beside it: 41 CPU-seconds, 785 MB, deleted after the build; GCC's
-# dependency files do not list it).
+# dependency files do not list it). Units that include no torch header keep the flags less -include
+# (_plain_units_without_header: 3 x ~10 s of CPU).
 PRECOMPILED = ("async_io",)
 PCH_HEADER = "trainer3d_torch_extension.h"
 
@@ -102,6 +103,7 @@ def op_build_flags() -> None:
         header = os.path.join(build_directory, PCH_HEADER)
         if not os.path.exists(header):
             write_text_atomic(header, "#include <torch/extension.h>\n")
+        _plain_units_without_header(build_directory)
         gch = None if os.path.isfile(_library(build_directory)) else _precompile(build_directory)  # from scratch
         try:
             return run_ninja(build_directory, verbose, error_prefix)
@@ -144,6 +146,46 @@ def _built_with_other_flags(op_dir: str) -> bool:
     if cflags is None:
         return False
     return DEBUG_FLAG in cflags or (os.path.basename(op_dir) in PRECOMPILED) != ("-include" in cflags)
+
+
+def _includes_torch(path: str, include_dirs: list[str], seen: set[str]) -> bool:
+    """A source that includes a torch header, itself or through the quoted includes it finds (as the compiler would:
+    beside it, then in the -I directories)."""
+    import re
+
+    with open(path, errors="replace") as f:
+        text = f.read()
+    if re.search(r"#\s*include\s*<(torch|ATen|c10)/", text):
+        return True
+    for name in re.findall(r'#\s*include\s*"([^"]+)"', text):
+        candidates = (os.path.normpath(os.path.join(d, name)) for d in [os.path.dirname(path), *include_dirs])
+        found = next((c for c in candidates if os.path.isfile(c)), None)
+        if found and found not in seen:
+            seen.add(found)
+            if _includes_torch(found, include_dirs, seen):
+                return True
+    return False
+
+
+def _plain_units_without_header(op_dir: str) -> None:
+    """Give the op's units that include no torch header (async_io's three in aio/common) the flags less `-include`:
+    the precompiled header costs each unit ~10 s of CPU (the template instantiations torch's headers defer to the
+    end of every unit that includes them), where such a unit alone compiles in ~1 s. torch wrote build.ninja just
+    before this (it does on every load), so its per-unit `cflags` lines are added the same way each time."""
+    path = os.path.join(op_dir, "build.ninja")
+    with open(path) as f:
+        lines = f.read().splitlines()
+    flags = next((line.partition(" = ")[2] for line in lines if line.startswith("cflags = ")), "")
+    include_dirs = [a[2:] for a in (_cflags(op_dir) or []) if a.startswith("-I")]
+    out, changed = [], False
+    for line in lines:
+        out.append(line)
+        source = line.split()[-1] if line.startswith("build ") and ": compile " in line else None
+        if source and os.path.isfile(source) and not _includes_torch(source, include_dirs, set()):
+            out.append("  cflags = " + flags.replace(f" -include {PCH_HEADER}", ""))
+            changed = True
+    if changed:
+        write_text_atomic(path, "\n".join(out) + "\n")
 
 
 def _precompile(op_dir: str) -> str | None:
