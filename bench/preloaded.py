@@ -18,7 +18,7 @@ PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "trainer3d
 
 
 def _run_as_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
-    """In the forked process: argv[0] is the interpreter, then `-c code`, `-m module` or a script, then its arguments."""
+    """In the forked process: argv is the interpreter, then `-c code`, `-m module` or a script, then its arguments."""
     import atexit
     import runpy
     import traceback
@@ -57,23 +57,30 @@ def _run_as_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
     os._exit(code)
 
 
+def start_forkserver(paths: list[str]) -> None:
+    """Start the forkserver (if it is not running) with `paths` first on its PYTHONPATH: Python 3.11's forkserver
+    imports its preload with the sys.path of its own command line, not its parent's, and skips a module that fails
+    to import without a word."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + ([saved] if saved else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 class Preloaded:
     """Starts the forkserver (its imports: ~5 CPU-seconds, once); run() forks a command from it."""
 
     def __init__(self):
-        from multiprocessing import forkserver
-
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(PRELOAD)
-        saved = os.environ.get("PYTHONPATH")  # the server imports PRELOAD with the sys.path of its command line
-        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] + ([saved] if saved else []))
-        try:
-            forkserver.ensure_running()
-        finally:
-            if saved is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = saved
+        start_forkserver([ROOT])
 
     def run(self, cmd: list[str], env: dict[str, str], timeout_s: float, log_path: str) -> int:
         """cmd's exit code (minus the signal's number if one ended it), or 124 after timeout_s (it is killed)."""

@@ -83,21 +83,12 @@ def _worker(rank, world_size, port, out_dir, environ, fn, args):
 
 
 def _start_forkserver() -> None:
-    """Start the forkserver (if it is not running) with the repository and tests/ on its PYTHONPATH: Python 3.11's
-    forkserver imports PRELOAD with the sys.path of its own command line, not the test process's, and skips a module
-    that fails to import without a word (parity and rank_preload did: every rank imported them again itself)."""
-    from multiprocessing import forkserver
+    """The forkserver with the repository and tests/ on its PYTHONPATH (without them parity and rank_preload failed to
+    import there, silently: every rank imported them again itself)."""
+    from bench.preloaded import start_forkserver
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests] + ([saved] if saved else []))
-    try:
-        forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
+    start_forkserver([os.path.dirname(tests), tests])
 
 
 def run_world(world_size: int, fn, *args, timeout: float = 300.0) -> list:
