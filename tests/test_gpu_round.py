@@ -1,5 +1,6 @@
 """The GPU round (bench/gpu_round.sh) in its dry mode: every part on CPU at tiny sizes, so that the script a lent GPU
-session runs unattended cannot rot between the sessions that have a GPU.
+session runs unattended cannot rot between the sessions that have a GPU. Its Python commands fork from one process
+that has imported the trainer (bench/preloaded.py), as the same scripts and modules run as `__main__`.
 
 Each part must finish ok, and where both sides of a comparison run on this CPU in fp32 the round must find them
 equal: the "GPU" and CPU fp32 runs, the recomputed run, the resumed steps with FP8 on (the round's comparisons are
