@@ -605,8 +605,8 @@ def test_ops_build_recovers_from_a_killed_build(tmp_path):
 
 def test_ops_are_built_without_debug_info(tmp_path):
     """The checkout's ops compile without DeepSpeed's -g (23-40% of their compile time), async_io with the precompiled
-    torch/extension.h (its .gch gone after the build) in the units that include torch, and an op built otherwise (a checkout's from before) counts as
-    missing, so that --build-ops rebuilds it rather than the first run."""
+    torch/extension.h (its .gch gone after the build) in the units that include torch, and an op built otherwise (a
+    checkout's from before) counts as missing, so that --build-ops rebuilds it rather than the first run."""
     require_ops(nvme=nvme_op_available())
     ext = Path(zero_ops.default_extensions_dir())
     for name in zero_ops.ops_needed(nvme=nvme_op_available()):
@@ -617,9 +617,10 @@ def test_ops_are_built_without_debug_info(tmp_path):
     if nvme_op_available():  # async_io's three units in aio/common include no torch header: built without it
         zero_ops.build_ops(("AsyncIOBuilder",))  # a load (a few seconds: built) writes build.ninja again
         lines = (ext / "async_io" / "build.ninja").read_text().splitlines()
-        plain = sorted(Path(lines[i - 1].split()[-1]).name for i, ln in enumerate(lines) if ln.startswith("  cflags = "))
+        unit = zero_ops.UNIT_CFLAGS
+        plain = sorted(Path(lines[i - 1].split()[-1]).name for i, ln in enumerate(lines) if ln.startswith(unit))
         assert plain == ["deepspeed_aio_common.cpp", "deepspeed_aio_types.cpp", "deepspeed_aio_utils.cpp"], plain
-        assert all("-include" not in ln for ln in lines if ln.startswith("  cflags = "))
+        assert all("-include" not in ln for ln in lines if ln.startswith(unit))
     for op, flags in (("cpu_adam", "-O3 -g"), ("async_io", "-O0")):  # -g; no -include where one belongs
         old = tmp_path / op
         old.mkdir()

@@ -62,6 +62,7 @@ OP_DIRS = {"CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
 # (_plain_units_without_header: 3 x ~10 s of CPU).
 PRECOMPILED = ("async_io",)
 PCH_HEADER = "trainer3d_torch_extension.h"
+UNIT_CFLAGS = "  cflags = "  # a build statement's own flags in build.ninja (_plain_units_without_header)
 
 
 def default_extensions_dir() -> str:
@@ -172,20 +173,28 @@ def _plain_units_without_header(op_dir: str) -> None:
     the precompiled header costs each unit ~10 s of CPU (the template instantiations torch's headers defer to the
     end of every unit that includes them), where such a unit alone compiles in ~1 s. torch wrote build.ninja just
     before this (it does on every load), so its per-unit `cflags` lines are added the same way each time."""
+    import shlex
+
     path = os.path.join(op_dir, "build.ninja")
     with open(path) as f:
-        lines = f.read().splitlines()
-    flags = next((line.partition(" = ")[2] for line in lines if line.startswith("cflags = ")), "")
-    include_dirs = [a[2:] for a in (_cflags(op_dir) or []) if a.startswith("-I")]
+        lines = [line for line in f.read().splitlines() if not line.startswith(UNIT_CFLAGS)]  # ours, if still there
+    flags = next((shlex.split(line.partition(" = ")[2]) for line in lines if line.startswith("cflags = ")), [])
+    include_dirs = [a[2:] for a in flags if a.startswith("-I")]
     out, changed = [], False
     for line in lines:
         out.append(line)
         source = line.split()[-1] if line.startswith("build ") and ": compile " in line else None
         if source and os.path.isfile(source) and not _includes_torch(source, include_dirs, set()):
-            out.append("  cflags = " + flags.replace(f" -include {PCH_HEADER}", ""))
+            out.append(UNIT_CFLAGS + shlex.join(_without_header(flags)))
             changed = True
     if changed:
         write_text_atomic(path, "\n".join(out) + "\n")
+
+
+def _without_header(flags: list[str]) -> list[str]:
+    """Compiler flags less `-include PCH_HEADER`."""
+    at = flags.index("-include")
+    return flags[:at] + flags[at + 2:]
 
 
 def _precompile(op_dir: str) -> str | None:
@@ -194,9 +203,7 @@ def _precompile(op_dir: str) -> str | None:
     import subprocess
 
     ninja = _ninja_variables(op_dir) or {}
-    flags = ninja.get("cflags", []) + ninja.get("post_cflags", [])
-    at = flags.index("-include")
-    del flags[at:at + 2]
+    flags = _without_header(ninja.get("cflags", []) + ninja.get("post_cflags", []))
     gch = os.path.join(op_dir, PCH_HEADER + ".gch")
     cmd = [*ninja.get("cxx", ["c++"]), *flags, "-x", "c++-header", PCH_HEADER, "-o", gch]
     done = subprocess.run(cmd, cwd=op_dir, capture_output=True, text=True)
