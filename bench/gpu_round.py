@@ -75,16 +75,15 @@ class Round:
         if limit < 5:
             self.log(f"## {name}: not started, the round's time is spent")
             return 124, ""
-        t0 = time.monotonic()
+        t0, env = time.monotonic(), {**os.environ, **(env or {})}
         if self.preloaded is not None and cmd[0] == sys.executable:
             log = os.path.join(self.work, f"{name}.{threading.get_ident()}.log")
-            rc = self.preloaded.run(cmd, {**os.environ, **(env or {})}, limit, log)
+            rc = self.preloaded.run(cmd, env, limit, log)
             with open(log, errors="replace") as f:
                 text = f.read()
         else:
             try:
-                p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                                   timeout=limit)
+                p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
                 rc, text = p.returncode, p.stdout + p.stderr
             except subprocess.TimeoutExpired as e:
                 rc, text = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")

@@ -57,12 +57,13 @@ def _run_as_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
     os._exit(code)
 
 
-def start_forkserver(paths: list[str]) -> None:
-    """Start the forkserver (if it is not running) with `paths` first on its PYTHONPATH: Python 3.11's forkserver
-    imports its preload with the sys.path of its own command line, not its parent's, and skips a module that fails
-    to import without a word."""
+def start_forkserver(preload: list[str], paths: list[str]) -> None:
+    """Start the forkserver (if it is not running) importing `preload`, with `paths` first on its PYTHONPATH: Python
+    3.11's forkserver imports its preload with the sys.path of its own command line, not its parent's, and skips a
+    module that fails to import without a word."""
     from multiprocessing import forkserver
 
+    mp.get_context("forkserver").set_forkserver_preload(preload)
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + ([saved] if saved else []))
     try:
@@ -79,8 +80,7 @@ class Preloaded:
 
     def __init__(self):
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(PRELOAD)
-        start_forkserver([ROOT])
+        start_forkserver(PRELOAD, [ROOT])
 
     def run(self, cmd: list[str], env: dict[str, str], timeout_s: float, log_path: str) -> int:
         """cmd's exit code (minus the signal's number if one ended it), or 124 after timeout_s (it is killed)."""

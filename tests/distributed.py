@@ -83,12 +83,12 @@ def _worker(rank, world_size, port, out_dir, environ, fn, args):
 
 
 def _start_forkserver() -> None:
-    """The forkserver with the repository and tests/ on its PYTHONPATH (without them parity and rank_preload failed to
-    import there, silently: every rank imported them again itself)."""
+    """The forkserver importing PRELOAD, with the repository and tests/ on its PYTHONPATH (without them parity and
+    rank_preload failed to import there, silently: every rank imported them again itself)."""
     from bench.preloaded import start_forkserver
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    start_forkserver([os.path.dirname(tests), tests])
+    start_forkserver(PRELOAD, [os.path.dirname(tests), tests])
 
 
 def run_world(world_size: int, fn, *args, timeout: float = 300.0) -> list:
@@ -96,7 +96,6 @@ def run_world(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     module-level function (it is pickled into spawned processes)."""
     with tempfile.TemporaryDirectory() as out_dir:
         method = "spawn" if os.environ.get("LD_PRELOAD") else "forkserver"
-        mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
         if method == "forkserver":
             _start_forkserver()
         ctx = mp.start_processes(
