@@ -5,9 +5,8 @@
   runs torch.compile's decorators at import: ~2.5 s of CPU in each rank otherwise.
 - trainer3d's DeepSpeed glue check (zero/glue.check_glue, remembered per process): parsing DeepSpeedEngine's source
   costs ~0.7 s of CPU, once in each rank otherwise.
-- py-cpuinfo's get_cpu_info, which DeepSpeed calls at every CPU Adam construction (one per ZeRO engine with the
-  optimizer offloaded: the vendor, for a warning) and at each process's first load of the op (its compiler flags): a
-  Python subprocess each time (~1 s under a world's load). The CPU does not change during a session: asked once here.
+- py-cpuinfo's get_cpu_info, a Python subprocess (~1 s under a world's load) that every trainer3d process asks once
+  (zero/ops.ask_cpu_once): asked here, so that no rank asks.
 
 (8 ranks on 2 cores: each second of CPU a rank saves is ~4 s of a world of 8's wall time.)
 """
@@ -15,15 +14,14 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import cpuinfo
 import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401 - imported for the ranks
 
 from trainer3d.zero.glue import check_glue
+from trainer3d.zero.ops import ask_cpu_once
 
-if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-    cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+ask_cpu_once()
 # on failure a rank runs it again and fails there, with the message (a forkserver would just die, and every world)
 with contextlib.suppress(Exception):
     cpuinfo.get_cpu_info()

@@ -45,12 +45,12 @@ def _aliases(tree: ast.AST) -> dict[str, str]:
 
 # zero/ reaches into DeepSpeed's objects, whose undocumented attributes need not start with an underscore: an
 # attribute read there must be trainer3d's own, Python's or torch's, a table entry, or one of these (the standard
-# library's and DeepSpeed's documented API: deepspeed.initialize's engine, deepspeed.utils, op builders).
+# library's, py-cpuinfo's and DeepSpeed's documented API: deepspeed.initialize's engine, deepspeed.utils, op builders).
 ZERO_PUBLIC = {
     "ArgumentParser", "Enum", "ExitStack", "Init", "JSONDecodeError", "LOCK_EX", "Module", "Parameter", "WARNING",
     "W_OK", "X_OK", "abspath", "access", "add_argument", "asdict", "basename", "check_config", "contextmanager",
     "create_op_builder", "current_device", "deepcopy", "dirname", "dp_rank", "dumps", "enter_context", "environ",
-    "exit", "filterwarnings", "findall", "flock", "get_backend", "get_process_group_ranks", "get_rank",
+    "exit", "filterwarnings", "findall", "flock", "get_backend", "get_cpu_info", "get_process_group_ranks", "get_rank",
     "get_world_size", "getsize", "getsource", "is_available", "is_compatible", "isdir", "isfile", "lineno", "makedirs",
     "module", "normpath", "parse_known_args", "pp_rank", "print_help", "returncode", "sep", "setLevel",
     "set_gradient_accumulation_boundary", "stderr", "submod", "suppress", "time", "tp_rank", "walk", "which",

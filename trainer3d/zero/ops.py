@@ -10,6 +10,7 @@ per-checkout directory, with the PATH the runs have.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -89,6 +90,7 @@ def op_build_flags() -> None:
     if getattr(OpBuilder.jit_load, "trainer3d_flags", False):
         return
     require("zero/ops.py")
+    ask_cpu_once()
     jit_load, run_ninja = OpBuilder.jit_load, cpp_extension._run_ninja_build
 
     def load(self, verbose=True):
@@ -114,6 +116,16 @@ def op_build_flags() -> None:
 
     load.trainer3d_flags = True
     OpBuilder.jit_load, cpp_extension._run_ninja_build = load, ninja_with_header
+
+
+def ask_cpu_once() -> None:
+    """py-cpuinfo answers get_cpu_info from a new Python process each call (~1 s of CPU), and DeepSpeed asks at each
+    op load (cpu_arch, simd_width) and each DeepSpeedCPUAdam (one per ZeRO engine that offloads the optimizer): 3-5
+    times in every rank of an offloaded run. A process's CPU does not change: asked once. Idempotent."""
+    import cpuinfo
+
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def _library(op_dir: str) -> str:
