@@ -108,6 +108,7 @@ def label(lay: dict, ds: dict | None) -> str:
 
 # ---- what runs inside the spawned world -------------------------------------------------------------------------
 def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
+    from deepspeed.utils import z3_leaf_module
     from trainer3d.models import canonical_name
     from trainer3d.parallel.engine import is_tied_duplicate
     from trainer3d.parallel.parallelize import named_full_params
@@ -174,6 +175,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
             "compiled_graphs": watch.graphs,
             "memory": mem, "stage_numel": numel, "partition_numel": part, "init_s": t_init, "step_s": t_steps / steps,
             "nvme_swap": swapped, "shm_op": deepspeed.comm.comm.cdb.shm_comm_op is not None,
+            "leaf_blocks": [z3_leaf_module(b) for m in trainer.pm.stages for b in m.blocks.values()],
         }
         if topo.tp_rank == 0 and topo.dp_rank == 0:
             result.update(params=params, head_copy=head_copy)
@@ -290,7 +292,7 @@ def world2_cases():
     lay = layout(2)
     cases = [(lay, ds_config(s)) for s in (0, 1, 2, 3)]
     cases += [(lay, ds_config(1, "opt")), (lay, ds_config(3, "all"))]  # ZeRO-2 + offload: worlds 4 and 8
-    cases += [(dict(lay, compile=True), ds_config(3))]  # ZeRO-3's parameter hooks inside compiled blocks
+    cases += [(dict(lay, compile=True), ds_config(3))]  # ZeRO-3 gathering around compiled blocks
     cases += [(dict(lay, sft="packed"), ds_config(3))]  # supervised fine-tuning's rows (tests/parity.py: SFT)
     # FP8 matmuls on ZeRO-3's gathered parameters (emulated), against DDP with FP8 at the same layout (a rowwise scale
     # over a dp rank's tokens differs from one over all of them: FP8 at dp 2 is not the one-process FP8 run), within
@@ -380,6 +382,12 @@ def test_parity_world2(world2):
     assert not failures, "\n".join(failures)
     compiled = [[r[i]["compiled_graphs"] for r in results] for i, (lay, _) in enumerate(cases, 1) if lay.get("compile")]
     assert compiled and all(min(g) > 0 for g in compiled), compiled  # --compile acted under ZeRO-3
+    # ZeRO-3 gathers each block's parameters as one (zero/engine.gather_by_block); ZeRO-0/1/2 hold them whole
+    leaves = {stage: [] for stage in range(4)}
+    for i, (_, ds) in enumerate(cases, 1):
+        if ds:
+            leaves[ds["zero_optimization"]["stage"]] += [b for r in results if r[i] for b in r[i]["leaf_blocks"]]
+    assert leaves[3] and all(leaves[3]) and not any(leaves[0] + leaves[1] + leaves[2]), leaves
     # DeepSpeed's CPU backend neither built nor loaded its inference all-reduce op (zero/ops.skip_inference_shm_op)
     shm = [r[i]["shm_op"] for r in results for i in range(1, len(cases) + 1) if r[i] and "shm_op" in r[i]]
     assert shm and not any(shm), shm

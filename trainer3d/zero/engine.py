@@ -57,6 +57,8 @@ class ZeroEngine(DataParallelEngine):
         self._stage_of: dict = {}  # id(engine) -> its stage module
         for module in stages:
             blocks = moe_blocks(module) if topo.layout.ep > 1 else []
+            if spec.zero_stage == 3 and not blocks:
+                gather_by_block(module)
             with detached(blocks) as experts:  # under ep the experts get an engine of their own (zero/experts.py)
                 engine = self._initialize(deepspeed, module, TopologyMPU(topo), spec.ds_config, module)
             self.stage_engines.append(engine)
@@ -210,6 +212,17 @@ class ZeroEngine(DataParallelEngine):
     def describe(self) -> dict:
         return {"engine": "deepspeed", "zero_stage": self.spec.zero_stage, "offload_optimizer": self.spec.offload_optimizer,
                 "offload_param": self.spec.offload_param}
+
+
+def gather_by_block(stage: nn.Module) -> None:
+    """ZeRO-3 gathers and frees each transformer block's parameters as one (DeepSpeed's leaf modules), as FSDP wraps a
+    block: its hooks then run per block, not per linear and norm inside it (~11 a block, each a fetch, a release and
+    their bookkeeping in Python). Not under ep, where a block's experts belong to the experts' engine."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    classes = list({type(block) for block in [*stage.blocks.values(), *stage.extra_blocks()]})
+    if classes:
+        set_z3_leaf_modules(stage, classes)
 
 
 def _has_loss_scale(opt) -> bool:
