@@ -134,15 +134,19 @@ def _library(op_dir: str) -> str:
 
 
 def _ninja_variables(op_dir: str) -> dict[str, list[str]] | None:
-    """The top-level variables (`cxx`, `cflags`, ...) of an op's build.ninja (torch's JIT writes it), each split as
-    the shell would; None without one."""
-    import shlex
-
+    """The top-level variables (`cxx`, `cflags`, ...) of an op's build.ninja (torch's JIT writes it); None without
+    one."""
     try:
         with open(os.path.join(op_dir, "build.ninja")) as f:
-            lines = f.read().splitlines()
+            return _variables(f.read().splitlines())
     except OSError:
         return None
+
+
+def _variables(lines: list[str]) -> dict[str, list[str]]:
+    """build.ninja's top-level variables, each split as the shell would (a build statement's own, indented, are not)."""
+    import shlex
+
     return {key: shlex.split(value) for key, eq, value in (line.partition(" = ") for line in lines)
             if eq and key.isidentifier()}
 
@@ -190,7 +194,7 @@ def _plain_units_without_header(op_dir: str) -> None:
     path = os.path.join(op_dir, "build.ninja")
     with open(path) as f:
         lines = [line for line in f.read().splitlines() if not line.startswith(UNIT_CFLAGS)]  # ours, if still there
-    flags = next((shlex.split(line.partition(" = ")[2]) for line in lines if line.startswith("cflags = ")), [])
+    flags = _variables(lines).get("cflags", [])
     include_dirs = [a[2:] for a in flags if a.startswith("-I")]
     out, changed = [], False
     for line in lines:
