@@ -30,8 +30,7 @@ NEEDS: dict[str, Need] = {
 }
 ALLOWED_ENV = "TRAINER3D_ALLOWED_SKIPS"  # conditions CI may skip for, space-separated (.ci/run)
 _SKIPPED_FOR = pytest.StashKey[str]()
-_CALIBRATION = pytest.StashKey[str]()
-_INDUCTOR = pytest.StashKey[str]()
+_MADE = pytest.StashKey[list]()  # the directories this session made for itself (_own_directory), gone with it
 
 
 def in_ci() -> bool:
@@ -46,32 +45,35 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
-    import tempfile
-
     # --layout auto reads a calibration of this kind of machine where one was measured (plan/calibrate.py): the tests
     # plan with the presets' constants, whatever a user of this machine calibrated
-    if "TRAINER3D_CALIBRATION" not in os.environ:
-        os.environ["TRAINER3D_CALIBRATION"] = config.stash[_CALIBRATION] = tempfile.mkdtemp(
-            prefix="trainer3d-calibration-")
+    _own_directory(config, "TRAINER3D_CALIBRATION", "trainer3d-calibration-")
     # inductor's kernel cache: the session's own, empty, as on CI's clean machine (shared by its workers and every
     # process they start), so that a local run takes the time CI takes: /tmp/torchinductor_$USER, warm from earlier
     # runs, made test_compile.py alone 2.4x faster (76 s against 181 s). One compile thread: inductor's pool of
     # worker processes, one pool per compiling rank, cost CPU (294 against 266 CPU-s) on cores the other worker uses
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.stash[_INDUCTOR] = tempfile.mkdtemp(prefix="trainer3d-inductor-")
+    _own_directory(config, "TORCHINDUCTOR_CACHE_DIR", "trainer3d-inductor-")
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     # --fp8 on this GPU-less machine: torchao's emulation (parallel/fp8.py); test_fp8.py unsets it to see the refusal
     os.environ.setdefault("TRAINER3D_FP8_EMULATE", "1")
     config.addinivalue_line("markers", f"needs(condition): skip unless the machine meets it ({', '.join(NEEDS)})")
 
 
+def _own_directory(config, variable: str, prefix: str) -> None:
+    """$variable names a new empty directory of this session's (its xdist workers inherit it), unless the environment
+    already names one: that one is used and kept."""
+    if variable not in os.environ:
+        import tempfile
+
+        os.environ[variable] = made = tempfile.mkdtemp(prefix=prefix)
+        config.stash.setdefault(_MADE, []).append(made)
+
+
 def pytest_unconfigure(config):
     import shutil
 
-    for key in (_CALIBRATION, _INDUCTOR):  # the session's own, made above: gone with it
-        made = config.stash.get(key, None)
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
+    for made in config.stash.get(_MADE, []):
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_runtest_setup(item):
