@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.harness import stamp, table  # noqa: E402
+from trainer3d.config import COMPILE_BACKENDS  # noqa: E402
 
 
 def config_of(model: str, **kw):
@@ -46,7 +47,8 @@ def config_of(model: str, **kw):
 
 
 def one_process_trainer(model: str, mbs: int, grad_accum: int, seq_len: int, device: torch.device,
-                        precision: str = "auto", compile: bool = False, fp8: str | None = None):
+                        precision: str = "auto", compile: bool = False, fp8: str | None = None,
+                        compile_backend: str = "inductor"):
     """(trainer3d's Trainer at (1,1,1) on `device`, its model config, 4 synthetic global batches on the device, seed
     0): what a trainer row times here and bench/step_phases.py takes apart."""
     import torch.distributed as dist
@@ -58,7 +60,8 @@ def one_process_trainer(model: str, mbs: int, grad_accum: int, seq_len: int, dev
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, device_id=device if device.type == "cuda" else None)
     cfg = config_of(model, seq_len=seq_len, global_batch=mbs * grad_accum, micro_batches=grad_accum,
-                    precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4, compile=compile, fp8=fp8)
+                    precision=precision, max_steps=10**6, warmup_steps=10, lr=6e-4, compile=compile, fp8=fp8,
+                    compile_backend=compile_backend)
     mcfg = cfg.model_config(50257)
     setup = validate(cfg, 1, mcfg.vocab_size)
     free_memory(device)  # the previous row's Trainer (reference cycles) would count in this row's peak memory
@@ -71,10 +74,11 @@ def one_process_trainer(model: str, mbs: int, grad_accum: int, seq_len: int, dev
 
 def run_one(model: str, mbs: int, grad_accum: int, seq_len: int, steps: int, warmup: int, device: torch.device,
             peak_override: float | None, precision: str, profile: bool = False, compile: bool = False,
-            fp8: str | None = None) -> dict:
+            fp8: str | None = None, compile_backend: str = "inductor") -> dict:
     from trainer3d.train.metrics import device_peak_tflops
 
-    trainer, mcfg, batches = one_process_trainer(model, mbs, grad_accum, seq_len, device, precision, compile, fp8)
+    trainer, mcfg, batches = one_process_trainer(model, mbs, grad_accum, seq_len, device, precision, compile, fp8,
+                                                  compile_backend)
     plan = trainer.plan
 
     def sync():
@@ -155,7 +159,8 @@ def gpu_time_breakdown(step, batches: list, device: torch.device, n: int = 3) ->
 
 
 def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, device: torch.device,
-                  peak_override: float | None, mode: str, fp8: str | None = None) -> dict:
+                  peak_override: float | None, mode: str, fp8: str | None = None,
+                  compile_backend: str = "inductor") -> dict:
     """The same model in a bare loop (no pipeline schedule, no tp layers, no vocab-parallel loss), eager or
     compiled: a ceiling for this GPU and this torch, to read the trainer's MFU against. fp8 ("tensorwise",
     "rowwise"): torchao's float8 training recipe on every block linear (not the tied LM head), what FP8 can buy."""
@@ -184,7 +189,7 @@ def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, d
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},  # as trainer3d.train
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
-    fwd = torch.compile(net) if mode == "compile" else net
+    fwd = torch.compile(net, backend=compile_backend) if mode == "compile" else net
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 50257, (mbs, seq_len + 1), generator=g).to(device) for _ in range(4)]
     cuda = device.type == "cuda"
@@ -294,6 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="per trainer row: GPU time by kernel kind, 3 more steps")
     ap.add_argument("--reference", nargs="*", default=[], choices=["eager", "compile"],
                     help="also time the same model in a bare loop, eager and/or torch.compile'd")
+    ap.add_argument("--compile-backend", default="inductor", choices=COMPILE_BACKENDS,
+                    help="torch.compile's backend in the compiled rows (the dry GPU round's: aot_eager, no C++ kernels)")
     ap.add_argument("--json", default=None, help="write every finished row here (rewritten after each row)")
     ap.add_argument("--kernels", default=None, help="write the profiled rows' top kernels here")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no row after this many seconds")
@@ -312,9 +319,10 @@ def main(argv=None) -> int:
         fp8 = fp8_of(kind)
         if kind.startswith("bare"):
             return run_reference(model, mbs, args.seq_len, args.steps, args.warmup, device, args.peak_tflops,
-                                 "compile" if "compile" in kind else "eager", fp8)
+                                 "compile" if "compile" in kind else "eager", fp8, args.compile_backend)
         return run_one(model, mbs, args.grad_accum, args.seq_len, args.steps, args.warmup, device, args.peak_tflops,
-                       args.precision, args.profile, compile="compile" in kind, fp8=fp8)
+                       args.precision, args.profile, compile="compile" in kind, fp8=fp8,
+                       compile_backend=args.compile_backend)
 
     for model, mbs, kind in specs:
         label = f"{model} {kind}"

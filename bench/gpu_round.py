@@ -26,7 +26,8 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
 The rounds' figures are in bench/gpu_round.md; --parts skips what a round need not repeat and --mfu-rows picks the
 mfu part's rows (the fourth round: env,fp8,mfu with the six compiled bf16 rows, then env,paths,fp8).
 --dry runs every part on CPU at tiny sizes (tests/test_gpu_round.py runs it, so that the round cannot rot), each Python
-command forked from one process that imported the trainer (bench/preloaded.py: 242 -> 161 CPU-seconds).
+command forked from one process that imported the trainer (bench/preloaded.py: 242 -> 161 CPU-seconds), its compiled
+rows under --compile-backend aot_eager (DRY_COMPILE: no C++ kernels, which no GPU runs).
 """
 
 from __future__ import annotations
@@ -269,10 +270,11 @@ def path_runs(r: Round, n: int) -> dict:
                       f"of the streamed weights {recs[0]['kl']:.2e}; rewards {[round(x['reward'], 3) for x in recs]}")
 
     bf16 = [*common, "--precision", half_precision]
+    compiled = ["--compile", *DRY_COMPILE] if r.dry else ["--compile"]
     rowwise = once(lambda: r.train("fp8_rowwise", [*bf16, "--fp8", "rowwise"]))  # the resume path's straight run too
     paths = {
         "fp32 GPU vs CPU": fp32,
-        "compile": lambda base: vs(base, r.train("compile", [*bf16, "--compile"]), "--compile"),
+        "compile": lambda base: vs(base, r.train("compile", [*bf16, *compiled]), "--compile"),
         "recompute": lambda base: vs(base, r.train("recompute", [*bf16, "--recompute", "selective"]),
                                      "--recompute selective"),
         "save -> resume": resume,
@@ -357,13 +359,18 @@ MFU_ROWS = ["gpt2-medium:16:trainer", "gpt2-medium:16:bare-compile", "gpt2-mediu
             "gpt2:16:trainer", "gpt2:16:bare-compile", "llama3.2-1b:8:trainer-compile-fp8-rowwise",
             "gpt2-medium:16:trainer-compile-fp8-rowwise", "llama3.2-1b:8:bare-compile", "gpt2:16:trainer-compile",
             "gpt2-medium:16:bare-compile-fp8-rowwise"]  # worth first; FP8's compile took ~2 minutes
+# dry: --compile's graphs run by AOT autograd's eager kernels; a GPU's kernels are Triton's, so the C++ kernels inductor
+# would build on the CPU (~1 CPU-second each, ~70 CPU-seconds for the dry round's 31) test nothing the GPU runs.
+# tests/test_compile.py holds inductor's CPU kernels to the eager run.
+DRY_COMPILE = ["--compile-backend", "aot_eager"]
 MFU_DRY = ["tiny:2:trainer", "tiny:2:trainer-compile", "tiny:2:bare-compile", "tiny:2:bare-fp8-rowwise",
            "tiny:2:trainer-fp8-rowwise"]
 
 
 def part_mfu(r: Round) -> tuple[str, str]:
     limit = max(30.0, r.left() - ((20 if r.dry else 120) if "big" in r.parts else 0))  # leave the big part its start
-    sizes = ["--seq-len", "64", "--steps", "2", "--warmup", "1", "--device", "cpu", "--peak-tflops", "1"] if r.dry \
+    sizes = ["--seq-len", "64", "--steps", "2", "--warmup", "1", "--device", "cpu", "--peak-tflops", "1",
+             *DRY_COMPILE] if r.dry \
         else ["--steps", "20", "--warmup", "3"]
     rows = MFU_DRY if r.dry else r.mfu_rows
     cmd = [sys.executable, "bench/gpu_mfu.py", "--rows", *rows, *sizes, "--profile",

@@ -71,6 +71,7 @@ def _cases(tmp):
         (["--lr", "1e-3", "--min-lr", "1e-2"],
          "--min-lr 0.01 is above --lr 0.001; the cosine decays down to it: lower --min-lr."),
         (["--hellaswag-examples", "5"], "--hellaswag-examples needs --eval-hellaswag PATH, the file to take them from."),
+        (["--compile-backend", "aot_eager"], "--compile-backend aot_eager is the backend of --compile; add --compile."),
         (["--global-batch", "8", "--global-batch-tokens", "1024"],
          "--global-batch and --global-batch-tokens both set the batch; pass only one of them."),
         (["--schedule", "interleaved-1f1b"],

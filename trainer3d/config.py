@@ -16,6 +16,7 @@ from trainer3d.models import FAMILIES, MODEL_PRESETS
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on CUDA, fp32 on CPU (TrainConfig.resolved_precision)
 RECOMPUTE_MODES = ("none", "selective", "full")  # parallel/recompute.py
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile backends --compile-backend takes
 # --mtp-loss-coef's default where the model has multi-token prediction modules: Megatron-core's
 # --mtp-loss-scaling-factor default, and DeepSeek-V3's λ after its first 10T tokens (0.3 before)
 MTP_LOSS_COEF = 0.1
@@ -50,6 +51,7 @@ class TrainConfig:
     recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (every block)
     sequence_parallel: bool = False  # LayerNorm, dropout, residual on sequence shards over tp (Megatron's)
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    compile_backend: str = "inductor"  # torch.compile's backend; aot_eager and eager bisect a compile problem
     fp8: str | None = None  # FP8 matmuls in the block linears: "tensorwise" or "rowwise" (parallel/fp8.py)
     micro_batches: int | None = None  # per optimizer step and dp rank; default pp (2·pp for multi-stage), 1 at pp=1
     # batch
@@ -158,6 +160,11 @@ class TrainConfig:
         return getattr(self, name) != default
 
     @property
+    def compiled_backend(self) -> str | None:
+        """The torch.compile backend the blocks are compiled with; None without --compile."""
+        return self.compile_backend if self.compile else None
+
+    @property
     def uses_documents(self) -> bool:
         """The run needs each token's document (--document-mask or --reset-position-ids)."""
         return self.document_mask or self.reset_position_ids
@@ -254,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile", action="store_true",
         help="torch.compile (inductor) each transformer block: ~15 s of compiling per process before the first step; "
         "on CPU it needs a C++ compiler and gains little in fp32 (bench/compile.md)",
+    )
+    lay.add_argument(
+        "--compile-backend", choices=COMPILE_BACKENDS, default=d.compile_backend,
+        help="torch.compile's backend under --compile: inductor (fused kernels), aot_eager (dynamo's graphs and AOT "
+        "autograd run by eager kernels: no kernel builds, to bisect a compile problem) or eager (dynamo's graphs only)",
     )
     lay.add_argument(
         "--fp8", choices=("tensorwise", "rowwise"), default=None,

@@ -42,19 +42,20 @@ from trainer3d.parallel.recompute import Checkpointed
 from trainer3d.private_api import require
 
 
-def apply_compile(stage: nn.Module, enabled: bool) -> nn.Module:
-    """Compile this stage's blocks in place (their parameters stay where they are)."""
-    if not enabled:
+def apply_compile(stage: nn.Module, backend: str | None) -> nn.Module:
+    """Compile this stage's blocks in place (their parameters stay where they are) with torch.compile's `backend`
+    (None: not at all)."""
+    if not backend:
         return stage
     attention = stage.parallel_plan().attention
     for block in stage.blocks.values():
         if isinstance(block.forward, Checkpointed):  # --recompute full
-            block.forward.fn = torch.compile(block.forward.fn)
+            block.forward.fn = torch.compile(block.forward.fn, backend=backend)
             continue
         attn = block.get_submodule(attention)
         if isinstance(attn.core, Checkpointed):  # --recompute selective
             attn.core = torch.compiler.disable(attn.core)
-        block.compile()
+        block.compile(backend=backend)
     return stage
 
 

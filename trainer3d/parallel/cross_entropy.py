@@ -104,10 +104,11 @@ def _scale_chunk(exps: torch.Tensor, row: torch.Tensor) -> None:
 
 
 @functools.cache
-def _compiled_chunk_kernels():
-    """(_chunk_stats, _scale_chunk) under torch.compile, built once per process (their graphs are shared by every
-    chunk and trainer); dynamic: one graph for every chunk height and shard width."""
-    return torch.compile(_chunk_stats, dynamic=True), torch.compile(_scale_chunk, dynamic=True)
+def _compiled_chunk_kernels(backend: str):
+    """(_chunk_stats, _scale_chunk) under torch.compile, built once per process and backend (their graphs are shared
+    by every chunk and trainer); dynamic: one graph for every chunk height and shard width."""
+    return (torch.compile(_chunk_stats, dynamic=True, backend=backend),
+            torch.compile(_scale_chunk, dynamic=True, backend=backend))
 
 
 def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -115,15 +116,16 @@ def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def vocab_parallel_cross_entropy(
-    logits, target, group, vocab_start: int, vocab_size: int, chunk_tokens: int | None = None, compiled: bool = False
+    logits, target, group, vocab_start: int, vocab_size: int, chunk_tokens: int | None = None,
+    compiled: str | None = None
 ) -> torch.Tensor:
     """Per-token losses (shape of `target`); `logits` is this rank's vocab slice starting at `vocab_start`.
     Where autograd will differentiate them, the logits are overwritten (then hold the gradient): pass a copy to
     keep them. `chunk_tokens`: tokens per chunk (default: LOSS_CHUNK_ELEMENTS elements of this shard, on a CPU
-    CPU_LOSS_CHUNK_ELEMENTS). `compiled` (--compile): each chunk's passes, forward and backward, as inductor graphs."""
+    CPU_LOSS_CHUNK_ELEMENTS). `compiled` (--compile's backend, or None): each chunk's passes, forward and backward, as compiled graphs."""
     budget = CPU_LOSS_CHUNK_ELEMENTS if logits.device.type == "cpu" else LOSS_CHUNK_ELEMENTS
     chunk = chunk_tokens or max(1, budget // logits.shape[-1])
     consume = torch.is_grad_enabled() and logits.requires_grad
-    stats, scale = _compiled_chunk_kernels() if compiled else (_chunk_stats, _scale_chunk)
+    stats, scale = _compiled_chunk_kernels(compiled) if compiled else (_chunk_stats, _scale_chunk)
     return _VocabParallelCrossEntropy.apply(logits.contiguous(), target, group, vocab_start, vocab_size, chunk,
                                             consume, stats, scale)

@@ -110,7 +110,7 @@ def parallelize(
     stages = [apply_recompute(s, cfg.recompute) for s in stages]
 
     # 3c. compile each block in place, TP and recomputation included (parameter names do not change)
-    stages = [apply_compile(s, cfg.compile) for s in stages]
+    stages = [apply_compile(s, cfg.compiled_backend) for s in stages]
 
     # 4. materialize: values are a function of the parameter's name, never of the layout
     if shard_value is None:

@@ -147,6 +147,8 @@ def check_combinations(cfg: TrainConfig) -> None:
     if cfg.val_fraction == 0 and not cfg.val_data and cfg.eval_every:
         raise ConfigError("--val-fraction 0 holds nothing out to validate on; pass --eval-every 0 too (or --val-data "
                           "PATH for validation rows from elsewhere).")
+    if "compile_backend" in typed and not cfg.compile:
+        raise ConfigError(f"--compile-backend {cfg.compile_backend} is the backend of --compile; add --compile.")
     if cfg.hellaswag_examples is not None and not cfg.eval_hellaswag:
         raise ConfigError("--hellaswag-examples needs --eval-hellaswag PATH, the file to take them from.")
     if cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].multi_stage and not SCHEDULES[cfg.schedule].v_shape \
@@ -373,7 +375,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         check_dpo_batch(plan, layout)
     if cfg.profile_steps is not None:
         parse_step_range(cfg.profile_steps, cfg.max_steps)
-    if cfg.compile:
+    if cfg.compile and cfg.compile_backend == "inductor":  # the other backends build no kernel
         check_compiler(device_type())
     if cfg.fp8 is not None:
         check_fp8(cfg.fp8, cfg.precision, device_type())
