@@ -17,8 +17,10 @@ session's own empty inductor cache (tests/conftest.py), as CI's clean machine do
 
 from __future__ import annotations
 
+import torch
+
 from distributed import run_world
-from parity import MOE, check, run_groups
+from parity import MOE, MOE_BALANCED, MOE_GLOBAL, check, run_groups, train_layout
 from test_parity import case
 
 STEPS = 6  # test_parity.STEPS
@@ -47,3 +49,30 @@ def test_compile_matches_eager_and_replays_dropout():
     print(f"compile, dropout 0.2 at 1x2x2, recompute selective/full: {[x[-1] for x in dropout]}")
     assert dropout[0] != ref  # dropout is on
     assert dropout[1] == dropout[0], dropout
+
+
+# qwen3-moe-tiny's first block is dense: 2 and 7 MoE layers. SFT's padded rows at 2 micro-batches: the observer looks
+# up the running micro-batch's padding as well as each layer's counts (and, in the global mode, its loads so far).
+DEPTHS = (3, 8)
+ROUTED = [dict(balance, n_layer=n, sft="unpacked", micro_batches=2, compile=True, compile_backend="eager")
+          for balance in (MOE_BALANCED, MOE_GLOBAL) for n in DEPTHS]
+
+
+def _graphs(rank, world_size):
+    out = []
+    for case in ROUTED:
+        torch._dynamo.reset()  # each depth compiles from nothing
+        out.append(train_layout(world_size, case, 2)["compiled_graphs"])
+    return out
+
+
+def test_moe_blocks_share_their_graphs_at_any_depth():
+    """A mixture of experts' blocks share dynamo's graphs as dense blocks do: the graphs compiled do not grow with the
+    number of MoE layers. The balancing observer's lookups by layer and by micro-batch run eagerly
+    (parallel/moe_balance.py); traced, dynamo took each layer's index for a constant and compiled the block's tail again
+    per layer, until its recompile limit (8) left the deeper layers uncompiled. Dynamo's own graphs (the eager
+    backend: no kernels built), one process."""
+    graphs, = run_world(1, _graphs, timeout=300)
+    for i in range(0, len(graphs), len(DEPTHS)):
+        shallow, deep = graphs[i:i + len(DEPTHS)]
+        assert 0 < shallow == deep, (ROUTED[i].get("moe_aux_loss", "sequence"), graphs)

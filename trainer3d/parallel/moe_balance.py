@@ -112,10 +112,18 @@ class MoEBalance:
         """[n] bool: which of the `n` tokens the block routes are not padding (None: all, or not a training pass)."""
         if self.padding is None or not block.training:
             return None
-        real = self.padding[self.micro_batch][0]
+        real = self._pass_padding()[0]
         if real.numel() != n:
             raise RuntimeError(f"an MoE layer routes {n} tokens where the pass's padding mask holds {real.numel()}")
         return real
+
+    # What is looked up by micro-batch or by layer runs eagerly under --compile (a graph break): dynamo would take
+    # the int for a constant and compile the block again for each micro-batch and MoE layer, up to its recompile limit
+    # (8), after which the rest ran uncompiled; the blocks then share one compiled graph, as dense blocks do.
+    @torch.compiler.disable
+    def _pass_padding(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running micro-batch's (token mask, row lengths)."""
+        return self.padding[self.micro_batch]
 
     # ---- during the forward -------------------------------------------------------------------------------------
     def observe(self, block: MoE, routing: Routing, kept: torch.Tensor | None, shape, out: torch.Tensor,
@@ -127,7 +135,7 @@ class MoEBalance:
         experts = routing.experts if real is None else routing.experts.masked_fill(~real.unsqueeze(1), self.n_experts)
         first = not recomputing()
         if first:
-            self._count(block.layer, experts, kept, real)
+            self._count(block, experts, kept, real)
         terms = []
         if self.aux_coef:
             term = self._aux(block, routing, experts, real, shape)
@@ -143,9 +151,10 @@ class MoEBalance:
         scale = self.trainer.loss_scale.scale if self.trainer.loss_scale else 1.0
         return AuxLossScaler.apply(out, sum(t for _, t in terms) * scale)
 
-    def _count(self, layer: int, experts: torch.Tensor, kept: torch.Tensor | None, real: torch.Tensor | None) -> None:
+    @torch.compiler.disable
+    def _count(self, block: MoE, experts: torch.Tensor, kept: torch.Tensor | None, real: torch.Tensor | None) -> None:
         """The step's loads (the bias's counts), choices and drops of this rank's real tokens (no host read)."""
-        row = self.rows[layer]
+        row = self.rows[block.layer]
         self.loads[row] += expert_counts(experts.reshape(-1), self.n_experts).double()
         self.choices[row] += experts.numel() if real is None else real.sum().double() * experts.shape[1]
         if kept is not None:
@@ -178,7 +187,7 @@ class MoEBalance:
         if real is None:
             length = tokens * self.split * self.cp  # the sequence's tokens
         else:
-            length = self.padding[self.micro_batch][1].clamp_min(1).unsqueeze(1).float()
+            length = self._pass_padding()[1].clamp_min(1).unsqueeze(1).float()
         f = counts / length
         p = self._real_scores(routing, real).view(batch, tokens, E).sum(1) / length  # this rank's part of the mean
         coef = self.aux_coef / len(self.rows)
@@ -187,6 +196,13 @@ class MoEBalance:
     def _global_aux(self, block: MoE, routing: Routing, experts: torch.Tensor, real, shape) -> torch.Tensor:
         """This rank's share of coef/layers × E/N·Σ_e f_e^(≤m)·S_e^m (the module's docstring). The layer's first
         forward of micro-batch m all-reduces its loads and tokens over the stage's ranks; a recomputation reuses f."""
+        f = self._global_share(block, experts, real)
+        coef = self.aux_coef / len(self.rows)
+        return coef * self.n_experts * (f * self._real_scores(routing, real).sum(0)).sum() * self._per_token(shape)
+
+    @torch.compiler.disable
+    def _global_share(self, block: MoE, experts: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """f^(≤m) of this layer and micro-batch: the loads so far over the stage's ranks, per token."""
         E, key = self.n_experts, (block.layer, self.micro_batch)
         if key not in self._global_shares:
             n = real.sum() if real is not None else torch.tensor(experts.shape[0], device=experts.device)
@@ -196,9 +212,7 @@ class MoEBalance:
             so_far = wave if so_far is None else so_far + wave
             self._global_loads[block.layer] = so_far
             self._global_shares[key] = (so_far[:E] / so_far[E].clamp_min(1)).float()
-        f = self._global_shares[key]
-        coef = self.aux_coef / len(self.rows)
-        return coef * E * (f * self._real_scores(routing, real).sum(0)).sum() * self._per_token(shape)
+        return self._global_shares[key]
 
     def _z_loss(self, routing: Routing, real: torch.Tensor | None, shape) -> torch.Tensor:
         """This rank's share of coef × the mean over the global batch's real tokens of logsumexp(logits)²."""
@@ -207,6 +221,7 @@ class MoEBalance:
             z = z.masked_fill(~real, 0.0)
         return self.z_coef * z.sum() * self._per_token(shape)
 
+    @torch.compiler.disable  # the layers it pools are a list that grows by layer
     def _pooled_aux(self, block: MoE, routing: Routing, experts: torch.Tensor, real, shape) -> torch.Tensor | None:
         """transformers' pooled loss (with its attention_mask), once this micro-batch has passed the stage's last MoE
         layer."""
