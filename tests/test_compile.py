@@ -60,9 +60,9 @@ ROUTED = [dict(balance, n_layer=n, sft="unpacked", micro_batches=2, compile=True
 
 def _graphs(rank, world_size):
     out = []
-    for case in ROUTED:
+    for layout in ROUTED:
         torch._dynamo.reset()  # each depth compiles from nothing
-        out.append(train_layout(world_size, case, 2)["compiled_graphs"])
+        out.append(train_layout(world_size, layout, 2)["compiled_graphs"])
     return out
 
 

@@ -160,8 +160,7 @@ class TrainConfig:
         return getattr(self, name) != default
 
     @property
-    def compiled_backend(self) -> str | None:
-        """The torch.compile backend the blocks are compiled with; None without --compile."""
+    def compiled_backend(self) -> str | None:  # the blocks' torch.compile backend; None without --compile
         return self.compile_backend if self.compile else None
 
     @property
@@ -257,16 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Megatron's sequence parallelism (tp > 1): LayerNorm, dropout and the residual stream on sequence "
         "shards, pipeline sends divided by tp",
     )
-    lay.add_argument(
-        "--compile", action="store_true",
-        help="torch.compile (inductor) each transformer block: ~15 s of compiling per process before the first step; "
-        "on CPU it needs a C++ compiler and gains little in fp32 (bench/compile.md)",
-    )
-    lay.add_argument(
-        "--compile-backend", choices=COMPILE_BACKENDS, default=d.compile_backend,
-        help="torch.compile's backend under --compile: inductor (fused kernels), aot_eager (dynamo's graphs and AOT "
-        "autograd run by eager kernels: no kernel builds, to bisect a compile problem) or eager (dynamo's graphs only)",
-    )
+    lay.add_argument("--compile", action="store_true", help="torch.compile each transformer block: ~15 s of compiling "
+                     "per process before the first step; on CPU inductor needs a C++ compiler (bench/compile.md)")
+    lay.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default=d.compile_backend,
+                     help="torch.compile's backend: inductor; aot_eager or eager (no kernels built) bisect a problem")
     lay.add_argument(
         "--fp8", choices=("tensorwise", "rowwise"), default=None,
         help="FP8 matmuls (torchao's float8 training, dynamic scales) in the attention and MLP linears of every "
