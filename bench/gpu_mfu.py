@@ -300,7 +300,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", nargs="*", default=[], choices=["eager", "compile"],
                     help="also time the same model in a bare loop, eager and/or torch.compile'd")
     ap.add_argument("--compile-backend", default="inductor", choices=COMPILE_BACKENDS,
-                    help="torch.compile's backend in the compiled rows (the dry GPU round's: aot_eager, no C++ kernels)")
+                    help="torch.compile's backend in the compiled rows (the dry GPU round's: aot_eager, no C++ "
+                    "kernels)")
     ap.add_argument("--json", default=None, help="write every finished row here (rewritten after each row)")
     ap.add_argument("--kernels", default=None, help="write the profiled rows' top kernels here")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no row after this many seconds")

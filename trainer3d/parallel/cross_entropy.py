@@ -122,7 +122,8 @@ def vocab_parallel_cross_entropy(
     """Per-token losses (shape of `target`); `logits` is this rank's vocab slice starting at `vocab_start`.
     Where autograd will differentiate them, the logits are overwritten (then hold the gradient): pass a copy to
     keep them. `chunk_tokens`: tokens per chunk (default: LOSS_CHUNK_ELEMENTS elements of this shard, on a CPU
-    CPU_LOSS_CHUNK_ELEMENTS). `compiled` (--compile's backend, or None): each chunk's passes, forward and backward, as compiled graphs."""
+    CPU_LOSS_CHUNK_ELEMENTS). `compiled` (--compile's backend, or None): each chunk's passes, forward and backward,
+    as compiled graphs."""
     budget = CPU_LOSS_CHUNK_ELEMENTS if logits.device.type == "cpu" else LOSS_CHUNK_ELEMENTS
     chunk = chunk_tokens or max(1, budget // logits.shape[-1])
     consume = torch.is_grad_enabled() and logits.requires_grad

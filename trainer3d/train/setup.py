@@ -375,7 +375,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         check_dpo_batch(plan, layout)
     if cfg.profile_steps is not None:
         parse_step_range(cfg.profile_steps, cfg.max_steps)
-    if cfg.compile and cfg.compile_backend == "inductor":  # the other backends build no kernel
+    if cfg.compiled_backend == "inductor":  # the other backends build no kernel
         check_compiler(device_type())
     if cfg.fp8 is not None:
         check_fp8(cfg.fp8, cfg.precision, device_type())

@@ -74,7 +74,8 @@ class Trainer:
         """Per-token cross-entropy from this rank's vocab shard of the logits (collective over tp); where gradients
         flow, the logits' storage becomes their gradient (parallel/cross_entropy.py)."""
         return vocab_parallel_cross_entropy(
-            logits, targets, self.topo.tp_group, self.pm.vocab_start, self.mcfg.vocab_size, compiled=self.cfg.compiled_backend
+            logits, targets, self.topo.tp_group, self.pm.vocab_start, self.mcfg.vocab_size,
+            compiled=self.cfg.compiled_backend
         )
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
