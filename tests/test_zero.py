@@ -612,14 +612,24 @@ def test_ops_build_recovers_from_a_killed_build(tmp_path):
 
 
 def test_ops_are_built_without_debug_info(tmp_path):
-    """The checkout's ops compile without DeepSpeed's -g (23-40% of their compile time), async_io with the precompiled
-    torch/extension.h (its .gch gone after the build) in the units that include torch, and an op built otherwise (a
-    checkout's from before) counts as missing, so that --build-ops rebuilds it rather than the first run."""
+    """The checkout's ops compile without DeepSpeed's -g (23-40% of their compile time), with torch/extension.h
+    reduced to torch/python.h (the installed header still skips torch/all.h on that macro, and no other torch header
+    reads it), async_io with the precompiled header (its .gch gone after the build) in the units that include torch,
+    and an op built otherwise (a checkout's from before) counts as missing, so that --build-ops rebuilds it rather
+    than the first run."""
+    import torch.utils.cpp_extension as cpp_extension
+
     require_ops(nvme=nvme_op_available())
+    macro = zero_ops.LIGHT_TORCH_HEADER.removeprefix("-D")
+    torch_include = Path(cpp_extension.include_paths()[0])  # torch's include directory: the others lie under it
+    readers = [h for h in torch_include.rglob("*.h") if macro in h.read_text("latin-1")]
+    assert [h.name for h in readers] == ["extension.h"], readers
+    assert f"#ifndef {macro}\n// All pure C++ headers for the C++ frontend.\n#include <torch/all.h>" in readers[0].read_text()
     ext = Path(zero_ops.default_extensions_dir())
     for name in zero_ops.ops_needed(nvme=nvme_op_available()):
         cflags = zero_ops._cflags(str(ext / zero_ops.OP_DIRS[name]))
         assert "-fopenmp" in cflags and "-g" not in cflags, (name, cflags)  # DeepSpeed's, less -g
+        assert zero_ops.LIGHT_TORCH_HEADER in cflags, (name, cflags)
         assert ("-include" in cflags) == (zero_ops.OP_DIRS[name] in zero_ops.PRECOMPILED), (name, cflags)
     assert not list(ext.glob("*/*.gch"))  # 785 MB, needed only while building
     if nvme_op_available():  # async_io's three units in aio/common include no torch header: built without it
@@ -629,13 +639,16 @@ def test_ops_are_built_without_debug_info(tmp_path):
         plain = sorted(Path(lines[i - 1].split()[-1]).name for i, ln in enumerate(lines) if ln.startswith(unit))
         assert plain == ["deepspeed_aio_common.cpp", "deepspeed_aio_types.cpp", "deepspeed_aio_utils.cpp"], plain
         assert all("-include" not in ln for ln in lines if ln.startswith(unit))
-    for op, flags in (("cpu_adam", "-O3 -g"), ("async_io", "-O0")):  # -g; no -include where one belongs
+    light, both = zero_ops.LIGHT_TORCH_HEADER, ["CPUAdamBuilder", "AsyncIOBuilder"]
+    old_flags = (("cpu_adam", f"-O3 -g {light}"), ("async_io", f"-O0 {light}"))  # -g; no -include where one belongs
+    for op, flags in old_flags:
         old = tmp_path / op
         old.mkdir()
         (old / f"{op}.so").write_bytes(b"")
         (old / "build.ninja").write_text(f"cflags = -DTORCH_EXTENSION_NAME={op} {flags} -Wno-reorder\n")
-    assert zero_ops.missing_ops(["CPUAdamBuilder", "AsyncIOBuilder"], path=str(tmp_path)) == ["CPUAdamBuilder",
-                                                                                             "AsyncIOBuilder"]
+    assert zero_ops.missing_ops(both, path=str(tmp_path)) == both
     (tmp_path / "cpu_adam" / "build.ninja").write_text("cflags = -DTORCH_EXTENSION_NAME=cpu_adam -O3 -Wno-reorder\n")
-    (tmp_path / "async_io" / "build.ninja").write_text(f"cflags = -O0 -include {zero_ops.PCH_HEADER}\n")
-    assert zero_ops.missing_ops(["CPUAdamBuilder", "AsyncIOBuilder"], path=str(tmp_path)) == []
+    (tmp_path / "async_io" / "build.ninja").write_text(f"cflags = -O0 {light} -include {zero_ops.PCH_HEADER}\n")
+    assert zero_ops.missing_ops(both, path=str(tmp_path)) == ["CPUAdamBuilder"]  # built with all of torch/all.h
+    (tmp_path / "cpu_adam" / "build.ninja").write_text(f"cflags = -DTORCH_EXTENSION_NAME=cpu_adam -O3 {light}\n")
+    assert zero_ops.missing_ops(both, path=str(tmp_path)) == []

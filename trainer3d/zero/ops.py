@@ -1,7 +1,7 @@
 """DeepSpeed itself: the version range the glue was written against, and its JIT-built ops, built once.
 
-DeepSpeedCPUAdam builds cpu_adam (about a minute on 2 cores); ZeRO-Infinity's NVMe offload builds async_io (2
-minutes, with a precompiled torch/extension.h: PRECOMPILED). On a CPU host deepspeed.init_distributed would also
+DeepSpeedCPUAdam builds cpu_adam (20 s on 2 cores); ZeRO-Infinity's NVMe offload builds async_io and pin_memory
+(72 s, with torch/extension.h reduced to torch/python.h and precompiled: LIGHT_TORCH_HEADER, PRECOMPILED). On a CPU host deepspeed.init_distributed would also
 build deepspeed_shm_comm, which only DeepSpeed's inference all-reduce uses: trainer3d skips it
 (skip_inference_shm_op). A run killed while building leaves a `lock` file that makes every later run wait forever, and
 two different `ninja` binaries on PATH make torch rebuild from scratch. So they are built here, once, into one
@@ -53,13 +53,17 @@ def check_deepspeed_version(version: str | None = None) -> str:
 
 
 DEBUG_FLAG = "-g"  # what op_build_flags takes out of DeepSpeed's compiler flags
+# What op_build_flags adds: torch/extension.h then includes torch/python.h alone, not torch/all.h (the C++ frontend's
+# optim, data, serialize, jit: no op of DeepSpeed's uses them). The macro is inductor's C++ wrapper's, and
+# extension.h is the only torch header that reads it.
+LIGHT_TORCH_HEADER = "-DTORCH_INDUCTOR_CPP_WRAPPER"
 OPS = ("CPUAdamBuilder", "AsyncIOBuilder")
 OP_DIRS = {"CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
 # Ops whose translation units each parse torch/extension.h (9 of async_io's 12: 17 of each one's 26 CPU-seconds on
-# 2 cores). They -include PCH_HEADER, which is written into the op's build directory (where ninja compiles: a relative
-# path, so that a copy of the built ops stays built) and, before a build from scratch, precompiled there with the flags
-# of the build.ninja torch wrote (GCC's .gch beside it: 41 CPU-seconds, 785 MB, deleted after the build; GCC's
-# dependency files do not list it). Units that include no torch header keep the flags less -include
+# 2 cores, with all of torch/all.h). They -include PCH_HEADER, which is written into the op's build directory (where
+# ninja compiles: a relative path, so that a copy of the built ops stays built) and, before a build from scratch,
+# precompiled there with the flags of the build.ninja torch wrote (GCC's .gch beside it: 27 CPU-seconds, 600 MB,
+# deleted after the build; GCC's dependency files do not list it). Units that include no torch header keep the flags less -include
 # (_plain_units_without_header: 3 x ~10 s of CPU).
 PRECOMPILED = ("async_io",)
 PCH_HEADER = "trainer3d_torch_extension.h"
@@ -82,8 +86,9 @@ def use_prebuilt_ops() -> str:
 def op_build_flags() -> None:
     """The flags every trainer3d process builds and loads DeepSpeed's ops with (zero/engine.prepare_deepspeed,
     build_ops): torch's JIT rebuilds an op whose flags changed. DeepSpeed's less -g (23-40% of a CPU op's compile time,
-    cpu_adam_impl.cpp: 52 -> 32 s of CPU, for debug info no run reads), and PRECOMPILED ops' -include (with torch's
-    ninja step wrapped to provide the header). Idempotent."""
+    cpu_adam_impl.cpp: 52 -> 32 s of CPU, for debug info no run reads), plus LIGHT_TORCH_HEADER (the three ops from
+    scratch: 225 -> 147 s of CPU) and PRECOMPILED ops' -include (with torch's ninja step wrapped to provide the
+    header). Idempotent."""
     import torch.utils.cpp_extension as cpp_extension
     from deepspeed.ops.op_builder.builder import OpBuilder
 
@@ -96,7 +101,7 @@ def op_build_flags() -> None:
     def load(self, verbose=True):
         cxx_args = self.cxx_args
         include = ["-include", PCH_HEADER] if self.name in PRECOMPILED else []
-        self.cxx_args = lambda: [a for a in cxx_args() if a != DEBUG_FLAG] + include
+        self.cxx_args = lambda: [a for a in cxx_args() if a != DEBUG_FLAG] + [LIGHT_TORCH_HEADER, *include]
         return jit_load(self, verbose)
 
     def ninja_with_header(build_directory, verbose, error_prefix):
@@ -162,7 +167,8 @@ def _built_with_other_flags(op_dir: str) -> bool:
     cflags = _cflags(op_dir)
     if cflags is None:
         return False
-    return DEBUG_FLAG in cflags or (os.path.basename(op_dir) in PRECOMPILED) != ("-include" in cflags)
+    return (DEBUG_FLAG in cflags or LIGHT_TORCH_HEADER not in cflags
+            or (os.path.basename(op_dir) in PRECOMPILED) != ("-include" in cflags))
 
 
 def _includes_torch(path: str, include_dirs: list[str], seen: set[str]) -> bool:
