@@ -116,8 +116,9 @@ def test_every_name_and_path_in_the_documents_exists():
                     if n not in source and not _in_libraries(n)]
         missing += [f"{where}: link {t}" for t in sorted(set(LINK.findall(text)))  # relative links resolve
                     if t.split("#")[0] and not re.match(r"[a-z]+:", t) and not (doc.parent / t.split("#")[0]).exists()]
-    # the benchmarks' index (bench/README.md) links every benchmark's page
-    index = set(LINK.findall((ROOT / "bench" / "README.md").read_text()))
-    missing += [f"bench/README.md: no link to {p.name}" for p in sorted((ROOT / "bench").glob("*.md"))
-                if p.name != "README.md" and p.name not in index]
+    # each index (bench/README.md, docs/README.md) links every page beside it
+    for folder in ("bench", "docs"):
+        index = {t.split("#")[0] for t in LINK.findall((ROOT / folder / "README.md").read_text())}
+        missing += [f"{folder}/README.md: no link to {p.name}" for p in sorted((ROOT / folder).glob("*.md"))
+                    if p.name != "README.md" and p.name not in index]
     assert not missing, "\n".join(missing)
