@@ -100,13 +100,8 @@ def pytest_runtest_makereport(item, call):
 
 # Files whose one or few tests run for minutes: queued first. xdist's default queue (pyproject's
 # --no-loadscope-reorder turns it off) hands out the files with the most tests first, so these came last, and one
-# worker ran them alone while the other sat idle (277 s of a 41-minute run, tests/timeline.py). Then the files that
-# mostly wait (SLURM's daemons, a hung rank's timeout, the elastic agent's restarts; CPU 35 of 143 s, 126 of 241 s and
-# 46 of 99 s in the run of 2026-12-05 14:14): queued early, their waits overlap the other worker's multi-process
-# worlds, which fill both cores; queued late by their few tests, test_slurm.py ran last beside single-process files
-# and one core sat idle for most of its 143 s.
-LONG_FEW = ("test_gpu_round.py", "test_compile.py", "test_slurm.py", "test_faults.py", "test_run_end.py",
-            "test_sft_trl.py", "test_deepspeed_launcher.py")
+# worker ran them alone while the other sat idle (277 s of a 41-minute run, tests/timeline.py).
+LONG_FEW = ("test_gpu_round.py", "test_compile.py", "test_sft_trl.py", "test_deepspeed_launcher.py")
 
 
 def pytest_collection_modifyitems(config, items):
