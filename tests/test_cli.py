@@ -263,23 +263,46 @@ def test_evaluate_bad_input_gets_one_sentence_and_exit_2(tmp_path, monkeypatch, 
     assert not output.exists()
 
 
+def _fresh_process(argv: list[str], env: dict) -> subprocess.CompletedProcess:
+    """trainer3d's main in a new interpreter: what it prints there includes every import's own notices."""
+    code = "import sys; from trainer3d.train.loop import main; sys.exit(main(sys.argv[1:]))"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", code, *BASE, *argv], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _env_alone(*dropped: str) -> dict:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", *dropped)}
+
+
 def test_compile_without_a_compiler_gets_one_sentence(tmp_path):
     """--compile on a host where inductor finds no C++ compiler: refused before training. Simulated with $CXX naming a
     program that does not exist (inductor reads $CXX into torch._inductor.config.cpp.cxx when it is imported, hence a
     fresh process), which is what inductor itself would try and fail to run."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
-                                                          "TORCH_INDUCTOR_INSTALL_GXX")}
+    env = _env_alone("TORCH_INDUCTOR_INSTALL_GXX")
     env["CXX"] = str(tmp_path / "no-such-c++")
     out_dir = tmp_path / "out"
-    code = "import sys; from trainer3d.train.loop import main; sys.exit(main(sys.argv[1:]))"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code, *BASE, "--compile", "--out-dir", str(out_dir)], env=env,
-                          cwd=root, capture_output=True, text=True, timeout=120)
+    proc = _fresh_process(["--compile", "--out-dir", str(out_dir)], env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == (
         "trainer3d: error: --compile needs a C++ compiler for inductor's CPU kernels and none works "
         f"(tried {env['CXX']}); install g++ (e.g. apt-get install g++) or point CXX at one, or drop --compile.\n"
     ), proc.stderr
+    assert not out_dir.exists()
+
+
+def test_fp8_without_a_gpu_gets_one_sentence_and_nothing_else(tmp_path):
+    """--fp8 on this GPU-less host, in a fresh process (the tests' emulation switch removed): the refusal is all of
+    stderr, with none of the notices importing torchao logs (parallel/fp8.QUIET_ON_IMPORT)."""
+    from trainer3d.parallel.fp8 import EMULATE_ENV
+
+    out_dir = tmp_path / "out"
+    argv = ["--fp8", "rowwise", "--precision", "bf16", "--out-dir", str(out_dir)]
+    proc = _fresh_process(argv, _env_alone(EMULATE_ENV))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("trainer3d: error: --fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability "
+                           "8.9+: L40S, H100, H200, B200); this machine has no GPU.\n"), proc.stderr
     assert not out_dir.exists()
 
 

@@ -55,16 +55,24 @@ def check_fp8(recipe: str, precision: str, device_type: str) -> None:
                           f"{torch.cuda.get_device_name()} is {cap[0]}.{cap[1]}.")
 
 
+# What importing torchao.float8 logs and no user acts on: torchao's notice that its CUDA kernels do not load on a
+# CPU-only torch, and torch 2.13's deprecation of the register_constant call torchao 0.18 makes on an Enum
+QUIET_ON_IMPORT = ("torchao", "torch.utils._pytree")
+
+
 def _torchao_float8():
-    """Import torchao.float8 without its import-time notice that its CUDA kernels do not load on a CPU-only torch."""
+    """Import torchao.float8 with QUIET_ON_IMPORT's loggers at ERROR, so that --fp8's refusals stay one sentence."""
     import logging
 
-    log = logging.getLogger("torchao")
-    level, log.level = log.level, logging.ERROR
+    logs = [logging.getLogger(name) for name in QUIET_ON_IMPORT]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
     return float8
 
 
