@@ -118,15 +118,23 @@ def test_sequence_parallel_comm_formula():
         assert op_bytes(sp, "send", "pp") * 2 == op_bytes(plain, "send", "pp") > 0
 
 
-def test_launch_command_and_ds_config(tmp_path, capsys):
+def test_launch_command_and_ds_config(tmp_path, capsys, monkeypatch):
+    """The pick's command reads the JSON --write-ds-config writes; without the flag the command names the default
+    path, and a line says how to write it (nothing is written)."""
     ds = tmp_path / "ds.json"
-    rc = main(["--model", "gpt2-medium", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gib", "16",
-               "--peak-tflops", "312", "--intra-node-gbps", "230", "--inter-node-gbps", "25", "--global-batch", "256",
-               "--seq-len", "1024", "--zero-stages", "1", "--no-recompute", "--write-ds-config", str(ds),
-               "--launcher", "sbatch", "--top", "3"])
+    argv = ["--model", "gpt2-medium", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gib", "16",
+            "--peak-tflops", "312", "--intra-node-gbps", "230", "--inter-node-gbps", "25", "--global-batch", "256",
+            "--seq-len", "1024", "--zero-stages", "1", "--no-recompute", "--launcher", "sbatch", "--top", "3"]
+    rc = main(argv + ["--write-ds-config", str(ds)])
     out = capsys.readouterr().out
     assert rc == 0 and "#1: fastest of" in out and "#SBATCH --nodes=2" in out
-    assert "--deepspeed_config" in out and ds.exists()
+    assert f"--deepspeed_config {ds}" in out and ds.exists() and "add --write-ds-config" not in out
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--deepspeed_config plan_ds_config.json" in out
+    assert "(the command reads plan_ds_config.json: add --write-ds-config plan_ds_config.json to write it)" in out
+    assert not (tmp_path / "plan_ds_config.json").exists()
     import json
 
     cfg = json.loads(ds.read_text())

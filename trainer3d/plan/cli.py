@@ -35,11 +35,12 @@ from dataclasses import replace
 
 from trainer3d.config import SIZE_FLAGS
 from trainer3d.errors import UsageError
+from trainer3d.fsio import write_text_atomic
 from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.parallel.fp8 import RECIPES as FP8_RECIPES
 from trainer3d.plan.candidate import describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
-from trainer3d.plan.report import format_plans, launch_command, plan_deepspeed_config, why
+from trainer3d.plan.report import DS_CONFIG_PATH, format_plans, launch_command, plan_deepspeed_config, why
 from trainer3d.plan.search import best_distinct, enumerate_plans, evaluate, parse_layout, representative_ranks
 from trainer3d.plan.state_memory import worst_state_memory
 
@@ -226,11 +227,12 @@ def main(argv=None) -> int:
         if pick.candidate.zero_stage == 0:
             print(f"\nplan #{args.pick} uses DDP (ZeRO-0): no DeepSpeed JSON needed; not writing {args.write_ds_config}")
         else:
-            with open(args.write_ds_config, "w") as f:
-                json.dump(plan_deepspeed_config(pick), f, indent=2)
+            write_text_atomic(args.write_ds_config, json.dumps(plan_deepspeed_config(pick), indent=2))
             print(f"\nwrote {args.write_ds_config} (ZeRO-{pick.candidate.zero_stage})")
     print(f"\nlaunch ({args.launcher}) for #{args.pick}:")
     print(launch_command(pick, C, args.launcher, name if name in MODEL_PRESETS else None, args.write_ds_config))
+    if pick.candidate.zero_stage and not args.write_ds_config:
+        print(f"(the command reads {DS_CONFIG_PATH}: add --write-ds-config {DS_CONFIG_PATH} to write it)")
     if pick.notes:
         print("note: " + "; ".join(pick.notes))
     return 0

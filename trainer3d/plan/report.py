@@ -11,6 +11,8 @@ from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.search import Plan
 from trainer3d.zero.config import auto_buckets
 
+DS_CONFIG_PATH = "plan_ds_config.json"  # what a ZeRO plan's command reads unless --write-ds-config names a path
+
 
 # ---- DeepSpeed JSON ----------------------------------------------------------------------------------------
 def zero_buckets(cfg) -> dict:
@@ -143,7 +145,7 @@ def train_flags(p: Plan, model_name: str | None, ds_path: str | None) -> list[st
     if c.fp8:
         flags += ["--fp8", c.fp8]
     if c.zero_stage:
-        flags += ["--deepspeed_config", ds_path or "plan_ds_config.json"]
+        flags += ["--deepspeed_config", ds_path or DS_CONFIG_PATH]
     return flags
 
 
