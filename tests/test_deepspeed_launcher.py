@@ -49,7 +49,7 @@ def test_deepspeed_launcher_zero3_offload(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
-    assert "memory (ZeRO-3)" in proc.stdout, tail  # the start-of-run memory line
+    assert "memory at start (ZeRO-3)" in proc.stdout, tail  # the start-of-run memory line
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3], records
