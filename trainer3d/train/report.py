@@ -55,12 +55,11 @@ class Report:
             print(f"[trainer3d] rank {dist.get_rank()} {line}", flush=True)
         mem = t.engine.memory()
         mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731
-        # DDP's gradients and AdamW's moments exist from the first step on (metrics.jsonl's grad_bytes, optim_bytes);
-        # DeepSpeed allocates its partitions at start
-        rest = (f"grads {mib('grad')}, optimizer states {mib('optim')}" if mem["grad_bytes"] or mem["optim_bytes"]
-                else "grads and optimizer states from the first step on (metrics.jsonl: grad_bytes, optim_bytes)")
-        print(f"[trainer3d] rank {dist.get_rank()} memory at start ({t.engine.name}): params {mib('param')}, {rest}",
-              flush=True)
+        # DDP's gradients and AdamW's moments (unless resumed) exist from the first step on; DeepSpeed allocates its
+        # partitions at start. Either way metrics.jsonl records every step's sizes (grad_bytes, optim_bytes)
+        parts = [f"{label} {mib(k)}" if mem[k + "_bytes"] else f"{label} from the first step on"
+                 for k, label in (("param", "params"), ("grad", "grads"), ("optim", "optimizer states"))]
+        print(f"[trainer3d] rank {dist.get_rank()} memory at start ({t.engine.name}): {', '.join(parts)}", flush=True)
 
     def logged(self, step: int) -> bool:
         """Steps with a console line and the interval's peak memory: alike on every rank (a collective)."""
