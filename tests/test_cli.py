@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from distributed import launch_env
+
 BASE = ["--model", "tiny", "--n-layer", "2", "--max-steps", "1", "--eval-every", "0"]
 
 
@@ -271,16 +273,12 @@ def _fresh_process(argv: list[str], env: dict) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def _env_alone(*dropped: str) -> dict:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", *dropped)}
-
-
 def test_compile_without_a_compiler_gets_one_sentence(tmp_path):
     """--compile on a host where inductor finds no C++ compiler: refused before training. Simulated with $CXX naming a
     program that does not exist (inductor reads $CXX into torch._inductor.config.cpp.cxx when it is imported, hence a
     fresh process), which is what inductor itself would try and fail to run."""
-    env = _env_alone("TORCH_INDUCTOR_INSTALL_GXX")
+    env = launch_env()
+    env.pop("TORCH_INDUCTOR_INSTALL_GXX", None)
     env["CXX"] = str(tmp_path / "no-such-c++")
     out_dir = tmp_path / "out"
     proc = _fresh_process(["--compile", "--out-dir", str(out_dir)], env)
@@ -293,13 +291,14 @@ def test_compile_without_a_compiler_gets_one_sentence(tmp_path):
 
 
 def test_fp8_without_a_gpu_gets_one_sentence_and_nothing_else(tmp_path):
-    """--fp8 on this GPU-less host, in a fresh process (the tests' emulation switch removed): the refusal is all of
-    stderr, with none of the notices importing torchao logs (parallel/fp8.QUIET_ON_IMPORT)."""
+    """--fp8 on this GPU-less host, in a fresh process (launch_env drops the tests' TRAINER3D_ emulation switch): the
+    refusal is all of stderr, with none of the notices importing torchao logs (parallel/fp8.QUIET_ON_IMPORT)."""
     from trainer3d.parallel.fp8 import EMULATE_ENV
 
+    env = launch_env()
+    assert EMULATE_ENV not in env
     out_dir = tmp_path / "out"
-    argv = ["--fp8", "rowwise", "--precision", "bf16", "--out-dir", str(out_dir)]
-    proc = _fresh_process(argv, _env_alone(EMULATE_ENV))
+    proc = _fresh_process(["--fp8", "rowwise", "--precision", "bf16", "--out-dir", str(out_dir)], env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == ("trainer3d: error: --fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability "
                            "8.9+: L40S, H100, H200, B200); this machine has no GPU.\n"), proc.stderr

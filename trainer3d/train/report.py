@@ -57,8 +57,9 @@ class Report:
         mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731
         # DDP's gradients and AdamW's moments (unless resumed) exist from the first step on; DeepSpeed allocates its
         # partitions at start. Either way metrics.jsonl records every step's sizes (grad_bytes, optim_bytes)
-        parts = [f"{label} {mib(k)}" if mem[k + "_bytes"] else f"{label} from the first step on"
-                 for k, label in (("param", "params"), ("grad", "grads"), ("optim", "optimizer states"))]
+        later = [f"{label} {mib(k)}" if mem[k + "_bytes"] else f"{label} from the first step on"
+                 for k, label in (("grad", "grads"), ("optim", "optimizer states"))]
+        parts = [f"params {mib('param')}", *later]
         print(f"[trainer3d] rank {dist.get_rank()} memory at start ({t.engine.name}): {', '.join(parts)}", flush=True)
 
     def logged(self, step: int) -> bool:
