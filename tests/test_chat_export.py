@@ -161,7 +161,7 @@ def _export_choices(run, tmp_path, capsys):
         "eos_token_id"] == tok.eos_token_id
     capsys.readouterr()
     assert export_main([str(run), str(tmp_path / "bad"), "--eos-token", "<|eot_id|>"]) == 2
-    assert capsys.readouterr().err == ("trainer3d.export: error: --eos-token '<|eot_id|>' is not one token of the "
+    assert capsys.readouterr().err == ("trainer3d: error: --eos-token '<|eot_id|>' is not one token of the "
                                        "tokenizer's vocabulary; pass a token it holds (its end of turn, e.g. "
                                        "<|im_end|>, <|eot_id|> or <end_of_turn>).\n")
     assert not (tmp_path / "bad").exists()

@@ -186,6 +186,52 @@ def test_bad_flags_get_one_sentence_and_exit_2(tmp_path, monkeypatch, capsys):
     assert not out_dir.exists()  # refused before anything was written
 
 
+def _exit_code(main, argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's errors exit from inside parse_args
+        return e.code
+
+
+def test_every_entry_point_says_argparse_errors_in_one_sentence(monkeypatch, capsys):
+    """argparse's own errors (an unknown or misspelt flag, a bad number, a missing path) and the planner's refusals, at
+    every entry point: the one prefix, one line, exit code 2, no usage block, the flag a respelling meant; and
+    nothing from the other ranks of a launch."""
+    from trainer3d import evaluate, export, sample
+    from trainer3d.data import prepare
+    from trainer3d.plan import cli as plan
+    from trainer3d.train import loop
+    from trainer3d.zero import __main__ as zero
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    cases = [
+        (loop.main, ["--globl-batch", "8"], "unrecognized arguments: --globl-batch 8 (did you mean --global-batch?); "
+                                            "see train_gpt2.py --help."),
+        (loop.main, ["--bogus"], "unrecognized arguments: --bogus; see train_gpt2.py --help."),
+        (loop.main, ["--tp", "abc"], "argument --tp: invalid int value: 'abc'; see train_gpt2.py --help."),
+        (sample.main, ["ckpt", "--max_new_tokens", "5"], "unrecognized arguments: --max_new_tokens 5 (did you mean "
+                                                         "--max-new-tokens?); see python -m trainer3d.sample --help."),
+        (export.main, ["ckpt"], "the following arguments are required: out; see python -m trainer3d.export --help."),
+        (evaluate.main, [], "the following arguments are required: checkpoint; see python -m trainer3d.evaluate "
+                            "--help."),
+        (prepare.main, ["src", "out", "--shard_tokens=5"], "unrecognized arguments: --shard_tokens=5 (did you mean "
+                                                           "--shard-tokens?); see python -m trainer3d.prepare --help."),
+        (plan.main, ["--model", "nope"], "unknown --model 'nope'; choose one of tiny, gpt2, "),
+        (plan.main, ["--global-batch-tokens", "1000", "--seq-len", "1024"],
+         "--global-batch-tokens 1000 is not a multiple of --seq-len 1024."),
+        (zero.main, [], "give --build-ops or --check-config JSON; see python -m trainer3d.zero --help."),
+    ]
+    for main, argv, sentence in cases:
+        rc = _exit_code(main, argv)
+        out, err = capsys.readouterr()
+        assert rc == 2, (argv, err)
+        assert err.startswith(f"trainer3d: error: {sentence}") and err.count("\n") == 1 and out == "", (argv, err)
+    monkeypatch.setenv("RANK", "1")
+    assert _exit_code(loop.main, ["--tp", "abc"]) == 2
+    assert capsys.readouterr() == ("", "")
+
+
 def launched_alone(monkeypatch, world_size: int) -> None:
     """The environment a launcher gives rank 0 of `world_size`, with no peers anywhere: reaching init_process_group
     would hang, so whatever is refused must be refused before it."""

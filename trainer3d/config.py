@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from trainer3d.errors import ArgumentParser
 from trainer3d.models import FAMILIES, MODEL_PRESETS
 
 # torch.distributed.pipelining's schedules by flag name (parallel/pipeline.py maps each to its class)
@@ -195,7 +196,7 @@ SIZE_FLAGS = ("n_layer", "n_head", "n_embd", "n_positions", "n_kv_heads", "ffn_h
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="train_gpt2.py",
         description="Train a GPT-2 or Llama model at any data × tensor × pipeline layout (python, torchrun, deepspeed "
                     "or srun).",

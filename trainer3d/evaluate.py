@@ -38,7 +38,7 @@ from trainer3d.data.batch import supervised_count
 from trainer3d.distributed.failure import run_reported
 from trainer3d.distributed.leader import leader_first
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
-from trainer3d.errors import ConfigError, UsageError
+from trainer3d.errors import ArgumentParser, ConfigError, UsageError, report
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import MODEL_PRESETS
 from trainer3d.parallel.batch import default_micro_batches
@@ -50,7 +50,7 @@ ROWS_PER_MICRO_BATCH = 8  # the default --global-batch: this many rows per micro
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m trainer3d.evaluate",
         description="HellaSwag accuracy of a trainer3d checkpoint at any (dp, tp, pp) layout (python or torchrun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -191,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = validate(eval_config(ckpt, args, env.world_size), env.world_size, base_model=ckpt.model_config)
         check_output(args.output)
     except UsageError as e:
-        if env.rank == 0:
-            print(f"trainer3d: error: {e}", file=sys.stderr)
-        return 2
+        return report(e, env.rank)
     device = default_device(env.local_rank)
     group = WorldGroup(env, device, setup.cfg.dist_timeout)
 

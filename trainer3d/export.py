@@ -31,7 +31,7 @@ from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.hf import hf_tables, parse_size, save_hf_checkpoint
 from trainer3d.data.chat import read_template
 from trainer3d.data.export_tokenizer import export_tokenizer, special_ids, tokenizer_dir
-from trainer3d.errors import CheckpointError, DataError, UsageError
+from trainer3d.errors import ArgumentParser, CheckpointError, DataError, UsageError, report
 from trainer3d.models import FAMILIES
 
 DTYPES = {
@@ -99,7 +99,7 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m trainer3d.export",
         description=f"Write a Hugging Face directory "
                     f"({', '.join(sorted({f.hf.architecture for f in FAMILIES.values()}))}) from a trainer3d "
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         out = export(args.checkpoint, args.out, DTYPES[args.dtype], args.tokenizer, args.overwrite,
                      args.max_shard_size, args.eos_token)
     except UsageError as e:
-        print(f"trainer3d.export: error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     architecture = json.loads((Path(out) / "config.json").read_text())["architectures"][0]  # a MoE's, not its family's
     print(f"trainer3d.export: wrote {out} ({architecture}, {args.dtype})")
     return 0

@@ -36,7 +36,7 @@ from trainer3d.checkpoint.hf import GENERATION_CONFIG_NAME, load_hf_checkpoint, 
 from trainer3d.data import load_tokenizer
 from trainer3d.data.tokenizer import has_tokenizer_files
 from trainer3d.data.turn_end import end_of_turn_ids
-from trainer3d.errors import CheckpointError, UsageError, first_line
+from trainer3d.errors import ArgumentParser, CheckpointError, UsageError, first_line, report
 from trainer3d.data.chat import read_template
 from trainer3d.export import DTYPES
 from trainer3d.generate import generate, new_token_budget
@@ -45,16 +45,8 @@ from trainer3d.models import CausalLM, plain_model
 MAX_SEED = 2**63 - 1
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's own errors (a missing CKPT, `--top-k abc`) as one sentence, like every other bad input."""
-
-    def error(self, message: str):
-        print(f"trainer3d: error: {message}; see python -m trainer3d.sample --help.", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="python -m trainer3d.sample", description="Generate text from a trainer3d checkpoint.")
+    p = ArgumentParser(prog="python -m trainer3d.sample", description="Generate text from a trainer3d checkpoint.")
     p.add_argument("checkpoint", help="step_* directory, checkpoints directory, a run's --out-dir, or an HF export")
     p.add_argument("--prompt", default="", help="text to continue (default: start from the end-of-text token)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to add per sample (default 200)")
@@ -207,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_model(cfg, source.read_state(), device, DTYPES[args.dtype])
     except UsageError as e:
-        print(f"trainer3d: error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     n = new_token_budget(len(ids), args.max_new_tokens, cfg.n_positions)
     if n < args.max_new_tokens:
         print(f"trainer3d.sample: note: {n} new tokens, not {args.max_new_tokens}: the sequence stops at the model's "

@@ -38,7 +38,7 @@ from trainer3d.data.shards import FORMAT, MANIFEST, VERSION, read_manifest, shar
 from trainer3d.data.sources import DataConfig, stream_documents
 from trainer3d.data.tokenizer import BUNDLED_TOKENIZER_DIR, is_bundled_gpt2, load_tokenizer, tokenizer_identity
 from trainer3d.plugins import load_plugins
-from trainer3d.errors import DataError, UsageError
+from trainer3d.errors import ArgumentParser, DataError, UsageError, report
 from trainer3d.fsio import replace_durably, temp_name, write_text_atomic
 
 # OpenAI's published sha256 of the GPT-2 BPE files (tiktoken_ext.openai_public.gpt2); the bundled copies match.
@@ -297,7 +297,7 @@ def _resume_or_start(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer3d.prepare", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="python -m trainer3d.prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("source", help="HF dataset name, a file or folder of .txt/.jsonl/.json/.parquet/.csv, a "
                                   "save_to_disk folder, or 'shakespeare' for the bundled corpus")
@@ -329,6 +329,5 @@ def main(argv: list[str] | None = None) -> int:
                              f"{args.val_tokens}; raise it or lower --val-tokens.")
         prepare(args)
     except UsageError as e:
-        print(f"trainer3d: error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     return 0

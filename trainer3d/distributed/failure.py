@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from trainer3d.distributed.collectives import rendezvous_store
 from trainer3d.distributed.topology import ORDER, Layout
-from trainer3d.errors import UsageError
+from trainer3d.errors import UsageError, report
 
 
 class Heartbeat:
@@ -138,9 +138,7 @@ def run_reported(rank: int, world_size: int, body: Callable[[], None], cleanup: 
     try:
         body()
     except UsageError as e:
-        if rank == 0:
-            print(f"trainer3d: error: {e}", file=sys.stderr)
-        return 2
+        return report(e, rank)
     except Exception as e:  # a collective failed (a peer died, or hung past --dist-timeout): name it
         if world_size > 1:
             report_failure(rank, e, layout=layout())

@@ -34,7 +34,7 @@ import sys
 from dataclasses import replace
 
 from trainer3d.config import SIZE_FLAGS
-from trainer3d.errors import UsageError
+from trainer3d.errors import ArgumentParser, UsageError, report
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.parallel.fp8 import RECIPES as FP8_RECIPES
@@ -59,7 +59,7 @@ def active_params(cfg) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer3d.plan", description=__doc__,
+    p = ArgumentParser(prog="python -m trainer3d.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, or sizes)")
     m.add_argument("--model", default=None, help=f"one of {', '.join(MODEL_PRESETS)}")
@@ -128,23 +128,20 @@ def resolve(args) -> tuple[str | None, object, Cluster, int]:
     if args.model in MODEL_PRESETS or args.model is None:
         base = MODEL_PRESETS[args.model or "gpt2"]
     else:
-        raise SystemExit(f"plan: unknown --model {args.model!r}; choose one of {', '.join(MODEL_PRESETS)} or give sizes.")
+        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_PRESETS)} or give sizes.")
     sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k, None) is not None}  # (no --n-positions here)
     unknown = sorted(set(sizes) - set(base.__dataclass_fields__))
     if unknown:
-        raise SystemExit(f"plan: --{unknown[0].replace('_', '-')} does not size a {base.family} model; drop it.")
+        raise UsageError(f"--{unknown[0].replace('_', '-')} does not size a {base.family} model; drop it.")
     cfg = replace(base, **sizes, vocab_size=args.vocab or base.vocab_size,
                   n_positions=max(base.n_positions, args.seq_len))
-    try:
-        family_of(cfg).check(cfg, 1)
-    except UsageError as e:
-        raise SystemExit(f"plan: {e}") from None
+    family_of(cfg).check(cfg, 1)
     given = {k: getattr(args, k) for k in CLUSTERS["h100"] if getattr(args, k) is not None}
     C = cluster_from_preset(args.preset_cluster or "h100", args.nodes, **given, pcie_gbps=args.pcie_gbps, mfu=args.mfu,
                             overlap=args.overlap, host_memory_gib=args.host_memory_gib)
     if args.global_batch_tokens is not None:
         if args.global_batch_tokens % args.seq_len:
-            raise SystemExit(f"plan: --global-batch-tokens {args.global_batch_tokens} is not a multiple of --seq-len {args.seq_len}.")
+            raise UsageError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of --seq-len {args.seq_len}.")
         gb = args.global_batch_tokens // args.seq_len
     else:
         gb = args.global_batch or 8 * C.world
@@ -162,7 +159,7 @@ def with_calibration(C: Cluster, precision: str | None) -> Cluster:
     calib = calibrate.load(device, C.gpus_per_node, dtype)
     if calib is None:
         path = calibrate.cache_path(calibrate.device_name(device), C.gpus_per_node, dtype)
-        raise SystemExit(f"plan: no calibration at {path}; run `torchrun --nproc_per_node {C.gpus_per_node} -m "
+        raise UsageError(f"no calibration at {path}; run `torchrun --nproc_per_node {C.gpus_per_node} -m "
                          "trainer3d.plan --calibrate --model ...` on this machine first.")
     print(f"calibration: {calib.describe()}")
     return calibrate.apply(C, calib)
@@ -170,18 +167,20 @@ def with_calibration(C: Cluster, precision: str | None) -> Cluster:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    name, cfg, C, gb = resolve(args)
-    if args.calibrate:
+    try:
+        name, cfg, C, gb = resolve(args)
+    except UsageError as e:
+        return report(e)
+    if args.calibrate:  # under torchrun: it reports its own errors, once
         from trainer3d.plan import calibrate
 
         return calibrate.run(cfg, args.seq_len, args.precision)
-    if args.calibrated:
-        C = with_calibration(C, args.precision)
     try:
+        if args.calibrated:
+            C = with_calibration(C, args.precision)
         evaluated = parse_layout(args.evaluate, cfg, C, gb, args.seq_len) if args.evaluate else None
     except UsageError as e:
-        print(f"trainer3d: error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     search = enumerate_plans(
         cfg, C, gb, args.seq_len, schedules=args.schedules, zero_stages=tuple(args.zero_stages),
         offload=not args.no_offload, recompute=not args.no_recompute, max_micro_batch_size=args.max_micro_batch_size,

@@ -22,7 +22,7 @@ from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.plan.auto import agree_on_pick, choice_lines
 from trainer3d.plugins import load_plugins
-from trainer3d.errors import UsageError, first_line
+from trainer3d.errors import UsageError, first_line, report
 from trainer3d.rundir import clear_run
 from trainer3d.train.data_setup import build_blocks, make_loader, make_val_batches
 from trainer3d.train.downstream import Downstream
@@ -42,9 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = validate(cfg, env.world_size)  # before any process group: bad input fails here
         check_out_dir(setup.cfg)
     except UsageError as e:
-        if env.rank == 0:
-            print(f"trainer3d: error: {e}", file=sys.stderr)
-        return 2
+        return report(e, env.rank)
     cfg, layout, plan = setup.cfg, setup.layout, setup.plan
     if env.rank == 0 and cfg.layout_choice is not None:  # --layout auto: the pick, why, the runner-up
         print("\n".join(f"[trainer3d] {line}" for line in choice_lines(cfg.layout_choice)), flush=True)
