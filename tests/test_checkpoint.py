@@ -770,6 +770,10 @@ def test_bad_inputs(corpus, tmp_path, monkeypatch, capsys):
     rc = _main_in_process(monkeypatch, cache, args)
     err = capsys.readouterr().err
     assert rc == 2 and "different model shape: n_layer=2 (this run: 3)" in err, err
+    rc = _main_in_process(monkeypatch, cache, base + ["--out-dir", str(run_dir), "--seq-len", "16", "--resume", str(good)])
+    err = capsys.readouterr().err
+    assert rc == 2 and (f"trainer3d: error: {good} was trained on other data: --seq-len 32 (this run: 16); resume "
+                        "with the data it was saved with, or start a fresh run.\n") in err, err
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 7}\n'
     assert not (run_dir / "checkpoints").exists()
 

@@ -1,8 +1,9 @@
 """A checkpoint (or Hugging Face weights) into a trainer. format.py owns the files; this module owns what a run
 does with them:
 
-    prepare(cfg, mcfg, topo)        before the trainer is built: --resume / --init-from-hf checked on every rank,
-                                    and the `shard_value` hook that materializes each rank's shards from the weights
+    prepare(cfg, mcfg, topo, fp)    before the trainer is built: --resume / --init-from-hf checked on every rank,
+                                    the data (fingerprint fp) against the checkpoint's, and the `shard_value` hook
+                                    that materializes each rank's shards from the weights
     apply(start, trainer, loader)   after: optimizer state (through the trainer's hooks, so DDP and every ZeRO stage
                                     alike), step, data position, loss scale and RNG states
 
@@ -181,11 +182,33 @@ class Start:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def prepare(cfg, mcfg, topo) -> Start:
+# The run's flags that shape its token rows, named when a resume's data is not the checkpoint's
+DATA_FLAGS = ("data", "data_mixture", "data_config", "data_split", "val_data", "text_field", "data_format",
+              "messages_field", "tokenizer", "init_from_hf", "seq_len", "val_fraction", "train_on", "train_roles",
+              "on_bad_row", "chat_template", "chat_template_kwargs", "eos_token", "overlong", "pack")
+
+
+def check_data_matches(ckpt: Checkpoint, cfg, fingerprint: str) -> None:
+    """A resume onto other data (another --seq-len, corpus or tokenizer) refused before the model is built, naming
+    the flags that changed; the loader's own check (data/loader.py) is the backstop."""
+    saved = (ckpt.meta.get("loader") or {}).get("fingerprint")
+    if saved is None or saved == fingerprint:
+        return
+    was = ckpt.meta.get("config", {})
+    diffs = [f"--{k.replace('_', '-')} {was[k]} (this run: {getattr(cfg, k)})" for k in DATA_FLAGS
+             if k in was and was[k] != getattr(cfg, k)]
+    what = ", ".join(diffs) or "the same flags, but a file they name (corpus, mixture or tokenizer) changed"
+    raise CheckpointError(f"{ckpt.path} was trained on other data: {what}; resume with the data it was saved with, or "
+                          "start a fresh run.")
+
+
+def prepare(cfg, mcfg, topo, data_fingerprint: str | None = None) -> Start:
     """Before the trainer is built. --resume wins over --init-from-hf. Raises CheckpointError (on every rank alike)
     for any bad input, before anything is trained or written."""
     start = Start()
     ckpt = open_for_resume(cfg.resume, cfg.out_dir, mcfg, topo) if cfg.resume else None
+    if ckpt is not None and data_fingerprint is not None:
+        check_data_matches(ckpt, cfg, data_fingerprint)
     if ckpt is not None:
         start.checkpoint = start.source = ckpt
         start.shard_value = ckpt.shard_value(mcfg)

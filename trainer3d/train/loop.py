@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[trainer3d] --epochs {cfg.epochs:g}: {run_setup.cfg.max_steps} steps ({loader.steps_per_epoch} "
                   f"a pass over the training rows)", flush=True)
         mcfg = setup.model_config(blocks.vocab_size)
-        start = prepare(run_setup.cfg, mcfg, topo)  # --resume / --init-from-hf: checked before anything is built
+        start = prepare(run_setup.cfg, mcfg, topo, loader.fingerprint)  # checked before anything is built
         if dpo and cfg.ref_model and start.checkpoint is None:  # --ref-model scores the pairs first, then goes
             score_with_reference(run_setup, topo, device, mcfg, blocks, cfg.out_dir)
         trainer = Trainer(run_setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
