@@ -17,7 +17,6 @@ model_max_length (data/export_tokenizer.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys

@@ -298,7 +298,7 @@ def _resume_or_start(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m trainer3d.prepare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("source", help="HF dataset name, a file or folder of .txt/.jsonl/.json/.parquet/.csv, a "
                                   "save_to_disk folder, or 'shakespeare' for the bundled corpus")
     p.add_argument("out", help="output directory (a rerun with the same arguments resumes it)")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 
 from trainer3d.config import SIZE_FLAGS
@@ -60,7 +59,7 @@ def active_params(cfg) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m trainer3d.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, or sizes)")
     m.add_argument("--model", default=None, help=f"one of {', '.join(MODEL_PRESETS)}")
     m.add_argument("--n-layer", type=int)

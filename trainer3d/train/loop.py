@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import sys
 import time
 
 import torch.distributed as dist
