@@ -4,6 +4,7 @@ into that sentence on stderr and exit code 2 (no traceback). Everything else is 
 import argparse
 import difflib
 import os
+import re
 import sys
 
 PREFIX = "trainer3d: error: "  # every entry point's, so that a log or a wrapper script can grep one thing
@@ -59,8 +60,9 @@ class ArgumentParser(argparse.ArgumentParser):
     def _nearest_flag(self, message: str) -> str:
         if not message.startswith("unrecognized arguments:"):
             return ""
+        flags = set(re.findall(r"--[\w-]+", self.format_usage()))  # (the usage line names every flag)
         for word in message.split(":", 1)[1].split():
-            close = difflib.get_close_matches(word.split("=")[0], list(self._option_string_actions), n=1, cutoff=0.75)
+            close = difflib.get_close_matches(word.split("=")[0], sorted(flags), n=1, cutoff=0.75)
             if word.startswith("--") and close:
                 return f" (did you mean {close[0]}?)"
         return ""
