@@ -2,8 +2,10 @@
 of packed rows equal transformers' log-softmax of the same model run on each document alone, at one process, tp2·pp2,
 ZeRO-3 at dp4 and (Qwen3-MoE) dp2·ep2; a policy-gradient loss written here (ratio clip, advantages per row) trained
 through forward_backward/step equals transformers' model trained by torch's AdamW on the same loss, per step, in loss
-and gradient norm, under token-mean, sequence-mean and sum (1p, tp2·pp2, ZeRO-3 dp4); the weights streamed by named_weights() are the reference's
-after training; save -> load gives the same log-probabilities. The reference shares no code with trainer3d."""
+and gradient norm, under token-mean, sequence-mean and sum (1p, tp2·pp2, ZeRO-3 dp4); the weights streamed by
+named_weights() are the reference's after training; save -> load gives the same log-probabilities. Misuse (float or
+out-of-vocabulary ids, a mask or field of another shape, a loss_fn that returns a scalar) is refused on every rank at
+tp2·pp2 and changes nothing. The reference shares no code with trainer3d."""
 
 from __future__ import annotations
 
@@ -88,6 +90,33 @@ def reference_run(model, data):
     return losses, norms, first
 
 
+def refusals(engine, tokens, documents) -> list[str]:
+    """Misuse, refused on every rank alike: before any pass, or after it where only the last stage can tell (a loss
+    of another shape); the engine is as it was after each (no gradient left, the same log-probs)."""
+    from trainer3d.errors import ConfigError, TrainingError
+
+    before = engine.logprobs(tokens, documents)
+    said = []
+    for call in (lambda: engine.logprobs(tokens.float(), documents),
+                 lambda: engine.logprobs(tokens + VOCAB, documents),
+                 lambda: engine.forward_backward(tokens, lambda lp, f: -lp, mask=torch.ones(GB, SEQ - 1)),
+                 lambda: engine.forward_backward(tokens, pg_loss, fields={"old": before, "adv": torch.ones(GB)},
+                                                 documents=documents),
+                 lambda: engine.forward_backward(tokens, lambda lp, f: -lp.sum(), documents=documents)):
+        try:
+            call()
+            said.append("accepted")
+        except ConfigError as e:
+            said.append(str(e))
+    try:
+        engine.step()
+        said.append("stepped")
+    except TrainingError as e:
+        said.append(str(e))
+    said.append(torch.equal(engine.logprobs(tokens, documents), before))
+    return said
+
+
 def _engine_run(hf_dir, layout, data, train, tmp):
     from trainer3d.engine import Engine
 
@@ -110,6 +139,8 @@ def _engine_run(hf_dir, layout, data, train, tmp):
                 out["losses"].append(engine.forward_backward(tokens, pg_loss, mask=mask, aggregation=aggregation,
                                                              fields={"old": old, "adv": adv}, documents=documents))
                 out["norms"].append(engine.step()["grad_norm"])
+            if layout.get("pp", 1) > 1:
+                out["refusals"] = refusals(engine, tokens, documents)
             out["weights"] = dict(engine.named_weights())
             before = engine.logprobs(tokens, documents)
             engine.load(engine.save(tmp))
@@ -132,7 +163,20 @@ def test_engine_against_transformers(tmp_path):
             "tp2 pp2": (str(tmp_path / "llama"), dict(tp=2, pp=2), True),
             "moe dp2 ep2": (str(tmp_path / "moe"), dict(dp=2, ep=2), False),
             "zero3 dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero3.json"), True)}
-    results = run_world(4, _world, runs, data, str(tmp_path / "runs"), timeout=600)[0]
+    every_rank = run_world(4, _world, runs, data, str(tmp_path / "runs"), timeout=600)
+    results = every_rank[0]
+    for rank, result in enumerate(every_rank):  # tp2·pp2: ranks 0-1 hold the first stage, 2-3 the last
+        shape = "a tensor of shape []" if rank >= 2 else "another shape (on the last pipeline stage)"
+        assert result["tp2 pp2"]["refusals"] == [
+            "tokens must be integer token ids; got torch.float32.",
+            f"tokens must be ids in [0, {VOCAB}) (the model's vocabulary); got ids from {int(data[-1][0].min()) + VOCAB} "
+            f"to {int(data[-1][0].max()) + VOCAB}.",
+            f"mask must be [{GB}, {SEQ}] (global_batch, seq_len: one value per predicted token); got [{GB}, {SEQ - 1}].",
+            f"fields['adv'] must be [{GB}, {SEQ}] or [{GB}, 1] (global_batch, seq_len: one value per predicted token, "
+            f"or per row); got [{GB}].",
+            f"loss_fn must return one loss per token, a tensor shaped like its logprobs argument ([micro-batch rows, "
+            f"tokens]); it returned {shape}.",
+            "step() without a forward_backward since the last step: there is no gradient.", True], rank
 
     tokens, documents = data[0][0], data[0][1]
     with torch.no_grad():

@@ -109,11 +109,27 @@ class Engine:
         channels = [tokens[:, 1:].double(), rows, positions, weights.double()]
         return torch.stack(channels + [f.double().expand(B, T) for f in fields.values()], dim=-1)
 
-    def _check(self, tokens: torch.Tensor) -> None:
-        gb, seq = self.trainer.plan.global_batch, self.trainer.cfg.seq_len
+    def _check(self, tokens: torch.Tensor, documents: torch.Tensor | None = None, **per_token) -> None:
+        """The caller's tensors, on every rank alike before any pass (inside one, a bad id or shape fails on some
+        stage only, or, on a GPU, as a device-side assert): token ids of the whole batch, `documents` beside them,
+        `per_token` ([B, T], or [B, 1] for a field) by name."""
+        gb, seq, vocab = self.trainer.plan.global_batch, self.trainer.cfg.seq_len, self.trainer.mcfg.vocab_size
         if tokens.dim() != 2 or tuple(tokens.shape) != (gb, seq + 1):
             raise ConfigError(f"tokens must be the whole global batch, [{gb}, {seq + 1}] (global_batch, seq_len + 1); "
                               f"got {list(tokens.shape)}.")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ConfigError(f"tokens must be integer token ids; got {tokens.dtype}.")
+        if tokens.min() < 0 or tokens.max() >= vocab:
+            raise ConfigError(f"tokens must be ids in [0, {vocab}) (the model's vocabulary); got "
+                              f"ids from {int(tokens.min())} to {int(tokens.max())}.")
+        if documents is not None and tuple(documents.shape) != (gb, seq + 1):
+            raise ConfigError(f"documents must be shaped like tokens, [{gb}, {seq + 1}]; got {list(documents.shape)}.")
+        for name, value in per_token.items():
+            widths = (seq,) if name == "mask" else (seq, 1)  # a field may hold one value a row
+            if value.dim() != 2 or value.shape[0] != gb or value.shape[1] not in widths:
+                shapes = " or ".join(f"[{gb}, {w}]" for w in widths)
+                raise ConfigError(f"{name} must be {shapes} (global_batch, seq_len: one value per predicted token"
+                                  f"{'' if name == 'mask' else ', or per row'}); got {list(value.shape)}.")
 
     def _pass(self, tokens, targets, documents, reduction, train: bool) -> list[torch.Tensor]:
         """This dp rank's rows through the schedule, `reduction(logits, targets)` in the loss's place."""
@@ -146,7 +162,7 @@ class Engine:
         """[B, T] float32 log-probabilities of tokens[:, 1:] (and, with `entropy`, the entropy of each position's
         distribution), on every rank; no gradient, dropout off. `documents` [B, T + 1]: each token's document, for
         packed rows under --document-mask."""
-        self._check(tokens)
+        self._check(tokens, documents)
         t = self.trainer
         t.engine.train(False)
 
@@ -170,15 +186,16 @@ class Engine:
         batch; return that loss (on every rank). `mask` [B, T] (default: every token), `fields` {name: [B, T] or
         [B, 1]} the caller's per-token values, given to loss_fn split as the tokens are, with "mask". Several calls
         before one step() add their gradients (DDP; a ZeRO engine takes one call a step)."""
-        self._check(tokens)
+        fields = dict(fields or {})
+        if "mask" in fields:
+            raise ConfigError("'mask' is the engine's field (the mask argument); name yours otherwise.")
+        self._check(tokens, documents, **({} if mask is None else {"mask": mask}),
+                    **{f"fields[{k!r}]": v for k, v in fields.items()})
         t = self.trainer
         if self.passes and t.deepspeed is not None:
             raise TrainingError("A ZeRO engine takes one forward_backward per step(): pass the whole batch at once.")
         B, T = tokens.shape[0], tokens.shape[1] - 1
         mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask.bool()
-        fields = dict(fields or {})
-        if "mask" in fields:
-            raise ConfigError("'mask' is the engine's field (the mask argument); name yours otherwise.")
         fields["mask"] = mask
         names = list(fields)
         targets = self._targets(tokens, token_weights(mask, aggregation), fields)
@@ -190,14 +207,27 @@ class Engine:
             given = {name: targets[..., FIELDS + i].to(logprobs.dtype) for i, name in enumerate(names)}
             given["mask"] = given["mask"] > 0
             losses = loss_fn(logprobs, given)
+            if not torch.is_tensor(losses) or losses.shape != logprobs.shape:  # refused after the pass, on every rank
+                returned.append(f"a tensor of shape {list(losses.shape)}" if torch.is_tensor(losses)
+                                else f"a {type(losses).__name__}")
+                return logprobs.sum() * 0.0  # every stage's backward still runs: no rank is left waiting
             return (losses * targets[..., WEIGHT].to(losses.dtype)).sum() * scale
 
+        returned = []
         losses = self._pass(tokens, targets, documents, reduction, train=True)
-        self.passes += 1
-        local = torch.zeros(1, device=self.device)
+        local = torch.zeros(2, device=self.device)  # the loss, and whether loss_fn returned another shape
         if t.pm.has_last and self.topo.tp_rank == 0 and losses:
             local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
-        self._loss = all_reduce(local, self.topo.world_group)[0] + (self._loss if self.passes > 1 else 0.0)
+        local[1] = float(bool(returned))
+        reduced = all_reduce(local, self.topo.world_group)
+        if reduced[1] > 0:
+            t.engine.zero_grad()  # (the calls before it in this step are spent too: the step starts over)
+            self.passes = 0
+            got = returned[0] if returned else "another shape (on the last pipeline stage)"
+            raise ConfigError(f"loss_fn must return one loss per token, a tensor shaped like its logprobs argument "
+                              f"([micro-batch rows, tokens]); it returned {got}.")
+        self.passes += 1
+        self._loss = reduced[0] + (self._loss if self.passes > 1 else 0.0)
         return float(self._loss)
 
     def step(self) -> dict:
