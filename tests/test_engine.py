@@ -171,9 +171,10 @@ def test_engine_against_transformers(tmp_path):
             "tokens must be integer token ids; got torch.float32.",
             f"tokens must be ids in [0, {VOCAB}) (the model's vocabulary); got ids from {int(data[-1][0].min()) + VOCAB} "
             f"to {int(data[-1][0].max()) + VOCAB}.",
-            f"mask must be [{GB}, {SEQ}] (global_batch, seq_len: one value per predicted token); got [{GB}, {SEQ - 1}].",
-            f"fields['adv'] must be [{GB}, {SEQ}] or [{GB}, 1] (global_batch, seq_len: one value per predicted token, "
-            f"or per row); got [{GB}].",
+            f"mask must be a tensor [{GB}, {SEQ}] (global_batch, seq_len: one value per predicted token); got "
+            f"[{GB}, {SEQ - 1}].",
+            f"fields['adv'] must be a tensor [{GB}, {SEQ}] or [{GB}, 1] (global_batch, seq_len: one value per predicted "
+            f"token, or per row); got [{GB}].",
             f"loss_fn must return one loss per token, a tensor shaped like its logprobs argument ([micro-batch rows, "
             f"tokens]); it returned {shape}.",
             "step() without a forward_backward since the last step: there is no gradient.", True], rank

@@ -126,10 +126,11 @@ class Engine:
             raise ConfigError(f"documents must be shaped like tokens, [{gb}, {seq + 1}]; got {list(documents.shape)}.")
         for name, value in per_token.items():
             widths = (seq,) if name == "mask" else (seq, 1)  # a field may hold one value a row
-            if value.dim() != 2 or value.shape[0] != gb or value.shape[1] not in widths:
+            shape = list(value.shape) if torch.is_tensor(value) else f"a {type(value).__name__}"
+            if not torch.is_tensor(value) or value.dim() != 2 or value.shape[0] != gb or value.shape[1] not in widths:
                 shapes = " or ".join(f"[{gb}, {w}]" for w in widths)
-                raise ConfigError(f"{name} must be {shapes} (global_batch, seq_len: one value per predicted token"
-                                  f"{'' if name == 'mask' else ', or per row'}); got {list(value.shape)}.")
+                raise ConfigError(f"{name} must be a tensor {shapes} (global_batch, seq_len: one value per predicted "
+                                  f"token{'' if name == 'mask' else ', or per row'}); got {shape}.")
 
     def _pass(self, tokens, targets, documents, reduction, train: bool) -> list[torch.Tensor]:
         """This dp rank's rows through the schedule, `reduction(logits, targets)` in the loss's place."""
