@@ -119,9 +119,10 @@ class Engine:
                               f"got {list(tokens.shape)}.")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ConfigError(f"tokens must be integer token ids; got {tokens.dtype}.")
-        if tokens.min() < 0 or tokens.max() >= vocab:
-            raise ConfigError(f"tokens must be ids in [0, {vocab}) (the model's vocabulary); got "
-                              f"ids from {int(tokens.min())} to {int(tokens.max())}.")
+        low, high = (int(x) for x in torch.aminmax(tokens))  # one pass over the batch
+        if low < 0 or high >= vocab:
+            raise ConfigError(f"tokens must be ids in [0, {vocab}) (the model's vocabulary); got ids from {low} to "
+                              f"{high}.")
         if documents is not None and tuple(documents.shape) != (gb, seq + 1):
             raise ConfigError(f"documents must be shaped like tokens, [{gb}, {seq + 1}]; got {list(documents.shape)}.")
         for name, value in per_token.items():
@@ -202,6 +203,7 @@ class Engine:
         targets = self._targets(tokens, token_weights(mask, aggregation), fields)
         scale = (t.loss_scale.scale if t.loss_scale else 1.0) * t.topo.layout.dp_cp  # the engine averages over dp·cp
         t.engine.train()
+        returned = []  # what loss_fn returned where it was not one loss per token (the last stage sees it)
 
         def reduction(logits, targets):
             logprobs = -t.token_losses(logits, targets[..., TARGET].long())
@@ -214,7 +216,6 @@ class Engine:
                 return logprobs.sum() * 0.0  # every stage's backward still runs: no rank is left waiting
             return (losses * targets[..., WEIGHT].to(losses.dtype)).sum() * scale
 
-        returned = []
         losses = self._pass(tokens, targets, documents, reduction, train=True)
         local = torch.zeros(2, device=self.device)  # the loss, and whether loss_fn returned another shape
         if t.pm.has_last and self.topo.tp_rank == 0 and losses:
