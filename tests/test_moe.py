@@ -332,10 +332,16 @@ def _balance(blocks: list[MoE], micro_batches: int = 1, **flags) -> MoEBalance:
                                     moe_bias_update_rate=0.0, moe_capacity_factor=None), **flags})
     topo = SimpleNamespace(layout=SimpleNamespace(tp=1, cp=1, dp_cp=1), tp_group=None, cp_group=None, tp_rank=0,
                            stage_group=None, world_group=None)
-    mcfg = SimpleNamespace(moe_layers=[b.layer for b in blocks], moe=SPEC)
+    mcfg = SimpleNamespace(moe_layers=[b.layer for b in blocks], moe=blocks[0].gate.spec)
     trainer = SimpleNamespace(cfg=cfg, topo=topo, mcfg=mcfg, device=torch.device("cpu"), loss_scale=None,
                               plan=SimpleNamespace(micro_batches=micro_batches), pm=SimpleNamespace(sequence=None))
     return MoEBalance(trainer, [torch.nn.ModuleList(blocks)])
+
+
+def _shares(r: Routing) -> torch.Tensor:
+    """[N, E] each token's router scores as shares summing to 1, the P the balance losses average: softmax scores as
+    they are; sigmoid scores s_{i,t} / Σ_j s_{j,t} (DeepSeek-V3 report, eq. 19-20)."""
+    return r.scores / r.scores.sum(-1, keepdim=True) if r.scores.sum(-1).sub(1).abs().max() > 1e-5 else r.scores
 
 
 def _sequence_aux(scores: torch.Tensor, experts: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -362,14 +368,20 @@ def _pooled_aux(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor
     return E * (share * scores.mean(0)).sum()
 
 
-@pytest.mark.parametrize("mode", ["sequence", "global", "hf", "z"])
-def test_balance_losses_have_their_papers_values_and_gradients(mode):
+SIGMOID = MoESpec(n_experts=8, top_k=2, expert_hidden=24, score="sigmoid")
+
+
+@pytest.mark.parametrize("mode,spec", [("sequence", SPEC), ("global", SPEC), ("hf", SPEC), ("z", SPEC),
+                                       ("sequence", SIGMOID), ("global", SIGMOID), ("hf", SIGMOID)],
+                         ids=["sequence", "global", "hf", "z", "sequence-sigmoid", "global-sigmoid", "hf-sigmoid"])
+def test_balance_losses_have_their_papers_values_and_gradients(mode, spec):
     """Two MoE blocks in a row: the loss the balance adds has the formula's value (the balance losses: their mean over
     the layers, transformers' pooled one pooling them itself; the z-loss: the sum), and the blocks' gradients are
-    those of (output + coef · formula), i.e. the loss was trained, not only reported."""
+    those of (output + coef · formula), i.e. the loss was trained, not only reported. A sigmoid router's P is the
+    mean of its per-token normalised scores (the formula reads `_shares`)."""
     coef = 0.1
     flags = {"z": dict(moe_z_loss_coef=coef)}.get(mode, dict(moe_aux_loss_coef=coef, moe_aux_loss=mode))
-    blocks = [block(seed=1, layer=1), block(seed=2, layer=2)]
+    blocks = [block(spec, seed=1, layer=1), block(spec, seed=2, layer=2)]
     balance = _balance(blocks, **flags)
     x = torch.randn(3, 10, 32)
     target = torch.randn(3, 10, 32)
@@ -385,11 +397,11 @@ def test_balance_losses_have_their_papers_values_and_gradients(mode):
     routes = [Routing(*blocks[0].gate(x.view(-1, 32))), Routing(*blocks[1].gate(h.view(-1, 32)))]
     out_ref = blocks[1](h)
     if mode == "sequence":
-        formula = sum(_sequence_aux(r.scores, r.experts, 3, 10) for r in routes) / 2
+        formula = sum(_sequence_aux(_shares(r), r.experts, 3, 10) for r in routes) / 2
     elif mode == "global":
-        formula = sum(_global_aux(r.scores, r.experts) for r in routes) / 2
+        formula = sum(_global_aux(_shares(r), r.experts) for r in routes) / 2
     elif mode == "hf":
-        formula = _pooled_aux([(r.scores, r.experts) for r in routes])
+        formula = _pooled_aux([(_shares(r), r.experts) for r in routes])
     else:
         formula = sum(torch.logsumexp(r.logits, -1).square().mean() for r in routes)
     ref_grads = torch.autograd.grad((out_ref * target).sum() + coef * formula, params)
@@ -398,6 +410,24 @@ def test_balance_losses_have_their_papers_values_and_gradients(mode):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6 * r.abs().max().item())
     router_grad_without = torch.autograd.grad((blocks[1](blocks[0](x)) * target).sum(), blocks[0].gate.weight)[0]
     assert (grads[0] - router_grad_without).abs().max() > 1e-6  # the loss moved the router's gradient
+
+
+@pytest.mark.parametrize("mode", ["sequence", "global"])
+def test_a_uniform_sigmoid_router_costs_coef_times_k(mode):
+    """DeepSeek-V3's sigmoid router with every logit 0 (every score 0.5, the start of training): each token's shares
+    are 1/E, so E·Σ_e f_e·P_e = Σ_e f_e = k whatever the choices, and coefficient 1 gives k = 2 at 8 experts (raw
+    sigmoid scores gave E·0.5·k = 8); moving every logit down alike leaves it unchanged (raw scores: it fell)."""
+    blocks = [block(SIGMOID, seed=1, layer=1)]
+    balance = _balance(blocks, moe_aux_loss_coef=1.0, moe_aux_loss=mode)
+    with torch.no_grad():
+        blocks[0].gate.weight.zero_()
+    blocks[0](torch.randn(3, 10, 32))
+    assert balance.losses[0].item() == pytest.approx(2.0, rel=1e-6)
+    balance = _balance(blocks, moe_aux_loss_coef=1.0, moe_aux_loss=mode)
+    with torch.no_grad():  # every logit -3: inputs of ones, a weight of -3/32 (the scores 0.047)
+        blocks[0].gate.weight.fill_(-3.0 / 32)
+    blocks[0](torch.ones(3, 10, 32))
+    assert balance.losses[0].item() == pytest.approx(2.0, rel=1e-6)
 
 
 @pytest.mark.parametrize("preset,total,active", [("qwen3-30b-a3b", 30.53, 3.35), ("qwen3-235b-a22b", 235.09, 22.19),

@@ -1,11 +1,15 @@
 """A run's load balancing of its mixtures of experts, and what it reports of their routing.
 
-`--moe-aux-loss-coef c` means what transformers' `router_aux_loss_coef` means (Qwen3-MoE, Mixtral): the loss is
-c × E·Σ_e f_e·P_e over the MoE layers' mean, f_e the share of tokens that chose expert e (Σ_e f_e = k), P_e the mean
-router score of e; a balanced router gives c·k. (It used to be DeepSeek-V3's normalization, 1 a balanced layer, summed
-over layers: L/k times transformers', 6× for Qwen3-30B-A3B.) The modes differ only in what f and P are counted over.
-Each loss is attached to the MoE block's output by `AuxLossScaler`, which hands its gradient, already scaled, into the
-backward wherever the block runs (any pipeline stage, recomputed or not):
+`--moe-aux-loss-coef c` means what transformers' `router_aux_loss_coef` means (Qwen3-MoE, Mixtral): the loss is c ×
+E·Σ_e f_e·P_e over the MoE layers' mean, f_e the share of tokens that chose expert e (Σ_e f_e = k), P_e the mean over
+tokens of e's share of the token's router scores; a balanced router gives c·k. A sigmoid router's scores (DeepSeek-V3)
+are normalised per token to sum to 1 first, as the DeepSeek-V3 report (eq. 19-20) and Megatron-core's
+compute_routing_scores_for_aux_loss do (softmax scores sum to 1 already). (Until 2026-12-06 it read the raw sigmoid
+scores: E·s̄ times too strong, s̄ their mean, 4× at 8 experts and 128× at 256 with scores near 0.5, and lowered by
+pushing every logit down, which balances nothing.) (It used to be DeepSeek-V3's normalization, 1 a balanced layer,
+summed over layers: L/k times transformers', 6× for Qwen3-30B-A3B.) The modes differ only in what f and P are counted
+over. Each loss is attached to the MoE block's output by `AuxLossScaler`, which hands its gradient, already scaled, into
+the backward wherever the block runs (any pipeline stage, recomputed or not):
 
 - `sequence` (the default), DeepSeek-V3's per-sequence loss: f and P of each sequence, the loss the mean over the
   global batch's sequences. A sequence's statistics never depend on what splits the batch (dp, micro-batches) or the
@@ -69,6 +73,7 @@ class MoEBalance:
         self.blocks = {m.layer: m for s in stages for m in s.modules() if isinstance(m, MoE)}
         self.rows = {layer: i for i, layer in enumerate(trainer.mcfg.moe_layers)}  # every MoE layer of the model
         self.n_experts = trainer.mcfg.moe.n_experts
+        self.normalize = trainer.mcfg.moe.score == "sigmoid"  # the loss reads each token's scores summing to 1
         # tokens of a sequence on this rank are 1/split of the dp×cp rank's (tp ranks route their own) and 1/cp of it
         self.split, self.cp = topo.layout.tp, topo.layout.cp
         for block in self.blocks.values():
@@ -169,9 +174,13 @@ class MoEBalance:
             shape[0] * shape[1] * self.split * self.trainer.plan.micro_batches * self.topo.layout.dp_cp)
         return self.topo.layout.dp_cp / tokens
 
-    @staticmethod
-    def _real_scores(routing: Routing, real: torch.Tensor | None) -> torch.Tensor:
-        return routing.scores if real is None else routing.scores.masked_fill(~real.unsqueeze(1), 0.0)
+    def _real_scores(self, routing: Routing, real: torch.Tensor | None) -> torch.Tensor:
+        """[N, E] the scores the balance losses read: each token's share of its scores (a sigmoid router's divided
+        by their sum, with Megatron-core's 1e-20), 0 for a padding token."""
+        scores = routing.scores
+        if self.normalize:
+            scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        return scores if real is None else scores.masked_fill(~real.unsqueeze(1), 0.0)
 
     def _sequence_aux(self, block: MoE, routing: Routing, experts: torch.Tensor, real, shape) -> torch.Tensor:
         """This rank's share of coef/layers × the mean over the global batch's sequences of E·Σ_e f_e·P_e (scaled so
