@@ -54,13 +54,38 @@ def reference_logprobs(model, tokens, documents):
     return out
 
 
-def reference_aggregate(losses, mask, aggregation):
+def reference_aggregate(losses, mask, documents, aggregation):
+    """token-mean, sum, and sequence-mean as GRPO defines it: 1/G Σ_i 1/|o_i| Σ_t over the G sequences (here each
+    document of a row: a token belongs to the document its context is in), not over the rows."""
     m = mask.float()
     if aggregation == "token-mean":
         return (losses * m).sum() / m.sum()
     if aggregation == "sequence-mean":
-        return ((losses * m).sum(1) / m.sum(1)).mean()
+        means = []
+        for b in range(losses.shape[0]):
+            for d in documents[b, :-1].unique():
+                tokens = m[b] * (documents[b, :-1] == d)
+                if tokens.sum() > 0:
+                    means.append((losses[b] * tokens).sum() / tokens.sum())
+        return torch.stack(means).mean()
     return (losses * m).sum()
+
+
+def test_sequence_mean_weighs_each_packed_sequence_alike():
+    """The packed row of the issue: a 2-token and a 6-token reply in one row, a 4-token one in the other; GRPO weighs
+    each of the 3 sequences 1/3, its tokens 1/6, 1/18 and 1/12 (a per-row mean gave the first two 1/8 and 3/8)."""
+    from trainer3d.engine import token_weights
+
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[0, 1:3] = mask[0, 4:10] = mask[1, 0:4] = True
+    documents = torch.zeros(2, 10, dtype=torch.long)
+    documents[0, 3:] = 1
+    weights = token_weights(mask, "sequence-mean", documents)
+    expected = torch.zeros(2, 10, dtype=torch.float64)
+    expected[0, 1:3], expected[0, 4:10], expected[1, 0:4] = 1 / 6, 1 / 18, 1 / 12
+    torch.testing.assert_close(weights, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(token_weights(mask, "sequence-mean")[0, 1:3], torch.full((2,), 1 / 16,
+                               dtype=torch.float64))  # unpacked rows: a row is one sequence
 
 
 def reference_run(model, data):
@@ -79,9 +104,10 @@ def reference_run(model, data):
         per_token = pg_loss(lp, {"old": old, "adv": adv})
         if step == 0:
             for other in ("token-mean", "sequence-mean"):
-                grads = torch.autograd.grad(reference_aggregate(per_token, mask, other), params, retain_graph=True)
+                grads = torch.autograd.grad(reference_aggregate(per_token, mask, documents, other), params,
+                                            retain_graph=True)
                 first[other] = torch.cat([g.flatten() for g in grads]).norm().item()
-        loss = reference_aggregate(per_token, mask, aggregation)
+        loss = reference_aggregate(per_token, mask, documents, aggregation)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
         opt.step()

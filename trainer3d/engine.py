@@ -19,8 +19,9 @@ back by (row, position) and summed over the world once, one writer per token.
 `loss_fn(logprobs, fields) -> per-token losses`: logprobs [mb, T'] of this micro-batch's tokens on this rank (T' =
 seq_len, or seq_len/cp), fields the caller's [mb, T'] tensors split alike (and "mask"). The engine weights each
 token's loss by the aggregation, from the whole batch on the host: token-mean (1/N, N the global count of masked
-tokens: DAPO, Dr. GRPO), sequence-mean (1/(n_rows · n_i), n_i the row's masked tokens: GRPO), sum; so the gradient is
-that of the aggregated loss over the global batch at every layout.
+tokens: DAPO, Dr. GRPO), sequence-mean (1/(n_seq · n_i), n_i the masked tokens of the token's sequence: GRPO), sum;
+so the gradient is that of the aggregated loss over the global batch at every layout. A sequence is a document of a
+packed row (the call's `documents`, or those the eos_id opens under --document-mask), else the row.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from trainer3d.checkpoint.hf import hf_tables, hf_tensors
 from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.save import parameter_pieces, save_checkpoint
 from trainer3d.config import TrainConfig
+from trainer3d.data.batch import document_ids
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.errors import ConfigError, TrainingError
@@ -49,15 +51,21 @@ TARGET, ROW, POSITION, WEIGHT, FIELDS = 0, 1, 2, 3, 4  # the channels of the tar
 LossFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
-def token_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """[B, T] float64: each token's weight in the aggregated loss over the whole batch (0 where mask is False)."""
+def token_weights(mask: torch.Tensor, aggregation: str, sequences: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] float64: each token's weight in the aggregated loss over the whole batch (0 where mask is False).
+    `sequences` [B, T]: the sequence (document) of each predicted token within its row, where rows are packed (None:
+    a row is one sequence); sequence-mean weighs a masked token 1/(n_seq · n_i), n_seq the sequences with a masked
+    token, n_i its sequence's masked tokens (GRPO's 1/G Σ_i 1/|o_i| Σ_t), whatever row the sequence shares."""
     m = mask.double()
     if aggregation == "token-mean":
         return m / m.sum().clamp(min=1)
     if aggregation == "sequence-mean":
-        per_row = m.sum(dim=1, keepdim=True)
-        rows = (per_row > 0).sum().clamp(min=1)
-        return m / per_row.clamp(min=1) / rows
+        docs = torch.zeros(m.shape, dtype=torch.long) if sequences is None else sequences.long()
+        keys = torch.stack([torch.arange(m.shape[0])[:, None].expand_as(docs), docs], -1).reshape(-1, 2)
+        _, seq = torch.unique(keys, dim=0, return_inverse=True)  # (row, document) -> one id per sequence
+        per_seq = torch.zeros(int(seq.max()) + 1, dtype=torch.float64).index_add_(0, seq, m.reshape(-1))
+        n_seq = (per_seq > 0).sum().clamp(min=1)
+        return m / per_seq[seq].view_as(m).clamp(min=1) / n_seq
     if aggregation == "sum":
         return m
     raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)} (got {aggregation!r}).")
@@ -108,6 +116,15 @@ class Engine:
         positions = torch.arange(T, dtype=torch.float64)[None, :].expand(B, T)
         channels = [tokens[:, 1:].double(), rows, positions, weights.double()]
         return torch.stack(channels + [f.double().expand(B, T) for f in fields.values()], dim=-1)
+
+    def _sequences(self, tokens: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor | None:
+        """[B, T] the document of each predicted token's context (the one its attention sees), where rows are packed:
+        the call's `documents`, or those the eos_id opens under --document-mask / --reset-position-ids; else None."""
+        if documents is not None:
+            return documents[:, :-1]
+        if self.eos_id is not None and self.trainer.cfg.uses_documents:
+            return document_ids(tokens, self.eos_id)[:, :-1]
+        return None
 
     def _check(self, tokens: torch.Tensor, documents: torch.Tensor | None = None, **per_token) -> None:
         """The caller's tensors, on every rank alike before any pass (inside one, a bad id or shape fails on some
@@ -200,7 +217,7 @@ class Engine:
         mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask.bool()
         fields["mask"] = mask
         names = list(fields)
-        targets = self._targets(tokens, token_weights(mask, aggregation), fields)
+        targets = self._targets(tokens, token_weights(mask, aggregation, self._sequences(tokens, documents)), fields)
         scale = (t.loss_scale.scale if t.loss_scale else 1.0) * t.topo.layout.dp_cp  # the engine averages over dp·cp
         t.engine.train()
         returned = []  # what loss_fn returned where it was not one loss per token (the last stage sees it)
