@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,8 +63,7 @@ def _dpo_run(model_dir, data, layout, loss, smoothing, out_dir):
             score_with_reference(setup, topo, torch.device("cpu"), mcfg, pairs, out_dir)
         trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value, boundary=pairs.eos_id)
         apply(start, trainer, loader)
-        if pairs.reference is None:
-            load_or_score(trainer, pairs, out_dir, fresh=True)
+        load_or_score(trainer, pairs, out_dir, fresh=True)
         out = [trainer.train_step(loader.next_batch()) for _ in range(STEPS)]
     topo.destroy()
     return out
@@ -142,3 +142,40 @@ def test_cli_counts_bad_pairs_and_logs_rewards(tmp_path):
         p = subprocess.run(cmd[:-1] + [str(tmp_path / "run3"), "--ref-model", str(ref)], env=launch_env(),
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 2 and said in p.stderr, p.stderr[-2000:]
+
+
+def test_a_resume_into_a_new_out_dir_keeps_the_reference_and_its_mask(tmp_path):
+    """The reference log-probs belong to the checkpoint: a run resumed from step 2 into another --out-dir, at another
+    layout (tp2 under torchrun), gives step 3 of the uninterrupted run (re-scoring them with the step-2 policy, as a
+    reference kept only in the first run's directory did, zeroes the rewards). Under --document-mask and
+    --reset-position-ids on conversational rows (whose chat template closes the user's turn with eos) the reference is
+    scored with the rows' own documents, as training sees them: at step 1 the policy is the reference, every reward 0
+    and the loss ln 2 (scored by eos-opened documents instead, they were not)."""
+    from distributed import free_port
+
+    tiny_chat_model(tmp_path / "model")
+    write_rows(tmp_path / "pairs.jsonl", preference_rows(8, conversational=True))
+    flags = ["--init-from-hf", str(tmp_path / "model"), "--objective", "dpo", "--data-format", "preference", "--data",
+             str(tmp_path / "pairs.jsonl"), "--seq-len", "64", "--global-batch", "8", "--max-steps", "3",
+             "--log-every", "1", "--lr", "1e-3", "--min-lr", "1e-3", "--warmup-steps", "0", "--document-mask",
+             "--reset-position-ids", "--precision", "fp32"]
+    first = subprocess.run([sys.executable, "launch/train.py", *flags, "--save-every", "2", "--out-dir",
+                            str(tmp_path / "a")], env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    resumed = subprocess.run([*torchrun, "launch/train.py", *flags, "--tp", "2", "--resume",
+                              str(tmp_path / "a" / "checkpoints" / "step_000002"), "--out-dir", str(tmp_path / "b")],
+                             env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = {run: [json.loads(line) for line in open(tmp_path / run / "metrics.jsonl") if "rewards/margins" in line]
+             for run in ("a", "b")}
+    start = steps["a"][0]
+    print(f"\nstep 1: {start}\nstep 3: {steps['a'][-1]}\nresumed: {steps['b'][-1]}")
+    assert abs(start["loss"] - 0.6931472) < 1e-6 and abs(start["rewards/chosen"]) < 1e-6, start
+    assert [r["step"] for r in steps["b"]] == [3]
+    for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(steps["b"][0][key] - steps["a"][-1][key]) <= 1e-5 * max(1.0, abs(steps["a"][-1][key])), key
+    assert abs(steps["a"][-1]["rewards/margins"]) > 1e-3  # the policy has moved away from the reference
+    reference = np.load(tmp_path / "a" / "dpo_reference.npy", allow_pickle=False)
+    assert np.array_equal(np.load(tmp_path / "b" / "dpo_reference.npy", allow_pickle=False), reference)

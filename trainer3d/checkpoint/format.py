@@ -334,6 +334,11 @@ class Checkpoint:
             return None
         return self.local_tensor("table", name, None, shape, 0, 1)
 
+    def run_table(self, name: str) -> torch.Tensor | None:
+        """A saved run table (save.rank_pieces: the objective's state, one piece in its own dtype), or None."""
+        pieces = self.pieces.get(("run", name))
+        return None if not pieces else self._handle(pieces[0].file).get_tensor(pieces[0].key)
+
     def model_tensor(self, name: str) -> torch.Tensor:
         """One whole canonical parameter, in fp32."""
         return self.local_tensor("param", name, None, tuple(self.shapes[name]), 0, 1)

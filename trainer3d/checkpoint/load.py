@@ -108,6 +108,8 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     # (a checkpoint saved before the first step has values only; ZeRO still takes them into its fp32 masters)
     trainer.engine.load_param_states(items)
     copy_tables(trainer, ckpt.table)
+    if trainer.objective is not None:
+        trainer.objective.load_run_tables(ckpt.run_table)
     ls = meta.get("loss_scale")
     if trainer.loss_scale is not None and ls:
         for k, v in ls.items():

@@ -16,9 +16,10 @@ from typing import Callable
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # a parameter's AdamW moments
-# a parameter's fp32 value and its moments, pieced alike; and a model's tables (state that is no parameter: a router's
-# selection bias, trained by loss-free balancing)
-KINDS = ("param", *MOMENTS, "table")
+# a parameter's fp32 value and its moments, pieced alike; a model's tables (state that is no parameter: a router's
+# selection bias, trained by loss-free balancing); and the run's tables (state of the objective that every rank holds
+# whole, written whole by rank 0 in its own dtype: the DPO reference log-probs)
+KINDS = ("param", *MOMENTS, "table", "run")
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,9 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
                 pieces[piece_key("table", name, b.start, b.size)] = _to_host(part, pinned, copy=True)
     if pinned:
         torch.cuda.synchronize(trainer.device)
+    if topo.rank == 0 and trainer.objective is not None:  # the same on every rank: written once, whole
+        for name, t in trainer.objective.run_tables().items():
+            pieces[piece_key("run", name, (0,) * t.dim(), tuple(t.shape))] = t.detach().cpu().clone()
     pieces[RNG_PREFIX + "cpu"] = torch.get_rng_state()
     if trainer.device.type == "cuda":
         pieces[RNG_PREFIX + "cuda"] = torch.cuda.get_rng_state(trainer.device)

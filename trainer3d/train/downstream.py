@@ -28,8 +28,9 @@ from trainer3d.data.hellaswag import IGNORE, Example, HellaSwagResult, ScoringRo
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.generate import pick_next_token
 
-# make_batch(global row indices) -> (inputs [n, seq_len], targets [n, seq_len]); indices past the rows are padding
-MakeBatch = Callable[[np.ndarray], "tuple[torch.Tensor, torch.Tensor]"]
+# make_batch(global row indices) -> (inputs [n, seq_len], targets [n, seq_len], documents [n, seq_len] where the rows
+# know them, else None: from the boundary token under --document-mask); indices past the rows are padding
+MakeBatch = Callable[[np.ndarray], "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]"]
 # reduction(logits shard [mb, T, vocab/tp], targets [mb, T]) -> [mb, width], a sum over the T tokens (T: seq_len,
 # or this rank's seq_len/cp tokens under context parallelism: the targets are split alike)
 Reduction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -52,8 +53,8 @@ def forward_rows(trainer, n_rows: int, make_batch: MakeBatch, reduction: Reducti
     index = np.arange(passes * gb, dtype=np.int64)[:, None]  # sharded over dp like validation rows
     for batch in val_batches(index, gb, topo.dp_rank, topo.layout.dp):
         rows = batch.tokens
-        inputs, targets = make_batch(rows[:, 0].numpy())
-        results = trainer.forward_only(inputs, torch.cat([targets, rows], dim=1), tagged)
+        inputs, targets, documents = make_batch(rows[:, 0].numpy())
+        results = trainer.forward_only(inputs, torch.cat([targets, rows], dim=1), tagged, documents)
         if writes:
             got = torch.cat(results)
             ids = got[:, 0].long()
@@ -71,7 +72,7 @@ def hellaswag(trainer, rows: ScoringRows, pad_id: int) -> HellaSwagResult:
         per_token = trainer.token_losses(logits, targets.clamp(min=0)) * scored
         return torch.stack([per_token.sum(dim=1), scored.sum(dim=1).float()], dim=1)
 
-    out = forward_rows(trainer, len(rows), lambda idx: rows.batch(idx, pad_id), masked_row_losses, width=2)
+    out = forward_rows(trainer, len(rows), lambda idx: (*rows.batch(idx, pad_id), None), masked_row_losses, width=2)
     out = out.cpu().numpy()
     return score(rows, out[:, 0], out[:, 1])
 
@@ -87,13 +88,13 @@ def sample(trainer, prompt: list[int], count: int, n_tokens: int, temperature: f
         window = seqs[:, -seq_len:]
         last = window.shape[1] - 1
 
-        def make_batch(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        def make_batch(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
             inputs = torch.full((len(idx), seq_len), pad_id, dtype=torch.long)
             mine = idx < count
             inputs[torch.from_numpy(mine), : window.shape[1]] = window[torch.from_numpy(idx[mine])]
             at_last = torch.zeros(len(idx), seq_len, dtype=torch.long)
             at_last[:, last] = 1  # marks the position whose logits are kept (on whichever cp rank holds it)
-            return inputs, at_last
+            return inputs, at_last, None
 
         logits = forward_rows(trainer, count, make_batch, lambda lg, at_last: (lg * at_last[..., None]).sum(dim=1),
                               width=trainer.pm.padded_vocab // trainer.topo.layout.tp, vocab_sharded=True)

@@ -13,7 +13,9 @@ rewards/rejected, rewards/margins and rewards/accuracies (the share of pairs wit
 
 The reference log-probs are the initial weights' (TRL's ref_model=None), or --ref-model's (a Trainer of that model at
 the same layout, built, used and dropped before the policy's), scored once before the first step (forward-only passes
-over every pair) and kept in <out-dir>/dpo_reference.npy, so a --resume uses the same ones after the weights moved.
+over every pair, with the rows' own documents, as training sees them under --document-mask / --reset-position-ids).
+They belong to the run's state: every checkpoint holds them (a run table, layout-free), so a --resume at any layout and
+into any --out-dir uses the first run's after the weights moved; <out-dir>/dpo_reference.npy is a copy to read.
 """
 
 from __future__ import annotations
@@ -44,6 +46,17 @@ class DPO:
         self.trainer, self.beta, self.kind, self.smoothing = trainer, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing
         self.sums = torch.zeros(len(METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
         self.pairs = trainer.plan.global_batch // 2  # a step's (--global-batch counts rows, two a pair)
+        self.reference: np.ndarray | None = None  # [2n] every row's reference log-prob (load_or_score), checkpointed
+
+    def run_tables(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the objective (checkpoint/save.py: written whole by rank 0)."""
+        return {} if self.reference is None else {"dpo_reference": torch.from_numpy(self.reference)}
+
+    def load_run_tables(self, read) -> None:
+        """From a checkpoint (checkpoint/load.py): `read(name)` a saved run table or None (saved before they were)."""
+        saved = read("dpo_reference")
+        if saved is not None:
+            self.reference = saved.double().numpy()
 
     def targets(self, batch: Batch, targets: torch.Tensor) -> torch.Tensor:
         """[B, T + 1] float64: the targets (-1 where not supervised), then each row's reference log-prob."""
@@ -90,34 +103,44 @@ def reference_logprobs(trainer, rows) -> np.ndarray:
     first step): forward-only passes over every row, every rank getting every value."""
     dpo, flat = trainer.objective, rows.tokens
 
-    def make_batch(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def make_batch(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         real = np.minimum(idx, len(flat) - 1)
         tokens = torch.from_numpy(flat[real].astype(np.int64))
         supervised = torch.from_numpy(rows.flags[real][:, 1:].astype(bool)) & torch.from_numpy(idx < len(flat))[:, None]
-        return tokens[:, :-1], tokens[:, 1:].masked_fill(~supervised, -1)
+        documents = torch.from_numpy(rows.documents[real][:, :-1].astype(np.int64))  # as the training rows carry them
+        return tokens[:, :-1], tokens[:, 1:].masked_fill(~supervised, -1), documents
 
     out = forward_rows(trainer, len(flat), make_batch, lambda lg, tg: dpo.row_logprobs(lg, tg)[:, None], width=1)
     return out[:, 0].double().cpu().numpy()
 
 
 def load_or_score(trainer, rows, out_dir: str, fresh: bool) -> None:
-    """Set rows.reference: scored now and written atomically to <out_dir>/dpo_reference.npy (a fresh run), or read
-    from there (a resumed run; its pairs must be this run's)."""
+    """Set the reference log-probs of every row (rows.reference, and the objective's, which checkpoints save): a
+    resumed run's from its checkpoint (restored into the objective already), --ref-model's (scored into rows before the
+    policy was built), else scored now by the initial weights; written atomically to <out_dir>/dpo_reference.npy where
+    scored or not there yet. A checkpoint saved before they were part of it falls back to that file."""
     path = Path(out_dir) / REFERENCE_FILE
-    if not fresh and path.exists():
+    dpo = trainer.objective
+    reference = dpo.reference if dpo.reference is not None else rows.reference
+    if reference is None and not fresh:
+        if not path.exists():
+            raise DataError(f"The checkpoint holds no DPO reference log-probs (saved by an earlier trainer3d) and "
+                            f"{path} does not exist: resume into the first run's --out-dir, or copy its "
+                            f"{REFERENCE_FILE} there.")
         reference = np.load(path, allow_pickle=False)
-        if reference.shape != (len(rows.tokens),):
-            raise DataError(f"{path} scores {reference.shape[0]} rows and this run has {len(rows.tokens)}; resume "
-                            "with the same preference data and --seq-len.")
-    else:
+    scored = reference is None
+    if scored:
         reference = reference_logprobs(trainer, rows)
-        if trainer.is_logging_rank:
-            os.makedirs(out_dir, exist_ok=True)
-            tmp = temp_name(path)
-            with open(tmp, "wb") as f:
-                np.save(f, reference, allow_pickle=False)
-            replace_durably(tmp, path)
-    rows.reference = reference
+    if reference.shape != (len(rows.tokens),):
+        raise DataError(f"The reference log-probs score {reference.shape[0]} rows and this run has "
+                        f"{len(rows.tokens)}; resume with the same preference data and --seq-len.")
+    if trainer.is_logging_rank and (scored or not path.exists()):  # the copy to read, in a resumed run's new dir too
+        os.makedirs(out_dir, exist_ok=True)
+        tmp = temp_name(path)
+        with open(tmp, "wb") as f:
+            np.save(f, reference, allow_pickle=False)
+        replace_durably(tmp, path)
+    rows.reference = dpo.reference = reference
 
 
 # ---- the flags' rules, before any process group (train/setup.validate calls them) ----------------------------------

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if validates(cfg):  # too few rows: said before step 1
             make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, None)
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
-        if dpo and blocks.reference is None:  # the initial weights' log-probs of every pair (resuming: the first run's)
+        if dpo:  # the reference log-probs of every pair: the checkpoint's, --ref-model's, or the initial weights'
             load_or_score(trainer, blocks, cfg.out_dir, fresh=start.checkpoint is None)
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
         run(trainer, loader,

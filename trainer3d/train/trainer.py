@@ -228,16 +228,18 @@ class Trainer:
         self.step += 1
         return result, lr
 
-    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor, reduction) -> list[torch.Tensor]:
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor, reduction,
+                     documents: torch.Tensor | None = None) -> list[torch.Tensor]:
         """A forward pass without gradients (eval mode) over this dp rank's rows, inputs [local_batch, seq_len], in
         which `reduction(logits_shard, targets_micro_batch)` takes the loss's place: one pipeline for every pass
         with a reduction of its own (HellaSwag's per-row losses, the logits of a sampled position: downstream.py).
         `targets` may have any trailing shape; only the reduction reads it. Returns the reduction's results on the
-        last stage's ranks, [] elsewhere. Every rank of the layout must call it (pipeline, tp and ZeRO-3 exchanges)."""
+        last stage's ranks, [] elsewhere. Every rank of the layout must call it (pipeline, tp and ZeRO-3 exchanges).
+        `documents` [local_batch, seq_len]: each input token's document where the rows know it (_schedule_pass's)."""
         self.engine.train(False)
         self._reduction = reduction
         try:
-            return self._schedule_pass(inputs, targets, train=False)
+            return self._schedule_pass(inputs, targets, train=False, documents=documents)
         finally:
             self._reduction = None
 
