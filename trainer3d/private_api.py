@@ -46,9 +46,6 @@ _ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 _FRAGMENT = "deepspeed.utils.tensor_fragment.tensor_fragment"
 
 PRIVATE: tuple[Private, ...] = (
-    # the standard library
-    Private("argparse._actions", "config.py", "which flags were typed (a parser without defaults)",
-            "set"),
     # torch
     Private("torch.optim.optimizer._default_to_fused_or_foreach", "optim.py", "AdamW fused where torch has it"),
     Private("torch._foreach_mul_", "parallel/ddp.py", "scale every gradient in one kernel"),

@@ -6,7 +6,6 @@ background."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -200,7 +199,7 @@ def _meta(trainer, loader) -> dict:
         "lr": lr_at(trainer.step, trainer.cfg),
         "model_family": trainer.mcfg.family,
         "model": config_to_dict(trainer.mcfg),
-        "config": dataclasses.asdict(trainer.cfg),
+        "config": trainer.cfg.flat(),
         "layout": layout_record(trainer),
         "data_parallel": trainer.engine.describe(),
         "precision": trainer.precision,

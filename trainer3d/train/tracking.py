@@ -38,7 +38,7 @@ def run_config(trainer) -> dict:
     """Everything about the run worth comparing across runs (and nothing from the environment)."""
     cfg, topo, plan, mcfg = trainer.cfg, trainer.topo, trainer.plan, trainer.mcfg
     config: dict[str, Any] = {
-        "train": asdict(cfg),
+        "train": cfg.flat(),
         "layout": {
             "dp": topo.layout.dp,
             "tp": topo.layout.tp,

@@ -58,15 +58,6 @@ def load_ds_json(path_or_dict) -> tuple[dict, str]:
     return ds, path
 
 
-def _given(cfg, name: str) -> bool:
-    """Did the user set this flag? From the command line: it was typed. Programmatic configs: it differs from
-    the dataclass default (None-defaulted fields: it is not None)."""
-    if cfg.explicit_flags is not None:
-        return name in cfg.explicit_flags
-    default = {f.name: f.default for f in dataclasses.fields(cfg)}[name]
-    return getattr(cfg, name) != default
-
-
 def _is_auto(v) -> bool:
     return isinstance(v, str) and v.lower() == "auto"
 
@@ -128,7 +119,7 @@ def _take(section: dict, key: str, flag: str | None, flag_value, cfg, src: str, 
         section[key] = flag_value
         return flag_value
     v = convert(v)
-    if flag is not None and _given(cfg, flag) and v != flag_value:
+    if flag is not None and cfg.given(flag) and v != flag_value:
         raise ConfigError(
             f"{src} sets {key}={v!r} but --{flag.replace('_', '-')} is {flag_value!r}; drop one of them or make them agree."
         )
@@ -169,7 +160,7 @@ def _precision(ds: dict, cfg, src: str) -> bool:
         raise ConfigError(f"{src}: bf16.enabled must be true, false or \"auto\"; fix the JSON.")
     bf16["enabled"] = enabled
     precision = "bf16" if enabled else "fp32"
-    if _given(cfg, "precision") and cfg.precision not in ("auto", precision):
+    if cfg.given("precision") and cfg.precision not in ("auto", precision):
         raise ConfigError(
             f"{src} trains in {precision} but --precision is {cfg.precision}; set bf16.enabled in the JSON instead."
         )
@@ -184,7 +175,7 @@ def _batch(ds: dict, cfg, layout, src: str) -> BatchPlan:
     mbs = None if _is_auto(mbs) else _as_int(mbs, "train_micro_batch_size_per_gpu", src)
     gas = None if _is_auto(gas) else _as_int(gas, "gradient_accumulation_steps", src)
     flag_gb = cfg.global_batch if cfg.global_batch_tokens is None else cfg.global_batch_tokens // max(1, cfg.seq_len)
-    gb_given = _given(cfg, "global_batch") or cfg.global_batch_tokens is not None
+    gb_given = cfg.given("global_batch") or cfg.global_batch_tokens is not None
     if tbs is not None and gb_given and tbs != flag_gb:
         raise ConfigError(
             f"{src} sets train_batch_size={tbs} but the flags ask for a global batch of {flag_gb} sequences; "
@@ -248,7 +239,7 @@ def _optimizer(ds: dict, cfg, src: str) -> AdamSettings:
         raise ConfigError(f"{src}: optimizer betas must be two numbers; fix the JSON.")
     if not _is_auto(opt.get("params", {}).get("betas", "auto")):
         for flag, val in (("beta1", betas[0]), ("beta2", betas[1])):
-            if _given(cfg, flag) and getattr(cfg, flag) != val:
+            if cfg.given(flag) and getattr(cfg, flag) != val:
                 raise ConfigError(f"{src} sets betas={betas} but --{flag} is {getattr(cfg, flag)}; drop one of them.")
     wd = _take(params, "weight_decay", "weight_decay", cfg.weight_decay, cfg, src, float)
     eps = _take(params, "eps", "adam_eps", cfg.adam_eps, cfg, src, float)
