@@ -97,7 +97,7 @@ def main(argv=None) -> int:
 
     acc: dict = collections.defaultdict(float)
     time_calls(trainer.engine, "zero_grad", acc, "zero_grad")
-    time_calls(trainer, "_schedule_pass", acc, "forward and backward (launch)")
+    time_calls(trainer, "run_pass", acc, "forward and backward (launch)")
     time_calls(trainer.engine, "reduce_grads", acc, "reduce_grads: dp, norm (launch)")
     time_calls(engine_module, "read_scalars", acc, WAIT)
     time_calls(trainer.engine, "update", acc, "update: clip, AdamW (launch)")

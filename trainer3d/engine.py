@@ -161,11 +161,7 @@ class Engine:
         docs = documents[mine, :-1] if documents is not None else None
         if t.balance is not None and train:
             t.balance.begin_pass(None, t.plan.global_batch * t.cfg.seq_len)
-        t._reduction = reduction
-        try:
-            return t._schedule_pass(tokens[mine, :-1], targets[mine], train, docs)
-        finally:
-            t._reduction = None
+        return t.run_pass(tokens[mine, :-1], targets[mine], train, docs, reduction)
 
     def _gather(self, results: list[torch.Tensor], shape: tuple[int, int], width: int) -> torch.Tensor:
         """The [B, T, width] values the last stage's ranks returned as [n, 2 + width] (row, position, values...), on

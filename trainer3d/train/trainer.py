@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.data.batch import Batch, document_ids, real_inputs
-from trainer3d.distributed.collectives import all_reduce, host_values
+from trainer3d.distributed.collectives import all_reduce
 from trainer3d.errors import TrainingError
 from trainer3d.models.moe import expert_casts_cached
 from trainer3d.optim import DynamicLossScale, lr_at
@@ -29,6 +29,7 @@ from trainer3d.parallel.parallelize import parallelize
 from trainer3d.parallel.cross_entropy import vocab_parallel_cross_entropy
 from trainer3d.train.dpo import DPO
 from trainer3d.train.setup import RunSetup
+from trainer3d.train.step_scalars import StepScalars
 from trainer3d.train.stragglers import WorkClock
 from trainer3d.zero.engine import zero_engine_factory
 
@@ -66,7 +67,7 @@ class Trainer:
         self.boundary = boundary
         self.logging_rank = topo.global_rank(topo.last_stage_pp_rank, 0, 0)
         self.is_logging_rank = dist.get_rank() == self.logging_rank
-        self._reduction = None  # set by forward_only for one pass
+        self._reduction = None  # what takes the loss's place during one run_pass (None: the run's loss)
         self._weight = 1.0  # of a supervised target's loss in the running pass: dp·cp / the global batch's targets
         self.clock = WorkClock(self.pm.stages, device)  # this rank's step time, for the stragglers (stragglers.py)
 
@@ -84,7 +85,7 @@ class Trainer:
         scale = self.loss_scale.scale if self.loss_scale else 1.0
         if self.objective is not None:
             return self.objective.loss(logits, targets, scale * self._weight)
-        supervised = targets >= 0  # the Batch's unsupervised targets are negative (_schedule_pass)
+        supervised = targets >= 0  # the Batch's unsupervised targets are negative (_run_schedule)
         losses = torch.where(supervised, self.token_losses(logits, targets.clamp(min=0)), 0.0)
         if self.mtp is None or not self.mtp.in_pass:
             return losses.sum() * (scale * self._weight)
@@ -100,11 +101,14 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[self.precision]), expert_casts_cached():
             yield
 
-    def _schedule_pass(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
-                       documents: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """One run of the pipeline schedule over this dp rank's rows (whole sequences: under context parallelism
-        this rank takes its tokens of them); what the loss function returned for each micro-batch on the last stage's
-        ranks, [] elsewhere. `documents`: each input token's document, where the data knows it."""
+    def run_pass(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
+                 documents: torch.Tensor | None = None, reduction=None) -> list[torch.Tensor]:
+        """One run of the pipeline schedule over this dp rank's rows, inputs [local_batch, seq_len] (whole sequences:
+        under context parallelism this rank takes its tokens of them): the one pass of the training step, evaluation,
+        forward_only and trainer3d.engine. `reduction(logits shard, targets micro-batch)` takes the loss's place
+        (None: the run's loss); `targets` may then have any trailing shape. `documents`: each input token's document,
+        where the data knows it. Returns what the loss (or reduction) gave for each micro-batch on the last stage's
+        ranks, [] elsewhere; every rank of the layout calls it (pipeline, tp and ZeRO-3 exchanges)."""
         sequence = self.pm.sequence
         if sequence is not None:
             sequence.begin_pass(inputs, self.plan.micro_batches, documents)
@@ -112,12 +116,16 @@ class Trainer:
         args = (inputs.to(self.device, non_blocking=True).contiguous(),) if self.pm.has_first else ()
         kwargs = {"target": targets.to(self.device, non_blocking=True).contiguous()} if self.pm.has_last else {}
         losses: list[torch.Tensor] = []
-        with self._autocast():
-            if train:
-                self.schedule.step(*args, losses=losses, return_outputs=False, **kwargs)
-            else:
-                with torch.no_grad():
-                    self.schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
+        self._reduction = reduction
+        try:
+            with self._autocast():
+                if train:
+                    self.schedule.step(*args, losses=losses, return_outputs=False, **kwargs)
+                else:
+                    with torch.no_grad():
+                        self.schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            self._reduction = None
         return losses
 
     def _run_schedule(self, batch: Batch | torch.Tensor, train: bool, stop_requested: bool = False,
@@ -148,34 +156,27 @@ class Trainer:
             targets = mtp.begin_pass(tokens, targets, self._mtp_documents(batch), self.plan.micro_batches,
                                      whole=batch.supervised is None)
         try:
-            losses = self._schedule_pass(tokens[:, :-1], targets, train, documents)
+            losses = self.run_pass(tokens[:, :-1], targets, train, documents)
         finally:
             if mtp is not None:
                 mtp.end_pass()
         # One rank per dp replica and context shard (last stage, tp rank 0) contributes its targets' share (and its
         # MTP depths' shares); the world sums. Training, each rank also puts its step time in its own slot after them.
-        world, depth = self.topo.layout.world_size, mtp.depth if mtp is not None else 0
-        extra = depth + self.objective_width  # the MTP depths' losses, then the objective's sums
-        host = [0.0] * (2 + extra + (world if train else 0))  # the host's numbers, copied in one queued transfer
-        host[1] = float(stop_requested)
-        if train:
-            host[2 + extra + self.topo.rank] = self.clock.seconds()
-        local = host_values(host, self.device)
+        scalars = self.step_scalars(train)
+        local = scalars.host(self.device, stop_requested, self.topo.rank, self.clock.seconds() if train else 0.0)
         if self.pm.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
-            local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
-            if mtp is not None:
-                local[2:2 + depth] = mtp.sums
-            if self.objective is not None:
-                local[2 + depth:2 + extra] = self.objective.sums
-        total = all_reduce(local, self.topo.world_group).double()
-        total[2:2 + depth] /= self.topo.layout.dp_cp  # each depth's mean loss L_k
-        return total[0] / self.topo.layout.dp_cp, total[1], total[2:] if train else None
+            scalars.fill(local, torch.stack([x.detach().float() for x in losses]).sum() / scale,
+                         mtp.sums if mtp is not None else None,
+                         self.objective.sums if self.objective is not None else None)
+        loss, stop, extra = scalars.split(all_reduce(local, self.topo.world_group), self.topo.layout.dp_cp)
+        return loss, stop, extra if train else None
 
-    @property
-    def objective_width(self) -> int:
-        """How many sums the objective adds to the step's all-reduce (DPO's metrics)."""
-        return len(self.objective.sums) if self.objective is not None else 0
+    def step_scalars(self, train: bool) -> StepScalars:
+        """The layout of the step's summed numbers: training's MTP depths, the objective's sums, the ranks' times."""
+        return StepScalars(depths=self.mtp.depth if self.mtp is not None and train else 0,
+                           objective=len(self.objective.sums) if self.objective is not None else 0,
+                           ranks=self.topo.layout.world_size if train else 0)
 
     def _mtp_documents(self, batch: Batch) -> torch.Tensor | None:
         """[B, seq_len + 1] each token's document where the rows' documents are known (stored, or opened by the
@@ -194,15 +195,13 @@ class Trainer:
         self.engine.zero_grad()
         loss, stop, times = self._run_schedule(batch, train=True, stop_requested=stop_requested, data_s=data_s)
         result, lr = self.optimizer_step(loss, stop, times)
-        # the extra vector: the MTP depths' losses, the objective's sums, then every rank's step time
-        depth = self.mtp.depth if self.mtp is not None else 0
-        width = depth + self.objective_width
+        depths, sums, times = self.step_scalars(train=True).unpack(result.extra)
         record = {"step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                  "skipped": not result.stepped, "stop": result.stop, "rank_step_times": result.extra[width:]}
+                  "skipped": not result.stepped, "stop": result.stop, "rank_step_times": times}
         if self.objective is not None:
-            record.update(self.objective.record(result.extra[depth:width]))
-        if depth:  # the mean over depths of L_k (the loss trained is loss + --mtp-loss-coef × this)
-            record["mtp_loss"] = sum(result.extra[:depth]) / depth
+            record.update(self.objective.record(sums))
+        if depths:  # the mean over depths of L_k (the loss trained is loss + --mtp-loss-coef × this)
+            record["mtp_loss"] = sum(depths) / len(depths)
         if self.loss_scale:
             record.update(loss_scale=self.loss_scale.scale)
         if self.balance is not None:  # one all-reduce and one read of the step's routing statistics
@@ -235,13 +234,9 @@ class Trainer:
         with a reduction of its own (HellaSwag's per-row losses, the logits of a sampled position: downstream.py).
         `targets` may have any trailing shape; only the reduction reads it. Returns the reduction's results on the
         last stage's ranks, [] elsewhere. Every rank of the layout must call it (pipeline, tp and ZeRO-3 exchanges).
-        `documents` [local_batch, seq_len]: each input token's document where the rows know it (_schedule_pass's)."""
+        `documents` [local_batch, seq_len]: each input token's document where the rows know it (run_pass's)."""
         self.engine.train(False)
-        self._reduction = reduction
-        try:
-            return self._schedule_pass(inputs, targets, train=False, documents=documents)
-        finally:
-            self._reduction = None
+        return self.run_pass(inputs, targets, train=False, documents=documents, reduction=reduction)
 
     def evaluate(self, batches) -> float:
         """The mean loss over the supervised targets of all `batches` (Batches or token rows)."""
