@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import trainer3d.models.moe as moe
+from trainer3d.config.sections import MoEConfig
 from trainer3d.models.moe import MoE, MoESpec, Routing, grouped_mm_applies
 from trainer3d.parallel.moe_balance import MoEBalance
 
@@ -328,8 +329,7 @@ def test_selection_bias_moves_choices_not_weights():
 def _balance(blocks: list[MoE], micro_batches: int = 1, **flags) -> MoEBalance:
     """MoEBalance of one process (no group to reduce over) with `micro_batches` micro-batches (the test sets its
     `micro_batch` as the schedule's stages would)."""
-    cfg = SimpleNamespace(**{**dict(moe_aux_loss_coef=0.0, moe_aux_loss="sequence", moe_z_loss_coef=0.0,
-                                    moe_bias_update_rate=0.0, moe_capacity_factor=None), **flags})
+    cfg = SimpleNamespace(moe=MoEConfig(**flags))  # the section MoEBalance reads
     topo = SimpleNamespace(layout=SimpleNamespace(tp=1, cp=1, dp_cp=1), tp_group=None, cp_group=None, tp_rank=0,
                            stage_group=None, world_group=None)
     mcfg = SimpleNamespace(moe_layers=[b.layer for b in blocks], moe=blocks[0].gate.spec)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer3d.config.fields import flag
+from trainer3d.config.fields import Section, flag
 from trainer3d.models import FAMILIES, MODEL_PRESETS
 
 # torch.distributed.pipelining's schedules by flag name (parallel/pipeline.py maps each to its class)
@@ -24,30 +24,31 @@ MODEL_HELP = "a preset of one of the families: " + "; ".join(
 
 
 @dataclass
-class ArchConfig:
+class ArchConfig(Section):
     """The model: a preset of a family, the size flags that override it, or Hugging Face weights."""
 
     TITLE: ClassVar[str] = 'model'
     model: str = flag("tiny", MODEL_HELP, choices=tuple(MODEL_PRESETS))
-    n_layer: int | None = flag(None, "override the preset's number of blocks")
-    n_head: int | None = flag(None, "override the preset's attention heads")
-    n_embd: int | None = flag(None, "override the preset's width")
-    n_positions: int | None = flag(None, "override the preset's context")
-    n_kv_heads: int | None = flag(None, 'Llama: override the key/value heads (GQA)')
-    ffn_hidden: int | None = flag(None, "Llama: override SwiGLU's width (Mixtral: each expert's)")
+    n_layer: int | None = flag(None, "override the preset's number of blocks", low=1)
+    n_head: int | None = flag(None, "override the preset's attention heads", low=1)
+    n_embd: int | None = flag(None, "override the preset's width", low=1)
+    n_positions: int | None = flag(None, "override the preset's context", low=1)
+    n_kv_heads: int | None = flag(None, 'Llama: override the key/value heads (GQA)', low=1)
+    ffn_hidden: int | None = flag(None, "Llama: override SwiGLU's width (Mixtral: each expert's)", low=1)
     n_experts: int | None = flag(
         None,
         "Qwen3, Mixtral: override the experts per MoE layer (Megatron's --num-experts; on a dense Qwen3 preset it "
-        'makes every block a mixture)')
+        'makes every block a mixture)', low=1)
     top_k: int | None = flag(
         None,
-        "Qwen3, Mixtral: override the experts a token is routed to (Megatron's --moe-router-topk)")
-    moe_ffn_hidden: int | None = flag(None, "Qwen3: override each expert's SwiGLU width")
+        "Qwen3, Mixtral: override the experts a token is routed to (Megatron's --moe-router-topk)", low=1)
+    moe_ffn_hidden: int | None = flag(None, "Qwen3: override each expert's SwiGLU width", low=1)
     mtp_layers: int | None = flag(
         None,
-        "DeepSeek-V3: override the multi-token prediction modules (D; the paper's and its preset's: 1; 0: none)")
-    dropout: float = flag(0.0, "the dropout probability of the model's dropout layers; 0: none")
-    vocab_size: int | None = flag(None, "override the tokenizer's vocabulary size")
+        "DeepSeek-V3: override the multi-token prediction modules (D; the paper's and its preset's: 1; 0: none)", low=0)
+    dropout: float = flag(0.0, "the dropout probability of the model's dropout layers; 0: none", low=0.0, high=1.0,
+                          high_excluded=True)
+    vocab_size: int | None = flag(None, "override the tokenizer's vocabulary size", low=1)
     init_from_hf: str | None = flag(
         None,
         'a save_pretrained directory (GPT2LMHeadModel or LlamaForCausalLM; sharded or not): its config sets the model,'
@@ -55,7 +56,7 @@ class ArchConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     """How the model and batch are laid over the ranks (dp is what the world leaves), and how the blocks run."""
 
     TITLE: ClassVar[str] = 'layout (dp is world size / (tp·cp·pp))'
@@ -66,7 +67,7 @@ class ParallelConfig:
         choices=('manual', 'auto'))
     device_memory_gib: float | None = flag(
         None,
-        "--layout auto: memory per rank (default: the GPU's total; CPU: host memory / ranks per node)")
+        "--layout auto: memory per rank (default: the GPU's total; CPU: host memory / ranks per node)", positive=True)
     tp: int = flag(1, 'tensor parallelism: Megatron-style column- and row-parallel linears over tp ranks')
     pp: int = flag(1, 'pipeline parallelism: the blocks split into stages over pp ranks')
     cp: int = flag(
@@ -81,7 +82,7 @@ class ParallelConfig:
         "1f1b",
         "the pipeline schedule (torch.distributed.pipelining's)",
         choices=SCHEDULE_NAMES)
-    virtual_stages: int = flag(1, 'stages per rank (interleaved)')
+    virtual_stages: int = flag(1, 'stages per rank (interleaved)', low=1)
     recompute: str = flag(
         "none",
         'activation recomputation: selective recomputes the attention core, full every block',
@@ -102,19 +103,19 @@ class ParallelConfig:
         None,
         "FP8 matmuls (torchao's float8 training, dynamic scales) in the attention and MLP linears of every block but "
         'the first and last; needs a GPU of compute capability 8.9+ (docs/fp8.md)', choices=('tensorwise', 'rowwise'))
-    micro_batches: int | None = flag(None, 'per step and dp rank')
+    micro_batches: int | None = flag(None, 'per step and dp rank', low=1)
 
 
 @dataclass
-class BatchConfig:
+class BatchConfig(Section):
     """What a step trains on: sequences, their length, and the documents a packed row holds."""
 
     TITLE: ClassVar[str] = 'batch'
     seq_len: int = flag(
         128,
-        'tokens per sequence (a row holds seq_len + 1: the inputs, and the targets shifted by one)')
-    global_batch: int = flag(8, 'sequences per optimizer step')
-    global_batch_tokens: int | None = flag(None, 'tokens per step, e.g. 524288')
+        'tokens per sequence (a row holds seq_len + 1: the inputs, and the targets shifted by one)', low=1)
+    global_batch: int = flag(8, 'sequences per optimizer step', low=1)
+    global_batch_tokens: int | None = flag(None, 'tokens per step, e.g. 524288', low=1)
     document_mask: bool = flag(
         False,
         "packed rows hold several documents, each opened by the end-of-text token: attend only within one's own "
@@ -123,58 +124,59 @@ class BatchConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     """AdamW, its schedule, clipping, precision and the seed."""
 
     TITLE: ClassVar[str] = 'optimization'
-    max_steps: int = flag(300, 'optimizer steps to train to')
-    lr: float = flag(1e-3, 'the peak learning rate: a linear warmup to it, then a cosine down to --min-lr')
-    min_lr: float | None = flag(None, 'cosine floor (default lr/10)')
-    warmup_steps: int = flag(30, 'steps of the linear warmup')
-    weight_decay: float = flag(0.1, "AdamW's decoupled weight decay (matrices only)")
-    beta1: float = flag(0.9, "AdamW's β1")
-    beta2: float = flag(0.95, "AdamW's β2")
-    adam_eps: float = flag(1e-8, "AdamW's epsilon")
+    max_steps: int = flag(300, 'optimizer steps to train to', low=1)
+    lr: float = flag(1e-3, "the peak learning rate: a linear warmup to it, then a cosine down to --min-lr",
+                     positive=True)
+    min_lr: float | None = flag(None, 'cosine floor (default lr/10)', low=0.0)
+    warmup_steps: int = flag(30, 'steps of the linear warmup', low=0)
+    weight_decay: float = flag(0.1, "AdamW's decoupled weight decay (matrices only)", low=0.0)
+    beta1: float = flag(0.9, "AdamW's β1", low=0.0, high=1.0, high_excluded=True)
+    beta2: float = flag(0.95, "AdamW's β2", low=0.0, high=1.0, high_excluded=True)
+    adam_eps: float = flag(1e-8, "AdamW's epsilon", low=0.0)
     epochs: float | None = flag(
         None,
-        'passes over the training rows: sets --max-steps to ceil(epochs × rows / --global-batch)')
-    grad_clip: float = flag(1.0, 'global-norm clip; 0 disables')
+        'passes over the training rows: sets --max-steps to ceil(epochs × rows / --global-batch)', positive=True)
+    grad_clip: float = flag(1.0, 'global-norm clip; 0 disables', low=0.0)
     on_nonfinite: str = flag(
         "stop",
         'a step whose loss or gradient norm is nan/inf is never applied; then stop the run with one sentence naming it'
         ' (nothing more is saved) or skip it and train on', choices=('stop', 'skip'))
     precision: str = flag("auto", 'auto: bf16 on CUDA, fp32 on CPU', choices=PRECISIONS)
-    seed: int = flag(1337, 'the seed of the initial weights, the data order and dropout')
+    seed: int = flag(1337, 'the seed of the initial weights, the data order and dropout', low=0, high=2**63 - 1)
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(Section):
     """The balancing of a mixture of experts' routing (parallel/moe_balance.py)."""
 
     TITLE: ClassVar[str] = 'mixture of experts (parallel/moe_balance.py)'
     moe_aux_loss_coef: float = flag(
         0.0,
         "weight of the load-balancing loss, as transformers' router_aux_loss_coef: coef × the mean over MoE layers of "
-        'E·Σ f·P, k for a balanced router (0: none; Qwen3-MoE used 0.001)')
+        'E·Σ f·P, k for a balanced router (0: none; Qwen3-MoE used 0.001)', low=0.0)
     moe_aux_loss: str = flag(
         "sequence",
         "sequence: DeepSeek-V3's per-sequence loss, the same at every layout; global: the loads counted over the "
         "global batch (Qwen3's, Megatron's global_aux_loss), over the micro-batches so far with accumulation; hf: "
         "transformers' load_balancing_loss_func over a micro-batch (one stage, no tp or cp)",
         choices=('sequence', 'global', 'hf'))
-    moe_z_loss_coef: float = flag(0.0, 'router z-loss weight (0: none)')
+    moe_z_loss_coef: float = flag(0.0, 'router z-loss weight (0: none)', low=0.0)
     moe_bias_update_rate: float = flag(
         0.0,
         "loss-free balancing (DeepSeek-V3): each step a router's selection bias moves by this times sign(mean load - "
-        'load); sigmoid router scores only (DeepSeek-V3); 0: off')
+        'load); sigmoid router scores only (DeepSeek-V3); 0: off', low=0.0)
     moe_capacity_factor: float | None = flag(
         None,
         "drop a rank's tokens beyond capacity_factor·N·k/E per expert (Megatron-core's drop policy: the highest "
-        'routing weights kept); default: dropless')
+        'routing weights kept); default: dropless', positive=True)
 
 
 @dataclass
-class LossConfig:
+class LossConfig(Section):
     """What is optimized: the next-token loss (with DeepSeek-V3's multi-token prediction) or DPO (train/dpo.py)."""
 
     TITLE: ClassVar[str] = 'objective'
@@ -182,18 +184,19 @@ class LossConfig:
         None,
         "multi-token prediction (DeepSeek-V3): the weight λ of the MTP loss, λ/D·Σ_k L_k added to the loss "
         f"(Megatron's --mtp-loss-scaling-factor); default {MTP_LOSS_COEF} where the model has MTP modules; 0: none are "
-        "built")
+        "built", low=0.0)
     objective: str = flag(
         "lm",
         'lm: the next-token loss (pre-training, SFT); dpo: direct preference optimization over --data-format '
         'preference pairs against the initial weights (docs/post_training.md)', choices=('lm', 'dpo'))
-    dpo_beta: float = flag(0.1, 'dpo: β, the weight of the log-ratio margins')
+    dpo_beta: float = flag(0.1, 'dpo: β, the weight of the log-ratio margins', positive=True)
     dpo_loss: str = flag(
         "sigmoid",
         "dpo: the paper's sigmoid loss (TRL's default; with --dpo-label-smoothing: cDPO), robust DPO (TRL's robust) or"
         " IPO's squared one", choices=('sigmoid', 'robust', 'ipo'))
     dpo_label_smoothing: float = flag(
-        0.0, "dpo, sigmoid and robust: the share ε of pairs taken as mislabelled; 0: off")
+        0.0, "dpo, sigmoid and robust: the share ε of pairs taken as mislabelled; 0: off", low=0.0, high=0.5,
+        high_excluded=True)
     ref_model: str | None = flag(
         None,
         "dpo: the reference model, a Hugging Face directory of the policy's architecture (default: the initial "
@@ -201,7 +204,7 @@ class LossConfig:
 
 
 @dataclass
-class DatasetConfig:
+class DatasetConfig(Section):
     """The training data: its source, tokenizer, format, and a chat format's rules (data/)."""
 
     TITLE: ClassVar[str] = 'data'
@@ -256,16 +259,16 @@ class DatasetConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
     """Validation, HellaSwag and text samples during training (train/downstream.py)."""
 
     TITLE: ClassVar[str] = 'validation, HellaSwag and samples'
-    eval_every: int = flag(100, 'steps between validations; 0: only at end')
-    eval_batches: int = flag(4, 'global batches in each validation')
+    eval_every: int = flag(100, 'steps between validations; 0: only at end', low=0)
+    eval_batches: int = flag(4, 'global batches in each validation', low=1)
     val_fraction: float = flag(
         0.01,
         "the share of each corpus's rows held out for validation, from its end (text: at least 128 blocks, at most "
-        '10%%); 0: no validation (then --eval-every 0)')
+        '10%%); 0: no validation (then --eval-every 0)', low=0.0, high=0.5, high_excluded=True)
     val_data: str | None = flag(
         None,
         'validation rows from this file, folder or dataset (its --data-split) instead of the tail', metavar='PATH')
@@ -276,31 +279,31 @@ class EvalConfig:
         'a forward pass over one row per ending (4 per example), --global-batch rows a pass', metavar='PATH')
     hellaswag_examples: int | None = flag(
         None,
-        'use the first N examples (default: all; the validation file has 10042)', metavar='N')
+        'use the first N examples (default: all; the validation file has 10042)', metavar='N', low=1)
     sample_every: int = flag(
         0,
         'print (and log to W&B as a table) text samples every N steps and at the last; 0: off. Each new token is one '
         'forward pass over a global batch, so a round of samples costs about --sample-tokens/3 training steps',
-        metavar='N')
-    sample_count: int = flag(2, 'samples each time')
-    sample_tokens: int = flag(32, 'new tokens per sample')
+        metavar='N', low=0)
+    sample_count: int = flag(2, 'samples each time', low=1)
+    sample_tokens: int = flag(32, 'new tokens per sample', low=1)
     sample_prompt: str = flag("", 'text the samples continue (after an end-of-text token); default: none')
-    sample_temperature: float = flag(1.0, '0: the likeliest token')
-    sample_top_k: int = flag(50, 'sample among the K likeliest; 0: all')
+    sample_temperature: float = flag(1.0, '0: the likeliest token', low=0.0)
+    sample_top_k: int = flag(50, 'sample among the K likeliest; 0: all', low=0)
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     """The run's directory and its checkpoints (checkpoint/)."""
 
     TITLE: ClassVar[str] = 'output and checkpoints'
     out_dir: str = flag("runs/default", "the run's directory: metrics.jsonl, checkpoints/, the W&B and profiler files")
-    save_every: int = flag(0, 'checkpoint every N steps; 0: none on the way')
+    save_every: int = flag(0, 'checkpoint every N steps; 0: none on the way', low=0)
     final_save: bool = flag(
         True,
         'no checkpoint at the end of the run (by default the last step is saved)',
         flags=('--no-final-save',), action="store_false")
-    keep_last: int = flag(0, 'keep the newest K checkpoints; 0: all')
+    keep_last: int = flag(0, 'keep the newest K checkpoints; 0: all', low=0)
     async_save: bool = flag(
         False,
         'write --save-every checkpoints in the background: a step waits only while the state is copied to host memory')
@@ -319,16 +322,16 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Section):
     """What the run reports: console, stragglers, the profiler, W&B."""
 
     TITLE: ClassVar[str] = 'logging'
-    log_every: int = flag(25, 'steps between console lines (metrics.jsonl gets every step)')
-    peak_tflops: float | None = flag(None, 'device peak for MFU (and --layout auto)')
-    straggler_factor: float = flag(1.2, 'name a rank whose step time is above this × the median ...')
+    log_every: int = flag(25, 'steps between console lines (metrics.jsonl gets every step)', low=1)
+    peak_tflops: float | None = flag(None, 'device peak for MFU (and --layout auto)', positive=True)
+    straggler_factor: float = flag(1.2, 'name a rank whose step time is above this × the median ...', low=1.0)
     straggler_intervals: int = flag(
         3,
-        '... for this many consecutive logging intervals (log line, W&B stragglers/rank<R>)')
+        '... for this many consecutive logging intervals (log line, W&B stragglers/rank<R>)', low=1)
     verbose: bool = flag(False, 'let every rank print')
     profile_steps: str | None = flag(None, 'torch.profiler trace of steps A..B', metavar='A:B')
     wandb_project: str | None = flag(None, 'log to this W&B project (also WANDB_PROJECT)')
@@ -337,11 +340,11 @@ class LoggingConfig:
 
 
 @dataclass
-class RuntimeConfig:
+class RuntimeConfig(Section):
     """The distributed runtime: collectives' patience and DeepSpeed."""
 
     TITLE: ClassVar[str] = 'deepspeed and collectives'
-    dist_timeout: float = flag(300.0, 'seconds a collective waits for a peer before failing')
+    dist_timeout: float = flag(300.0, 'seconds a collective waits for a peer before failing', positive=True)
     deepspeed_config: str | dict | None = flag(
         None,
         'a DeepSpeed JSON; with --layout auto also `auto` (the planner picks ZeRO stage and offload) or a JSON whose '

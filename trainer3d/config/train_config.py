@@ -73,6 +73,12 @@ class TrainConfig:
         else:
             raise AttributeError(f"'TrainConfig' object has no field {name!r}")
 
+    def check(self) -> None:
+        """Each section's own checks (the numbers its fields take); what needs more than one field, the model or
+        the world is train/setup.py's."""
+        for name in SECTIONS:
+            getattr(self, name).check()
+
     def flat(self) -> dict:
         """Every field by its flat name (and the two run records): what meta.json and W&B record."""
         out = {name: getattr(self, name) for name in OWNER}

@@ -66,10 +66,11 @@ class MoEBalance:
     and at the end of each step (`end_step`) reduces the step's statistics, moves the biases and reports them."""
 
     def __init__(self, trainer, stages):
-        cfg, topo = trainer.cfg, trainer.topo
+        cfg, topo = trainer.cfg.moe, trainer.topo  # the run's MoEConfig section
         self.trainer, self.topo = trainer, topo
         self.aux_coef, self.aux_mode = cfg.moe_aux_loss_coef, cfg.moe_aux_loss
         self.z_coef, self.bias_rate = cfg.moe_z_loss_coef, cfg.moe_bias_update_rate
+        self.capacity_factor = cfg.moe_capacity_factor
         self.blocks = {m.layer: m for s in stages for m in s.modules() if isinstance(m, MoE)}
         self.rows = {layer: i for i, layer in enumerate(trainer.mcfg.moe_layers)}  # every MoE layer of the model
         self.n_experts = trainer.mcfg.moe.n_experts
@@ -265,7 +266,7 @@ class MoEBalance:
         values = torch.cat([imbalance, losses, dropped_fraction]).tolist()  # the step's one read of them
         report = {"moe_load_max_over_mean": [round(x, 4) for x in values[:rows]], "moe_aux_loss": values[rows],
                   "moe_z_loss": values[rows + 1]}
-        if self.trainer.cfg.moe_capacity_factor is not None:
+        if self.capacity_factor is not None:
             report["moe_dropped_fraction"] = values[rows + 2]
         self._begin()
         return report

@@ -42,7 +42,7 @@ REFERENCE_FILE = "dpo_reference.npy"
 
 class DPO:
     def __init__(self, trainer):
-        cfg = trainer.cfg
+        cfg = trainer.cfg.loss  # the run's LossConfig section
         self.trainer, self.beta, self.kind, self.smoothing = trainer, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing
         self.sums = torch.zeros(len(METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
         self.pairs = trainer.plan.global_batch // 2  # a step's (--global-batch counts rows, two a pair)

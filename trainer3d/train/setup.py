@@ -68,53 +68,8 @@ class RunSetup:
         return mcfg
 
 
-# Every number a flag takes: (field, lowest, highest, highest excluded). None: no bound. Fields that default to
-# None ("not given") are checked only when given.
-RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
-    ("n_layer", 1, None, False), ("n_head", 1, None, False), ("n_embd", 1, None, False), ("n_positions", 1, None, False),
-    ("n_kv_heads", 1, None, False), ("ffn_hidden", 1, None, False), ("n_experts", 1, None, False),
-    ("top_k", 1, None, False), ("moe_ffn_hidden", 1, None, False), ("mtp_layers", 0, None, False),
-    ("mtp_loss_coef", 0.0, None, False),
-    ("vocab_size", 1, None, False), ("dropout", 0.0, 1.0, True), ("virtual_stages", 1, None, False),
-    ("micro_batches", 1, None, False), ("seq_len", 1, None, False), ("global_batch", 1, None, False),
-    ("global_batch_tokens", 1, None, False), ("max_steps", 1, None, False), ("min_lr", 0.0, None, False),
-    ("warmup_steps", 0, None, False), ("weight_decay", 0.0, None, False), ("beta1", 0.0, 1.0, True),
-    ("beta2", 0.0, 1.0, True), ("grad_clip", 0.0, None, False), ("seed", 0, 2**63 - 1, False),
-    ("eval_every", 0, None, False), ("eval_batches", 1, None, False), ("save_every", 0, None, False),
-    ("keep_last", 0, None, False), ("log_every", 1, None, False), ("hellaswag_examples", 1, None, False),
-    ("sample_every", 0, None, False), ("sample_count", 1, None, False), ("sample_tokens", 1, None, False),
-    ("sample_temperature", 0.0, None, False), ("sample_top_k", 0, None, False),
-    ("moe_aux_loss_coef", 0.0, None, False), ("moe_z_loss_coef", 0.0, None, False),
-    ("moe_bias_update_rate", 0.0, None, False), ("straggler_factor", 1.0, None, False),
-    ("straggler_intervals", 1, None, False), ("val_fraction", 0.0, 0.5, True), ("adam_eps", 0.0, None, False),
-    ("dpo_label_smoothing", 0.0, 0.5, True),
-)
-POSITIVE = ("lr", "peak_tflops", "dist_timeout", "moe_capacity_factor", "device_memory_gib", "epochs",
-            "dpo_beta")  # above 0
-
-
 def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
-
-
-def check_ranges(cfg: TrainConfig) -> None:
-    for field, low, high, high_excluded in RANGES:
-        value = getattr(cfg, field)
-        if value is None:
-            continue
-        if not math.isfinite(value):
-            raise ConfigError(f"{flag(field)} must be a finite number (got {value}).")
-        too_high = high is not None and (value >= high if high_excluded else value > high)
-        if value < low or too_high:
-            if high is None:
-                need = f"at least {low}"
-            else:
-                need = f"in [{low}, {high}{')' if high_excluded else ']'}"
-            raise ConfigError(f"{flag(field)} must be {need} (got {value}).")
-    for field in POSITIVE:
-        value = getattr(cfg, field)
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"{flag(field)} must be a positive finite number (got {value}).")
 
 
 def check_combinations(cfg: TrainConfig) -> None:
@@ -317,10 +272,28 @@ def auto_machine(cfg: TrainConfig, world_size: int) -> Machine:
 
 def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_model=None,
              machine: Machine | None = None) -> RunSetup:
-    """Every check of `cfg` at `world_size` processes. `base_model`: the config of weights the run evaluates
-    (trainer3d.evaluate); --init-from-hf's is read here. --layout auto is resolved here, for `machine` (default:
-    this process's, auto_machine), so every rank picks alike and every check below sees the pick."""
-    check_ranges(cfg)
+    """Every check of `cfg` at `world_size` processes, in the order a user meets them: the flags alone, the weights
+    and data they name, the model, the layout (--layout auto resolved here, for `machine`, default this process's:
+    every rank picks alike and every check below sees the pick), the batch, and the rest of the run. `base_model`: the
+    config of weights the run evaluates (trainer3d.evaluate); --init-from-hf's is read here."""
+    check_flags(cfg, world_size)
+    cfg, base_model = resolve_weights(cfg, base_model)
+    cfg = check_chat(check_dpo(cfg))
+    check_eos_token(cfg)
+    mcfg = resolve_model(cfg, vocab_size, base_model)
+    if cfg.layout == "auto":
+        cfg = resolve_auto(cfg, mcfg, machine or auto_machine(cfg, world_size))
+    layout = check_layout(cfg, mcfg, world_size)
+    cfg, plan, deepspeed = resolve_batch(cfg, mcfg, layout)
+    check_run(cfg, mcfg, layout, plan)
+    hellaswag = tuple(read_examples(cfg.eval_hellaswag, cfg.hellaswag_examples)) if cfg.eval_hellaswag else None
+    return RunSetup(cfg=cfg, layout=layout, plan=plan, deepspeed=deepspeed, base_model=base_model, hellaswag=hellaswag)
+
+
+def check_flags(cfg: TrainConfig, world_size: int) -> None:
+    """What the flags say on their own: each section's numbers, the combinations, the paths, the names, and a layout
+    that cannot be (under --layout auto: the axes given, ep once dp is known)."""
+    cfg.check()
     check_combinations(cfg)
     check_paths(cfg)
     if cfg.model not in MODEL_PRESETS:
@@ -328,18 +301,30 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
     for name, value, choices in (("precision", cfg.precision, PRECISIONS), ("recompute", cfg.recompute, RECOMPUTE_MODES)):
         if value not in choices:
             raise ConfigError(f"{flag(name)} must be one of {', '.join(choices)} (got {value!r}).")
-    # a layout that cannot be is said first (under --layout auto: the axes given, ep once dp is known)
     infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep if cfg.layout != "auto" else 1)
+
+
+def resolve_weights(cfg: TrainConfig, base_model):
+    """--init-from-hf: its config (the model's) and, where --tokenizer is not given, its own tokenizer."""
     if cfg.init_from_hf:
         base_model = hf_model_config(cfg.init_from_hf)
         if cfg.tokenizer is None and has_tokenizer_files(cfg.init_from_hf):  # the weights' own tokenizer
             cfg = dataclasses.replace(cfg, tokenizer=cfg.init_from_hf)
-    cfg = check_chat(check_dpo(cfg))
-    if cfg.eos_token is not None:  # the reply's end the export and sample will stop at: one token of the vocabulary
+    return cfg, base_model
+
+
+def check_eos_token(cfg: TrainConfig) -> None:
+    """--eos-token: the reply's end the export and sample will stop at, one token of the vocabulary."""
+    if cfg.eos_token is not None:
         from trainer3d.data.tokenizer import load_tokenizer
         from trainer3d.data.turn_end import end_of_turn_ids
 
         end_of_turn_ids(load_tokenizer(cfg.tokenizer), cfg.eos_token)
+
+
+def resolve_model(cfg: TrainConfig, vocab_size: int, base_model):
+    """The model's config with the size flags applied (each one the family has), checked against --ref-model and
+    --seq-len."""
     check_size_flags(cfg, base_model or MODEL_PRESETS[cfg.model])
     mcfg = cfg.model_config(vocab_size, base=base_model)
     check_reference(cfg, mcfg, vocab_size)
@@ -348,8 +333,12 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
             f"--seq-len {cfg.seq_len} exceeds the model's context of {mcfg.n_positions} positions; "
             f"use --seq-len {mcfg.n_positions} or less."
         )
-    if cfg.layout == "auto":
-        cfg = resolve_auto(cfg, mcfg, machine or auto_machine(cfg, world_size))
+    return mcfg
+
+
+def check_layout(cfg: TrainConfig, mcfg, world_size: int) -> Layout:
+    """The layout and what the model asks of it: the family's tp rule, experts over ep, MoE and MTP flags, cp and
+    sequence parallelism."""
     layout = infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
     family_of(mcfg).check(mcfg, layout.tp)
     problem = check_expert_parallel(mcfg, layout.ep, layout.tp, cfg.seq_len, layout.cp)
@@ -360,16 +349,25 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
     check_context_parallel(layout.cp, cfg.seq_len)
     if cfg.sequence_parallel:
         check_sequence_parallel(layout.tp, cfg.seq_len, layout.cp)
-    deepspeed = None
-    if cfg.deepspeed_config is not None:  # the JSON owns the batch; also checks the JSON itself
-        deepspeed = resolve_deepspeed(cfg, layout, mcfg.n_embd)
-        cfg, plan = deepspeed.cfg, deepspeed.plan
-        if layout.ep > 1 and deepspeed.zero_stage == 0:
-            raise ConfigError(f"--ep {layout.ep} under ZeRO stage 0 is not built (it partitions nothing; the experts "
-                              "would need a reduction of their own): run without the DeepSpeed config (DDP) or at "
-                              "ZeRO stage 1-3.")
-    else:
-        plan = plan_batch(cfg, layout.dp, layout.pp)
+    return layout
+
+
+def resolve_batch(cfg: TrainConfig, mcfg, layout: Layout):
+    """(cfg, the batch plan, the DeepSpeed spec or None): a DeepSpeed JSON owns the batch (and settles the flags it
+    sets; the JSON itself is checked here), else the flags split it."""
+    if cfg.deepspeed_config is None:
+        return cfg, plan_batch(cfg, layout.dp, layout.pp), None
+    deepspeed = resolve_deepspeed(cfg, layout, mcfg.n_embd)
+    if layout.ep > 1 and deepspeed.zero_stage == 0:
+        raise ConfigError(f"--ep {layout.ep} under ZeRO stage 0 is not built (it partitions nothing; the experts "
+                          "would need a reduction of their own): run without the DeepSpeed config (DDP) or at "
+                          "ZeRO stage 1-3.")
+    return deepspeed.cfg, deepspeed.plan, deepspeed
+
+
+def check_run(cfg: TrainConfig, mcfg, layout: Layout, plan: BatchPlan) -> None:
+    """The rest, once the batch is planned: the pipeline's schedule, DPO's pairs, the profiler's steps, and what
+    --compile and --fp8 need of this machine."""
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches, cfg.sequence_parallel)
     if cfg.objective == "dpo":
         check_dpo_batch(plan, layout)
@@ -379,5 +377,3 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
         check_compiler(device_type())
     if cfg.fp8 is not None:
         check_fp8(cfg.fp8, cfg.precision, device_type())
-    hellaswag = tuple(read_examples(cfg.eval_hellaswag, cfg.hellaswag_examples)) if cfg.eval_hellaswag else None
-    return RunSetup(cfg=cfg, layout=layout, plan=plan, deepspeed=deepspeed, base_model=base_model, hellaswag=hellaswag)

@@ -1,7 +1,8 @@
 """DeepSeek-V3 (and Kimi K2, Moonlight): the family as the registry sees it."""
 
 from trainer3d.errors import ConfigError, LayoutError
-from trainer3d.models.deepseek_v3.config import PRESETS, DeepseekV3Config
+from trainer3d.models.deepseek_v3.config import DeepseekV3Config
+from trainer3d.models.deepseek_v3.presets import PRESETS
 from trainer3d.models.deepseek_v3.hf import DeepseekV3Adapter
 from trainer3d.models.deepseek_v3.model import DeepseekV3
 from trainer3d.models.interface import ModelFamily

@@ -1,7 +1,8 @@
 """GPT-2 (and the GPT-3 shapes): the family as the registry sees it."""
 
 from trainer3d.errors import ConfigError, LayoutError
-from trainer3d.models.gpt2.config import PRESETS, GPTConfig
+from trainer3d.models.gpt2.config import GPTConfig
+from trainer3d.models.gpt2.presets import PRESETS
 from trainer3d.models.gpt2.hf import GPT2Adapter
 from trainer3d.models.gpt2.model import GPT, init_value
 from trainer3d.models.interface import ModelFamily

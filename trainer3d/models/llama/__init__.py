@@ -2,7 +2,8 @@
 
 from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.models.interface import ModelFamily
-from trainer3d.models.llama.config import PRESETS, LlamaConfig
+from trainer3d.models.llama.config import LlamaConfig
+from trainer3d.models.llama.presets import PRESETS
 from trainer3d.models.llama.hf import LlamaAdapter
 from trainer3d.models.llama.model import Llama, init_value
 

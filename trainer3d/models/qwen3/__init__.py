@@ -4,7 +4,8 @@ from trainer3d.errors import ConfigError
 from trainer3d.models import llama
 from trainer3d.models.interface import ModelFamily
 from trainer3d.models.llama.model import Llama, init_value
-from trainer3d.models.qwen3.config import PRESETS, Qwen3Config
+from trainer3d.models.qwen3.config import Qwen3Config
+from trainer3d.models.qwen3.presets import PRESETS
 from trainer3d.models.qwen3.hf import Qwen3Adapter
 
 
