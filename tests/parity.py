@@ -13,7 +13,7 @@ from trainer3d.train.setup import validate
 from trainer3d.models import MODEL_PRESETS, canonical_name
 from trainer3d.parallel.engine import is_tied_duplicate
 from trainer3d.parallel.parallelize import gather_stage_params
-from trainer3d.parallel.tensor_parallel import gather_full
+from trainer3d.parallel.shards import gather_full
 from trainer3d.train.trainer import Trainer
 
 VOCAB = 500

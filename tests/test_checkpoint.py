@@ -64,7 +64,7 @@ def _full_state(trainer, topo, optimizer: bool = True) -> dict[str, torch.Tensor
     """Full (gathered over tp, and over dp under ZeRO) fp32 parameters and optimizer state of this rank's stages,
     by canonical name. Collective: every rank of the layout calls it."""
     from trainer3d.parallel.parallelize import named_full_params
-    from trainer3d.parallel.tensor_parallel import gather_full
+    from trainer3d.parallel.shards import gather_full
 
     out = {}
     for name, (p, spec) in named_full_params(trainer.pm).items():

@@ -30,7 +30,7 @@ from trainer3d.data.hellaswag import IGNORE, encode_rows, read_examples, score
 from trainer3d.errors import DataError
 from trainer3d.generate import pick_next_token
 from trainer3d.models import init_value
-from trainer3d.parallel.tensor_parallel import from_full
+from trainer3d.parallel.shards import from_full
 from trainer3d.models.gpt2 import GPT
 from trainer3d.train.downstream import sample_generator
 from wandb_reader import read_history

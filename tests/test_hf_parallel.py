@@ -10,7 +10,7 @@ from trainer3d.config import TrainConfig
 from trainer3d.train.setup import validate
 from trainer3d.checkpoint.hf import load_hf_checkpoint
 from trainer3d.models import canonical_name
-from trainer3d.parallel.tensor_parallel import from_full
+from trainer3d.parallel.shards import from_full
 from trainer3d.train.trainer import Trainer
 
 

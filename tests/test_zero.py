@@ -112,7 +112,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
     from trainer3d.models import canonical_name
     from trainer3d.parallel.engine import is_tied_duplicate
     from trainer3d.parallel.parallelize import named_full_params
-    from trainer3d.parallel.tensor_parallel import gather_full
+    from trainer3d.parallel.shards import gather_full
     from trainer3d.train.trainer import Trainer
     from trainer3d.zero.experts import over_edp
 

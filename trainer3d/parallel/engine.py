@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from trainer3d.distributed.collectives import all_reduce, group_size
 from trainer3d.optim import clip_coefficient
-from trainer3d.parallel.tensor_parallel import materialize
+from trainer3d.parallel.shards import materialize
 
 
 @dataclass

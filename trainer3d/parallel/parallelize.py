@@ -31,9 +31,8 @@ from trainer3d.parallel.expert_parallel import apply_expert_parallel
 from trainer3d.parallel.fp8 import apply_fp8
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
-from trainer3d.parallel.tensor_parallel import (
-    ShardedDropoutRNG, apply_tensor_parallel, from_full, gather_full, padded_vocab_size,
-)
+from trainer3d.parallel.shards import from_full, gather_full
+from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG, apply_tensor_parallel, padded_vocab_size
 
 
 @dataclass

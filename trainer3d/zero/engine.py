@@ -24,7 +24,7 @@ from trainer3d.parallel.engine import (
     DataParallelEngine, EngineFactory, counts_in_norm, sum_of_squares, tp_partial_params, sum_tp_partial_grads,
     sum_tied_grads, tied_copies,
 )
-from trainer3d.parallel.tensor_parallel import materialize
+from trainer3d.parallel.shards import materialize
 from trainer3d.zero import memory, state
 from trainer3d.zero.config import DeepSpeedSpec
 from trainer3d.zero.experts import ExpertMPU, ExpertShard, detached, expert_config, moe_blocks, over_edp
