@@ -1,8 +1,8 @@
 """DeepSpeed itself: the version range the glue was written against, and its JIT-built ops, built once.
 
-DeepSpeedCPUAdam builds cpu_adam (20 s on 2 cores); ZeRO-Infinity's NVMe offload builds async_io and pin_memory
-(72 s, with torch/extension.h reduced to torch/python.h and precompiled: LIGHT_TORCH_HEADER, PRECOMPILED). On a CPU host deepspeed.init_distributed would also
-build deepspeed_shm_comm, which only DeepSpeed's inference all-reduce uses: trainer3d skips it
+DeepSpeedCPUAdam builds cpu_adam; ZeRO-Infinity's NVMe offload builds async_io and pin_memory (with
+torch/extension.h reduced to torch/python.h and precompiled: LIGHT_TORCH_HEADER, PRECOMPILED; their build times:
+docs/zero.md). On a CPU host deepspeed.init_distributed would also build deepspeed_shm_comm, which only DeepSpeed's inference all-reduce uses: trainer3d skips it
 (skip_inference_shm_op). A run killed while building leaves a `lock` file that makes every later run wait forever, and
 two different `ninja` binaries on PATH make torch rebuild from scratch. So they are built here, once, into one
 per-checkout directory, with the PATH the runs have.
@@ -59,12 +59,11 @@ DEBUG_FLAG = "-g"  # what op_build_flags takes out of DeepSpeed's compiler flags
 LIGHT_TORCH_HEADER = "-DTORCH_INDUCTOR_CPP_WRAPPER"
 OPS = ("CPUAdamBuilder", "AsyncIOBuilder")
 OP_DIRS = {"CPUAdamBuilder": "cpu_adam", "AsyncIOBuilder": "async_io"}
-# Ops whose translation units each parse torch/extension.h (9 of async_io's 12: 17 of each one's 26 CPU-seconds on
-# 2 cores, with all of torch/all.h). They -include PCH_HEADER, which is written into the op's build directory (where
-# ninja compiles: a relative path, so that a copy of the built ops stays built) and, before a build from scratch,
-# precompiled there with the flags of the build.ninja torch wrote (GCC's .gch beside it: 27 CPU-seconds, 600 MB,
-# deleted after the build; GCC's dependency files do not list it). Units that include no torch header keep the flags less -include
-# (_plain_units_without_header: 3 x ~10 s of CPU).
+# Ops whose translation units each parse torch/extension.h (9 of async_io's 12, most of each one's compile time).
+# They -include PCH_HEADER, which is written into the op's build directory (where ninja compiles: a relative path, so
+# that a copy of the built ops stays built) and, before a build from scratch, precompiled there with the flags of the
+# build.ninja torch wrote (GCC's .gch beside it, 600 MB, deleted after the build; GCC's dependency files do not list
+# it). Units that include no torch header keep the flags less -include (_plain_units_without_header).
 PRECOMPILED = ("async_io",)
 PCH_HEADER = "trainer3d_torch_extension.h"
 UNIT_CFLAGS = "  cflags = "  # a build statement's own flags in build.ninja (_plain_units_without_header)
