@@ -93,8 +93,9 @@ def parallelize(
     if cfg.sequence_parallel:  # ... with the activations between the tp regions on sequence shards
         stages = [apply_sequence_parallel(s, topo.tp_rank, L.tp, sharded_rng) for s in stages]
     # ... mixtures of experts: tokens split over tp, experts over ep (parallel/expert_parallel.py)
-    stages = [apply_expert_parallel(s, topo.tp_group, topo.tp_rank, L.tp, cfg.sequence_parallel, topo.ep_group,
-                                    topo.ep_rank, L.ep) for s in stages]
+    stages = [apply_expert_parallel(s, tp_group=topo.tp_group, tp_rank=topo.tp_rank, tp=L.tp,
+                                    sequence_parallel=cfg.sequence_parallel, ep_group=topo.ep_group,
+                                    ep_rank=topo.ep_rank, ep=L.ep) for s in stages]
     sequence = None
     if L.cp > 1 or cfg.uses_documents:  # ... and this rank's tokens of each sequence
         sequence = SequenceLayout(cfg.seq_len, topo.cp_group, topo.cp_rank, L.cp, device, boundary=boundary,

@@ -330,9 +330,11 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
                 continue
             bias = old.bias is not None
             if isinstance(style, ColumnParallel):
-                new = ColumnParallelLinear(old.in_features, old.out_features, group, size, bias, style.fused, dev)
+                new = ColumnParallelLinear(old.in_features, old.out_features, group=group, size=size, bias=bias,
+                                           fused=style.fused, device=dev)
             else:
-                new = RowParallelLinear(old.in_features, old.out_features, group, size, bias, dev)
+                new = RowParallelLinear(old.in_features, old.out_features, group=group, size=size, bias=bias,
+                                        device=dev)
             block.set_submodule(path, new)
         for path in plan.tp_entries:
             block.set_submodule(path, TPEntry(group))
@@ -342,10 +344,9 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
             block.get_parameter(path).tp_partial = True
     V, d = cfg.vocab_size, cfg.n_embd
     Vp = padded_vocab_size(V, size)
-    if model.embedding is not None:
-        setattr(model, model.EMBEDDING, VocabParallelEmbedding(V, Vp, d, group, rank, size, device=dev))
-    if model.embedding_copy is not None:
-        setattr(model, model.EMBEDDING_COPY, VocabParallelEmbedding(V, Vp, d, group, rank, size, device=dev))
+    for slot, held in ((model.EMBEDDING, model.embedding), (model.EMBEDDING_COPY, model.embedding_copy)):
+        if held is not None:
+            setattr(model, slot, VocabParallelEmbedding(V, Vp, d, group=group, rank=rank, size=size, device=dev))
     if model.head is not None:
         tied_here = cfg.tie_embeddings and model.embedding is not None
         weight = model.embedding.weight if tied_here else vocab_parallel_weight(V, Vp, d, size, dev)
