@@ -104,11 +104,12 @@ def measure(rank: int, world: int, all_cases: list[Case]) -> list:
             b, s, h = case.micro_batch_size, case.seq_len, case.n_embd
             hidden_s = s // case.tp if case.extra["sequence_parallel"] else s
             samples: list[int] = []
-            with kept_per_block(trainer.pm.stages, counter) as kept:
+            with kept_per_block(trainer.parallel_model.stages, counter) as kept:
                 for rep in range(REPEATS + 1):
                     kept.clear()
                     outputs = []
-                    for stage in trainer.pm.stages:  # each kept alive (its graph with it) until all are measured
+                    # each kept alive (its graph with it) until all are measured
+                    for stage in trainer.parallel_model.stages:
                         gc.collect()
                         if stage.embedding is not None:
                             x = torch.randint(0, case.vocab, (b, s))

@@ -99,7 +99,7 @@ def blocks_pass(trainer, x: torch.Tensor) -> float:
     h = x.clone().requires_grad_()
     t0 = time.perf_counter()
     out = h
-    for block in trainer.pm.stages[0].h.values():
+    for block in trainer.parallel_model.stages[0].h.values():
         out = block(out)
     out.sum().backward()
     dt = time.perf_counter() - t0

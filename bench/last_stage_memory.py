@@ -63,7 +63,7 @@ def measure(rank: int, world: int, cases: list[tuple[str, int, bool]]) -> list:
             mc.reset_peak()
             tr.train_step(local_batch(case, topo, s))
         if stage is not None:
-            logits = case.micro_batch_size * case.seq_len * tr.pm.padded_vocab * 4
+            logits = case.micro_batch_size * case.seq_len * tr.parallel_model.padded_vocab * 4
             out.append(dict(pp=pp, schedule=schedule, v=v, free=free, logits=logits, used_alive=max(used_alive),
                             peak=mc.peak() - start))
         topo.destroy()

@@ -80,11 +80,11 @@ def measure(rank: int, world: int, all_cases: list[Case]) -> list:
         topo, trainer = build_trainer(case)
         result = None
         if trainer is not None:
-            with kept_per_block(trainer.pm.stages, counter) as kept:
+            with kept_per_block(trainer.parallel_model.stages, counter) as kept:
                 gc.collect()
                 torch.manual_seed(7)
                 x = torch.randint(0, case.vocab, (1, case.seq_len // case.cp))
-                y = trainer.pm.stages[0](x)
+                y = trainer.parallel_model.stages[0](x)
                 del y
             result = dict(coords=(topo.pp_rank, topo.dp_rank, topo.tp_rank, topo.cp_rank),
                           per_layer=statistics.median(kept))

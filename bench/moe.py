@@ -179,7 +179,8 @@ def measure_ep(rank: int, world: int, eps: list[int], rounds: int) -> dict:
             out[ep]["peak"] = max(out[ep]["peak"], malloc.peak() - base)
             out[ep]["a2a"] = sum(c.nbytes for c in counter.calls if c.op == "all_to_all_single")
     for ep, (case, topo, trainer) in built.items():
-        out[ep]["param_bytes"] = sum(p.numel() * p.element_size() for s in trainer.pm.stages for p in s.parameters())
+        out[ep]["param_bytes"] = sum(p.numel() * p.element_size() for s in trainer.parallel_model.stages
+                                     for p in s.parameters())
         topo.destroy()
     counter.uninstall()
     return out

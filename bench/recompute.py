@@ -52,7 +52,7 @@ def saved_bytes(trainer, batch) -> int:
             seen[s.data_ptr()] = s.nbytes()
         return t
 
-    model = trainer.pm.stages[0]
+    model = trainer.parallel_model.stages[0]
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(batch[:, :-1])

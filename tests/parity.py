@@ -162,13 +162,14 @@ def train_layout(world_size: int, layout: dict, steps: int) -> dict | None:
             norms.append(rec["grad_norm"])
             times.append(rec["rank_step_times"])
             watch.stop()
-        params = gather_stage_params(trainer.pm, topo)
+        params = gather_stage_params(trainer.parallel_model, topo)
         head_copy = {}  # a last stage's copy of a tied embedding, under the embedding's name
-        for m in trainer.pm.stages:
+        for m in trainer.parallel_model.stages:
             if m.head is not None and is_tied_duplicate(m, m.head.weight):
                 w = m.head.weight
                 head_copy[canonical_name(m.cfg, f"{m.HEAD}.weight")] = gather_full(w.data, w.tp_spec, topo.tp_group)
-        tables = {k: v.clone() for m in trainer.pm.stages for k, v in m.state_tables().items()}  # routers' biases
+        # the routers' biases
+        tables = {k: v.clone() for m in trainer.parallel_model.stages for k, v in m.state_tables().items()}
         result = {"losses": losses, "grad_norms": norms, "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank),
                   "dtypes": watch.dtypes, "compiled_graphs": watch.graphs, "tables": tables, "rank_step_times": times,
                   "resolved": resolved_layout(setup), "layout_choice": setup.cfg.layout_choice,
@@ -225,7 +226,7 @@ class FeatureWatch:
 
         self.counters, self.dtypes, self.graphs = counters, set(), 0
         self.graphs_before = counters["stats"]["unique_graphs"] if compiled else None
-        self.hooks = [m.register_forward_hook(self._record) for s in trainer.pm.stages for m in s.modules()
+        self.hooks = [m.register_forward_hook(self._record) for s in trainer.parallel_model.stages for m in s.modules()
                       if dtypes and next(m.children(), None) is None]  # leaves: linears, norms, embeddings
 
     def _record(self, module, args, out):

@@ -67,13 +67,13 @@ def _full_state(trainer, topo, optimizer: bool = True) -> dict[str, torch.Tensor
     from trainer3d.parallel.shards import gather_full
 
     out = {}
-    for name, (p, spec) in named_full_params(trainer.pm).items():
+    for name, (p, spec) in named_full_params(trainer.parallel_model).items():
         value = trainer.engine.param_value(p)
         group = topo.shard_group(spec)  # tp's, or ep's for a mixture's experts
         out[name] = gather_full(value, spec, group)
         for k, v in (trainer.engine.optimizer_state_of(p) if optimizer else {}).items():
             out[f"{name}.{k}"] = gather_full(v, spec, group) if v.shape == value.shape else v.clone()
-    for stage in trainer.pm.stages:  # tables that are no parameter (a router's selection bias)
+    for stage in trainer.parallel_model.stages:  # tables that are no parameter (a router's selection bias)
         out.update({f"table:{k}": v.clone() for k, v in stage.state_tables().items()})
     return out
 
@@ -820,7 +820,8 @@ def _hf_run(hf_dir, out_dir, batches):
         trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
         # each rank read exactly its own tp shard of its stage's tensors (fp32 files; the vocabulary needs no padding
         # at tp 2), the tied head copy of the last stage included
-        held = sum(p.numel() for m in trainer.pm.stages for p in {id(q): q for q in m.parameters()}.values())
+        held = sum(p.numel() for m in trainer.parallel_model.stages
+                   for p in {id(q): q for q in m.parameters()}.values())
         assert start.source.bytes_read == 4 * held, (start.source.bytes_read, 4 * held)
         apply(start, trainer)
         losses = [trainer.train_step(b)["loss"] for b in batches]

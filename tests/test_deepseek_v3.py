@@ -87,7 +87,7 @@ def _train(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = 
         records = [trainer.train_step(b[topo.dp_rank * per:(topo.dp_rank + 1) * per]) for b in data]
         out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg,
                "mtp": [r.get("mtp_loss") for r in records],
-               "notes": start.notes, "tables": {k: v.clone() for m in trainer.pm.stages
+               "notes": start.notes, "tables": {k: v.clone() for m in trainer.parallel_model.stages
                                                 for k, v in m.state_tables().items()}}
         if out_dir is not None:
             out["path"] = str(save_checkpoint(trainer, out_dir))

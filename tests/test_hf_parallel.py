@@ -30,11 +30,11 @@ def _logits_at_layouts(rank, world_size, hf_dir, ids):
                               shard_value=from_full(lambda n, s: state[canonical_name(mcfg, n)]))
             for m in trainer.engine.stage_modules:
                 m.eval()
-            args = (ids,) if trainer.pm.has_first else ()
-            kwargs = {"target": ids} if trainer.pm.has_last else {}  # the schedule computes a loss too
+            args = (ids,) if trainer.parallel_model.has_first else ()
+            kwargs = {"target": ids} if trainer.parallel_model.has_last else {}  # the schedule computes a loss too
             with torch.no_grad():
                 local = trainer.schedule.eval(*args, **kwargs)
-            if trainer.pm.has_last:
+            if trainer.parallel_model.has_last:
                 shards = [torch.empty_like(local) for _ in range(tp)]
                 dist.all_gather(shards, local.contiguous(), group=topo.tp_group)
                 out[(tp, pp)] = torch.cat(shards, dim=-1)[..., : gcfg.vocab_size]

@@ -33,7 +33,7 @@ def _poisoned_step(rank, world_size, policy: str) -> dict:
     trainer = Trainer(setup, setup.topology(), torch.device("cpu"), cfg.model_config(VOCAB))
     first, second = global_batches(2)
     trainer.train_step(first)
-    stage = trainer.pm.stages[0]
+    stage = trainer.parallel_model.stages[0]
     params = dict(stage.named_parameters())
     sharded = next(p for n, p in params.items() if n.startswith(stage.BLOCKS) and getattr(p, "tp_spec", None))
     if trainer.topo.tp_rank == 1:

@@ -20,7 +20,7 @@ def _dropout_streams(rank, world_size, compile_blocks):
     setup = validate(cfg, world_size, 300)
     topo = setup.topology()
     trainer = Trainer(setup, topo, torch.device("cpu"), cfg.model_config(300))
-    model = trainer.pm.stages[0]
+    model = trainer.parallel_model.stages[0]
     model.train()
     hidden = {}
     model.h["1"].register_forward_hook(lambda m, i, o: hidden.setdefault("h1", o.detach().clone()))

@@ -142,10 +142,10 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
         zdp = trainer.engine
         # final parameters from ZeRO's fp32 masters (collective over dp, then tp)
         params = {}
-        for name, (p, spec) in named_full_params(trainer.pm).items():
+        for name, (p, spec) in named_full_params(trainer.parallel_model).items():
             params[name] = gather_full(zdp.param_value(p), spec, topo.shard_group(spec))
         head_copy = {}
-        for m in trainer.pm.stages:
+        for m in trainer.parallel_model.stages:
             if m.head is not None and is_tied_duplicate(m, m.head.weight):
                 w = m.head.weight
                 head_copy[canonical_name(m.cfg, f"{m.HEAD}.weight")] = gather_full(zdp.param_value(w), w.tp_spec,
@@ -175,7 +175,7 @@ def train_zero(world_size: int, lay: dict, ds: dict, steps: int) -> dict | None:
             "compiled_graphs": watch.graphs,
             "memory": mem, "stage_numel": numel, "partition_numel": part, "init_s": t_init, "step_s": t_steps / steps,
             "nvme_swap": swapped, "shm_op": deepspeed.comm.comm.cdb.shm_comm_op is not None,
-            "leaf_blocks": [z3_leaf_module(b) for m in trainer.pm.stages for b in m.blocks.values()],
+            "leaf_blocks": [z3_leaf_module(b) for m in trainer.parallel_model.stages for b in m.blocks.values()],
         }
         if topo.tp_rank == 0 and topo.dp_rank == 0:
             result.update(params=params, head_copy=head_copy)

@@ -167,7 +167,7 @@ class Engine:
         """The [B, T, width] values the last stage's ranks returned as [n, 2 + width] (row, position, values...), on
         every rank: one writer per token (tp rank 0; each cp rank holds its own positions), one sum."""
         out = torch.zeros(*shape, width, device=self.device)
-        if self.trainer.pm.has_last and self.topo.tp_rank == 0 and results:
+        if self.trainer.parallel_model.has_last and self.topo.tp_rank == 0 and results:
             got = torch.cat(results)
             out[got[:, 0].long(), got[:, 1].long()] = got[:, 2:].float()
         return all_reduce(out, self.topo.world_group).cpu()
@@ -184,7 +184,8 @@ class Engine:
         def reduction(logits, targets):
             values = [-t.token_losses(logits, targets[..., TARGET].long())]
             if entropy:
-                values.append(vocab_parallel_entropy(logits, self.topo.tp_group, t.pm.vocab_start, t.mcfg.vocab_size))
+                values.append(vocab_parallel_entropy(logits, self.topo.tp_group, t.parallel_model.vocab_start,
+                                                     t.mcfg.vocab_size))
             return torch.stack([targets[..., ROW], targets[..., POSITION], *[v.double() for v in values]],
                                dim=-1).flatten(0, 1)
 
@@ -231,7 +232,7 @@ class Engine:
 
         losses = self._pass(tokens, targets, documents, reduction, train=True)
         local = torch.zeros(2, device=self.device)  # the loss, and whether loss_fn returned another shape
-        if t.pm.has_last and self.topo.tp_rank == 0 and losses:
+        if t.parallel_model.has_last and self.topo.tp_rank == 0 and losses:
             local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
         local[1] = float(bool(returned))
         reduced = all_reduce(local, self.topo.world_group)
@@ -271,7 +272,7 @@ class Engine:
         than its share plus one tensor. Collective: every rank iterates to the end."""
         t = self.trainer
         mcfg, (shapes, tables) = t.mcfg, self._weight_shapes
-        mine = named_full_params(t.pm)
+        mine = named_full_params(t.parallel_model)
         for name, shape in shapes.items():
             full = torch.zeros(shape, device=self.device)
             if name in mine:
@@ -296,7 +297,7 @@ class Engine:
     def _write_table(self, full: torch.Tensor, name: str) -> None:
         """A table (a router's selection bias) is replicated wherever its module is: the lowest rank holding it
         writes it."""
-        held = [s.state_tables()[name] for s in self.trainer.pm.stages if name in s.state_tables()]
+        held = [s.state_tables()[name] for s in self.trainer.parallel_model.stages if name in s.state_tables()]
         flag = torch.tensor([float(self.topo.rank) if held else float("inf")], device=self.device)  # (NCCL: device)
         first = all_reduce(flag, self.topo.world_group, torch.distributed.ReduceOp.MIN)
         if held and self.topo.rank == int(first):

@@ -91,7 +91,7 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     trainer.step = ckpt.step
     adam_step = ckpt.optimizer_step
     items = []
-    for name, p, spec in _stage_params(trainer.pm):
+    for name, p, spec in _stage_params(trainer.parallel_model):
         rank, size = topo.shard_coords(spec)  # tp, or ep for experts
         shape = local_shape(spec, ckpt.shapes[name], size)  # (not p.shape: ZeRO-3 partitions the parameter)
 
@@ -133,7 +133,7 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
 def copy_tables(trainer, value_of: Callable) -> None:
     """Fill this rank's model tables (CausalLM.state_tables: routers' selection biases) from `value_of(name, shape)`
     (None: the source has none; the table keeps its value)."""
-    for m in trainer.pm.stages:
+    for m in trainer.parallel_model.stages:
         for name, table in m.state_tables().items():
             saved = value_of(name, tuple(table.shape))
             if saved is not None:
@@ -145,7 +145,7 @@ def _restore_rngs(trainer, ckpt: Checkpoint) -> None:
     torch.set_rng_state(ckpt.rng_state(rank, "cpu"))
     if trainer.device.type == "cuda":
         torch.cuda.set_rng_state(ckpt.rng_state(rank, "cuda"), trainer.device)
-    for i, r in enumerate(sharded_rngs(trainer.pm)):
+    for i, r in enumerate(sharded_rngs(trainer.parallel_model)):
         r.state = ckpt.rng_state(rank, f"sharded{i}")
 
 
@@ -154,7 +154,7 @@ def rederive_rngs(trainer, step: int) -> None:
     dp and pp; the sharded stream different on every rank), as a pure function of (seed, step, coordinates)."""
     seed_rngs(trainer.cfg.seed, trainer.topo, step)
     sharded_seed = rng_seeds(trainer.cfg.seed, trainer.topo, step)[1]
-    for r in sharded_rngs(trainer.pm):  # one stream a rank, shared by its stages
+    for r in sharded_rngs(trainer.parallel_model):  # one stream a rank, shared by its stages
         r.state = ShardedDropoutRNG(sharded_seed, trainer.device).state
 
 

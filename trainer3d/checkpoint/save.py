@@ -58,11 +58,11 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
     pinned = trainer.device.type == "cuda"
     pieces: dict[str, torch.Tensor] = {}
     adam_step = trainer.engine.adam_step()
-    for name, (p, spec) in named_full_params(trainer.pm).items():
+    for name, (p, spec) in named_full_params(trainer.parallel_model).items():
         for kind, start, size, data, live in parameter_pieces(trainer, p, spec, adam_step is not None):
             pieces[piece_key(kind, name, start, size)] = _to_host(data, pinned, copy or not live)
     index, count = _writer_slice(None, topo)  # tables: replicated wherever their module is
-    for m in trainer.pm.stages:
+    for m in trainer.parallel_model.stages:
         for name, t in m.state_tables().items():
             shape = tuple(t.shape)
             for b in slice_boxes(tp_boxes(None, shape, 0, 1), shape, index, count):
@@ -76,7 +76,7 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
     pieces[RNG_PREFIX + "cpu"] = torch.get_rng_state()
     if trainer.device.type == "cuda":
         pieces[RNG_PREFIX + "cuda"] = torch.cuda.get_rng_state(trainer.device)
-    for i, r in enumerate(sharded_rngs(trainer.pm)):
+    for i, r in enumerate(sharded_rngs(trainer.parallel_model)):
         pieces[f"{RNG_PREFIX}sharded{i}"] = r.state.clone().cpu()
     return pieces, adam_step
 

@@ -107,7 +107,7 @@ class MoEBalance:
         self.padding = None
         if real is None:
             return
-        sequence, device = self.trainer.pm.sequence, self.trainer.device
+        sequence, device = self.trainer.parallel_model.sequence, self.trainer.device
         self.padding = []
         for rows in real.tensor_split(self.trainer.plan.micro_batches):
             local = sequence.split(rows) if sequence is not None else rows

@@ -116,9 +116,9 @@ def install_mtp(trainer) -> MTPLoss | None:
     if not depth:
         return None
     tokens = NextTokens()
-    for stage in trainer.pm.stages:
+    for stage in trainer.parallel_model.stages:
         if stage.head is not None:
             stage.next_tokens = tokens
-    trainer.pm.listeners.append(tokens)
+    trainer.parallel_model.listeners.append(tokens)
     coef = trainer.cfg.mtp_loss_coef if trainer.cfg.mtp_loss_coef is not None else MTP_LOSS_COEF
     return MTPLoss(depth, coef, tokens, trainer.topo, trainer.plan.global_batch, trainer.device)

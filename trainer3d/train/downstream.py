@@ -43,7 +43,7 @@ def forward_rows(trainer, n_rows: int, make_batch: MakeBatch, reduction: Reducti
     otherwise its result is the same on every tp rank (it reduced over tp) and tp rank 0's is kept."""
     topo, gb = trainer.topo, trainer.plan.global_batch
     passes = max(1, -(-n_rows // gb))
-    writes = trainer.pm.has_last and (vocab_sharded or topo.tp_rank == 0)
+    writes = trainer.parallel_model.has_last and (vocab_sharded or topo.tp_rank == 0)
     col0 = topo.tp_rank * width if vocab_sharded else 0
     out = torch.zeros(n_rows, width * topo.layout.tp if vocab_sharded else width, device=trainer.device)
 
@@ -97,7 +97,7 @@ def sample(trainer, prompt: list[int], count: int, n_tokens: int, temperature: f
             return inputs, at_last, None
 
         logits = forward_rows(trainer, count, make_batch, lambda lg, at_last: (lg * at_last[..., None]).sum(dim=1),
-                              width=trainer.pm.padded_vocab // trainer.topo.layout.tp, vocab_sharded=True)
+                              width=trainer.parallel_model.padded_vocab // trainer.topo.layout.tp, vocab_sharded=True)
         next_ids = pick_next_token(logits[:, :vocab].cpu(), temperature, top_k, generator)
         seqs = torch.cat([seqs, next_ids[:, None]], dim=1)
     return seqs[:, len(prompt):].tolist()

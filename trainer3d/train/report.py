@@ -45,13 +45,13 @@ class Report:
         if not (self.log or cfg.verbose):
             return
         print(
-            f"[trainer3d] {t.topo.layout} schedule={cfg.schedule} stages={t.pm.n_stages} "
-            f"layers/stage={[len(r) for r in t.pm.layer_ranges]} micro-batches={plan.micro_batches}×"
+            f"[trainer3d] {t.topo.layout} schedule={cfg.schedule} stages={t.parallel_model.n_stages} "
+            f"layers/stage={[len(r) for r in t.parallel_model.layer_ranges]} micro-batches={plan.micro_batches}×"
             f"{plan.micro_batch_size} global-batch={plan.global_batch} seqs ({tokens_per_step} tokens) "
             f"model={cfg.init_from_hf or cfg.model} ({t.mcfg.family}, {t.mcfg.num_params() / 1e6:.1f}M params) "
             f"precision={t.precision} device={t.device}", flush=True)
         if cfg.fp8 is not None:
-            line = fp8_description(cfg.fp8, t.pm.fp8_layers, t.mcfg.n_layer, cfg.compile)
+            line = fp8_description(cfg.fp8, t.parallel_model.fp8_layers, t.mcfg.n_layer, cfg.compile)
             print(f"[trainer3d] rank {dist.get_rank()} {line}", flush=True)
         mem = t.engine.memory()
         mib = lambda k: f"{mem[k + '_bytes'] / 2**20:.1f} MiB ({mem[k + '_offloaded_bytes'] / 2**20:.1f} offloaded)"  # noqa: E731

@@ -46,8 +46,8 @@ def run_config(trainer) -> dict:
             "cp": topo.layout.cp,
             "world_size": topo.layout.world_size,
             "schedule": cfg.schedule,
-            "stages": trainer.pm.n_stages,
-            "layers_per_stage": [len(r) for r in trainer.pm.layer_ranges],
+            "stages": trainer.parallel_model.n_stages,
+            "layers_per_stage": [len(r) for r in trainer.parallel_model.layer_ranges],
         },
         "batch": {
             "global_batch": plan.global_batch,

@@ -53,15 +53,16 @@ class Trainer:
             engine_factory = zero_engine_factory(setup.deepspeed, topo, device, verbose=cfg.verbose)
         else:
             engine_factory = EngineFactory(lambda stages: DDPEngine(stages, topo, device, cfg))
-        self.pm = parallelize(
+        self.parallel_model = parallelize(
             mcfg, topo, device, cfg, setup.plan, engine_factory, self._loss_fn, COMPUTE_DTYPES[self.precision],
             shard_value=shard_value, boundary=boundary,
         )
-        self.engine, self.schedule = self.pm.engine, self.pm.schedule
+        self.engine, self.schedule = self.parallel_model.engine, self.parallel_model.schedule
         self.step = 0
-        self.balance = MoEBalance(self, self.pm.stages) if mcfg.moe is not None else None  # routing: losses, loads
+        # the MoE routing's losses and loads
+        self.balance = MoEBalance(self, self.parallel_model.stages) if mcfg.moe is not None else None
         if self.balance is not None:
-            self.pm.listeners.append(self.balance)  # told each micro-batch: its padding
+            self.parallel_model.listeners.append(self.balance)  # told each micro-batch: its padding
         self.mtp = install_mtp(self)  # multi-token prediction's targets and losses (parallel/mtp.py), or None
         self.objective = DPO(self) if cfg.objective == "dpo" else None  # a pair loss in the token loss's place
         self.boundary = boundary
@@ -69,13 +70,13 @@ class Trainer:
         self.is_logging_rank = dist.get_rank() == self.logging_rank
         self._reduction = None  # what takes the loss's place during one run_pass (None: the run's loss)
         self._weight = 1.0  # of a supervised target's loss in the running pass: dp·cp / the global batch's targets
-        self.clock = WorkClock(self.pm.stages, device)  # this rank's step time, for the stragglers (stragglers.py)
+        self.clock = WorkClock(self.parallel_model.stages, device)  # this rank's step time (stragglers.py)
 
     def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy from this rank's vocab shard of the logits (collective over tp); where gradients
         flow, the logits' storage becomes their gradient (parallel/cross_entropy.py)."""
         return vocab_parallel_cross_entropy(
-            logits, targets, self.topo.tp_group, self.pm.vocab_start, self.mcfg.vocab_size,
+            logits, targets, self.topo.tp_group, self.parallel_model.vocab_start, self.mcfg.vocab_size,
             compiled=self.cfg.compiled_backend
         )
 
@@ -109,12 +110,13 @@ class Trainer:
         (None: the run's loss); `targets` may then have any trailing shape. `documents`: each input token's document,
         where the data knows it. Returns what the loss (or reduction) gave for each micro-batch on the last stage's
         ranks, [] elsewhere; every rank of the layout calls it (pipeline, tp and ZeRO-3 exchanges)."""
-        sequence = self.pm.sequence
+        sequence = self.parallel_model.sequence
         if sequence is not None:
             sequence.begin_pass(inputs, self.plan.micro_batches, documents)
             inputs, targets = sequence.split(inputs), sequence.split(targets)
-        args = (inputs.to(self.device, non_blocking=True).contiguous(),) if self.pm.has_first else ()
-        kwargs = {"target": targets.to(self.device, non_blocking=True).contiguous()} if self.pm.has_last else {}
+        args = (inputs.to(self.device, non_blocking=True).contiguous(),) if self.parallel_model.has_first else ()
+        has_last = self.parallel_model.has_last
+        kwargs = {"target": targets.to(self.device, non_blocking=True).contiguous()} if has_last else {}
         losses: list[torch.Tensor] = []
         self._reduction = reduction
         try:
@@ -164,7 +166,7 @@ class Trainer:
         # MTP depths' shares); the world sums. Training, each rank also puts its step time in its own slot after them.
         scalars = self.step_scalars(train)
         local = scalars.host(self.device, stop_requested, self.topo.rank, self.clock.seconds() if train else 0.0)
-        if self.pm.has_last and self.topo.tp_rank == 0:
+        if self.parallel_model.has_last and self.topo.tp_rank == 0:
             scale = self.loss_scale.scale if self.loss_scale else 1.0
             scalars.fill(local, torch.stack([x.detach().float() for x in losses]).sum() / scale,
                          mtp.sums if mtp is not None else None,
