@@ -54,8 +54,8 @@ class Trainer:
         else:
             engine_factory = EngineFactory(lambda stages: DDPEngine(stages, topo, device, cfg))
         self.parallel_model = parallelize(
-            mcfg, topo, device, cfg, setup.plan, engine_factory, self._loss_fn, COMPUTE_DTYPES[self.precision],
-            shard_value=shard_value, boundary=boundary,
+            mcfg, topo, device, cfg, plan=setup.plan, engine_factory=engine_factory, loss_fn=self._loss_fn,
+            compute_dtype=COMPUTE_DTYPES[self.precision], shard_value=shard_value, boundary=boundary,
         )
         self.engine, self.schedule = self.parallel_model.engine, self.parallel_model.schedule
         self.step = 0
