@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from trainer3d.config import TrainConfig
+from trainer3d.distributed.topology import Topology
 from trainer3d.models import CausalLM, build_model, canonical_name, init_value
 from trainer3d.parallel import pipeline
 from trainer3d.parallel.batch import BatchPlan
@@ -62,9 +64,9 @@ class ParallelModel:
 
 def parallelize(
     mcfg,
-    topo,
+    topo: Topology,
     device: torch.device,
-    cfg,
+    cfg: TrainConfig,
     plan: BatchPlan,
     engine_factory: EngineFactory,
     loss_fn: Callable,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from trainer3d.data.batch import Batch, document_ids, real_inputs
 from trainer3d.distributed.collectives import all_reduce
+from trainer3d.distributed.topology import Topology
 from trainer3d.errors import TrainingError
 from trainer3d.models.moe import expert_casts_cached
 from trainer3d.optim import DynamicLossScale, lr_at
@@ -37,7 +38,7 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 class Trainer:
-    def __init__(self, setup: RunSetup, topo, device: torch.device, mcfg, shard_value=None,
+    def __init__(self, setup: RunSetup, topo: Topology, device: torch.device, mcfg, shard_value=None,
                  boundary: int | None = None):
         """`boundary`: the token that opens a document (the tokenizer's end-of-text), which --document-mask and
         --reset-position-ids need."""
