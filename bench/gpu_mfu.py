@@ -175,7 +175,7 @@ def run_reference(model: str, mbs: int, seq_len: int, steps: int, warmup: int, d
     net = build_model(mcfg)  # at tp 1 the family's parallel linears are plain linears
     with torch.no_grad():
         for name, p in net.named_parameters():  # a tied lm_head is listed once, as the embedding
-            p.copy_(init_value(mcfg, name, p.shape, TrainConfig.seed))
+            p.copy_(init_value(mcfg, name, p.shape, TrainConfig().seed))
             if p.shape[0] == 50304:
                 p[50257:].zero_()  # the embedding's (and an untied head's) padding rows, zeros as the trainer's
     net = net.to(device)
