@@ -167,3 +167,18 @@ def test_sample_routes_with_the_checkpoints_bias(checkpoints, capsys):
     printed = capsys.readouterr().out.split("\n", 1)[1].rstrip("\n")
     print(f"\nsample: {printed!r}; reference with BIAS {texts['biased']!r}, with zeros {texts['zero']!r}")
     assert printed == texts["biased"]
+
+
+def test_export_refuses_a_bias_its_format_cannot_hold(checkpoints, tmp_path, capsys):
+    """A learned bias on a softmax router (a Qwen3-MoE checkpoint: its Hugging Face format has no place for it) is
+    refused at export with one sentence and exit 2, nothing written (before, it was dropped silently and the exported
+    model routed otherwise); the zero bias of an ordinary run exports."""
+    from trainer3d.export import main
+
+    zero, biased, _ = checkpoints
+    assert main([str(biased), str(tmp_path / "biased")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds a learned layers.1.mlp.gate.expert_bias (a router's selection bias, " \
+        "nonzero) that the qwen3 Hugging Face format has no place for" in err, err
+    assert not (tmp_path / "biased").exists()
+    assert main([str(zero), str(tmp_path / "zero")]) == 0 and (tmp_path / "zero" / "config.json").is_file()

@@ -31,7 +31,7 @@ from trainer3d.checkpoint.hf import hf_tables, parse_size, save_hf_checkpoint
 from trainer3d.data.chat import read_template
 from trainer3d.data.export_tokenizer import export_tokenizer, special_ids, tokenizer_dir
 from trainer3d.errors import ArgumentParser, CheckpointError, DataError, UsageError, report
-from trainer3d.models import FAMILIES
+from trainer3d.models import FAMILIES, canonical_tables
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -60,6 +60,21 @@ class CheckpointWeights(Mapping):
         return len(self.names)
 
 
+def check_tables_fit(ckpt: Checkpoint) -> None:
+    """A learned table the family's Hugging Face format has no place for (a selection bias on a softmax router:
+    Qwen3-MoE's, Mixtral's) would be dropped, and the exported model route otherwise than the checkpoint: refused,
+    naming it. Zeros (the initial value) lose nothing."""
+    mcfg = ckpt.model_config
+    held = hf_tables(mcfg)
+    for name, shape in canonical_tables(mcfg).items():
+        saved = None if name in held else ckpt.table(name, tuple(shape))
+        if saved is not None and bool(saved.abs().max() > 0):
+            raise CheckpointError(
+                f"{ckpt.path} holds a learned {name} (a router's selection bias, nonzero) that the "
+                f"{mcfg.family} Hugging Face format has no place for, so the exported model would route otherwise; "
+                f"evaluate or sample it from the checkpoint (trainer3d.evaluate, trainer3d.sample) instead.")
+
+
 def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
            tokenizer: str | None = "run", overwrite: bool = False, max_shard_size: int | str = "5GB",
            eos_token: str | None = None) -> Path:
@@ -72,6 +87,7 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists; pass --overwrite to replace it or choose another directory.")
     mcfg, run = ckpt.model_config, ckpt.meta["config"]
+    check_tables_fit(ckpt)
     state = CheckpointWeights(ckpt)
     name = run.get("tokenizer") if tokenizer == "run" else tokenizer
     template = run.get("chat_template") if tokenizer == "run" else None
