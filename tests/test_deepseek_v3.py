@@ -499,7 +499,8 @@ def test_config_edges(tmp_path):
         assert adapter.config_from_hf(adapter.hf_config(MODEL_PRESETS[preset]).to_dict()) == MODEL_PRESETS[preset]
 
     raw = json.loads((tmp_path / "mtp" / "config.json").read_text())
-    for change, reason in (({"quantization_config": {"quant_method": "fp8"}}, "dequantize them to bf16 first"),
+    for change, reason in (({"quantization_config": {"quant_method": "fp8"}}, "dequantize them to bf16 first, and "
+                            "where they already are, delete the \"quantization_config\" entry from config.json"),
                            ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
                            ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type='llama3'")):
         with pytest.raises(ValueError, match=reason):

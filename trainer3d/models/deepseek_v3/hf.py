@@ -44,7 +44,8 @@ class DeepseekV3Adapter(LlamaAdapter):
             problems.append("attention_bias=True: our MLA has no biases")
         if raw.get("quantization_config"):
             problems.append("quantization_config: the weights are quantized (DeepSeek's and Kimi's published files "
-                            "are fp8); dequantize them to bf16 first")
+                            "are fp8); dequantize them to bf16 first, and where they already are, delete the "
+                            "\"quantization_config\" entry from config.json")
         if raw.get("scoring_func", "sigmoid") != "sigmoid":
             problems.append(f"scoring_func={raw['scoring_func']!r}: DeepSeek-V3's router scores with a sigmoid")
         rope = rope_settings(raw)
