@@ -223,3 +223,42 @@ def test_a_calibration_of_this_machine_replaces_the_nominal_constants(tmp_path, 
     nominal, measured = _pick(8), _pick(8, m)
     assert nominal.tp == 1 and measured.tp > 1, (nominal.layout_choice["pick"], measured.layout_choice["pick"])
     assert "calibrated on this machine 2026-11-26 18:00 UTC" in choice_lines(measured.layout_choice)[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_pick_is_a_layout_the_model_runs(world):
+    """Every tiny preset, free and at --tp 2: the pick passes every check of the run (train/setup.validate: the family's
+    tp rule, experts over ep, multi-token prediction's layouts, ...). DeepSeek-V3's MTP modules run without sequence
+    and context parallelism, so its picks have neither (before, every tp > 1 pick turned sequence parallelism on, and
+    `deepseek-v3-tiny --layout auto --tp 2` was refused naming --sequence-parallel, a flag the user never passed)."""
+    from trainer3d.models import MODEL_PRESETS
+    from trainer3d.train.setup import validate
+
+    for name in [n for n in MODEL_PRESETS if n.endswith("tiny")]:
+        for flags in ({}, {"tp": 2}):
+            cfg = TrainConfig(model=name, layout="auto", seq_len=64, global_batch=8, precision="fp32", **flags)
+            picked = validate(cfg, world, vocab_size=512, machine=_machine(world)).cfg
+            assert picked.tp == flags.get("tp", picked.tp), (name, flags)
+            if name == "deepseek-v3-tiny":
+                assert not picked.sequence_parallel and picked.cp == 1, picked.layout_choice["pick"]
+
+
+def test_the_last_stage_holds_the_logits_of_every_mtp_depth():
+    """The planner's memory of DeepSeek-V3's last stage: one set of logits for the next token and one for each MTP
+    depth (each [tokens, vocab/tp] until the backward), and the depth's block; a model without MTP holds one."""
+    from trainer3d.models import MODEL_PRESETS
+    from trainer3d.parallel.tensor_parallel import padded_vocab_size
+    from trainer3d.plan.candidate import Candidate
+    from trainer3d.plan.memory import layer_activation_bytes, stage_activation_bytes
+
+    base = MODEL_PRESETS["deepseek-v3-tiny"]
+    held = {}
+    for depth in (0, 1, 2):
+        cfg = dataclasses.replace(base, mtp_layers=depth)
+        cand = Candidate(cfg=cfg, dp=1, tp=1, pp=1, cp=1, ep=1, schedule="1f1b", virtual_stages=1, micro_batches=1,
+                         micro_batch_size=2, seq_len=64, precision="fp32")
+        stage = SimpleNamespace(layers=cfg.n_layer, first=True, last=True, blocks=range(cfg.n_layer))
+        held[depth] = stage_activation_bytes(cand, stage)
+        logits = cand.tokens * padded_vocab_size(cfg.vocab_size, 1) * cand.prec.matmul
+    per_depth = logits + layer_activation_bytes(cand)
+    assert held[1] - held[0] == pytest.approx(per_depth) and held[2] - held[1] == pytest.approx(per_depth)

@@ -25,7 +25,7 @@ from trainer3d.parallel.pipeline import pipeline_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
 from trainer3d.plan.report import deepspeed_config, why
-from trainer3d.plan.search import Plan, enumerate_plans
+from trainer3d.plan.search import Plan, enumerate_plans, mtp_depth
 
 # A CPU rank's nominal numbers: a core's fp32 rate, gloo over loopback. They rank layouts by the model's proportions
 # (compute, bubble, communication); they are no CPU's measured seconds. Keys are Cluster fields, as a calibration's.
@@ -142,6 +142,8 @@ def satisfies(c: Candidate, cfg: TrainConfig, zero: str) -> bool:
 def trainer_problem(c: Candidate, mcfg, seq_len: int) -> str | None:
     """The trainer's own rules for a plan (the planner uses the same ones; this is the last word)."""
     problem = pipeline_problem(mcfg, c.pp, c.schedule, c.virtual_stages, c.micro_batches, c.sequence_parallel)
+    if problem is None and mtp_depth(mcfg) and (c.cp > 1 or c.sequence_parallel):
+        return "multi-token prediction runs without context or sequence parallelism"
     return problem[1] if problem else check_expert_parallel(mcfg, c.ep, c.tp, seq_len, c.cp)
 
 

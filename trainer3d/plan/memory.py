@@ -60,7 +60,10 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
     if st.last:
         total += Th * (P.resid + P.matmul) + T * 8  # final norm input, head input (shards under SP), the CE's targets
         total += T * (4 + 4 + 1)  # the CE's row scale and target exponential (fp32), its outside-the-shard mask
-        total += T * Vp // t * P.matmul  # the logits (then their exponentials, then their gradient) until backward
+        # the logits (then their exponentials, then their gradient) until backward: the next token's and each MTP
+        # depth's, whose module also keeps a block's activations
+        D = getattr(cand.cfg, "mtp_layers", 0) or 0
+        total += (1 + D) * T * Vp // t * P.matmul + D * per_layer
     else:
         total += Th * P.send  # the stage output (cast for the wire), held until backward
     return total

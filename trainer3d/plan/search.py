@@ -117,6 +117,12 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
     return Search(plans, refuse.counts, refuse.examples)
 
 
+def mtp_depth(cfg) -> int:
+    """The model's multi-token prediction modules (DeepSeek-V3's D; 0 where it has none or the run builds none): they
+    run without sequence and context parallelism (train/setup.check_mtp), and the last stage holds 1 + D logits."""
+    return getattr(cfg, "mtp_layers", 0) or 0
+
+
 def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_across_nodes: bool, refuse,
            fixed: dict[str, int]):
     """(dp, tp, cp, pp) of the cluster's world that the model, the batch and the sequence allow (tp, pp as `fixed`)."""
@@ -135,7 +141,11 @@ def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_
         for cp in cp_sizes or default_cp_sizes(seq_len):
             if (N // tp) % cp:
                 continue
-            problem = sequence_split_problem(tp, seq_len, cp) if tp > 1 else None  # plans use SP at every tp > 1
+            if cp > 1 and mtp_depth(cfg):
+                refuse("multi-token prediction runs without context parallelism", f"cp{cp}")
+                continue
+            # plans use SP at every tp > 1, but where the model predicts several tokens (the trainer refuses it there)
+            problem = sequence_split_problem(tp, seq_len, cp) if tp > 1 and not mtp_depth(cfg) else None
             if problem is not None:
                 refuse("sequence parallelism cannot split a rank's tokens over tp", f"cp{cp} tp{tp}")
                 continue
@@ -206,7 +216,8 @@ def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bo
             prec = precision or ("bf16-autocast" if z == 0 else "bf16-mixed")
             cand = Candidate(**layout, precision=prec, zero_stage=z,
                              offload_optimizer=off_o, offload_params=off_p, recompute=rc,
-                             sequence_parallel=layout["tp"] > 1,  # the same tp bytes, activations /tp: always on
+                             # the same tp bytes, activations /tp: on at tp > 1 where the model allows it
+                             sequence_parallel=layout["tp"] > 1 and not mtp_depth(layout["cfg"]),
                              fp8=fp8)
             mem, host = memory_per_gpu(cand)
             if mem > C.usable_bytes:
