@@ -581,3 +581,90 @@ def test_decoding_caches_the_latent_and_equals_the_whole_forward():
     assert cache.length == 12 and set(cache.k) == set(range(cfg.n_layer))
     assert cache.k[0].shape == (2, 1, 12, cfg.kv_lora_rank) and cache.v[0].shape == (2, 1, 12, cfg.qk_rope_head_dim)
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+
+
+FP8_BLOCK = (16, 24)  # DeepSeek publishes 128 x 128; smaller, non-square blocks cut the tiny model's weights unevenly
+
+
+def _fp8_copy(src, dst, ref):
+    """`src` (a save_pretrained directory) as DeepSeek publishes FP8 weights, written here from the published rule:
+    every 2-D linear weight but the embedding, the head and the routers as float8_e4m3fn Q with a `_scale_inv` S per
+    block (the block's absolute max / 448, e4m3's largest), so that W ≈ Q·S blockwise, and config.json's
+    quantization_config. `ref` gets the weights those files stand for, dequantized block by block by a loop here, in a
+    directory without quantization."""
+    import math
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(src / "model.safetensors"))
+    quantized, plain = {}, {}
+    for name, w in state.items():
+        skip = ("embed_tokens", "lm_head", "mlp.gate.weight", "norm")
+        if w.dim() != 2 or not name.endswith(".weight") or any(s in name for s in skip):
+            quantized[name] = plain[name] = w
+            continue
+        (R, C), (br, bc) = w.shape, FP8_BLOCK
+        scales = torch.empty(math.ceil(R / br), math.ceil(C / bc))
+        q = torch.empty(R, C, dtype=torch.float8_e4m3fn)
+        dequantized = torch.empty(R, C)
+        for i in range(scales.shape[0]):
+            for j in range(scales.shape[1]):
+                rows, cols = slice(i * br, (i + 1) * br), slice(j * bc, (j + 1) * bc)
+                scales[i, j] = w[rows, cols].abs().max() / 448.0
+                q[rows, cols] = (w[rows, cols] / scales[i, j]).to(torch.float8_e4m3fn)
+                dequantized[rows, cols] = q[rows, cols].float() * scales[i, j]
+        quantized[name], quantized[name + "_scale_inv"], plain[name] = q, scales, dequantized
+    for directory, tensors in ((dst, quantized), (ref, plain)):
+        directory.mkdir()
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copy(src / "generation_config.json", directory) if (src / "generation_config.json").exists() else None
+    config = json.loads((src / "config.json").read_text())
+    (ref / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": list(FP8_BLOCK)}
+    (dst / "config.json").write_text(json.dumps(config))
+    return sum(1 for n in quantized if n.endswith("_scale_inv"))
+
+
+def test_fp8_block_scaled_weights_are_read_as_the_values_they_stand_for(tmp_path):
+    """DeepSeek's published FP8 layout (a random model saved so): --init-from-hf reads each quantized weight as Q·S
+    blockwise, equal to the test's own dequantization, whole and in every tp rank's rows or columns at tp 2 and 3
+    (across block edges); the model's logits are transformers' on the dequantized weights; the run's
+    notes say so; scales of the wrong shape are refused (before, every such directory was refused)."""
+    from trainer3d.checkpoint.hf import HFDirectory, load_hf_checkpoint
+    from trainer3d.models import canonical_shapes
+    from trainer3d.parallel.tensor_parallel import TPSpec
+
+    hf = hf_deepseek(seed=4)
+    hf.save_pretrained(tmp_path / "src")
+    n = _fp8_copy(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref")
+    assert n >= 20  # attention, dense MLPs, experts and shared experts
+    d = HFDirectory(tmp_path / "fp8")
+    d.check()
+    assert any("FP8 weights with 16x24 block scales, dequantized as they are read" in note for note in d.notes)
+    ref = HFDirectory(tmp_path / "ref")
+    for name in ref.index:
+        assert torch.equal(d.hf_tensor(name).float(), ref.hf_tensor(name).float()), name
+    g = torch.Generator().manual_seed(0)
+    for name, shape in canonical_shapes(d.cfg).items():  # every tp rank's rows or columns, across block edges
+        for dim in range(len(shape)):
+            for tp in (2, 3):
+                if shape[dim] % tp:
+                    continue
+                spec = TPSpec(dim=dim, full_shape=tuple(shape))
+                local = tuple(n // tp if i == dim else n for i, n in enumerate(shape))
+                for rank in range(tp):
+                    assert torch.equal(d.shard(name, spec, local, rank, tp), ref.shard(name, spec, local, rank, tp)), \
+                        (name, dim, tp, rank)
+    cfg, state = load_hf_checkpoint(tmp_path / "fp8")
+    ours = plain_model(cfg, state, torch.device("cpu"), torch.float32)
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "ref").eval()
+    x = torch.randint(0, VOCAB, (2, 24), generator=g)
+    with torch.no_grad():
+        assert (ours(x) - reference(x).logits).abs().max() < 2e-5
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [16, 16]
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="block scales .* fit no weight of the config"):
+        HFDirectory(tmp_path / "fp8").check()

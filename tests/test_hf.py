@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from trainer3d.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+from trainer3d.checkpoint.hf import load_hf_checkpoint
+from trainer3d.checkpoint.hf_save import save_hf_checkpoint
 from trainer3d.models import init_value
 from trainer3d.models.gpt2 import GPT, GPTConfig
 from trainer3d.models.gpt2.hf import GPT2Adapter

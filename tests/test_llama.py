@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from trainer3d.checkpoint.hf import HFDirectory, load_hf_checkpoint, save_hf_checkpoint
+from trainer3d.checkpoint.hf import HFDirectory, load_hf_checkpoint
+from trainer3d.checkpoint.hf_save import save_hf_checkpoint
 from trainer3d.models import MODEL_PRESETS, plain_model
 from trainer3d.models.attention import KVCache
 from trainer3d.models.llama import LlamaConfig

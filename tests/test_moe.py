@@ -467,7 +467,8 @@ def _hf_models():
 def test_transformers_logits_and_round_trip(name, tmp_path):
     """A random transformers model (every weight perturbed): trainer3d's model read from its directory gives its logits,
     and the directory trainer3d writes back loads into transformers with the same logits."""
-    from trainer3d.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+    from trainer3d.checkpoint.hf import load_hf_checkpoint
+    from trainer3d.checkpoint.hf_save import save_hf_checkpoint
     from trainer3d.models import plain_model
 
     cls, config = _hf_models()[name]

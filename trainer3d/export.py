@@ -5,9 +5,9 @@
 
 CKPT is a checkpoint directory (`<out-dir>/checkpoints/step_000123`), a `checkpoints` directory or a run's
 --out-dir (both follow `latest`). The layout-free pieces are read directly (any layout saved them), tensor by
-tensor, every file's sha256 is checked, and OUT is written atomically by hf.save_hf_checkpoint with the tokenizer the run used
-(the bundled GPT-2 BPE unless the run passed --tokenizer), so the family's class (its adapter's `hf.architecture`)
-.from_pretrained(OUT) and `AutoTokenizer.from_pretrained(OUT)` load it.
+tensor, every file's sha256 is checked, and OUT is written atomically by hf_save.save_hf_checkpoint with the
+tokenizer the run used (the bundled GPT-2 BPE unless the run passed --tokenizer), so the family's class (its
+adapter's `hf.architecture`) .from_pretrained(OUT) and `AutoTokenizer.from_pretrained(OUT)` load it.
 
 So that `generate` stops where a reply ends, generation_config.json and config.json list the ids that end one (the
 chat template's end of turn, e.g. <|im_end|>, then the eos; --eos-token, or the run's, names another), and a chat
@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
-from trainer3d.checkpoint.hf import hf_tables, parse_size, save_hf_checkpoint
+from trainer3d.checkpoint.hf import hf_tables
+from trainer3d.checkpoint.hf_save import parse_size, save_hf_checkpoint
 from trainer3d.data.chat import read_template
 from trainer3d.data.export_tokenizer import export_tokenizer, special_ids, tokenizer_dir
 from trainer3d.errors import ArgumentParser, CheckpointError, DataError, UsageError, report

@@ -6,8 +6,7 @@ adapter (models/<family>/hf.py: config mapping, names, fused weights, transposes
       .tensor(name)              one canonical tensor, read from the files that hold its parts
       .shard(name, spec, ...)    a tp rank's shard of one, reading only the byte ranges it overlaps
     load_hf_checkpoint(path)     (config, canonical state dict), checked
-    save_hf_checkpoint(cfg, state, out_dir, tokenizer_dir=None, ..., max_shard_size="5GB")   loadable by the
-                                 family's `from_pretrained`; written one size-limited file at a time
+Writing such a directory: hf_save.py.
 
 Weights come from model.safetensors, a sharded model.safetensors.index.json (each tensor read from its shard alone,
 `safe_open`), or a legacy pytorch_model.bin (read with `torch.load(weights_only=True)`); nothing is ever unpickled.
@@ -19,15 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from trainer3d.checkpoint.fp8_blocks import BlockScales, block_size
 from trainer3d.checkpoint.pieces import Piece, read_local, tp_boxes
-from trainer3d.fsio import fsync_path
 from trainer3d.models import FAMILIES, canonical_shapes, canonical_tables, family_for_hf, family_of
 
 CONFIG_NAME = "config.json"
@@ -54,6 +51,8 @@ def read_hf_config(path: str | os.PathLike, dropout: float | None = None, notes:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file}: invalid JSON: {e}") from e
+    block = block_size(raw)  # FP8 weights with block scales: read dequantized (fp8_blocks.py), the family sees bf16's
+    raw = {k: v for k, v in raw.items() if k != "quantization_config"} if block else raw
     model_type = raw.get("model_type", "gpt2")  # GPT-2 files from before model_type was written
     family = family_for_hf(model_type)
     if family is None:
@@ -65,7 +64,8 @@ def read_hf_config(path: str | os.PathLike, dropout: float | None = None, notes:
         raise ValueError(f"{config_file}: {e}") from e
     cfg, fitted = family.hf.fit_to_weights(cfg, lambda: weight_names(root))
     if notes is not None:
-        notes.extend(f"{root}: {note}" for note in family.hf.import_notes(raw) + fitted)
+        fp8 = [f"FP8 weights with {block[0]}x{block[1]} block scales, dequantized as they are read"] if block else []
+        notes.extend(f"{root}: {note}" for note in fp8 + family.hf.import_notes(raw) + fitted)
     return family, cfg
 
 
@@ -138,7 +138,10 @@ class HFDirectory:
                     raise FileNotFoundError(f"{self.source}: shard file {f} is missing")
         else:
             files = {name: self.source for name in self._keys(self.source)}
-        return {self.adapter.normalize(name): (f, name) for name, f in files.items()}
+        index = {self.adapter.normalize(name): (f, name) for name, f in files.items()}
+        block = block_size(json.loads((self.root / CONFIG_NAME).read_text()))
+        self.scales = BlockScales(block, index, self._read_slice, lambda f, k: self._stored_shape(f, k))
+        return index
 
     def _keys(self, file: Path) -> list[str]:
         return list(self._bin(file)) if file.suffix == ".bin" else list(self._safe(file).keys())
@@ -164,22 +167,30 @@ class HFDirectory:
         return self._bins[file]
 
     def hf_tensor(self, hf_name: str) -> torch.Tensor:
+        """A whole stored tensor (FP8 with block scales: the values it stands for, in fp32)."""
         file, key = self.index[hf_name]
-        if file.suffix == ".bin":
-            return self._bin(file)[key]
         try:
-            return self._safe(file).get_tensor(key)
+            t = self._bin(file)[key] if file.suffix == ".bin" else self._safe(file).get_tensor(key)
         except Exception as e:  # noqa: BLE001
             raise KeyError(f"{file}: tensor {key!r} listed in {self.source.name} is missing ({e})") from None
+        return self.scales.values(hf_name, t, *(slice(0, n) for n in t.shape)) if hf_name in self.scales else t
 
-    def _hf_shape(self, hf_name: str) -> tuple[int, ...]:
-        file, key = self.index[hf_name]
+    def _stored_shape(self, file: Path, key: str) -> tuple[int, ...]:
         if file.suffix == ".bin":
             return tuple(self._bin(file)[key].shape)
         try:
             return tuple(self._safe(file).get_slice(key).get_shape())
         except Exception as e:  # noqa: BLE001
             raise KeyError(f"{file}: tensor {key!r} listed in {self.source.name} is missing ({e})") from None
+
+    def _hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        return self._stored_shape(*self.index[hf_name])
+
+    def _read_slice(self, file: Path, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """Those bytes of a stored tensor (counted in bytes_read)."""
+        t = self._bin(file)[key][slices] if file.suffix == ".bin" else self._safe(file).get_slice(key)[slices]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     # -- canonical tensors ----------------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -198,13 +209,14 @@ class HFDirectory:
             expected[hf_name] = tuple(shape)
         unexpected = sorted(n for n in self.index if n not in used and not self.adapter.ignored(self.cfg, n))
         if missing or unexpected:
-            problems = ([f"missing tensors {_abbrev(missing)}"] if missing else []) + \
-                       ([f"unexpected tensors {_abbrev(unexpected)}"] if unexpected else [])
+            problems = ([f"missing tensors {abbrev(missing)}"] if missing else []) + \
+                       ([f"unexpected tensors {abbrev(unexpected)}"] if unexpected else [])
             raise ValueError(f"{self.source}: " + "; ".join(problems))
         for hf_name, shape in expected.items():
             got = self._hf_shape(hf_name)
             if got != shape:
                 raise ValueError(f"{self.source}: tensor {hf_name!r} has shape {got}, expected {shape} for the config")
+        self.scales.check(expected, self.source)
         for hf_name in self.index:
             if self.adapter.ignored(self.cfg, hf_name):
                 self.adapter.check_extra(self.cfg, hf_name, self.hf_tensor(hf_name), self.tensor)
@@ -245,8 +257,9 @@ class HFDirectory:
             slices = slices[1:]
         if transposed:
             slices = slices[::-1]
-        t = self._bin(file)[key][slices] if file.suffix == ".bin" else self._safe(file).get_slice(key)[slices]
-        self.bytes_read += t.numel() * t.element_size()
+        t = self._read_slice(file, key, slices)
+        if hf_name in self.scales:  # FP8 with block scales (a Linear's [out, in], never a transposed Conv1D)
+            t = self.scales.values(hf_name, t, *slices)
         t = t.t() if transposed else t
         return t.unsqueeze(0) if expert else t
 
@@ -261,7 +274,7 @@ class HFDirectory:
         return {**out, **{name: self.table(name) for name in self.tables}}
 
 
-def _abbrev(names: list[str], limit: int = 8) -> str:
+def abbrev(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)} in all)"
 
@@ -274,172 +287,3 @@ def load_hf_checkpoint(path: str | os.PathLike, dropout: float | None = None,
     d = HFDirectory(path, dropout)
     d.check()
     return d.cfg, d.state(dtype)
-
-
-# ------------------------------------------------------------------------------------------------ saving
-def _checked_keys(state: Mapping[str, torch.Tensor], cfg) -> dict[str, torch.Size]:
-    """The canonical names of `state` (a tied head equal to the embedding dropped: our module's own state_dict), in
-    the model's order, with the shapes the config gives them, the tables the family's format holds last (hf_tables);
-    ValueError naming what is missing or unexpected. Reads no tensor but a tied head."""
-    family = family_of(cfg)
-    expected = {**canonical_shapes(cfg), **{name: shape for name, (_, shape) in hf_tables(cfg).items()}}
-    names = set(state)
-    head, embedding = f"{family.model_cls.HEAD}.weight", f"{family.model_cls.EMBEDDING}.weight"
-    if cfg.tie_embeddings and head in names:
-        tied = state[head]
-        if embedding in names and (tied.shape != state[embedding].shape or not torch.equal(tied, state[embedding])):
-            raise ValueError(f"state dict: {head!r} differs from {embedding!r}; the config ties them")
-        names.discard(head)
-    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
-    if missing or unexpected:
-        parts = ([f"missing tensors {_abbrev(missing)}"] if missing else []) + \
-                ([f"unexpected tensors {_abbrev(unexpected)}"] if unexpected else [])
-        raise ValueError("state dict: " + "; ".join(parts))
-    return {n: shape for n, shape in expected.items() if n in names}
-
-
-def to_hf(cfg, name: str, tensor: torch.Tensor, dtype: torch.dtype, shape,
-           tables: Mapping) -> dict[str, torch.Tensor]:
-    """One canonical tensor as its Hugging Face tensors, checked against the `shape` the config gives it (`tables`:
-    hf_tables(cfg), which keep fp32)."""
-    expected = tuple(shape)
-    if tuple(tensor.shape) != expected:
-        raise ValueError(f"state dict: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected} for the "
-                         "config")
-    if not tensor.is_floating_point():
-        raise TypeError(f"state dict: tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
-    tensor = tensor.detach().to(device="cpu", dtype=torch.float32 if name in tables else dtype)
-    # (contiguous clones: safetensors refuses tensors that share storage)
-    return {k: v.contiguous().clone() for k, v in hf_tensors(cfg, name, tensor, tables).items()}
-
-
-def canonical_to_hf(state: Mapping[str, torch.Tensor], cfg, dtype: torch.dtype = torch.float32) -> dict:
-    """The HF state dict (tied head omitted) from a canonical one, or from our module's own state_dict."""
-    out, tables = {}, hf_tables(cfg)
-    for name, shape in _checked_keys(state, cfg).items():
-        out.update(to_hf(cfg, name, state[name], dtype, shape, tables))
-    return out
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from Hugging Face's `max_shard_size` spelling: an int, or "5GB" (10^9), "500MiB" (2^20), "10KB"..."""
-    if isinstance(size, int):
-        return size
-    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    text = str(size).strip().upper()
-    for unit in sorted(units, key=len, reverse=True):
-        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * units[unit])
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"max_shard_size {size!r} is not a size (an int, or a number with B, KB, MB, GB, MiB, GiB)")
-
-
-def plan_shards(cfg, shapes: Mapping[str, torch.Size], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
-    """Canonical tensors (name -> shape) grouped into files of at most `max_bytes` of Hugging Face tensors each, in
-    order (a tensor bigger than that gets a file of its own), as `save_pretrained(max_shard_size=...)` does."""
-    tables = hf_tables(cfg)
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name, shape in shapes.items():
-        parts = hf_tensors(cfg, name, torch.empty(shape, device="meta", dtype=dtype), tables)
-        size = sum(t.numel() * t.element_size() for t in parts.values())
-        if shards[-1] and used + size > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
-
-
-def write_hf_weights(cfg, state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size], out: Path,
-                     dtype: torch.dtype, max_bytes: int) -> list[str]:
-    """The weights of `state` (its checked names and shapes: `_checked_keys`) into `out`, in files of at most
-    `max_bytes` (`model.safetensors`, or `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`): only
-    one file's tensors are in memory at a time, read from `state` (which may read them lazily, as a checkpoint
-    does). Returns the files written."""
-    from safetensors.torch import save_file
-
-    shards = plan_shards(cfg, shapes, dtype, max_bytes)
-    files = [SAFE_WEIGHTS_NAME] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map, total, tables = {}, 0, hf_tables(cfg)
-    for file, shard in zip(files, shards):
-        tensors = {}
-        for name in shard:
-            tensors.update(to_hf(cfg, name, state[name], dtype, shapes[name], tables))
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        files.append(SAFE_WEIGHTS_INDEX_NAME)
-    return files
-
-
-def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
-                       tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-                       overwrite: bool = False, eos_token_id: int | list[int] | None = None,
-                       bos_token_id: int | None = None, max_shard_size: int | str = "5GB",
-                       generation: Mapping | None = None) -> Path:
-    """Write `out_dir` so that the family's transformers class (`GPT2LMHeadModel`, `LlamaForCausalLM`) loads it with
-    `from_pretrained`. `state` is canonical (or our module's state_dict), tensors of any float dtype on any device,
-    saved as `dtype`; a lazy mapping is read one file's tensors at a time (write_hf_weights). Every file under
-    `tokenizer_dir` is copied alongside; `generation` (GenerationConfig's arguments: the ids that end a reply) is
-    written as generation_config.json, which `generate` reads. Built under a temporary name next to `out_dir` and
-    renamed into place; an existing `out_dir` is an error unless `overwrite` (replaced, also by rename)."""
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists (pass overwrite=True to replace it)")
-    tok = None
-    if tokenizer_dir is not None:
-        tok = Path(tokenizer_dir)
-        if not tok.is_dir():
-            raise FileNotFoundError(f"tokenizer directory {tok} does not exist")
-        clash = sorted(p.name for p in tok.iterdir() if p.name in (CONFIG_NAME, SAFE_WEIGHTS_NAME,
-                                                                   SAFE_WEIGHTS_INDEX_NAME))
-        if clash:
-            raise ValueError(f"tokenizer directory {tok} contains {clash}, which would clobber the model files")
-    if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a float dtype, got {dtype}")
-    shapes = _checked_keys(state, cfg)  # before anything touches the disk (each tensor's shape: as it is read)
-    max_bytes = parse_size(max_shard_size)
-    hf_config = family_of(cfg).hf.hf_config(cfg, dtype, eos_token_id, bos_token_id)
-    generation_config = None
-    if generation is not None:
-        from transformers import GenerationConfig
-
-        generation_config = GenerationConfig(**generation)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = None
-    try:
-        if tok is not None:
-            shutil.copytree(tok, tmp, dirs_exist_ok=True)
-        hf_config.to_json_file(str(tmp / CONFIG_NAME))
-        if generation_config is not None:
-            generation_config.to_json_file(str(tmp / GENERATION_CONFIG_NAME))
-        write_hf_weights(cfg, state, shapes, tmp, dtype, max_bytes)
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                fsync_path(file)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-    except BaseException:
-        if old is not None and not out.exists():  # put the previous checkpoint back
-            os.replace(old / out.name, out)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_path(out.parent)  # make the rename durable
-    return out
