@@ -107,14 +107,18 @@ MTP_LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "pp2": dict(pp=2), "dp2 ep2 recom
 MTP_COEF = 0.3  # λ, large enough for the MTP module to move the gradient norm
 
 
-def _world(rank, world_size, hf_dir, data, trip_dir, trip_data, run_dir, mtp_dir, mtp_run_dir):
+def _world(rank, world_size, hf_dir, data, trip_dir, trip_data, run_dir, mtp_dir, mtp_run_dir, mtp2_dir):
     runs = {label: _train(hf_dir, layout, data) for label, layout in LAYOUTS.items()}
     # the round trip: the bias learned (loss-free balancing) at dp 2 × ep 2 × tp 2, saved
     runs["trip"] = _train(trip_dir, dict(dp=2, ep=2, tp=2, moe_bias_update_rate=1e-2), trip_data, run_dir)
     runs["trip 1x1x1"] = _train(trip_dir, dict(moe_bias_update_rate=1e-2), trip_data)  # ... and in one process
+    # ... and resumed from that checkpoint in one process (resharded from dp 2 × ep 2 × tp 2): the tables it restores
+    runs["trip resumed"] = _train(trip_dir, dict(moe_bias_update_rate=1e-2, resume=run_dir), trip_data[:0])
     for label, layout in MTP_LAYOUTS.items():  # multi-token prediction (the one-process run saved, for the export)
         runs[f"mtp {label}"] = _train(mtp_dir, {**layout, "mtp_loss_coef": MTP_COEF}, data,
                                       mtp_run_dir if label == "1x1x1" else None)
+    for label, layout in (("1x1x1", {}), ("tp2", dict(tp=2))):  # two MTP modules: h^1 feeds depth 2
+        runs[f"mtp2 {label}"] = _train(mtp2_dir, {**layout, "mtp_loss_coef": MTP_COEF}, data)
     return runs
 
 
@@ -138,8 +142,12 @@ def test_trains_like_transformers_and_exports(tmp_path, capsys):
     trip_data = batches(4, vocab=n_tokens)
     hf_mtp, mtps = hf_deepseek_mtp(tmp_path / "mtp", seed=9)
     mtp_ref = mtp_reference_run(hf_mtp, mtps, batches(), MTP_COEF)
+    hf_mtp2, mtps2 = hf_deepseek_mtp(tmp_path / "mtp2", seed=11, depth=2)
+    unchained = mtp_reference_run(copy.deepcopy(hf_mtp2), copy.deepcopy(mtps2), batches()[:1], MTP_COEF, chain=False)
+    mtp2_ref = mtp_reference_run(hf_mtp2, mtps2, batches(), MTP_COEF)
     results = run_world(4, _world, str(tmp_path / "hf"), batches(), str(tmp_path / "trip"), trip_data,
-                        str(tmp_path / "run"), str(tmp_path / "mtp"), str(tmp_path / "mtp_run"), timeout=600)
+                        str(tmp_path / "run"), str(tmp_path / "mtp"), str(tmp_path / "mtp_run"),
+                        str(tmp_path / "mtp2"), timeout=600)
     ours = results[0]
     report = [f"transformers plain loop: losses {[f'{x:.6f}' for x in ref_losses]}"]
     for label in LAYOUTS:
@@ -152,6 +160,20 @@ def test_trains_like_transformers_and_exports(tmp_path, capsys):
     assert any("multi-token-prediction" in note for note in ours["1x1x1"]["notes"])  # (transformers saves 1)
     assert ours["1x1x1"]["mcfg"].mtp_layers == 0 and ours["1x1x1"]["mtp"] == [None] * len(ref_losses)
     report += _check_mtp(ours, mtp_ref, tmp_path)
+    for label in ("1x1x1", "tp2"):  # depth 2: λ/D over two depths, depth 2 reading depth 1's h and t_{i+2}
+        run = ours[f"mtp2 {label}"]
+        rel = {key: max(abs(a - b) / b for a, b in zip(run[key], values))
+               for key, values in zip(("losses", "mtp", "norms"), mtp2_ref)}
+        report.append(f"trainer3d MTP depth 2 {label}: loss, MTP loss, grad norm rel diff "
+                      f"{rel['losses']:.1e}, {rel['mtp']:.1e}, {rel['norms']:.1e}")
+        assert run["mcfg"].mtp_layers == 2 and max(rel.values()) < 1e-5, (label, run, mtp2_ref)
+    # feeding h^0 to depth 2 would be caught: its MTP loss is 5x the bound above away, or more (measured 6x)
+    assert abs(unchained[1][0] - mtp2_ref[1][0]) > 5 * 1e-5 * mtp2_ref[1][0], (unchained, mtp2_ref)
+
+    restored = ours["trip resumed"]["tables"]  # a learned (nonzero) bias resumed and resharded, bitwise
+    saved = next(r["trip"] for r in results if r["trip"] is not None and "path" in r["trip"])["tables"]
+    assert restored.keys() == saved.keys() and all(torch.equal(restored[k], v) for k, v in saved.items())
+    assert any(v.abs().max() > 0 for v in restored.values())
 
     run = next(r["trip"] for r in results if r["trip"] is not None and "path" in r["trip"])
     one = ours["trip 1x1x1"]  # loss-free balancing at dp 2 x ep 2 x tp 2 as in one process: every rank's loads counted
@@ -250,11 +272,13 @@ def hf_deepseek_mtp(directory, seed: int, depth: int = 1):
     return hf, mtps
 
 
-def mtp_reference_run(hf, mtps, data: torch.Tensor, coef: float) -> tuple[list[float], list[float], list[float]]:
+def mtp_reference_run(hf, mtps, data: torch.Tensor, coef: float,
+                      chain: bool = True) -> tuple[list[float], list[float], list[float]]:
     """transformers' model and the PaperMTP modules trained in a plain loop (torch's AdamW, tests/reference.py's
     schedule and decay rule) on loss + coef/D·Σ_k L_k, L_k depth k's mean cross-entropy; h^0 is the last decoder
-    layer's output (before the final norm). Returns per step the main loss, the mean of the L_k and the gradient norm
-    before clipping."""
+    layer's output (before the final norm), h^k module k's output, which module k + 1 reads (`chain=False`: every
+    module reads h^0, a mistake the tests must catch). Returns per step the main loss, the mean of the L_k and the
+    gradient norm before clipping."""
     both = torch.nn.ModuleList([hf, mtps]).train()
     opt = adamw(both, LR, OPTIM["weight_decay"])
     last: dict = {}
@@ -266,7 +290,8 @@ def mtp_reference_run(hf, mtps, data: torch.Tensor, coef: float) -> tuple[list[f
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         h, depths = last["h"], []
         for k, mtp in enumerate(mtps, 1):
-            h, normed = mtp(h, hf.model.embed_tokens(batch[:, k:T]), hf.model.rotary_emb)
+            prior = h if chain else last["h"]
+            h, normed = mtp(prior, hf.model.embed_tokens(batch[:, k:T]), hf.model.rotary_emb)
             depths.append(F.cross_entropy(hf.lm_head(normed).flatten(0, 1), batch[:, k + 1:].flatten()))
         mtp_loss = sum(depths) / len(depths)
         (loss + coef * mtp_loss).backward()
