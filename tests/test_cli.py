@@ -394,3 +394,48 @@ def test_a_used_out_dir_is_kept_unless_resumed_or_overwritten(tmp_path, monkeypa
     assert rc == 0, err
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001"]
+
+
+def _tokenizer_with_code(directory) -> None:
+    """A tokenizer that ships its own class (tokenization_custom.py, named by tokenizer_config.json's auto_map), as
+    Kimi K2's and Moonlight's do: a byte-level BPE of a few hundred tokens under another class name."""
+    from test_llama_hf import bpe_tokenizer
+
+    bpe_tokenizer(directory)
+    (directory / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass CustomTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="CustomTokenizer",
+                  auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]})
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_a_tokenizer_with_code_runs_only_with_trust_remote_code(tmp_path):
+    """A tokenizer that ships code is refused with one sentence naming --trust-remote-code, exit 2 and nothing
+    written (before, transformers' own error came through as 'could not load tokenizer'); with the flag the run trains,
+    records it, and trainer3d.sample on its checkpoint follows the run's choice without being told."""
+    from trainer3d.data.tokenizer import load_tokenizer
+    from trainer3d.errors import DataError
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    _tokenizer_with_code(tok_dir)
+    with pytest.raises(DataError, match=r"runs code of its own .* pass --trust-remote-code if you trust that code"):
+        load_tokenizer(str(tok_dir))
+    assert type(load_tokenizer(str(tok_dir), trust_remote_code=True)).__name__ == "CustomTokenizer"
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"the king and queen walked {i} times in gardens"}) + "\n"
+                            for i in range(200)))
+    cmd = [sys.executable, "launch/train.py", "--tokenizer", str(tok_dir), "--data", str(data), "--seq-len", "32",
+           "--global-batch", "4", "--max-steps", "1", "--val-fraction", "0", "--eval-every", "0"]
+    refused = subprocess.run(cmd + ["--out-dir", str(tmp_path / "no")], env=launch_env(), capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-2000:]
+    assert "pass --trust-remote-code" in refused.stderr and not (tmp_path / "no" / "metrics.jsonl").exists()
+    trained = subprocess.run(cmd + ["--out-dir", str(tmp_path / "yes"), "--trust-remote-code"], env=launch_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    sampled = subprocess.run([sys.executable, "-m", "trainer3d.sample", str(tmp_path / "yes"), "--prompt", "the king",
+                              "--max-new-tokens", "4"], env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr[-2000:]

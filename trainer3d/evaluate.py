@@ -102,6 +102,7 @@ def eval_config(ckpt: Checkpoint, args, world_size: int) -> TrainConfig:
         global_batch=args.global_batch or ROWS_PER_MICRO_BATCH * dp * micro_batches,
         precision=args.precision, seed=int(run.get("seed", 1337)),
         tokenizer=args.tokenizer or run.get("tokenizer"),
+        trust_remote_code=bool(run.get("trust_remote_code")) and not args.tokenizer,
         eval_hellaswag=args.hellaswag, hellaswag_examples=args.hellaswag_examples,
         data=args.data, data_config=args.data_config, data_split=args.data_split, text_field=args.text_field,
         data_format=args.data_format, messages_field=args.messages_field, train_on=args.train_on,

@@ -94,7 +94,8 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
     template = run.get("chat_template") if tokenizer == "run" else None
     template = read_template(template) if template else None
     with tempfile.TemporaryDirectory() as scratch:
-        tok_dir, warning = tokenizer_dir(name, Path(scratch) / "source")
+        trust = bool(run.get("trust_remote_code")) and tokenizer == "run"  # the run's --trust-remote-code
+        tok_dir, warning = tokenizer_dir(name, Path(scratch) / "source", trust)
         if warning:
             print(f"trainer3d.export: warning: {warning}", file=sys.stderr)
         if tok_dir is None and eos_token is not None:
@@ -103,7 +104,7 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
         eos_token = eos_token or run.get("eos_token")
         chat = run.get("data_format", "text") != "text" or template is not None or eos_token is not None
         shipped = None if tok_dir is None else export_tokenizer(
-            tok_dir, Path(scratch) / "tokenizer", mcfg.n_positions, eos_token, template, chat)
+            tok_dir, Path(scratch) / "tokenizer", mcfg.n_positions, eos_token, template, chat, trust)
         ids, generation = ({}, None) if shipped is None else special_ids(shipped[1], shipped[2], mcfg.vocab_size)
         try:
             save_hf_checkpoint(mcfg, state, out, tokenizer_dir=tok_dir if shipped is None else shipped[0],

@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eos-token", default=None, metavar="TOKEN",
                    help="the token that ends a sample (default with --chat: the run's --eos-token, else the chat "
                         "template's end of turn; without: the tokenizer's eos)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the code a Hugging Face directory's tokenizer ships (a checkpoint follows its run's flag)")
     return p.parse_args(argv)
 
 
@@ -90,6 +92,7 @@ class Source(NamedTuple):
     chat_template: str | None = None
     eos_token: str | None = None
     stop_ids: tuple[int, ...] = ()
+    trust_remote_code: bool = False  # the run's --trust-remote-code (its tokenizer's own code)
 
 
 def open_source(path: str) -> Source:
@@ -117,7 +120,7 @@ def open_source(path: str) -> Source:
 
     run = ckpt.meta["config"]
     return Source(ckpt.model_config, run.get("tokenizer"), read_checkpoint, run.get("chat_template"),
-                  run.get("eos_token"))
+                  run.get("eos_token"), trust_remote_code=bool(run.get("trust_remote_code")))
 
 
 def _generation_stops(directory: Path) -> tuple[int, ...]:
@@ -183,7 +186,7 @@ def build_model(cfg, state: dict[str, torch.Tensor], device: torch.device, dtype
 def load_source(args: argparse.Namespace) -> tuple[Source, object, list[int], list[int]]:
     """(the source, its tokenizer, the prompt's ids, the ids a sample ends at), every input checked, no weights read."""
     source = open_source(args.checkpoint)
-    tok = load_tokenizer(source.tokenizer)
+    tok = load_tokenizer(source.tokenizer, source.trust_remote_code or args.trust_remote_code)
     if args.chat and source.chat_template:
         tok.chat_template = read_template(source.chat_template)
     ids = encode_prompt(tok, args.prompt, source.cfg, args.chat, args.system)

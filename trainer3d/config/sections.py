@@ -219,6 +219,9 @@ class DatasetConfig(Section):
     data_split: str = flag("train", 'the split of a dataset (HF name or save_to_disk directory)')
     text_field: str = flag("text", 'text data: the column holding the text')
     tokenizer: str | None = flag(None, 'HF tokenizer name or path (default: bundled GPT-2 BPE)')
+    trust_remote_code: bool = flag(
+        False, "run the code a tokenizer ships (its tokenizer_config.json's auto_map: Kimi K2's, Moonlight's); without "
+        "it such a tokenizer is refused with one sentence. The run records it: sample, export and evaluate follow")
     data_format: str = flag(
         "text",
         "chat: rows of {role, content} messages (or prompt/completion columns; ShareGPT's {from, value} rows are "

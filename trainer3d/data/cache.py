@@ -206,7 +206,8 @@ def build_token_blocks(cfg: DataConfig | None, seq_len: int) -> TokenBlocks:
     if not 0.0 <= cfg.val_fraction < 0.5:
         raise DataError(f"val_fraction {cfg.val_fraction} is outside [0, 0.5); set it to e.g. 0.01, or 0 for none.")
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-    tokenizer = functools.cache(functools.partial(load_tokenizer, cfg.tokenizer))  # loaded once, only if needed
+    # loaded once, only if needed
+    tokenizer = functools.cache(functools.partial(load_tokenizer, cfg.tokenizer, cfg.trust_remote_code))
     identity, eos_id, vocab_size = tokenizer_facts(cfg.tokenizer, tokenizer)
     dtype = token_dtype(vocab_size)
     src = _resolve_source(cfg, cache / "hf")
@@ -293,7 +294,7 @@ def _n_val(cfg: DataConfig, n_blocks: int) -> int:
 def open_prepared(cfg: DataConfig, seq_len: int) -> TokenBlocks:
     """Windows over the shards of a prepared directory: a manifest read, a stat per shard, nothing tokenized."""
     manifest = read_manifest(cfg.data)
-    check_tokenizer(manifest, tokenizer_identity(cfg.tokenizer), cfg.tokenizer, cfg.data)
+    check_tokenizer(manifest, tokenizer_identity(cfg.tokenizer, cfg.trust_remote_code), cfg.tokenizer, cfg.data)
     train, val = (open_windows(cfg.data, manifest, split, seq_len) for split in ("train", "val"))
     if len(train) == 0:
         raise DataError(

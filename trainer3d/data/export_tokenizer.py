@@ -21,7 +21,7 @@ from trainer3d.errors import DataError
 UNSET_MAX_LENGTH = 1e29  # transformers' model_max_length when a tokenizer names none is VERY_LARGE_INTEGER, 1e30
 
 
-def tokenizer_dir(name: str | None, scratch: Path) -> tuple[Path | None, str | None]:
+def tokenizer_dir(name: str | None, scratch: Path, trust_remote_code: bool = False) -> tuple[Path | None, str | None]:
     """(directory to copy, warning) for the tokenizer a run used: None -> the bundled GPT-2 BPE, a tokenizer folder as
     is; a model directory (--init-from-hf's, which holds the tokenizer beside config.json and the weights) or a Hugging
     Face name: the tokenizer alone, saved from it."""
@@ -32,14 +32,15 @@ def tokenizer_dir(name: str | None, scratch: Path) -> tuple[Path | None, str | N
     if os.path.isdir(name) and not (Path(name) / "config.json").exists():
         return Path(name), None
     try:
-        load_tokenizer(name).save_pretrained(str(scratch))
+        load_tokenizer(name, trust_remote_code).save_pretrained(str(scratch))
     except (DataError, OSError) as e:
         return None, f"tokenizer {name!r} not exported ({e}); copy its files into the output yourself"
     return scratch, None
 
 
 def export_tokenizer(src: Path, scratch: Path, n_positions: int, eos_token: str | None = None,
-                     chat_template: str | None = None, chat: bool = True) -> tuple[Path, object, list[int]] | None:
+                     chat_template: str | None = None, chat: bool = True,
+                     trust_remote_code: bool = False) -> tuple[Path, object, list[int]] | None:
     """(the tokenizer directory to ship, the tokenizer as shipped, the ids that end a reply): the tokenizer under
     `src` with the run's `chat_template` text, the model's context as model_max_length and, for a `chat` run, its end
     of turn as eos_token (the old eos as pad where it had none; a text run keeps its eos, which its documents end
@@ -48,7 +49,7 @@ def export_tokenizer(src: Path, scratch: Path, n_positions: int, eos_token: str 
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(src))
+        tok = AutoTokenizer.from_pretrained(str(src), trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - what load_tokenizer refuses; the export ships the files as they are
         return None
     changed = chat_template is not None and chat_template != tok.chat_template

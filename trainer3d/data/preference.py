@@ -106,7 +106,7 @@ def fit(prompt: list[int], completions: list[list[int]], limit: int, overlong: s
 
 def build_pairs(cfg: DataConfig, seq_len: int) -> PairRows:
     """Every usable pair of the corpus as two rows of seq_len + 1 tokens, padded with the eos (in no loss)."""
-    tok = load_tokenizer(cfg.tokenizer)
+    tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
     if cfg.chat_template:
         from trainer3d.data.chat import read_template
 

@@ -67,12 +67,12 @@ class Encoder:
     """texts -> (tokens with EOS before each non-empty document, tokens per document). Built in the main process
     and inherited by the forked workers (pickled under spawn)."""
 
-    def __init__(self, tokenizer: str | None):
+    def __init__(self, tokenizer: str | None, trust_remote_code: bool = False):
         if is_bundled_gpt2(tokenizer):
             self.tiktoken, self.hf = gpt2_tiktoken(), None
             self.name, self.vocab_size, self.eos = "tiktoken", self.tiktoken.n_vocab, self.tiktoken.eot_token
         else:
-            self.tiktoken, self.hf = None, load_tokenizer(tokenizer)
+            self.tiktoken, self.hf = None, load_tokenizer(tokenizer, trust_remote_code)
             self.name, self.vocab_size, self.eos = "tokenizers", len(self.hf), int(self.hf.eos_token_id)
         self.dtype = token_dtype(self.vocab_size)
 
@@ -204,7 +204,7 @@ def _settings(cfg: DataConfig, src_identity: dict, encoder: Encoder, args) -> di
         "format": FORMAT,
         "version": VERSION,
         "dtype": encoder.dtype.str,
-        "tokenizer": {"name": args.tokenizer, "identity": tokenizer_identity(args.tokenizer),
+        "tokenizer": {"name": args.tokenizer, "identity": tokenizer_identity(args.tokenizer, args.trust_remote_code),
                       "vocab_size": encoder.vocab_size, "eos_id": encoder.eos},
         "source": {"name": cfg.data or "bundled Shakespeare", "identity": src_identity,
                    "text_field": cfg.text_field, "split": cfg.split, "config": cfg.data_config},
@@ -230,8 +230,8 @@ def prepare(args, say=print) -> dict[str, Any]:
 
 def _prepare(args, out: Path, say) -> dict[str, Any]:
     cfg = DataConfig(data=args.source, data_config=args.data_config, split=args.split, text_field=args.text_field,
-                     tokenizer=args.tokenizer)
-    encoder = Encoder(args.tokenizer)
+                     tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
+    encoder = Encoder(args.tokenizer, args.trust_remote_code)
     src, texts = stream_documents(cfg, default_cache_dir() / "hf", say)
     settings = _settings(cfg, src.identity, encoder, args)
     manifest = _resume_or_start(out, settings)
@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="train")
     p.add_argument("--text-field", default="text")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer name or folder (default: GPT-2 BPE)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the code a tokenizer ships (its tokenizer_config.json's auto_map); off: refused")
     p.add_argument("--num-proc", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="tokenizer processes")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (llm.c: 1e8)")
     p.add_argument("--val-tokens", type=int, default=1 << 18,

@@ -73,7 +73,7 @@ def mask_rule(cfg: DataConfig) -> MaskRule:
 
 def chat_tokenizer(cfg: DataConfig):
     """The run's tokenizer with its chat template (--chat-template's file replaces it), checked for chat."""
-    tok = load_tokenizer(cfg.tokenizer)
+    tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
     if cfg.chat_template:
         tok.chat_template = read_template(cfg.chat_template)
     check_chat_tokenizer(tok, cfg.tokenizer or "gpt2 (bundled)")

@@ -35,6 +35,7 @@ class DataConfig:
     split: str = "train"  # HF split (slicing like "train[:10%]" allowed); DatasetDict split
     text_field: str = "text"  # column holding the text (.txt files always use "text")
     tokenizer: str | None = None  # None -> bundled GPT-2 BPE; else an HF tokenizer name or folder
+    trust_remote_code: bool = False  # run the code a tokenizer ships (data/tokenizer.load_tokenizer)
     val_fraction: float = 0.01  # tail fraction of blocks held out for validation; 0 disables validation
     min_val_blocks: int = 128  # ...but at least this many blocks (capped at 10% of the corpus) when > 0
     cache_dir: str | None = None  # default: $TRAINER3D_CACHE or ~/.cache/trainer3d

@@ -19,15 +19,21 @@ BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "gpt2_t
 _GPT2_ALIASES = {"gpt2", "openai-community/gpt2"}  # same BPE as the bundled files: served offline
 
 
-def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
-    """The bundled GPT-2 BPE (None, "gpt2"), or any Hugging Face tokenizer by name or local folder."""
+def load_tokenizer(name_or_path: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The bundled GPT-2 BPE (None, "gpt2"), or any Hugging Face tokenizer by name or local folder. One that ships
+    code of its own (its tokenizer_config.json's auto_map: Kimi K2's, Moonlight's) is run only with
+    `trust_remote_code` (--trust-remote-code), else refused in one sentence that names the flag."""
     from transformers import AutoTokenizer
 
     if is_bundled_gpt2(name_or_path):
         name_or_path = str(BUNDLED_TOKENIZER_DIR)
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, HF hub errors...
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            raise DataError(f"Tokenizer '{name_or_path}' runs code of its own (its tokenizer_config.json's auto_map), "
+                            "which trainer3d runs only when asked: pass --trust-remote-code if you trust that "
+                            "code.") from None
         raise DataError(
             f"Could not load tokenizer '{name_or_path}' ({type(e).__name__}: {_first_line(e)}); pass --tokenizer a "
             "Hugging Face tokenizer name that is cached or reachable, or a folder with tokenizer files, or omit it "
@@ -51,7 +57,7 @@ def is_bundled_gpt2(name_or_path: str | None) -> bool:
     return name_or_path is None or (name_or_path in _GPT2_ALIASES and not os.path.exists(name_or_path))
 
 
-def tokenizer_identity(name_or_path: str | None) -> str:
+def tokenizer_identity(name_or_path: str | None, trust_remote_code: bool = False) -> str:
     """What prepared shards record and check: the bundled GPT-2 BPE by the hash of its files (no transformers
     import, which costs seconds per process), any other tokenizer by its full serialization."""
     if is_bundled_gpt2(name_or_path):
@@ -59,7 +65,7 @@ def tokenizer_identity(name_or_path: str | None) -> str:
         for f in ("vocab.json", "merges.txt"):
             h.update((BUNDLED_TOKENIZER_DIR / f).read_bytes())
         return h.hexdigest()
-    return _tokenizer_identity(load_tokenizer(name_or_path))
+    return _tokenizer_identity(load_tokenizer(name_or_path, trust_remote_code))
 
 
 def tokenizer_facts(name_or_path: str | None, tokenizer: Callable[[], PreTrainedTokenizerBase]) -> tuple[str, int, int]:

@@ -121,7 +121,7 @@ class Downstream:
         self.trainer, self.cfg = trainer, cfg
         self.rows, self.tok = None, None
         if examples or cfg.sample_every:
-            self.tok = load_tokenizer(cfg.tokenizer)
+            self.tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
             self.pad_id = self.tok.eos_token_id
         if examples:
             self.rows = encode_rows(examples, tokenizer_encoder(self.tok), cfg.seq_len, trainer.mcfg.vocab_size)

@@ -212,9 +212,9 @@ def check_size_flags(cfg: TrainConfig, base) -> None:
 def data_config(cfg: TrainConfig) -> DataConfig:
     """The run's data options, as the data layer takes them."""
     return DataConfig(data=cfg.data, data_config=cfg.data_config, split=cfg.data_split, text_field=cfg.text_field,
-                      tokenizer=cfg.tokenizer, format=cfg.data_format, messages_field=cfg.messages_field,
-                      train_on=cfg.train_on, train_roles=cfg.train_roles, on_bad_row=cfg.on_bad_row,
-                      chat_template=cfg.chat_template, chat_template_kwargs=cfg.chat_template_kwargs,
+                      tokenizer=cfg.tokenizer, trust_remote_code=cfg.trust_remote_code, format=cfg.data_format,
+                      messages_field=cfg.messages_field, train_on=cfg.train_on, train_roles=cfg.train_roles,
+                      on_bad_row=cfg.on_bad_row, chat_template=cfg.chat_template, chat_template_kwargs=cfg.chat_template_kwargs,
                       overlong=cfg.overlong, pack=cfg.pack, val_fraction=cfg.val_fraction, val_data=cfg.val_data)
 
 
@@ -319,7 +319,7 @@ def check_eos_token(cfg: TrainConfig) -> None:
         from trainer3d.data.tokenizer import load_tokenizer
         from trainer3d.data.turn_end import end_of_turn_ids
 
-        end_of_turn_ids(load_tokenizer(cfg.tokenizer), cfg.eos_token)
+        end_of_turn_ids(load_tokenizer(cfg.tokenizer, cfg.trust_remote_code), cfg.eos_token)
 
 
 def resolve_model(cfg: TrainConfig, vocab_size: int, base_model):
