@@ -121,7 +121,7 @@ def test_the_entry_point_prints_and_records_the_pick(tmp_path, monkeypatch, caps
     trainer = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(layout=layout),
                               mcfg=cfg.model_config(50257), device="cpu", precision="fp32", deepspeed=None,
                               plan=SimpleNamespace(global_batch=4, micro_batches=1, micro_batch_size=4),
-                              pm=SimpleNamespace(n_stages=1, layer_ranges=[range(0, 2)]))
+                              parallel_model=SimpleNamespace(n_stages=1, layer_ranges=[range(0, 2)]))
     assert run_config(trainer)["layout"]["auto"] == choice  # the W&B config
     assert choice_lines(choice)[0].startswith("--layout auto on 1 node(s)")
 

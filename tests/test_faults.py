@@ -131,7 +131,9 @@ def test_elastic_restarts_on_fewer_ranks_and_grows_back(tmp_path):
     agents = [start(), start()]
     try:
         while not ((out / "metrics.jsonl").exists() and '"step": 8,' in (out / "metrics.jsonl").read_text()):
-            assert time.monotonic() - t0 < 200 and agents[0].poll() is None, "the world of 2 never reached step 8"
+            if time.monotonic() - t0 > 200 or agents[0].poll() is not None:  # what the agents said, to see why
+                said = [a.communicate(timeout=30)[0][-3000:] if a.poll() is not None else "(running)" for a in agents]
+                raise AssertionError(f"the world of 2 never reached step 8; the agents said: {said}")
             time.sleep(0.2)
         t_join = time.monotonic()
         agents.append(start())

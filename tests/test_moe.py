@@ -334,7 +334,8 @@ def _balance(blocks: list[MoE], micro_batches: int = 1, **flags) -> MoEBalance:
                            stage_group=None, world_group=None)
     mcfg = SimpleNamespace(moe_layers=[b.layer for b in blocks], moe=blocks[0].gate.spec)
     trainer = SimpleNamespace(cfg=cfg, topo=topo, mcfg=mcfg, device=torch.device("cpu"), loss_scale=None,
-                              plan=SimpleNamespace(micro_batches=micro_batches), pm=SimpleNamespace(sequence=None))
+                              plan=SimpleNamespace(micro_batches=micro_batches),
+                              parallel_model=SimpleNamespace(sequence=None))
     return MoEBalance(trainer, [torch.nn.ModuleList(blocks)])
 
 

@@ -157,7 +157,7 @@ def test_config_carries_deepspeed_json(tmp_path):
     trainer = SimpleNamespace(
         cfg=cfg, topo=SimpleNamespace(layout=Layout(dp=2, tp=2, pp=2)), mcfg=cfg.model_config(50257), device="cpu",
         plan=SimpleNamespace(global_batch=8, micro_batches=4, micro_batch_size=1), precision="fp32",
-        pm=SimpleNamespace(n_stages=2, layer_ranges=[range(0, 1), range(1, 2)]),
+        parallel_model=SimpleNamespace(n_stages=2, layer_ranges=[range(0, 1), range(1, 2)]),
         deepspeed=SimpleNamespace(ds_config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}),
     )
     config = run_config(trainer)
