@@ -36,7 +36,6 @@ from trainer3d.checkpoint.hf import hf_tables, hf_tensors
 from trainer3d.checkpoint.load import apply, prepare
 from trainer3d.checkpoint.save import parameter_pieces, save_checkpoint
 from trainer3d.config import TrainConfig
-from trainer3d.data.batch import document_ids
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.errors import ConfigError, TrainingError
@@ -118,13 +117,10 @@ class Engine:
         return torch.stack(channels + [f.double().expand(B, T) for f in fields.values()], dim=-1)
 
     def _sequences(self, tokens: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor | None:
-        """[B, T] the document of each predicted token's context (the one its attention sees), where rows are packed:
-        the call's `documents`, or those the eos_id opens under --document-mask / --reset-position-ids; else None."""
-        if documents is not None:
-            return documents[:, :-1]
-        if self.eos_id is not None and self.trainer.cfg.uses_documents:
-            return document_ids(tokens, self.eos_id)[:, :-1]
-        return None
+        """[B, T] the document of each predicted token's context (the one its attention sees), where rows are packed
+        (the Trainer's rule: the call's `documents`, or those the eos_id opens under --document-mask); else None."""
+        docs = self.trainer.documents_of(tokens, documents)
+        return None if docs is None else docs[:, :-1]
 
     def _check(self, tokens: torch.Tensor, documents: torch.Tensor | None = None, **per_token) -> None:
         """The caller's tensors, on every rank alike before any pass (inside one, a bad id or shape fails on some

@@ -124,6 +124,9 @@ class HFDirectory:
         self.nonfinite: str | None = None  # the first tensor read with nan or inf in it (checkpoint/hf_init.py)
         self._expert_part: dict[str, bool] = {}  # HF name -> one expert's slice of a stacked weight (_pieces)
         self.index = self._build_index()  # HF name (normalized) -> (file, name in the file)
+        # FP8 weights with block scales: the scales taken out of the index, each weight read as what it stands for
+        block = block_size(json.loads((self.root / CONFIG_NAME).read_text()))
+        self.scales = BlockScales(block, self.index, self._read_slice, self._stored_shape)
 
     # -- the files ---------------------------------------------------------------------------------------------------
     def _build_index(self) -> dict[str, tuple[Path, str]]:
@@ -138,10 +141,7 @@ class HFDirectory:
                     raise FileNotFoundError(f"{self.source}: shard file {f} is missing")
         else:
             files = {name: self.source for name in self._keys(self.source)}
-        index = {self.adapter.normalize(name): (f, name) for name, f in files.items()}
-        block = block_size(json.loads((self.root / CONFIG_NAME).read_text()))
-        self.scales = BlockScales(block, index, self._read_slice, lambda f, k: self._stored_shape(f, k))
-        return index
+        return {self.adapter.normalize(name): (f, name) for name, f in files.items()}
 
     def _keys(self, file: Path) -> list[str]:
         return list(self._bin(file)) if file.suffix == ".bin" else list(self._safe(file).keys())

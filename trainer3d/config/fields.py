@@ -19,6 +19,11 @@ def flag(default, help: str | None = None, *, low=None, high=None, high_excluded
     return dataclasses.field(default=default, metadata={"help": help, "argparse": argparse_kwargs, "bounds": bounds})
 
 
+def option_name(field: str) -> str:
+    """A field's flag as a user types it: `global_batch` -> `--global-batch`."""
+    return "--" + field.replace("_", "-")
+
+
 class Section:
     """What every config section does with its fields: check the numbers they take, one sentence for the first that
     is out of its range, naming its flag."""
@@ -31,7 +36,7 @@ class Section:
 def _check_bounds(name: str, value, low, high, high_excluded: bool, positive: bool) -> None:
     if value is None or (low is None and high is None and not positive):
         return
-    option = "--" + name.replace("_", "-")
+    option = option_name(name)
     if positive and not (value > 0 and math.isfinite(value)):
         raise ConfigError(f"{option} must be a positive finite number (got {value}).")
     if not math.isfinite(value):
@@ -43,7 +48,7 @@ def _check_bounds(name: str, value, low, high, high_excluded: bool, positive: bo
 
 
 def option_strings(f: dataclasses.Field) -> tuple[str, ...]:
-    return f.metadata["argparse"].get("flags") or ("--" + f.name.replace("_", "-"),)
+    return f.metadata["argparse"].get("flags") or (option_name(f.name),)
 
 
 def argparse_kwargs(f: dataclasses.Field) -> dict:

@@ -51,8 +51,8 @@ class TrainConfig:
         """Sections (copied: a config never shares one with another) and flat names, in any mix; a flat name
         overrides what a section passed beside it holds."""
         for name, cls in SECTIONS.items():
-            given = values.pop(name, None)
-            object.__setattr__(self, name, cls() if given is None else dataclasses.replace(given))
+            section = values.pop(name, None)
+            object.__setattr__(self, name, cls() if section is None else dataclasses.replace(section))
         object.__setattr__(self, "explicit_flags", explicit_flags)
         object.__setattr__(self, "layout_choice", layout_choice)
         for name, value in values.items():

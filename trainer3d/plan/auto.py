@@ -25,7 +25,8 @@ from trainer3d.parallel.pipeline import pipeline_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
 from trainer3d.plan.report import deepspeed_config, why
-from trainer3d.plan.search import Plan, enumerate_plans, mtp_depth
+from trainer3d.plan.memory import mtp_depth
+from trainer3d.plan.search import Plan, enumerate_plans
 
 # A CPU rank's nominal numbers: a core's fp32 rate, gloo over loopback. They rank layouts by the model's proportions
 # (compute, bubble, communication); they are no CPU's measured seconds. Keys are Cluster fields, as a calibration's.

@@ -46,6 +46,12 @@ def hidden_tokens(cand: Candidate) -> float:
     return cand.tokens / (cand.tp if cand.sequence_parallel else 1)
 
 
+def mtp_depth(cfg) -> int:
+    """The model's multi-token prediction modules (DeepSeek-V3's D; 0 where it has none or the run builds none): they
+    run without sequence and context parallelism (train/setup.check_mtp), and the last stage holds 1 + D logits."""
+    return getattr(cfg, "mtp_layers", 0) or 0
+
+
 def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
     """Bytes one stage holds per micro-batch in flight: saved activations plus the stage output that torch's
     PipelineStage keeps until that micro-batch's backward (the hidden state, or the logits on the last stage).
@@ -62,7 +68,7 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
         total += T * (4 + 4 + 1)  # the CE's row scale and target exponential (fp32), its outside-the-shard mask
         # the logits (then their exponentials, then their gradient) until backward: the next token's and each MTP
         # depth's, whose module also keeps a block's activations
-        D = getattr(cand.cfg, "mtp_layers", 0) or 0
+        D = mtp_depth(cand.cfg)
         total += (1 + D) * T * Vp // t * P.matmul + D * per_layer
     else:
         total += Th * P.send  # the stage output (cast for the wire), held until backward

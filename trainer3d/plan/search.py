@@ -18,7 +18,7 @@ from trainer3d.parallel.pipeline import SCHEDULES, pipeline_problem
 from trainer3d.parallel.sequence_parallel import sequence_split_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import Cluster
-from trainer3d.plan.memory import MemoryEstimate, estimate_memory
+from trainer3d.plan.memory import MemoryEstimate, estimate_memory, mtp_depth
 from trainer3d.plan.step_time import step_times
 
 
@@ -115,12 +115,6 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
                 plans += _fitting(layout, C, zero_stages, offload, recompute, refuse, precision, fp8)
     plans.sort(key=lambda p: (p.step_time, p.memory))
     return Search(plans, refuse.counts, refuse.examples)
-
-
-def mtp_depth(cfg) -> int:
-    """The model's multi-token prediction modules (DeepSeek-V3's D; 0 where it has none or the run builds none): they
-    run without sequence and context parallelism (train/setup.check_mtp), and the last stage holds 1 + D logits."""
-    return getattr(cfg, "mtp_layers", 0) or 0
 
 
 def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_across_nodes: bool, refuse,

@@ -15,6 +15,7 @@ import torch
 from trainer3d.checkpoint.format import checkpoints_root, resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.config import PRECISIONS, RECOMPUTE_MODES, SIZE_FLAGS, TrainConfig
+from trainer3d.config.fields import option_name
 from trainer3d.data.hellaswag import Example, read_examples
 from trainer3d.data.chat_formats import FORMATS as CHAT_FORMATS
 from trainer3d.data.mixture import read_mixture
@@ -66,10 +67,6 @@ class RunSetup:
                 "tokenizer the weights were trained with (--tokenizer), or a --vocab-size of at least "
                 f"{vocab_size}.")
         return mcfg
-
-
-def flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
 
 
 def check_combinations(cfg: TrainConfig) -> None:
@@ -164,7 +161,7 @@ def check_moe_flags(cfg: TrainConfig, mcfg, layout) -> None:
     given = [f for f in MOE_FLAGS if getattr(cfg, f)]
     if mcfg.moe is None:
         if given:
-            raise ConfigError(f"{flag(given[0])} applies to a mixture of experts, and this model has none; drop it.")
+            raise ConfigError(f"{option_name(given[0])} applies to a mixture of experts, and this model has none; drop it.")
         return
     if cfg.moe_bias_update_rate and mcfg.moe.score != "sigmoid":
         raise ConfigError(f"--moe-bias-update-rate trains a selection bias for sigmoid router scores (DeepSeek-V3's "
@@ -205,7 +202,7 @@ def check_size_flags(cfg: TrainConfig, base) -> None:
     fields = {f for f in base.__dataclass_fields__}
     for name in SIZE_FLAGS:
         if getattr(cfg, name) is not None and name not in fields:
-            raise ConfigError(f"{flag(name)} does not apply to the {base.family} model "
+            raise ConfigError(f"{option_name(name)} does not apply to the {base.family} model "
                               f"({cfg.init_from_hf or '--model ' + cfg.model}); drop it.")
 
 
@@ -233,7 +230,7 @@ def check_chat(cfg: TrainConfig) -> TrainConfig:
         pair_flags = ("on_bad_row", "overlong", "chat_template") if cfg.data_format == "preference" else ()
         given = [k for k, v in CHAT_ONLY.items() if getattr(cfg, k) != v and k not in pair_flags]
         if given:
-            raise ConfigError(f"{flag(given[0])} applies to chat data; add --data-format chat or drop it.")
+            raise ConfigError(f"{option_name(given[0])} applies to chat data; add --data-format chat or drop it.")
         return cfg
     from trainer3d.data.sft import chat_tokenizer, mask_rule
 
@@ -300,7 +297,7 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"Unknown --model {cfg.model!r}; choose one of {', '.join(MODEL_PRESETS)}.")
     for name, value, choices in (("precision", cfg.precision, PRECISIONS), ("recompute", cfg.recompute, RECOMPUTE_MODES)):
         if value not in choices:
-            raise ConfigError(f"{flag(name)} must be one of {', '.join(choices)} (got {value!r}).")
+            raise ConfigError(f"{option_name(name)} must be one of {', '.join(choices)} (got {value!r}).")
     infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep if cfg.layout != "auto" else 1)
 
 

@@ -1,7 +1,7 @@
 """The numbers a training step sums over the world in its one all-reduce and reads on the host in its one transfer,
 by name: the loss, the world's stop requests, each MTP depth's loss, the objective's sums (DPO's metrics) and every
 rank's step time. Their layout in the vector lives here and nowhere else: a feature that reports a sum (an indexer
-loss, an adapter's statistic) adds a part, and `pack`/`unpack` place it."""
+loss, an adapter's statistic) adds a part, and `host`/`fill`/`split`/`unpack` place it."""
 
 from __future__ import annotations
 

@@ -156,7 +156,8 @@ class Trainer:
             self.balance.begin_pass(real_inputs(batch), inputs)
         mtp = self.mtp if train else None
         if mtp is not None:  # the MTP depths' targets follow the main ones; the last stage gets the next tokens
-            targets = mtp.begin_pass(tokens, targets, self._mtp_documents(batch), self.plan.micro_batches,
+            token_documents = self.documents_of(batch.tokens, batch.documents)
+            targets = mtp.begin_pass(tokens, targets, token_documents, self.plan.micro_batches,
                                      whole=batch.supervised is None)
         try:
             losses = self.run_pass(tokens[:, :-1], targets, train, documents)
@@ -181,12 +182,13 @@ class Trainer:
                            objective=len(self.objective.sums) if self.objective is not None else 0,
                            ranks=self.topo.layout.world_size if train else 0)
 
-    def _mtp_documents(self, batch: Batch) -> torch.Tensor | None:
-        """[B, seq_len + 1] each token's document where the rows' documents are known (stored, or opened by the
-        boundary token under --document-mask / --reset-position-ids), else None."""
-        if batch.documents is not None:
-            return batch.documents
-        return document_ids(batch.tokens, self.boundary) if self.cfg.uses_documents else None
+    def documents_of(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[B, seq_len + 1] each token's document where the rows' documents are known (`documents`, stored with the
+        rows or given by the caller, or opened by the boundary token under --document-mask / --reset-position-ids),
+        else None."""
+        if documents is not None:
+            return documents
+        return document_ids(tokens, self.boundary) if self.cfg.uses_documents else None
 
     def train_step(self, batch: Batch | torch.Tensor, stop_requested: bool = False, data_s: float = 0.0) -> dict:
         """One optimizer step on this dp rank's rows of the global batch (a Batch, or its tokens [local_batch,
