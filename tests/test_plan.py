@@ -44,12 +44,13 @@ def test_family_formulas_count_what_the_model_builds(name):
 
     cfg = MODEL_PRESETS[name]
     with torch.device("meta"):
-        model = build_model(dataclasses.replace(cfg, n_layer=2))
+        model = build_model(dataclasses.replace(cfg, n_layer=4))
     built = sum(p.numel() for p in model.parameters())  # a tied head is one Parameter, counted once
-    assert built == dataclasses.replace(cfg, n_layer=2).num_params()
-    for i in range(2):  # (qwen3-moe-tiny: a dense block, then an MoE one)
+    assert built == dataclasses.replace(cfg, n_layer=4).num_params()
+    differ = cfg.moe is not None or hasattr(cfg, "block_kind")  # (blocks of two kinds: block_params per layer)
+    for i in range(4):  # (qwen3-moe-tiny: a dense block, then MoE ones; Qwen3.5: three linear, one full attention)
         block = sum(p.numel() for p in model.blocks[str(i)].parameters())
-        assert block == (cfg.block_params(i) if cfg.moe else cfg.block_params()) == local_params(cfg, 1).block(i).total()
+        assert block == (cfg.block_params(i) if differ else cfg.block_params()) == local_params(cfg, 1).block(i).total()
         if cfg.n_head % 2 == 0 and getattr(cfg, "n_kv_heads", 2) % 2 == 0:
             halves = local_params(cfg, 2).block(i).pieces
             assert sum(p.n * (1 if p.replicated else 2) for p in halves) == block

@@ -92,9 +92,9 @@ def sha256_of(path: Path) -> str:
 def sharded_rngs(pm) -> list[ShardedDropoutRNG]:
     out = []
     for m in pm.stages:
-        attention = m.parallel_plan().attention
+        plan = m.parallel_plan()
         for block in m.blocks.values():
-            rng = getattr(block.get_submodule(attention), "sharded_rng", None)
+            rng = getattr(plan.mixer(block), "sharded_rng", None)
             if isinstance(rng, ShardedDropoutRNG) and all(rng is not r for r in out):
                 out.append(rng)
     return out

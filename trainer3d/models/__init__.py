@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from trainer3d.models import deepseek_v3, gpt2, llama, mixtral, qwen3
+from trainer3d.models import deepseek_v3, gpt2, llama, mixtral, qwen3, qwen3_5
 from trainer3d.models.interface import CausalLM, ModelFamily, canonical_name as _canonical_name, shape_fields
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen3.FAMILY, mixtral.FAMILY,
-                                                         deepseek_v3.FAMILY)}
+                                                         deepseek_v3.FAMILY, qwen3_5.FAMILY)}
 
 # --model's choices and the planner's: every family's presets by name
 MODEL_PRESETS: dict[str, Any] = {name: cfg for f in FAMILIES.values() for name, cfg in f.presets.items()}

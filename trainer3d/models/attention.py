@@ -29,6 +29,7 @@ class KVCache:
         self.length = 0
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        self.states: dict[int, tuple] = {}  # a recurrent layer's state in place of keys and values (Qwen3.5's)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, h, T, hd] at positions [length, length + T); return this layer's keys and values so far."""
@@ -103,3 +104,24 @@ class AttentionCore(nn.Module):
 def gqa(q: torch.Tensor, k: torch.Tensor) -> dict:
     """SDPA's grouped-query flag where the kv heads are fewer (nothing otherwise: multi-head attention's call as it was)."""
     return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+
+
+class WholeSequences:
+    """A rank's view of its sequences as a recurrent mixer (a linear attention: Qwen3.5's) needs it, installed as its
+    `sequence`: here, whole rows, one document each. Context parallelism and --document-mask install theirs
+    (parallel/recurrent_sequences.py): `size` ranks share each sequence, `to_heads` turns this rank's tokens of every head group [B, T_local, size·c] into the whole sequence of its own
+    group [B, T, c] and `to_sequence` back; `documents()` [B, T]: the document of each token, or None."""
+
+    size, rank = 1, 0
+
+    @staticmethod
+    def documents() -> torch.Tensor | None:
+        return None
+
+    @staticmethod
+    def to_heads(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def to_sequence(y: torch.Tensor) -> torch.Tensor:
+        return y

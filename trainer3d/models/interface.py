@@ -48,13 +48,35 @@ class ParallelPlan:
     `tp_entries`: identity modules (nn.Identity) inside a block through which a replicated activation enters the
     head-sharded region without a column-parallel linear (MLA's rope key, one head shared by all): tensor parallelism
     makes each the all-reduce of its gradient (Megatron's f), sequence parallelism the all-gather of the sequence.
-    The token embedding and the head are always vocab-parallel; every other parameter is replicated over tp."""
+    `sharded`: parameters inside a block, no linear's, split along dim 0 as a column-parallel output is (per-head
+    or per-channel tables of a head-sharded region: a linear attention's convolution, decays and biases). A path a
+    block lacks is skipped (hybrid stacks). The token embedding and the head are always vocab-parallel; every other
+    parameter is replicated over tp."""
 
     linears: Mapping[str, ColumnParallel | RowParallel]
-    attention: str
+    attention: str | tuple[str, ...]
     positions: str | None = None
     head_shared: tuple[str, ...] = ()
     tp_entries: tuple[str, ...] = ()
+    sharded: Mapping[str, ColumnParallel] = dataclasses.field(default_factory=dict)
+
+    def mixer(self, block: nn.Module) -> nn.Module:
+        """The block's attention module: the first of `attention`'s paths the block has (a hybrid stack's blocks
+        hold either a full attention or a linear one, Qwen3.5's)."""
+        paths = (self.attention,) if isinstance(self.attention, str) else self.attention
+        for path in paths:
+            found = find_module(block, path)
+            if found is not None:
+                return found
+        raise AttributeError(f"the block has none of {paths}")
+
+
+def find_module(block: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at `path`, or None where the block has none there (a hybrid stack's blocks differ)."""
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 # ---- formulas the planner and the metrics read ------------------------------------------------------------------------
@@ -255,6 +277,8 @@ class ModelFamily:
     init_value: Callable[[Any, str, tuple, int], torch.Tensor]  # (cfg, canonical name, full shape, seed)
     check: Callable[[Any, int], None]  # (cfg, tp): a shape the model or tp cannot take -> one sentence (ConfigError)
     hf: HFAdapter
+    # (cfg, tp, cp): a context-parallel split the model cannot take -> one sentence (LayoutError); None: any
+    check_cp: Callable[[Any, int, int], None] | None = None
 
     def build(self, cfg) -> CausalLM:
         return self.model_cls(cfg)

@@ -39,6 +39,7 @@ class MoESpec:
     renormalize: bool = True  # divide the top-k weights by their sum
     weights_fp32: bool = False  # keep the top-k weights in fp32 (Mixtral), else the activations' dtype (Qwen)
     shared_hidden: int = 0  # a shared expert's SwiGLU width, applied to every token (0: none)
+    shared_gate: bool = False  # the shared expert's output times sigmoid(shared_expert_gate(x)) (Qwen2/3.5-MoE)
     # DeepSeek-V3's group-limited selection: the experts in `n_groups` equal groups, each group scored by the sum of
     # its two best selection scores, a token choosing its top-k among the experts of its `top_groups` best groups
     # (1 group: plain top-k)
@@ -350,6 +351,7 @@ class MoE(nn.Module):
         self.gate = Router(hidden, spec)
         self.experts = Experts(hidden, spec)
         self.shared_expert = SwiGLUExpert(hidden, spec.shared_hidden) if spec.shared_hidden else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if spec.shared_gate else None
         self.dispatcher = LocalDispatch()
         self.observer = None  # parallel/moe_balance.py's, on a training run
         self.tokens = None  # tensor parallelism's token split (parallel/expert_parallel.py), if any
@@ -368,7 +370,10 @@ class MoE(nn.Module):
         kept = self.within_capacity(routing, real)
         out = self.routed(flat, routing, kept)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         if self.observer is not None:
             out = self.observer.observe(self, routing, kept, shape, out, real)
         return out.view(shape)
@@ -416,6 +421,7 @@ def moe_init_std(name: str, n_layer: int) -> float | None:
     1/sqrt(2·layers) as the dense MLP's), or None for a name that is no MoE parameter."""
     if ".experts.down_proj" in name or ".shared_expert.down_proj" in name:
         return 0.02 / math.sqrt(2 * n_layer)
-    if ".experts.gate_up_proj" in name or ".shared_expert.gate_up_proj" in name or name.endswith(".gate.weight"):
+    if ".experts.gate_up_proj" in name or ".shared_expert.gate_up_proj" in name or name.endswith(
+            (".gate.weight", ".shared_expert_gate.weight")):
         return 0.02
     return None

@@ -11,6 +11,11 @@ def name_seeded_normal(name: str, shape: tuple, seed: int, std: float) -> torch.
     return torch.randn(shape, generator=gen) * std
 
 
+def name_seeded_uniform(name: str, shape: tuple, seed: int, low: float, high: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + stable_hash(name))
+    return torch.rand(shape, generator=gen) * (high - low) + low
+
+
 def stable_hash(text: str) -> int:
     # Python's hash() is salted per process; ranks must agree.
     h = 0

@@ -47,12 +47,12 @@ def apply_compile(stage: nn.Module, backend: str | None) -> nn.Module:
     (None: not at all)."""
     if not backend:
         return stage
-    attention = stage.parallel_plan().attention
+    plan = stage.parallel_plan()
     for block in stage.blocks.values():
         if isinstance(block.forward, Checkpointed):  # --recompute full
             block.forward.fn = torch.compile(block.forward.fn, backend=backend)
             continue
-        attn = block.get_submodule(attention)
+        attn = plan.mixer(block)
         if isinstance(attn.core, Checkpointed):  # --recompute selective
             attn.core = torch.compiler.disable(attn.core)
         block.compile(backend=backend)

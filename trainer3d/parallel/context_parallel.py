@@ -33,7 +33,8 @@ from torch.nn.attention.bias import causal_lower_right
 from trainer3d.data.batch import document_ids
 from trainer3d.distributed.collectives import all_gather_into, group_size, reduce_scatter_into
 from trainer3d.errors import LayoutError
-from trainer3d.models.attention import gqa
+from trainer3d.parallel.recurrent_sequences import RecurrentSequences
+from trainer3d.models.attention import WholeSequences, gqa
 from trainer3d.private_api import require
 
 KV_SEQ_DIM = 2  # q, k, v are [batch, heads, sequence, head_dim]
@@ -248,15 +249,19 @@ class SequenceLayout:
 
 
 def apply_context_parallel(stage, layout: SequenceLayout):
-    """Point every attention module of `stage` at the layout's attention, and every module that reads positions at its
-    positions, in place. Both stay outside torch.compile's graphs (Python state: the running micro-batch)."""
+    """Point every attention module of `stage` at the layout's attention, every module that reads positions at its
+    positions, and every recurrent mixer at its documents and head exchange (parallel/recurrent_sequences.py), in
+    place. Both stay outside torch.compile's graphs (Python state: the running micro-batch)."""
     attend = torch.compiler.disable(layout.attend)
     position_ids = torch.compiler.disable(layout.position_ids)
+    recurrent = RecurrentSequences(layout)
     for m in stage.modules():
         if hasattr(m, "kernel"):
             m.kernel = attend
         if hasattr(m, "position_ids"):
             m.position_ids = position_ids
+        if isinstance(getattr(m, "sequence", None), WholeSequences):  # a recurrent mixer (a linear attention)
+            m.sequence = recurrent
     return stage
 
 

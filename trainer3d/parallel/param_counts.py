@@ -1,8 +1,9 @@
 """What one tensor-parallel rank holds of a model's parameters, read from the family's ParallelPlan on a small model on
 the meta device: the planner's parameter, memory and communication counts come from here, for every family.
 
-Blocks differ where a family mixes dense and mixture-of-experts MLPs (Qwen3-MoE's mlp_only_layers): each kind is read
-off one block of that kind, and `LocalParams.block(layer)` answers for any layer. An MoE block is left whole by tensor
+Blocks differ where a family mixes dense and mixture-of-experts MLPs (Qwen3-MoE's mlp_only_layers) or two kinds of
+attention (Qwen3.5): each kind is read off one block of that kind, and `LocalParams.block(layer)` answers for any
+layer. An MoE block is left whole by tensor
 parallelism (parallel/expert_parallel.py): its router, experts and shared expert are replicated over tp, each tp rank
 holds only its tokens' share of their gradients, and the experts are split over ep (`Piece.on_rank`).
 """
@@ -55,21 +56,21 @@ class BlockParams:
 class LocalParams:
     """Elements per tensor on one tp rank."""
 
-    dense: BlockParams | None  # a dense block (None: every block is MoE)
-    moe: BlockParams | None  # an MoE block (None: a dense model)
-    moe_layers: frozenset[int]  # the global indices of the MoE blocks
+    blocks: tuple[BlockParams, ...]  # each layer's (the blocks of one kind share one)
     embedding: int  # the token embedding's vocab shard (padded vocabulary / tp × d)
     first_extra: tuple[int, ...]  # the first stage's other parts (learned positions), replicated
     last_extra: tuple[int, ...]  # the last stage's parts besides the head (the final norm), replicated
     head: int  # the head's vocab shard: a separate weight unless the head is tied and on the embedding's stage
 
     def block(self, layer: int) -> BlockParams:
-        return self.moe if layer in self.moe_layers else self.dense
+        return self.blocks[layer]
 
     def kinds(self, layers) -> list[tuple[BlockParams, int]]:
-        """(block, how many of `layers` are of its kind), for the kinds present."""
-        n_moe = sum(1 for i in layers if i in self.moe_layers)
-        return [(b, k) for b, k in ((self.dense, len(layers) - n_moe), (self.moe, n_moe)) if k]
+        """(block, how many of `layers` are of its kind), for the kinds present, in order of first appearance."""
+        counts: dict[int, list] = {}
+        for i in layers:
+            counts.setdefault(id(self.blocks[i]), [self.blocks[i], 0])[1] += 1
+        return [(b, k) for b, k in counts.values()]
 
 
 def embedding_on_last(cfg) -> bool:
@@ -85,24 +86,29 @@ def moe_layers(cfg) -> frozenset[int]:
     return frozenset(i for i in range(cfg.n_layer) if cfg.is_moe_layer(i))
 
 
+def block_kind(cfg, layer: int):
+    """What makes two blocks' parameters alike: the config's `block_kind` (a hybrid family's: its mixer and MLP),
+    else whether the block's MLP is a mixture of experts."""
+    kind = getattr(cfg, "block_kind", None)
+    return kind(layer) if kind is not None else layer in moe_layers(cfg)
+
+
 @lru_cache(maxsize=256)
 def local_params(cfg, tp: int) -> LocalParams:
-    moe = moe_layers(cfg)
-    dense_at = next((i for i in range(cfg.n_layer) if i not in moe), None)
-    moe_at = min(moe) if moe else None
-    n_built = 1 + max(i for i in (dense_at, moe_at) if i is not None)
+    kinds = [block_kind(cfg, i) for i in range(cfg.n_layer)]
+    first = {}
+    for i, kind in enumerate(kinds):
+        first.setdefault(kind, i)
     with torch.device("meta"):
-        model = build_model(dataclasses.replace(cfg, n_layer=n_built))
+        model = build_model(dataclasses.replace(cfg, n_layer=1 + max(first.values())))
     plan = model.parallel_plan()
     shard = padded_vocab_size(cfg.vocab_size, tp) // tp * cfg.n_embd
 
     def extras(parts: tuple[str, ...], skip: str) -> tuple[int, ...]:
         return tuple(p.numel() for part in parts if part != skip for p in getattr(model, part).parameters())
 
-    def read(i: int | None) -> BlockParams | None:
-        return None if i is None else _block_params(model.blocks[str(i)], plan, tp)
-
-    return LocalParams(dense=read(dense_at), moe=read(moe_at), moe_layers=moe, embedding=shard,
+    read = {kind: _block_params(model.blocks[str(i)], plan, tp) for kind, i in first.items()}
+    return LocalParams(blocks=tuple(read[kind] for kind in kinds), embedding=shard,
                        first_extra=extras(model.FIRST_STAGE, model.EMBEDDING),
                        last_extra=extras(model.LAST_STAGE, model.HEAD), head=shard)
 
@@ -117,7 +123,8 @@ def _block_params(block: torch.nn.Module, plan, tp: int) -> BlockParams:
     for name, p in block.named_parameters():
         owner, _, kind = name.rpartition(".")
         style = linears.get(owner)
-        sharded = style is not None and (kind == "weight" or isinstance(style, ColumnParallel))
+        sharded = (style is not None and (kind == "weight" or isinstance(style, ColumnParallel))) or \
+            name in plan.sharded
         pieces.append(Piece(p.numel() // tp if sharded else p.numel(), not sharded,
                             partial=id(p) in in_moe or name in plan.head_shared, expert=id(p) in experts))
     n_column = sum(isinstance(s, ColumnParallel) for s in linears.values())

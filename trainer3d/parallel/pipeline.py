@@ -110,24 +110,35 @@ def pipeline_problem(cfg, pp: int, schedule: str, virtual_stages: int, micro_bat
     return None
 
 
-def stage_cost(cfg, n_blocks: int, last: bool, seq_len: int) -> float:
-    """Forward FLOPs per token of a stage of `n_blocks` blocks at `seq_len`, plus the LM head (and its loss) on the
+def block_costs(cfg, seq_len: int) -> list[float] | None:
+    """Each block's forward FLOPs per token where a family's blocks differ in kind (a hybrid stack's linear and full
+    attention: its `block_flops(layer, seq_len)`); None where every block costs `layer_flops`."""
+    per_block = getattr(cfg, "block_flops", None)
+    return None if per_block is None else [per_block(i, seq_len) for i in range(cfg.n_layer)]
+
+
+def stage_cost(cfg, layers: range, last: bool, seq_len: int, costs: list[float] | None = None) -> float:
+    """Forward FLOPs per token of a stage holding blocks `layers` at `seq_len`, plus the LM head (and its loss) on the
     last stage; the embedding lookup costs no FLOPs. The one cost model of a stage: balance_layers minimises it and
-    the planner (trainer3d.plan.step_time) paces a pipeline by it. `cfg`: a model config (its family's formulas)."""
-    return n_blocks * cfg.layer_flops(seq_len) + (cfg.head_flops() if last else 0)
+    the planner (trainer3d.plan.step_time) paces a pipeline by it. `cfg`: a model config (its family's formulas);
+    `costs`: block_costs(cfg, seq_len), if already at hand."""
+    costs = block_costs(cfg, seq_len) if costs is None else costs
+    blocks = len(layers) * cfg.layer_flops(seq_len) if costs is None else sum(costs[i] for i in layers)
+    return blocks + (cfg.head_flops() if last else 0)
 
 
 def balance_layers(cfg, n_stages: int, seq_len: int) -> list[range]:
-    """Contiguous block ranges per stage minimising the most expensive stage (`stage_cost`), at least one block
-    per stage."""
+    """Contiguous block ranges per stage minimising the most expensive stage (`stage_cost`: each block at its own
+    cost), at least one block per stage."""
     L = cfg.n_layer
+    costs = block_costs(cfg, seq_len)
 
-    @functools.cache  # a stage's cost depends only on its size and whether it is last: 2·L values, not S·L² calls
-    def cost_of(n_blocks: int, last: bool) -> float:
-        return stage_cost(cfg, n_blocks, last, seq_len)
+    @functools.cache  # S·L² calls over at most L² ranges
+    def cost_of(start: int, end: int, last: bool) -> float:
+        return stage_cost(cfg, range(start, end), last, seq_len, costs)
 
     def cost(start: int, end: int, stage: int) -> float:
-        return cost_of(end - start, stage == n_stages - 1)
+        return cost_of(start, end, stage == n_stages - 1)
 
     # best[s][i]: the smallest max-cost of splitting blocks [0, i) into stages 0..s-1.
     inf = float("inf")

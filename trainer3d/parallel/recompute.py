@@ -86,9 +86,9 @@ def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
     """Wrap this stage's blocks (full) or their attention cores (selective), in place."""
     if mode == "none":
         return stage
-    attention = stage.parallel_plan().attention
+    plan = stage.parallel_plan()
     for block in stage.blocks.values():
-        attn = block.get_submodule(attention)
+        attn = plan.mixer(block)
         if mode == "full":
             block.forward = Checkpointed(block.forward, attn.sharded_rng)
         elif mode == "selective":

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer3d.distributed.collectives import all_gather_into, all_reduce, group_size, reduce_scatter_into
-from trainer3d.models.interface import CausalLM, ColumnParallel
+from trainer3d.models.interface import CausalLM, ColumnParallel, find_module
 
 
 # ---- the two conjugate collectives (Megatron's f and g) ---------------------------------------------------
@@ -339,9 +339,12 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
         for path in plan.tp_entries:
             block.set_submodule(path, TPEntry(group))
         if dropout_rng is not None:
-            block.get_submodule(plan.attention).sharded_rng = dropout_rng
+            plan.mixer(block).sharded_rng = dropout_rng
+        for path, style in plan.sharded.items():
+            _shard_parameter(block, path, style, size)
         for path in plan.head_shared:  # each rank applies it to its heads only: its gradient is a share
-            block.get_parameter(path).tp_partial = True
+            if find_module(block, path.rpartition(".")[0]) is not None:
+                block.get_parameter(path).tp_partial = True
     V, d = cfg.vocab_size, cfg.n_embd
     Vp = padded_vocab_size(V, size)
     for slot, held in ((model.EMBEDDING, model.embedding), (model.EMBEDDING_COPY, model.embedding_copy)):
@@ -354,10 +357,24 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
     return model
 
 
+def _shard_parameter(block: nn.Module, path: str, style: ColumnParallel, size: int) -> None:
+    """Replace the parameter at `path` (if the block has it) by this rank's empty share of dim 0 (ParallelPlan.sharded);
+    materialization fills it from the full value as it fills a column-parallel weight."""
+    owner, _, leaf = path.rpartition(".")
+    module = find_module(block, owner)
+    if module is None:
+        return
+    old = getattr(module, leaf)
+    local = nn.Parameter(torch.empty(old.shape[0] // size, *old.shape[1:], device=old.device, dtype=old.dtype))
+    local.tp_spec = TPSpec(0, tuple(old.shape), style.fused)
+    setattr(module, leaf, local)
+
+
 def linear_at(block: nn.Module, path: str) -> nn.Linear | None:
     """The nn.Linear at `path` in a block, or None where the path leads to something else (a mixture of experts in
-    place of the dense MLP holds its experts' weights as stacked parameters, not layers)."""
+    place of the dense MLP holds its experts' weights as stacked parameters, not layers) or nowhere (a hybrid stack's
+    blocks hold one kind of attention each)."""
     owner, _, leaf = path.rpartition(".")
-    module = block.get_submodule(owner) if owner else block
+    module = find_module(block, owner) if owner else block
     found = getattr(module, leaf, None)
     return found if isinstance(found, nn.Linear) else None

@@ -26,7 +26,7 @@ from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
 from trainer3d.plan.report import deepspeed_config, why
 from trainer3d.plan.memory import mtp_depth
-from trainer3d.plan.search import Plan, enumerate_plans
+from trainer3d.plan.search import Plan, cp_problem, enumerate_plans
 
 # A CPU rank's nominal numbers: a core's fp32 rate, gloo over loopback. They rank layouts by the model's proportions
 # (compute, bubble, communication); they are no CPU's measured seconds. Keys are Cluster fields, as a calibration's.
@@ -145,6 +145,8 @@ def trainer_problem(c: Candidate, mcfg, seq_len: int) -> str | None:
     problem = pipeline_problem(mcfg, c.pp, c.schedule, c.virtual_stages, c.micro_batches, c.sequence_parallel)
     if problem is None and mtp_depth(mcfg) and (c.cp > 1 or c.sequence_parallel):
         return "multi-token prediction runs without context or sequence parallelism"
+    if problem is None and c.cp > 1 and cp_problem(mcfg, c.tp, c.cp):
+        return cp_problem(mcfg, c.tp, c.cp)
     return problem[1] if problem else check_expert_parallel(mcfg, c.ep, c.tp, seq_len, c.cp)
 
 

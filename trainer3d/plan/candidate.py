@@ -169,7 +169,7 @@ def block_params(cfg, tp: int, layer: int | None = None, ep: int = 1) -> int:
     row-parallel weights split and their biases replicated, norms replicated, experts whole and divided by ep."""
     lp = local_params(cfg, tp)
     if layer is None:
-        return max(b.total(ep) for b in (lp.dense, lp.moe) if b is not None)
+        return max(b.total(ep) for b in lp.blocks)
     return lp.block(layer).total(ep)
 
 

@@ -92,6 +92,18 @@ class Refusals:
         self.examples.setdefault(reason, example)
 
 
+def cp_problem(cfg, tp: int, cp: int) -> str | None:
+    """The family's reason it cannot split a sequence over cp at this tp (ModelFamily.check_cp), or None."""
+    check = family_of(cfg).check_cp
+    if check is None:
+        return None
+    try:
+        check(cfg, tp, cp)
+    except LayoutError as e:
+        return str(e).split(";")[0]
+    return None
+
+
 def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, schedules=None,
                     zero_stages=(0, 1, 2, 3), offload: bool = True, recompute: bool = True,
                     max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False,
@@ -137,6 +149,9 @@ def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_
                 continue
             if cp > 1 and mtp_depth(cfg):
                 refuse("multi-token prediction runs without context parallelism", f"cp{cp}")
+                continue
+            if cp > 1 and cp_problem(cfg, tp, cp):
+                refuse("cp does not divide the model's heads", f"cp{cp} tp{tp}: {cp_problem(cfg, tp, cp)}")
                 continue
             # plans use SP at every tp > 1, but where the model predicts several tokens (the trainer refuses it there)
             problem = sequence_split_problem(tp, seq_len, cp) if tp > 1 and not mtp_depth(cfg) else None

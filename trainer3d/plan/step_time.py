@@ -42,7 +42,7 @@ def pipeline_pace(cfg, pp: int, schedule: str, virtual_stages: int, seq_len: int
     stages' (several under an interleaved or V-shaped schedule): the busiest rank sets the pace of a pipeline."""
     n = n_stages(pp, schedule, virtual_stages)
     ranges = balanced_ranges(cfg, n, seq_len)
-    costs = [stage_cost(cfg, len(r), i == n - 1, seq_len) for i, r in enumerate(ranges)]
+    costs = [stage_cost(cfg, r, i == n - 1, seq_len) for i, r in enumerate(ranges)]
     per_rank = [sum(costs[i] for i in stage_ids(r, pp, schedule, virtual_stages)) for r in range(pp)]
     return max(per_rank), sum(per_rank) / pp
 

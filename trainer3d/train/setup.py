@@ -337,7 +337,10 @@ def check_layout(cfg: TrainConfig, mcfg, world_size: int) -> Layout:
     """The layout and what the model asks of it: the family's tp rule, experts over ep, MoE and MTP flags, cp and
     sequence parallelism."""
     layout = infer_layout(world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
-    family_of(mcfg).check(mcfg, layout.tp)
+    family = family_of(mcfg)
+    family.check(mcfg, layout.tp)
+    if layout.cp > 1 and family.check_cp is not None:
+        family.check_cp(mcfg, layout.tp, layout.cp)
     problem = check_expert_parallel(mcfg, layout.ep, layout.tp, cfg.seq_len, layout.cp)
     if problem is not None:
         raise LayoutError(problem)

@@ -38,6 +38,11 @@ class LlamaConfig:
         return self.explicit_head_dim or self.n_embd // self.n_head
 
     @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rotary positions rotate (all of them; Qwen3.5 rotates a share)."""
+        return self.head_dim
+
+    @property
     def q_width(self) -> int:
         return self.n_head * self.head_dim
 

@@ -37,10 +37,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
-    """inv_freq [head_dim / 2] (fp32, CPU): 1 / theta^(2i/d), each rescaled once by Llama 3.1's rule when
+    """inv_freq [rotary_dim / 2] (fp32, CPU): 1 / theta^(2i/d), each rescaled once by Llama 3.1's rule when
     `rope_factor` is set: kept where the wavelength is under original_context/high_freq_factor, divided by the factor
     where it is over original_context/low_freq_factor, interpolated smoothly between."""
-    d = cfg.head_dim
+    d = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     if cfg.rope_factor is None:
         return inv_freq
