@@ -56,6 +56,34 @@ def hf_qwen35(seed: int = 0, moe: bool = False):
     return model.eval()
 
 
+def hf_qwen35_vl(directory, seed: int = 0) -> dict:
+    """A random Qwen3_5ForConditionalGeneration (hf_qwen35's language model, a one-block vision tower) saved in
+    `directory` with an MTP module's tensors added as the published files hold them (`mtp.*`, mtp_num_hidden_layers
+    in text_config). Returns every tensor it stores that is no part of the language model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    text = hf_qwen35(seed).config.to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                    vision_config=vision))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(directory)
+    weights = load_file(directory / "model.safetensors")
+    weights.update({"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64),
+                    "mtp.layers.0.mlp.down_proj.weight": torch.randn(64, 96).to(torch.bfloat16)})
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((directory / "config.json").read_text())
+    raw["text_config"]["mtp_num_hidden_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(raw))
+    return {k: v for k, v in weights.items() if not k.startswith(("model.language_model.", "lm_head."))}
+
+
 def batches(steps: int = STEPS, vocab: int = VOCAB, documents: bool = False) -> torch.Tensor:
     """Two random global batches, alternating; with `documents`, rows packing several (each opened by BOUNDARY)."""
     pair = torch.randint(1, vocab, (2, GB, SEQ + 1), generator=torch.Generator().manual_seed(11))
@@ -119,9 +147,10 @@ MOE_LAYOUTS = {"1x1x1": {}, "dp2 ep2 tp2": dict(dp=2, ep=2, tp=2)}
 DOC_LAYOUTS = {"1x1x1": dict(document_mask=True), "cp2 tp2": dict(cp=2, tp=2, document_mask=True)}
 
 
-def _world(rank, world_size, dense_dir, moe_dir, data, doc_data, run_dir):
+def _world(rank, world_size, dense_dir, moe_dir, data, doc_data, run_dir, vl_dir, vl_run_dir):
     runs = {label: _train(dense_dir, layout, data, run_dir if label == "1x1x1" else None)
             for label, layout in LAYOUTS.items()}
+    runs["vl tp2"] = _train(vl_dir, dict(tp=2), data[:2], vl_run_dir)  # a multimodal directory's language model
     runs.update({f"moe {label}": _train(moe_dir, layout, data) for label, layout in MOE_LAYOUTS.items()})
     runs.update({f"docs {label}": _train(dense_dir, layout, doc_data) for label, layout in DOC_LAYOUTS.items()})
     return runs
@@ -150,8 +179,9 @@ def test_trains_like_transformers_and_exports(tmp_path, capsys):
     refs = {"": plain_loop(copy.deepcopy(dense), data, lr=LR, **step),
             "moe ": plain_loop(copy.deepcopy(moe), data, lr=LR, **step),
             "docs ": plain_loop(PerDocument(copy.deepcopy(dense)), doc_data, lr=LR, **step)}
+    untrained = hf_qwen35_vl(tmp_path / "vl", seed=5)
     results = run_world(4, _world, str(tmp_path / "dense"), str(tmp_path / "moe"), data, doc_data,
-                        str(tmp_path / "run"), timeout=900)
+                        str(tmp_path / "run"), str(tmp_path / "vl"), str(tmp_path / "vl_run"), timeout=900)
     ours = results[0]
     report = []
     for prefix, layouts in (("", LAYOUTS), ("moe ", MOE_LAYOUTS), ("docs ", DOC_LAYOUTS)):
@@ -185,8 +215,47 @@ def test_trains_like_transformers_and_exports(tmp_path, capsys):
     assert sample_main([path, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"]) == 0
     printed = capsys.readouterr().out.split("\n", 1)[1].rstrip("\n")
     assert printed == tok.decode(greedy[0], skip_special_tokens=True), (printed, greedy)
+    report.append(_check_multimodal_export(ours["vl tp2"], untrained, tmp_path))
     with capsys.disabled():
         print("\n" + "\n".join(report))
+
+
+def _check_multimodal_export(run: dict, untrained: dict, tmp_path) -> str:
+    """A run from a Qwen3_5ForConditionalGeneration directory (its log naming what is not trained) exports the same
+    architecture under its config: the vision tower and the MTP module bitwise as they were, the language model as
+    trained (transformers' text logits are trainer3d's); with the directory gone, the export is refused in one
+    sentence and writes nothing."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+
+    from trainer3d.checkpoint.format import Checkpoint
+    from trainer3d.export import main as export_main
+
+    assert any("vision tower" in n for n in run["notes"]) and any("mtp.*, 1 layer" in n for n in run["notes"])
+    assert export_main([run["path"], str(tmp_path / "vl_export")]) == 0
+    out = tmp_path / "vl_export"
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3_5ForConditionalGeneration"] and raw["vision_config"]["depth"] == 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    stored = {}
+    for name, file in index.items():
+        if not name.startswith(("model.language_model.", "lm_head.")):
+            with safe_open(str(out / file), "pt") as f:
+                stored[name] = f.get_tensor(name)
+    assert stored.keys() == untrained.keys()
+    assert all(stored[k].dtype == v.dtype and torch.equal(stored[k], v) for k, v in untrained.items())
+    exported = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(out).eval()
+    ckpt = Checkpoint(run["path"])
+    x = batches()[0, :2, :-1]
+    with torch.no_grad():
+        diff = (plain_model(ckpt.model_config, ckpt.model_state(), torch.device("cpu"), torch.float32)(x)
+                - exported(input_ids=x).logits).abs().max().item()
+    assert diff < 1e-5, diff
+    shutil.move(tmp_path / "vl", tmp_path / "vl_moved")
+    assert export_main([run["path"], str(tmp_path / "vl_export2")]) == 2 and not (tmp_path / "vl_export2").exists()
+    return f"multimodal export: {len(untrained)} tensors copied bitwise, text logits diff {diff:.1e}"
 
 
 # ---- one process ------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch
 
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.hf import hf_tables
+from trainer3d.checkpoint.hf_source import open_source
 from trainer3d.checkpoint.hf_save import parse_size, save_hf_checkpoint
 from trainer3d.data.chat import read_template
 from trainer3d.data.export_tokenizer import export_tokenizer, special_ids, tokenizer_dir
@@ -89,6 +90,7 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
         raise CheckpointError(f"{out} already exists; pass --overwrite to replace it or choose another directory.")
     mcfg, run = ckpt.model_config, ckpt.meta["config"]
     check_tables_fit(ckpt)
+    source = open_source(ckpt.meta)  # the untrained tensors (a vision tower) and wrapper of the --init-from-hf dir
     state = CheckpointWeights(ckpt)
     name = run.get("tokenizer") if tokenizer == "run" else tokenizer
     template = run.get("chat_template") if tokenizer == "run" else None
@@ -109,7 +111,7 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
         try:
             save_hf_checkpoint(mcfg, state, out, tokenizer_dir=tok_dir if shipped is None else shipped[0],
                                dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size, generation=generation,
-                               **ids)
+                               source=source, **ids)
         except (OSError, ValueError, TypeError) as e:
             raise CheckpointError(f"could not write {out} ({e}).") from None
     return out

@@ -33,6 +33,9 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PT_WEIGHTS_NAME = "pytorch_model.bin"
 PT_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+# bytes per element of each safetensors dtype (the header's spelling)
+_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                      "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, PT_WEIGHTS_NAME, PT_WEIGHTS_INDEX_NAME)
 
 
@@ -183,6 +186,13 @@ class HFDirectory:
         except Exception as e:  # noqa: BLE001
             raise KeyError(f"{file}: tensor {key!r} listed in {self.source.name} is missing ({e})") from None
 
+    def stored_itemsize(self, hf_name: str) -> int:
+        """Bytes per element of a stored tensor, from its file's header (a .bin: loaded)."""
+        file, key = self.index[hf_name]
+        if file.suffix == ".bin":
+            return self._bin(file)[key].element_size()
+        return _SAFETENSORS_BYTES[self._safe(file).get_slice(key).get_dtype()]
+
     def _hf_shape(self, hf_name: str) -> tuple[int, ...]:
         return self._stored_shape(*self.index[hf_name])
 
@@ -207,7 +217,8 @@ class HFDirectory:
                 missing.append(hf_name)
             used.add(hf_name)
             expected[hf_name] = tuple(shape)
-        unexpected = sorted(n for n in self.index if n not in used and not self.adapter.ignored(self.cfg, n))
+        extra = [n for n in self.index if n not in used and not self.adapter.passthrough(n)]
+        unexpected = sorted(n for n in extra if not self.adapter.ignored(self.cfg, n))
         if missing or unexpected:
             problems = ([f"missing tensors {abbrev(missing)}"] if missing else []) + \
                        ([f"unexpected tensors {abbrev(unexpected)}"] if unexpected else [])
@@ -217,9 +228,12 @@ class HFDirectory:
             if got != shape:
                 raise ValueError(f"{self.source}: tensor {hf_name!r} has shape {got}, expected {shape} for the config")
         self.scales.check(expected, self.source)
-        for hf_name in self.index:
-            if self.adapter.ignored(self.cfg, hf_name):
-                self.adapter.check_extra(self.cfg, hf_name, self.hf_tensor(hf_name), self.tensor)
+        for hf_name in extra:
+            self.adapter.check_extra(self.cfg, hf_name, self.hf_tensor(hf_name), self.tensor)
+
+    def passthrough(self) -> dict[str, tuple[int, ...]]:
+        """The tensors an export copies unchanged from here (HFAdapter.passthrough), by stored name, with shapes."""
+        return {self.index[n][1]: self._hf_shape(n) for n in sorted(self.index) if self.adapter.passthrough(n)}
 
     def tensor(self, name: str) -> torch.Tensor:
         """The canonical tensor `name`, in the stored dtype."""

@@ -6,6 +6,7 @@ only to write config.json."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -98,21 +99,27 @@ def plan_shards(cfg, shapes: Mapping[str, torch.Size], dtype: torch.dtype, max_b
 
 
 def write_hf_weights(cfg, state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size], out: Path,
-                     dtype: torch.dtype, max_bytes: int) -> list[str]:
+                     dtype: torch.dtype, max_bytes: int, rename=None, source=None) -> list[str]:
     """The weights of `state` (its checked names and shapes: `_checked_keys`) into `out`, in files of at most
     `max_bytes` (`model.safetensors`, or `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`): only
     one file's tensors are in memory at a time, read from `state` (which may read them lazily, as a checkpoint
-    does). Returns the files written."""
+    does). `rename`: each HF name's stored name (a multimodal wrapper's); `source`: a hf_source.SourceTensors whose
+    tensors follow ours unchanged, in files of their own. Returns the files written."""
     from safetensors.torch import save_file
 
     shards = plan_shards(cfg, shapes, dtype, max_bytes)
-    files = [SAFE_WEIGHTS_NAME] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    extra = _source_shards(source, max_bytes)
+    files = [SAFE_WEIGHTS_NAME] if len(shards) == 1 and not extra else \
+        [f"model-{i + 1:05d}-of-{len(shards) + len(extra):05d}.safetensors" for i in range(len(shards) + len(extra))]
     weight_map, total, tables = {}, 0, hf_tables(cfg)
-    for file, shard in zip(files, shards):
-        tensors = {}
-        for name in shard:
-            tensors.update(to_hf(cfg, name, state[name], dtype, shapes[name], tables))
+    for i, (file, shard) in enumerate(zip(files, shards + extra)):
+        if i < len(shards):
+            tensors = {}
+            for name in shard:
+                tensors.update(to_hf(cfg, name, state[name], dtype, shapes[name], tables))
+            tensors = {rename(k) if rename else k: v for k, v in tensors.items()}
+        else:  # (the source's tensors, as stored)
+            tensors = {name: source.read(name) for name in shard}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update({k: file for k in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -124,17 +131,34 @@ def write_hf_weights(cfg, state: Mapping[str, torch.Tensor], shapes: Mapping[str
     return files
 
 
+def _source_shards(source, max_bytes: int) -> list[list[str]]:
+    """The source's tensors (by stored name) in files of at most `max_bytes` (their stored dtypes, from the headers)."""
+    if source is None:
+        return []
+    shards, used = [[]], 0
+    for name, shape in source.shapes.items():
+        size = math.prod(shape) * source.directory.stored_itemsize(name)
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
 def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
                        tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
                        overwrite: bool = False, eos_token_id: int | list[int] | None = None,
                        bos_token_id: int | None = None, max_shard_size: int | str = "5GB",
-                       generation: Mapping | None = None) -> Path:
+                       generation: Mapping | None = None, source=None) -> Path:
     """Write `out_dir` so that the family's transformers class (`GPT2LMHeadModel`, `LlamaForCausalLM`) loads it with
     `from_pretrained`. `state` is canonical (or our module's state_dict), tensors of any float dtype on any device,
     saved as `dtype`; a lazy mapping is read one file's tensors at a time (write_hf_weights). Every file under
     `tokenizer_dir` is copied alongside; `generation` (GenerationConfig's arguments: the ids that end a reply) is
     written as generation_config.json, which `generate` reads. Built under a temporary name next to `out_dir` and
-    renamed into place; an existing `out_dir` is an error unless `overwrite` (replaced, also by rename)."""
+    renamed into place; an existing `out_dir` is an error unless `overwrite` (replaced, also by rename). `source`
+    (checkpoint/hf_source.SourceTensors): the directory the run started from, whose wrapping architecture and
+    config (a multimodal model's) the export keeps and whose untrained tensors it copies unchanged."""
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists (pass overwrite=True to replace it)")
@@ -152,6 +176,7 @@ def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os
     shapes = _checked_keys(state, cfg)  # before anything touches the disk (each tensor's shape: as it is read)
     max_bytes = parse_size(max_shard_size)
     hf_config = family_of(cfg).hf.hf_config(cfg, dtype, eos_token_id, bos_token_id)
+    layout = None if source is None else family_of(cfg).hf.export_layout(source.config, hf_config)
     generation_config = None
     if generation is not None:
         from transformers import GenerationConfig
@@ -164,10 +189,14 @@ def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os
     try:
         if tok is not None:
             shutil.copytree(tok, tmp, dirs_exist_ok=True)
-        hf_config.to_json_file(str(tmp / CONFIG_NAME))
+        if layout is None:
+            hf_config.to_json_file(str(tmp / CONFIG_NAME))
+        else:
+            (tmp / CONFIG_NAME).write_text(json.dumps(layout[0], indent=2, sort_keys=True) + "\n")
         if generation_config is not None:
             generation_config.to_json_file(str(tmp / GENERATION_CONFIG_NAME))
-        write_hf_weights(cfg, state, shapes, tmp, dtype, max_bytes)
+        write_hf_weights(cfg, state, shapes, tmp, dtype, max_bytes, rename=layout[1] if layout else None,
+                         source=source)
         for file in tmp.rglob("*"):
             if file.is_file():
                 fsync_path(file)

@@ -23,6 +23,7 @@ import torch
 from trainer3d.checkpoint.format import (
     Checkpoint, checkpoints_root, latest_checkpoint, layout_record, resolve_checkpoint, sharded_rngs,
 )
+from trainer3d.checkpoint import hf_source
 from trainer3d.checkpoint.hf import HFDirectory
 from trainer3d.checkpoint.hf_init import hf_shard_value, nonfinite_error, open_hf
 from trainer3d.distributed.collectives import agree_on_error, broadcast_object
@@ -89,6 +90,7 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     notes = []
     topo, meta = trainer.topo, ckpt.meta
     trainer.step = ckpt.step
+    trainer.hf_source = meta.get("hf_source")  # (what its exports copy from the directory the run started from)
     adam_step = ckpt.optimizer_step
     items = []
     for name, p, spec in _stage_params(trainer.parallel_model):
@@ -235,6 +237,7 @@ def apply(start: Start, trainer, loader=None) -> None:
     if isinstance(start.source, HFDirectory):  # every rank has read its shards: refuse non-finite weights together
         agree_on_error(nonfinite_error(start.source), trainer.topo.world_group, CheckpointError)
         copy_tables(trainer, lambda name, shape: start.source.table(name))  # (a router's selection bias)
+        trainer.hf_source = hf_source.record(start.source)
     if start.checkpoint is not None:
         notes += restore(trainer, start.checkpoint, loader)
         start.checkpoint.close()

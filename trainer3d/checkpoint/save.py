@@ -200,6 +200,7 @@ def _meta(trainer, loader) -> dict:
         "model_family": trainer.mcfg.family,
         "model": config_to_dict(trainer.mcfg),
         "config": trainer.cfg.flat(),
+        "hf_source": getattr(trainer, "hf_source", None),  # checkpoint/hf_source.py
         "layout": layout_record(trainer),
         "data_parallel": trainer.engine.describe(),
         "precision": trainer.precision,

@@ -256,8 +256,21 @@ class HFAdapter:
         return None
 
     def normalize(self, hf_name: str) -> str:
-        """A stored name as `sources` spells it (older files name some tensors differently)."""
+        """A stored name as `sources` spells it (older files name some tensors differently; a multimodal model nests
+        the language model's)."""
         return hf_name
+
+    def passthrough(self, hf_name: str) -> bool:
+        """Tensors of the directory that are no part of the language model trainer3d trains and that an export of a
+        run started from it copies unchanged (a vision tower, a multi-token-prediction module transformers does not
+        run): checkpoint/hf_source.py."""
+        return False
+
+    def export_layout(self, raw: dict, hf_config) -> tuple[dict, Callable[[str], str]] | None:
+        """Where the directory a run started from (config.json's dict `raw`) wraps the language model in another
+        architecture (a multimodal model): the config.json of its export, the language model's part being
+        `hf_config` (this adapter's), and the stored name of each of our HF names. None: the export is ours."""
+        return None
 
     def ignored(self, cfg, hf_name: str) -> bool:
         """HF tensors that are no parameter of ours (old buffers; a tied head's duplicate, checked by `check_extra`)."""

@@ -3,8 +3,11 @@ Llama's names and fusions, the full attention's q_proj (each head's q, then its 
 linear attention's four input projections fused as `in_proj`, and the experts one tensor per expert on disk (as
 Qwen3-MoE's) with a gated shared expert.
 
-The published checkpoints also hold a multi-token-prediction module (`mtp.*`, `mtp_num_hidden_layers` in config.json)
-that transformers does not run: it is not imported, and the run's log says so (import_notes)."""
+The published checkpoints are multimodal (Qwen3_5ForConditionalGeneration: the language model under
+`model.language_model.`, a vision tower under `model.visual.`, config.json's `text_config`) and hold a multi-token-
+prediction module (`mtp.*`) that transformers does not run. Their language model trains; the tower and the module are
+neither trained nor dropped: an export of the run copies them unchanged from the directory it started from, under its
+config (checkpoint/hf_source.py), and the run's log says so (import_notes)."""
 
 from __future__ import annotations
 
@@ -18,11 +21,21 @@ from trainer3d.models.qwen3_5.config import Qwen35Config
 _IN_PROJ, _QKV, _SHARED_UP = "linear_attn.in_proj.weight", "self_attn.qkv_proj.weight", "shared_expert.gate_up_proj.weight"
 
 
+_WRAPPED, _VISUAL = "model.language_model.", "model.visual."
+
+
+def language_config(raw: dict) -> dict:
+    """The language model's config.json dict: a multimodal directory's `text_config`, a text-only one's own."""
+    return raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+
+
 class Qwen35Adapter(LlamaAdapter):
-    model_types = ("qwen3_5_text", "qwen3_5_moe_text")
+    # the text models, and the published multimodal ones (Qwen3_5ForConditionalGeneration: its language model trains)
+    model_types = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
     architecture = "Qwen3_5ForCausalLM"
 
     def config_from_hf(self, raw: dict, dropout: float | None = None) -> Qwen35Config:
+        raw = language_config(raw)
         problems: list[str] = []
         fields = self.decoder_fields(raw, dropout, problems)
         rope = rope_settings(raw)
@@ -54,9 +67,29 @@ class Qwen35Adapter(LlamaAdapter):
         return Qwen35Config(**fields)
 
     def import_notes(self, raw: dict) -> list[str]:
-        depth = raw.get("mtp_num_hidden_layers")
-        return [f"the checkpoint's multi-token-prediction module (mtp.*, {depth} layer(s)) is not trained and not "
-                "exported: transformers does not run it either"] if depth else []
+        notes = []
+        if language_config(raw) is not raw:
+            notes.append(f"a multimodal {raw.get('architectures', ['model'])[0]}: its language model trains; the vision "
+                         "tower (model.visual.*) is not trained, and an export copies it unchanged with this config")
+        depth = language_config(raw).get("mtp_num_hidden_layers") or raw.get("mtp_num_hidden_layers")
+        if depth:
+            notes.append(f"the multi-token-prediction module (mtp.*, {depth} layer(s)) is not trained (transformers "
+                         "does not run it either); an export copies it unchanged")
+        return notes
+
+    def normalize(self, hf_name: str) -> str:
+        return "model." + hf_name.removeprefix(_WRAPPED) if hf_name.startswith(_WRAPPED) else hf_name
+
+    def passthrough(self, hf_name: str) -> bool:
+        return hf_name.startswith(("mtp.", _VISUAL))
+
+    def export_layout(self, raw: dict, hf_config):
+        if language_config(raw) is raw:
+            return None
+        text = {**raw["text_config"], **{k: v for k, v in hf_config.to_dict().items()
+                                         if k in raw["text_config"] and k != "architectures"}}
+        config = {**raw, "text_config": text, "dtype": text.get("dtype", raw.get("dtype"))}
+        return config, lambda name: _WRAPPED + name.removeprefix("model.") if name.startswith("model.") else name
 
     def hf_config(self, cfg: Qwen35Config, dtype: torch.dtype | None = None, eos_token_id=None, bos_token_id=None):
         kwargs = self.decoder_kwargs(cfg, dtype, eos_token_id, bos_token_id)
@@ -98,5 +131,3 @@ class Qwen35Adapter(LlamaAdapter):
                     HFPart(base + "up_proj.weight", cfg.shared_expert_hidden)]
         return super().parts(cfg, name)
 
-    def ignored(self, cfg: Qwen35Config, hf_name: str) -> bool:
-        return hf_name.startswith("mtp.") or super().ignored(cfg, hf_name)
