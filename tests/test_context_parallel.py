@@ -171,3 +171,26 @@ def test_context_parallel_parity_world4():
         print(f"\nreference: {reference or 'GPT-2'}")
         failures += check([r[g] for r in results], layouts)
     assert not failures, "\n".join(failures)
+
+
+def test_the_run_says_how_many_rows_the_document_mask_acts_on():
+    """Under --document-mask on packed text the run counts the training rows holding more than one document (a
+    boundary past a row's first input), and says so once: on data with none, that the mask changes nothing."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from trainer3d.data.cache import TokenBlocks
+    from trainer3d.train.loop import document_lines
+
+    rows = np.full((5, 9), 7, dtype=np.uint16)
+    rows[1, 4] = BOUNDARY  # two documents
+    rows[3, 0] = BOUNDARY  # one: the boundary opens the row's only document
+    rows[4, 8] = BOUNDARY  # one: the last column is a target, no input
+    blocks = TokenBlocks(train=rows, val=rows[:1], seq_len=8, vocab_size=10, eos_id=BOUNDARY, fingerprint="f")
+    on, off = SimpleNamespace(document_mask=True), SimpleNamespace(document_mask=False)
+    assert document_lines(blocks, on) == ["--document-mask: 1 of the 5 training rows hold more than one document; "
+                                          "the others train as without the mask"]
+    assert document_lines(blocks, off) == []
+    rows[1, 4] = 7
+    assert "the mask changes nothing on this data" in document_lines(blocks, on)[0]

@@ -72,13 +72,17 @@ class RecurrentSequences:
         self.layout = layout
         self.size, self.rank = layout.size, layout.rank
 
+    # (each outside torch.compile's graphs: Python state, the running micro-batch, and collectives)
+    @torch.compiler.disable
     def documents(self) -> torch.Tensor | None:
         if not self.layout.document_mask:
             return None
         return self.layout.documents[self.layout.micro_batch]  # [mb, seq_len]: whole rows, as to_heads gives
 
+    @torch.compiler.disable
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.size == 1 else _ToHeads.apply(x, self.layout.group, self.layout.gathered_positions)
 
+    @torch.compiler.disable
     def to_sequence(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.size == 1 else _ToSequence.apply(y, self.layout.group, self.layout.gathered_positions)

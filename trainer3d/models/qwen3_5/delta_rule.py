@@ -63,6 +63,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, documents: torch.Tensor | None = No
         q, k = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
     q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))  # heads first: [B, H, T, ...]
     q = q * dk ** -0.5
+    if T == 1 and initial_state is not None:  # a decoded token: the recurrence's one step, no chunk to build
+        S = initial_state.float() * g[..., 0, None, None].exp()
+        delta = (v[:, :, 0] - (S * k[:, :, 0, :, None]).sum(-2)) * beta[:, :, 0, None]
+        S = S + k[:, :, 0, :, None] * delta[..., None, :]
+        o = (S * q[:, :, 0, :, None]).sum(-2)[:, :, None]
+        return o.transpose(1, 2).to(dtype), (S if final_state else None)
     C = min(chunk_size, T)
     pad = -T % C
     docs = torch.zeros(B, T, dtype=torch.long, device=q.device) if documents is None else documents.to(q.device)
@@ -104,9 +110,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, documents: torch.Tensor | None = No
     carry = from_start[..., -1:].unsqueeze(-1)  # the carried state's decay over the whole chunk [B, H, N, 1, 1]
     S = (q.new_zeros(B, Hv, dk, dv) if initial_state is None else initial_state.float())
     outs = []
-    for n in range(N):
-        v_new = u[:, :, n] - w[:, :, n] @ S
-        outs.append(q_state[:, :, n] @ S + attn[:, :, n] @ v_new)
-        S = S * carry[:, :, n] + k_state[:, :, n].transpose(-1, -2) @ v_new
+    # each chunk's slices taken once (unbind: one stack in the backward; an index per chunk would make the backward
+    # zero-fill the whole tensor once per chunk, quadratic in the length)
+    for u_n, w_n, q_n, attn_n, k_n, carry_n in zip(*(t.unbind(2) for t in (u, w, q_state, attn, k_state, carry))):
+        v_new = u_n - w_n @ S
+        outs.append(q_n @ S + attn_n @ v_new)
+        S = S * carry_n + k_n.transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2).reshape(B, Hv, N * C, dv)[:, :, :T]
     return o.transpose(1, 2).to(dtype), (S if final_state else None)
