@@ -24,10 +24,8 @@ import transformers
 from distributed import run_world
 from reference import adamw, lr_schedule
 from test_cli import BASE, launched_alone
-from test_llama_hf import OPTIM, SEQ, VOCAB, batches, bpe_tokenizer, reference_run
-from trainer3d.config import TrainConfig
+from test_llama_hf import OPTIM, VOCAB, batches, bpe_tokenizer, reference_run, train_from_hf
 from trainer3d.models import MODEL_PRESETS, build_model, plain_model
-from trainer3d.train.setup import validate
 
 LR = 1e-3  # routing is discontinuous: tests/test_llama_hf.py's MOE_LR
 GB = 8
@@ -65,34 +63,7 @@ def perturb(module: torch.nn.Module) -> None:
 
 
 def _train(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = None) -> dict | None:
-    """trainer3d --init-from-hf at `layout` (dp, tp, pp, cp, ep and any TrainConfig flag) on `data`'s global batches;
-    on the active ranks: the per-step losses and norms (and with `out_dir`, the saved checkpoint's path)."""
-    from trainer3d.checkpoint.load import apply, prepare
-    from trainer3d.checkpoint.save import save_checkpoint
-    from trainer3d.train.trainer import Trainer
-
-    layout = dict(layout)
-    n = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.pop("dp", 1)
-    cfg = TrainConfig(init_from_hf=hf_dir, seq_len=SEQ, global_batch=GB, out_dir=out_dir or "runs/unused",
-                      **{"micro_batches": 2, **OPTIM, "lr": LR, **layout})
-    setup = validate(cfg, n)
-    topo = setup.topology(list(range(n)))
-    out = None
-    if topo.active:
-        mcfg = setup.model_config(VOCAB)
-        start = prepare(setup.cfg, mcfg, topo)
-        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
-        apply(start, trainer)
-        per = GB // setup.layout.dp
-        records = [trainer.train_step(b[topo.dp_rank * per:(topo.dp_rank + 1) * per]) for b in data]
-        out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg,
-               "mtp": [r.get("mtp_loss") for r in records],
-               "notes": start.notes, "tables": {k: v.clone() for m in trainer.parallel_model.stages
-                                                for k, v in m.state_tables().items()}}
-        if out_dir is not None:
-            out["path"] = str(save_checkpoint(trainer, out_dir))
-    topo.destroy()
-    return out
+    return train_from_hf(hf_dir, {"lr": LR, **layout}, data, out_dir)
 
 
 LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),

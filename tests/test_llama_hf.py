@@ -37,14 +37,19 @@ def reference_run(hf, data: torch.Tensor, lr: float = OPTIM["lr"], aux_loss=None
                       grad_clip=OPTIM["grad_clip"], weight_decay=OPTIM["weight_decay"], aux_loss=aux_loss)
 
 
-def _train_from_hf(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = None) -> dict | None:
-    """trainer3d --init-from-hf at `layout` (tp, pp, dp, ep, micro_batches and any other TrainConfig flag)."""
+def train_from_hf(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = None,
+                  boundary: int | None = None) -> dict | None:
+    """trainer3d --init-from-hf at `layout` (dp, tp, pp, cp, ep, micro_batches and any other TrainConfig flag) on
+    `data`'s global batches [steps, batch, seq + 1]; on the active ranks: the per-step losses and gradient norms,
+    the MoE balance and MTP losses, the start's notes, the model's tables, the graphs dynamo compiled, and with
+    `out_dir` the saved checkpoint's path. `boundary`: the token that opens a document (--document-mask)."""
     from trainer3d.checkpoint.save import save_checkpoint
     from trainer3d.train.trainer import Trainer
 
     layout = dict(layout)
-    n = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
-    cfg = TrainConfig(init_from_hf=hf_dir, seq_len=SEQ, global_batch=GB, out_dir=out_dir or "runs/unused",
+    n = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.pop("dp", 1)
+    gb, seq = data.shape[1], data.shape[2] - 1
+    cfg = TrainConfig(init_from_hf=hf_dir, seq_len=seq, global_batch=gb, out_dir=out_dir or "runs/unused",
                       **{"micro_batches": 2, **OPTIM, **layout})
     setup = validate(cfg, n)
     topo = setup.topology(list(range(n)))
@@ -52,12 +57,15 @@ def _train_from_hf(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str |
     if topo.active:
         mcfg = setup.model_config(VOCAB)
         start = prepare(setup.cfg, mcfg, topo)
-        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
+        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value, boundary=boundary)
         apply(start, trainer)
-        per = GB // setup.layout.dp  # this dp rank's rows of each global batch
+        per = gb // setup.layout.dp  # this dp rank's rows of each global batch
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         records = [trainer.train_step(b[topo.dp_rank * per:(topo.dp_rank + 1) * per]) for b in data]
         out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg,
-               "aux": [r.get("moe_aux_loss") for r in records]}
+               "aux": [r.get("moe_aux_loss") for r in records], "mtp": [r.get("mtp_loss") for r in records],
+               "notes": start.notes, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+               "tables": {k: v.clone() for m in trainer.parallel_model.stages for k, v in m.state_tables().items()}}
         if out_dir is not None:
             out["path"] = str(save_checkpoint(trainer, out_dir))
     topo.destroy()
@@ -65,7 +73,7 @@ def _train_from_hf(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str |
 
 
 def _layouts(rank, world_size, runs, data):
-    return [{label: _train_from_hf(hf_dir, layout, data) for label, layout in layouts.items()}
+    return [{label: train_from_hf(hf_dir, layout, data) for label, layout in layouts.items()}
             for hf_dir, layouts in runs]
 
 
@@ -159,7 +167,7 @@ def bpe_tokenizer(directory) -> int:
 
 
 def _round_trip(rank, world_size, hf_dir, layout, data, out_dir):
-    return _train_from_hf(hf_dir, layout, data, out_dir)
+    return train_from_hf(hf_dir, layout, data, out_dir)
 
 
 ROUND_TRIPS = {  # family -> (a random transformers model, where trainer3d trains it)

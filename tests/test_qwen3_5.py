@@ -20,11 +20,9 @@ import transformers
 
 from distributed import run_world
 from reference import plain_loop
-from test_llama_hf import OPTIM, VOCAB, bpe_tokenizer
-from trainer3d.config import TrainConfig
+from test_llama_hf import OPTIM, VOCAB, bpe_tokenizer, train_from_hf
 from trainer3d.models import MODEL_PRESETS, build_model, canonical_shapes, init_value, plain_model
 from trainer3d.models.qwen3_5 import delta_rule
-from trainer3d.train.setup import validate
 
 SEQ, GB, STEPS = 80, 8, 5  # 80: more than one chunk of 64 in one process, and not a multiple of it
 BOUNDARY = 0  # the test tokenizer's end-of-text (bpe_tokenizer's first special token)
@@ -110,34 +108,8 @@ class PerDocument(torch.nn.Module):
 
 
 def _train(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = None) -> dict | None:
-    """trainer3d --init-from-hf at `layout` (dp, tp, pp, cp, ep and any TrainConfig flag) on `data`'s global batches;
-    on the active ranks: the per-step losses and norms (and with `out_dir`, the saved checkpoint's path)."""
-    from trainer3d.checkpoint.load import apply, prepare
-    from trainer3d.checkpoint.save import save_checkpoint
-    from trainer3d.train.trainer import Trainer
-
-    layout = dict(layout)
-    n = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.pop("dp", 1)
-    cfg = TrainConfig(init_from_hf=hf_dir, seq_len=SEQ, global_batch=GB, out_dir=out_dir or "runs/unused",
-                      **{"micro_batches": 2, **OPTIM, "lr": LR, **layout})
-    setup = validate(cfg, n)
-    topo = setup.topology(list(range(n)))
-    out = None
-    if topo.active:
-        mcfg = setup.model_config(VOCAB)
-        start = prepare(setup.cfg, mcfg, topo)
-        trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value,
-                          boundary=BOUNDARY if cfg.document_mask else None)
-        apply(start, trainer)
-        per = GB // setup.layout.dp
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        records = [trainer.train_step(b[topo.dp_rank * per:(topo.dp_rank + 1) * per]) for b in data]
-        out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg,
-               "notes": start.notes, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs}
-        if out_dir is not None:
-            out["path"] = str(save_checkpoint(trainer, out_dir))
-    topo.destroy()
-    return out
+    return train_from_hf(hf_dir, {"lr": LR, **layout}, data, out_dir,
+                         boundary=BOUNDARY if layout.get("document_mask") else None)
 
 
 LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),

@@ -85,16 +85,25 @@ def plan_shards(cfg, shapes: Mapping[str, torch.Size], dtype: torch.dtype, max_b
     """Canonical tensors (name -> shape) grouped into files of at most `max_bytes` of Hugging Face tensors each, in
     order (a tensor bigger than that gets a file of its own), as `save_pretrained(max_shard_size=...)` does."""
     tables = hf_tables(cfg)
+
+    def size(name: str) -> int:
+        parts = hf_tensors(cfg, name, torch.empty(shapes[name], device="meta", dtype=dtype), tables)
+        return sum(t.numel() * t.element_size() for t in parts.values())
+
+    return _by_size(list(shapes), size, max_bytes)
+
+
+def _by_size(names: list[str], size, max_bytes: int) -> list[list[str]]:
+    """`names` in order, in groups of at most `max_bytes` by `size(name)` (a bigger one alone)."""
     shards: list[list[str]] = [[]]
     used = 0
-    for name, shape in shapes.items():
-        parts = hf_tensors(cfg, name, torch.empty(shape, device="meta", dtype=dtype), tables)
-        size = sum(t.numel() * t.element_size() for t in parts.values())
-        if shards[-1] and used + size > max_bytes:
+    for name in names:
+        n = size(name)
+        if shards[-1] and used + n > max_bytes:
             shards.append([])
             used = 0
         shards[-1].append(name)
-        used += size
+        used += n
     return shards
 
 
@@ -135,15 +144,8 @@ def _source_shards(source, max_bytes: int) -> list[list[str]]:
     """The source's tensors (by stored name) in files of at most `max_bytes` (their stored dtypes, from the headers)."""
     if source is None:
         return []
-    shards, used = [[]], 0
-    for name, shape in source.shapes.items():
-        size = math.prod(shape) * source.directory.stored_itemsize(name)
-        if shards[-1] and used + size > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
+    return _by_size(list(source.shapes),
+                    lambda name: math.prod(source.shapes[name]) * source.directory.stored_itemsize(name), max_bytes)
 
 
 def save_hf_checkpoint(cfg, state: Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
