@@ -5,6 +5,7 @@ for a plan, and the DeepSpeed JSON it proposes.
 from __future__ import annotations
 
 from trainer3d.config import SIZE_FLAGS
+from trainer3d.config.fields import option_name
 from trainer3d.models import MODEL_PRESETS
 from trainer3d.plan.candidate import describe, gib
 from trainer3d.plan.cluster import Cluster
@@ -117,7 +118,7 @@ def model_flags(model_name: str | None, cfg) -> list[str]:
     flags = ["--model", model_name]
     for field in SIZE_FLAGS:
         if field != "n_positions" and field in base.__dataclass_fields__ and getattr(cfg, field) != getattr(base, field):
-            flags += ["--" + field.replace("_", "-"), str(getattr(cfg, field))]
+            flags += [option_name(field), str(getattr(cfg, field))]
     if cfg.vocab_size != base.vocab_size:
         flags += ["--vocab-size", str(cfg.vocab_size)]
     if cfg.n_positions != base.n_positions:

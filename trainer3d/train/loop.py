@@ -182,7 +182,9 @@ def document_lines(blocks, cfg, limit: int = 20_000) -> list[str]:
     says once that the mask acts on few rows, or on none."""
     if not cfg.document_mask or not isinstance(blocks, TokenBlocks):
         return []
-    rows = np.asarray(blocks.train[: min(limit, len(blocks.train))])
+    rows = blocks.train[: min(limit, len(blocks.train))]
+    if not isinstance(rows, np.ndarray):  # chat rows (LabeledRows): their documents come with them
+        return []
     several = int((rows[:, 1:-1] == blocks.eos_id).any(axis=1).sum())  # a boundary past a row's first input
     scanned = f"{len(rows):,} training rows" + ("" if len(rows) == len(blocks.train) else " scanned")
     if several == 0:
