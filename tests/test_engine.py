@@ -2,7 +2,8 @@
 of packed rows equal transformers' log-softmax of the same model run on each document alone, at one process, tp2·pp2,
 ZeRO-3 at dp4 and (Qwen3-MoE) dp2·ep2; a policy-gradient loss written here (ratio clip, advantages per row) trained
 through forward_backward/step equals transformers' model trained by torch's AdamW on the same loss, per step, in loss
-and gradient norm, under token-mean, sequence-mean and sum (1p, tp2·pp2, ZeRO-3 dp4); the weights streamed by
+and gradient norm, under token-mean, sequence-mean and sum (1p, tp2·pp2, ZeRO-3 dp4), at a rollout temperature and
+with an entropy bonus whose gradient flows (log-probabilities and entropies at the temperature checked apart); the weights streamed by
 named_weights() are the reference's after training; save -> load gives the same log-probabilities. Misuse (float or
 out-of-vocabulary ids, a mask or field of another shape, a loss_fn that returns a scalar) is refused on every rank at
 tp2·pp2 and changes nothing. The reference shares no code with trainer3d."""
@@ -18,6 +19,8 @@ from test_llama_hf import hf_moe
 from trainer3d.config import TrainConfig
 
 VOCAB, SEQ, GB, LR, CLIP = 1000, 32, 8, 2e-3, 1.0
+TEMPERATURE, ENTROPY_COEF = 0.8, 1.0  # the rollout's temperature; an entropy bonus in the trained loss, strong
+# enough to move the gradient norm (near-uniform distributions: the entropy's gradient is small)
 AGGREGATIONS = ["token-mean", "sequence-mean", "sum", "token-mean"]  # one per step
 
 
@@ -43,15 +46,22 @@ def pg_loss(logprobs, fields):
     return -torch.min(ratio * fields["adv"], ratio.clamp(0.8, 1.2) * fields["adv"])
 
 
-def reference_logprobs(model, tokens, documents):
-    """[B, T] log p(tokens[:, t+1]) from each document run alone (0 where t+1 opens the next document)."""
-    out = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
+def rl_loss(logprobs, fields):
+    """The clipped surrogate with an entropy bonus (the entropy's gradient flows)."""
+    return pg_loss(logprobs, fields) - ENTROPY_COEF * fields["entropy"]
+
+
+def reference_logprobs(model, tokens, documents, temperature: float = 1.0, entropy: bool = False):
+    """[B, T] log p(tokens[:, t+1]) under softmax(logits / temperature) from each document run alone (0 where t+1
+    opens the next document); with `entropy`, also each such position's entropy."""
+    out, ent = torch.zeros(tokens.shape[0], tokens.shape[1] - 1), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
     for b in range(tokens.shape[0]):
         cut = int((documents[b] == 0).sum())
         for s, e in [(0, cut), (cut, tokens.shape[1])]:
-            logits = model(tokens[b:b + 1, s:e]).logits[0, :-1].float()
-            out[b, s:e - 1] = torch.log_softmax(logits, -1).gather(-1, tokens[b, s + 1:e, None])[:, 0]
-    return out
+            logp = torch.log_softmax(model(tokens[b:b + 1, s:e]).logits[0, :-1].float() / temperature, -1)
+            out[b, s:e - 1] = logp.gather(-1, tokens[b, s + 1:e, None])[:, 0]
+            ent[b, s:e - 1] = -(logp.exp() * logp).sum(-1)
+    return (out, ent) if entropy else out
 
 
 def reference_aggregate(losses, mask, documents, aggregation):
@@ -99,13 +109,14 @@ def reference_run(model, data):
     for step, aggregation in enumerate(AGGREGATIONS):
         tokens, documents, mask, adv, noise = data[step]
         with torch.no_grad():
-            old = reference_logprobs(model, tokens, documents) + noise
-        lp = reference_logprobs(model, tokens, documents)
-        per_token = pg_loss(lp, {"old": old, "adv": adv})
+            old = reference_logprobs(model, tokens, documents, TEMPERATURE) + noise
+        lp, entropy = reference_logprobs(model, tokens, documents, TEMPERATURE, entropy=True)
+        per_token = rl_loss(lp, {"old": old, "adv": adv, "entropy": entropy})
         if step == 0:
-            for other in ("token-mean", "sequence-mean"):
-                grads = torch.autograd.grad(reference_aggregate(per_token, mask, documents, other), params,
-                                            retain_graph=True)
+            without = reference_aggregate(pg_loss(lp, {"old": old, "adv": adv}), mask, documents, aggregation)
+            for other, loss in [(other, reference_aggregate(per_token, mask, documents, other))
+                                for other in ("token-mean", "sequence-mean")] + [("no entropy", without)]:
+                grads = torch.autograd.grad(loss, params, retain_graph=True)
                 first[other] = torch.cat([g.flatten() for g in grads]).norm().item()
         loss = reference_aggregate(per_token, mask, documents, aggregation)
         loss.backward()
@@ -156,14 +167,16 @@ def _engine_run(hf_dir, layout, data, train, tmp):
     if engine.active:
         tokens, documents = data[0][0], data[0][1]
         lp, entropy = engine.logprobs(tokens, documents, entropy=True)
-        out = {"logprobs": lp, "entropy": entropy}
+        out = {"logprobs": lp, "entropy": entropy,
+               "tempered": engine.logprobs(tokens, documents, entropy=True, temperature=TEMPERATURE)}
         if train:
             out["losses"], out["norms"] = [], []
             for step, aggregation in enumerate(AGGREGATIONS):
                 tokens, documents, mask, adv, noise = data[step]
-                old = engine.logprobs(tokens, documents) + noise
-                out["losses"].append(engine.forward_backward(tokens, pg_loss, mask=mask, aggregation=aggregation,
-                                                             fields={"old": old, "adv": adv}, documents=documents))
+                old = engine.logprobs(tokens, documents, temperature=TEMPERATURE) + noise
+                out["losses"].append(engine.forward_backward(
+                    tokens, rl_loss, mask=mask, aggregation=aggregation, fields={"old": old, "adv": adv},
+                    documents=documents, temperature=TEMPERATURE, entropy=True))
                 out["norms"].append(engine.step()["grad_norm"])
             if layout.get("pp", 1) > 1:
                 out["refusals"] = refusals(engine, tokens, documents)
@@ -217,11 +230,22 @@ def test_engine_against_transformers(tmp_path):
     with torch.no_grad():  # the entropy of position 0's distribution (always inside the first document)
         probs = torch.log_softmax(llama(tokens[:, :1]).logits[:, 0].float(), -1)
         assert torch.allclose(results["1p"]["entropy"][:, 0], -(probs.exp() * probs).sum(-1), atol=2e-6)
+        llama.train(False)
+        ref_lp, ref_entropy = reference_logprobs(llama, tokens, documents, TEMPERATURE, entropy=True)
+        scored = documents[:, :-1] == documents[:, 1:]
+        for label in ("1p", "tp2 pp2"):  # the rollout's distribution, softmax(logits / temperature)
+            lp, entropy = results[label]["tempered"]
+            gaps = [(lp - ref_lp)[scored].abs().max().item(),  # absolute; the entropy's relative (it is ~ln V)
+                    ((entropy - ref_entropy)[scored].abs().max() / ref_entropy[scored].abs().max()).item()]
+            assert gaps[0] < 2e-6 and gaps[1] < 1e-6, (label, gaps)
+            assert (lp - results[label]["logprobs"])[scored].abs().max() > 0.1  # the temperature acts
 
     losses, norms, first = reference_run(llama.train(), data)
     print(f"transformers: losses {losses}, norms {norms}; step 1's norm token-mean {first['token-mean']:.6f}, "
           f"sequence-mean {first['sequence-mean']:.6f}")
     assert abs(first["token-mean"] - first["sequence-mean"]) > 0.01 * first["token-mean"]  # they differ
+    # the bonus's gradient counts: 100x the comparison's tolerance (1e-5) apart from the norm without it (1.3e-3)
+    assert abs(first["no entropy"] - first["token-mean"]) > 1e-3 * first["token-mean"]
     assert max(norms) > CLIP  # clipping was active at some step
     state = llama.state_dict()
     for label in ("1p", "tp2 pp2", "zero3 dp4"):

@@ -40,6 +40,7 @@ from trainer3d.distributed.collectives import all_reduce
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.errors import ConfigError, TrainingError
 from trainer3d.models import canonical_shapes, canonical_tables
+from trainer3d.parallel.cross_entropy import vocab_parallel_entropy
 from trainer3d.parallel.parallelize import named_full_params
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer
@@ -168,20 +169,35 @@ class Engine:
             out[got[:, 0].long(), got[:, 1].long()] = got[:, 2:].float()
         return all_reduce(out, self.topo.world_group).cpu()
 
-    def logprobs(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
-                 entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """[B, T] float32 log-probabilities of tokens[:, 1:] (and, with `entropy`, the entropy of each position's
-        distribution), on every rank; no gradient, dropout off. `documents` [B, T + 1]: each token's document, for
-        packed rows under --document-mask."""
+    def _scored(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probabilities of the targets, the entropy of each position or None) of the distribution
+        softmax(logits / temperature): the entropy first, since the cross-entropy consumes the logits it is given."""
+        t = self.trainer
+        if temperature != 1.0:
+            logits = logits / temperature
+        h = (vocab_parallel_entropy(logits, self.topo.tp_group, t.parallel_model.vocab_start, t.mcfg.vocab_size)
+             if entropy else None)
+        return -t.token_losses(logits, targets[..., TARGET].long()), h
+
+    @staticmethod
+    def _check_temperature(temperature) -> None:
+        if not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+            raise ConfigError(f"temperature must be a positive number (the rollout's: log-probabilities of "
+                              f"softmax(logits / temperature)); got {temperature!r}.")
+
+    def logprobs(self, tokens: torch.Tensor, documents: torch.Tensor | None = None, entropy: bool = False,
+                 temperature: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] float32 log-probabilities of tokens[:, 1:] under softmax(logits / temperature) (the rollout's
+        sampling distribution; and, with `entropy`, the entropy of each position's), on every rank; no gradient,
+        dropout off. `documents` [B, T + 1]: each token's document, for packed rows under --document-mask."""
         self._check(tokens, documents)
+        self._check_temperature(temperature)
         t = self.trainer
         t.engine.train(False)
 
         def reduction(logits, targets):
-            values = [-t.token_losses(logits, targets[..., TARGET].long())]
-            if entropy:
-                values.append(vocab_parallel_entropy(logits, self.topo.tp_group, t.parallel_model.vocab_start,
-                                                     t.mcfg.vocab_size))
+            values = [v for v in self._scored(logits, targets, temperature, entropy) if v is not None]
             return torch.stack([targets[..., ROW], targets[..., POSITION], *[v.double() for v in values]],
                                dim=-1).flatten(0, 1)
 
@@ -193,14 +209,19 @@ class Engine:
 
     def forward_backward(self, tokens: torch.Tensor, loss_fn: LossFn, mask: torch.Tensor | None = None,
                          fields: dict[str, torch.Tensor] | None = None, aggregation: str = "token-mean",
-                         documents: torch.Tensor | None = None) -> float:
+                         documents: torch.Tensor | None = None, temperature: float = 1.0,
+                         entropy: bool = False) -> float:
         """Accumulate the gradient of the aggregated loss Σ_tokens weight · loss_fn(logprobs, fields) over the global
         batch; return that loss (on every rank). `mask` [B, T] (default: every token), `fields` {name: [B, T] or
-        [B, 1]} the caller's per-token values, given to loss_fn split as the tokens are, with "mask". Several calls
+        [B, 1]} the caller's per-token values, given to loss_fn split as the tokens are, with "mask", and with
+        `entropy` the entropy of each position's distribution with its gradient ("entropy": an entropy bonus).
+        Log-probabilities and entropy are those of softmax(logits / temperature), the rollout's. Several calls
         before one step() add their gradients (DDP; a ZeRO engine takes one call a step)."""
         fields = dict(fields or {})
-        if "mask" in fields:
-            raise ConfigError("'mask' is the engine's field (the mask argument); name yours otherwise.")
+        taken = [name for name in ("mask", "entropy") if name in fields]
+        if taken:
+            raise ConfigError(f"'{taken[0]}' is the engine's field (the {taken[0]} argument); name yours otherwise.")
+        self._check_temperature(temperature)
         self._check(tokens, documents, **({} if mask is None else {"mask": mask}),
                     **{f"fields[{k!r}]": v for k, v in fields.items()})
         t = self.trainer
@@ -216,9 +237,11 @@ class Engine:
         returned = []  # what loss_fn returned where it was not one loss per token (the last stage sees it)
 
         def reduction(logits, targets):
-            logprobs = -t.token_losses(logits, targets[..., TARGET].long())
+            logprobs, h = self._scored(logits, targets, temperature, entropy)
             given = {name: targets[..., FIELDS + i].to(logprobs.dtype) for i, name in enumerate(names)}
             given["mask"] = given["mask"] > 0
+            if h is not None:
+                given["entropy"] = h.to(logprobs.dtype)
             losses = loss_fn(logprobs, given)
             if not torch.is_tensor(losses) or losses.shape != logprobs.shape:  # refused after the pass, on every rank
                 returned.append(f"a tensor of shape {list(losses.shape)}" if torch.is_tensor(losses)
@@ -312,15 +335,3 @@ class Engine:
 
     def close(self) -> None:
         self.group.close()
-
-
-def vocab_parallel_entropy(logits: torch.Tensor, group, vocab_start: int, vocab_size: int) -> torch.Tensor:
-    """[mb, T] entropy of the softmax over vocab-sharded logits, without a gradient: H = log S + M - Σ p·x, from
-    this shard's max, exp-sum and exp-weighted logit sum, all-reduced over tp (the padded columns masked)."""
-    n_valid = max(0, min(logits.shape[-1], vocab_size - vocab_start))
-    x = logits[..., :n_valid].float()
-    m = all_reduce(x.amax(dim=-1) if n_valid else torch.full(x.shape[:-1], -torch.inf, device=x.device), group,
-                   torch.distributed.ReduceOp.MAX)
-    e = torch.exp(x - m.unsqueeze(-1))
-    sums = all_reduce(torch.stack([e.sum(dim=-1), (e * x).sum(dim=-1)]), group)
-    return torch.log(sums[0]) + m - sums[1] / sums[0]

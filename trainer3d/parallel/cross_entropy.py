@@ -130,3 +130,38 @@ def vocab_parallel_cross_entropy(
     stats, scale = _compiled_chunk_kernels(compiled) if compiled else (_chunk_stats, _scale_chunk)
     return _VocabParallelCrossEntropy.apply(logits.contiguous(), target, group, vocab_start, vocab_size, chunk,
                                             consume, stats, scale)
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """H = −Σ p log p of the softmax over vocab-sharded logits, per token: log S + M − Σ e·x / S from this shard's
+    max, exp-sum and exp-weighted sum, all-reduced over tp (padded columns left out). Backward: ∂H/∂x = −p (log p + H)
+    on this shard, from p saved in fp32 (never a view of the logits, which the cross-entropy may overwrite after)."""
+
+    @staticmethod
+    def forward(ctx, logits, group, vocab_start, vocab_size):
+        n_valid = max(0, min(logits.shape[-1], vocab_size - vocab_start))
+        x = logits[..., :n_valid].float()
+        local_max = x.amax(dim=-1) if n_valid else torch.full(x.shape[:-1], -torch.inf, device=x.device)
+        m = all_reduce(local_max, group, dist.ReduceOp.MAX)
+        e = torch.exp(x - m.unsqueeze(-1))
+        sums = all_reduce(torch.stack([e.sum(dim=-1), (e * x).sum(dim=-1)]), group)
+        entropy = torch.log(sums[0]) + m - sums[1] / sums[0]
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(e.div_(sums[0].unsqueeze(-1)), entropy)
+            ctx.shape, ctx.dtype, ctx.n_valid = logits.shape, logits.dtype, n_valid
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, entropy = ctx.saved_tensors
+        out = torch.zeros(ctx.shape, dtype=torch.float32, device=p.device)
+        out[..., :ctx.n_valid] = -(torch.special.xlogy(p, p) + p * entropy.unsqueeze(-1)) * grad.unsqueeze(-1)
+        return out.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """[..., T] entropy (fp32) of each position's distribution over the vocabulary, from this rank's vocab shard of
+    the logits (collective over tp); differentiable (an RL loss's entropy bonus): compute it before the cross-entropy,
+    which consumes the logits."""
+    return _VocabParallelEntropy.apply(logits, group, vocab_start, vocab_size)
+
