@@ -1,7 +1,8 @@
 """The Qwen3.5 family (models/qwen3_5/: Gated DeltaNet blocks with a gated full-attention block every 4th, dense and
 MoE) against transformers' Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM: a random model trained by tests/reference.py's
 plain loop and by trainer3d --init-from-hf gives the same loss and gradient norm at every step, in one process and at
-tp 2, tp 2 with sequence parallelism, pp 2, cp 2, cp 2 × tp 2 and ZeRO-3 (dense), dp 2 × ep 2 (MoE), and with
+tp 2, tp 2 with sequence parallelism, pp 2 (also with full recomputation), cp 2, cp 2 × tp 2 (also compiled by
+dynamo) and ZeRO-3 (dense), dp 2 × ep 2 (MoE), and with
 --document-mask on multi-document rows against transformers run on each document alone (1 process and cp 2), all in
 one world of 4. The export of a run loads in transformers and generates greedily what `trainer3d.sample` does.
 One process: the chunked recurrence against transformers' torch_chunk_gated_delta_rule and a step-by-step recurrence
@@ -114,6 +115,7 @@ def _train(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | None = 
 
 LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),
            "cp2": dict(cp=2), "cp2 tp2": dict(cp=2, tp=2), "cp2 recompute": dict(cp=2, recompute="selective"),
+           "pp2 recompute full": dict(pp=2, recompute="full"),
            # dynamo traces the blocks (the eager backend: no kernels built), the documents and exchange outside
            "tp2 cp2 compile": dict(tp=2, cp=2, compile=True, compile_backend="eager"),
            # at dp 4: DeepSpeed's barriers span the world

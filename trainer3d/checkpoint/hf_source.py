@@ -33,7 +33,7 @@ class SourceTensors:
     def __init__(self, kept: dict):
         self.config, self.shapes = kept["config"], {k: tuple(v) for k, v in kept["tensors"].items()}
         root = Path(kept["path"])
-        what = f"the {len(self.shapes)} tensors this export copies unchanged from {root} (e.g. {next(iter(self.shapes))})"
+        what = f"the {len(self.shapes)} tensors this export copies unchanged (e.g. {next(iter(self.shapes))})"
         try:
             self.directory = HFDirectory(root)
             found = self.directory.passthrough()
