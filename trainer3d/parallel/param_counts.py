@@ -86,16 +86,19 @@ def moe_layers(cfg) -> frozenset[int]:
     return frozenset(i for i in range(cfg.n_layer) if cfg.is_moe_layer(i))
 
 
-def block_kind(cfg, layer: int):
-    """What makes two blocks' parameters alike: the config's `block_kind` (a hybrid family's: its mixer and MLP),
-    else whether the block's MLP is a mixture of experts."""
+def block_kinds(cfg) -> list:
+    """Each block's kind, what makes two blocks' parameters alike: the config's `block_kind(layer)` (a hybrid
+    family's: its mixer and MLP), else whether the block's MLP is a mixture of experts."""
     kind = getattr(cfg, "block_kind", None)
-    return kind(layer) if kind is not None else layer in moe_layers(cfg)
+    if kind is not None:
+        return [kind(i) for i in range(cfg.n_layer)]
+    moe = moe_layers(cfg)
+    return [i in moe for i in range(cfg.n_layer)]
 
 
 @lru_cache(maxsize=256)
 def local_params(cfg, tp: int) -> LocalParams:
-    kinds = [block_kind(cfg, i) for i in range(cfg.n_layer)]
+    kinds = block_kinds(cfg)
     first = {}
     for i, kind in enumerate(kinds):
         first.setdefault(kind, i)

@@ -6,9 +6,10 @@ Why an all-to-all and not passing the state from rank to rank (Megatron's way): 
 independent, so after the exchange each rank runs the ordinary chunked recurrence over the whole sequence and no rank
 waits for another's state; the load-balanced chunk order of context parallelism (two chunks per rank) costs nothing,
 where a state pass would run the 2·cp chunks one after another. Each rank sends and receives (cp−1)/cp of its
-projections' output (q|k|v, b, a) and of the recurrence's output, the volume of Ulysses' attention exchange.
-Gradients: a rank's share of the tables (the convolution's rows, A_log, dt_bias of its heads) holds every cp rank's
-tokens, the others' shares are zero, so averaging over dp×cp gives the full gradient as for any parameter.
+projections' output (q|k|v and the write and decay gates) and of the recurrence's output, the volume of Ulysses'
+attention exchange. Gradients: a rank's share of the per-head tables (its heads' convolution channels, decays and
+biases) holds every cp rank's tokens, the others' shares are zero, so averaging over dp×cp gives the full gradient as
+for any parameter.
 """
 
 from __future__ import annotations
@@ -42,26 +43,18 @@ def _to_sequence(y: torch.Tensor, group, gathered: torch.Tensor) -> torch.Tensor
     return recv.permute(2, 1, 0, 3).reshape(B, T // cp, cp * c)
 
 
-class _ToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One exchange forward (`there`) and its transpose backward (`back`): _to_heads and _to_sequence are each
+    other's."""
+
     @staticmethod
-    def forward(ctx, x, group, gathered):
-        ctx.group, ctx.gathered = group, gathered
-        return _to_heads(x, group, gathered)
+    def forward(ctx, x, group, gathered, there, back):
+        ctx.group, ctx.gathered, ctx.back = group, gathered, back
+        return there(x, group, gathered)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_sequence(grad.contiguous(), ctx.group, ctx.gathered), None, None
-
-
-class _ToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group, gathered):
-        ctx.group, ctx.gathered = group, gathered
-        return _to_sequence(y, group, gathered)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _to_heads(grad.contiguous(), ctx.group, ctx.gathered), None, None
+        return ctx.back(grad.contiguous(), ctx.group, ctx.gathered), None, None, None, None
 
 
 class RecurrentSequences:
@@ -81,8 +74,10 @@ class RecurrentSequences:
 
     @torch.compiler.disable
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.size == 1 else _ToHeads.apply(x, self.layout.group, self.layout.gathered_positions)
+        return x if self.size == 1 else _Exchange.apply(x, self.layout.group, self.layout.gathered_positions,
+                                                        _to_heads, _to_sequence)
 
     @torch.compiler.disable
     def to_sequence(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.size == 1 else _ToSequence.apply(y, self.layout.group, self.layout.gathered_positions)
+        return y if self.size == 1 else _Exchange.apply(y, self.layout.group, self.layout.gathered_positions,
+                                                        _to_sequence, _to_heads)

@@ -145,13 +145,14 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = q.shape
         nk, nv = q.shape[-1] // self.dk, b.shape[-1]
         window, S = state if state is not None else (None, None)
+        docs = seq.documents()
         qkv = torch.cat([q, k, v], dim=-1)
-        conv = causal_conv(qkv, weight, seq.documents(), window)
+        conv = causal_conv(qkv, weight, docs, window)
         cq, ck, cv = conv.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
         cq = l2_normalize(cq.reshape(B, T, nk, self.dk).float())
         ck = l2_normalize(ck.reshape(B, T, nk, self.dk).float())
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-        o, S = chunk_gated_delta_rule(cq, ck, cv.reshape(B, T, nv, self.dv), g, torch.sigmoid(b), seq.documents(),
+        o, S = chunk_gated_delta_rule(cq, ck, cv.reshape(B, T, nv, self.dv), g, torch.sigmoid(b), docs,
                                       initial_state=S, final_state=keep)
         o = seq.to_sequence(o.to(q.dtype).flatten(-2))
         if S is None:
