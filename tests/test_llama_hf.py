@@ -41,7 +41,7 @@ def train_from_hf(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | 
                   boundary: int | None = None) -> dict | None:
     """trainer3d --init-from-hf at `layout` (dp, tp, pp, cp, ep, micro_batches and any other TrainConfig flag) on
     `data`'s global batches [steps, batch, seq + 1]; on the active ranks: the per-step losses and gradient norms,
-    the MoE balance and MTP losses, the start's notes, the model's tables, the graphs dynamo compiled, and with
+    the MoE balance, MTP and DSA indexer losses, the start's notes, the model's tables, the graphs dynamo compiled, and with
     `out_dir` the saved checkpoint's path. `boundary`: the token that opens a document (--document-mask)."""
     from trainer3d.checkpoint.save import save_checkpoint
     from trainer3d.train.trainer import Trainer
@@ -64,6 +64,7 @@ def train_from_hf(hf_dir: str, layout: dict, data: torch.Tensor, out_dir: str | 
         records = [trainer.train_step(b[topo.dp_rank * per:(topo.dp_rank + 1) * per]) for b in data]
         out = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "mcfg": mcfg,
                "aux": [r.get("moe_aux_loss") for r in records], "mtp": [r.get("mtp_loss") for r in records],
+               "indexer": [r.get("indexer_loss") for r in records],
                "notes": start.notes, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
                "tables": {k: v.clone() for m in trainer.parallel_model.stages for k, v in m.state_tables().items()}}
         if out_dir is not None:

@@ -281,6 +281,8 @@ class Engine:
             self.passes = 0
             stepped = result is not None and result.stepped
             balance = t.balance.end_step(stepped) if t.balance is not None else {}  # MoE: routing statistics
+            if t.dsa is not None:  # DeepSeek Sparse Attention: the indexers' loss
+                balance.update(t.dsa.end_step())
         return {"grad_norm": result.grad_norm, "lr": lr, "loss": result.loss, "skipped": not result.stepped, **balance}
 
     # ---- weights and checkpoints -----------------------------------------------------------------------------

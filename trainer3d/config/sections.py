@@ -185,6 +185,14 @@ class LossConfig(Section):
         "multi-token prediction (DeepSeek-V3): the weight λ of the MTP loss, λ/D·Σ_k L_k added to the loss "
         f"(Megatron's --mtp-loss-scaling-factor); default {MTP_LOSS_COEF} where the model has MTP modules; 0: none are "
         "built", low=0.0)
+    dsa_stage: str = flag(
+        "sparse",
+        "DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): warmup: dense attention, only the indexers train, towards "
+        "the main attention's distribution (everything else frozen); sparse: each query attends to the index_topk keys "
+        "its indexer selects, everything trains (docs/models.md)", choices=('warmup', 'sparse'))
+    dsa_loss_coef: float = flag(
+        1.0, "DeepSeek Sparse Attention: the weight of the indexers' KL loss (its mean over queries and indexers)",
+        low=0.0)
     objective: str = flag(
         "lm",
         'lm: the next-token loss (pre-training, SFT); dpo: direct preference optimization over --data-format '

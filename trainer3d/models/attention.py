@@ -106,6 +106,22 @@ def gqa(q: torch.Tensor, k: torch.Tensor) -> dict:
     return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
 
 
+class WholeKeys:
+    """A rank's view of the keys, for attention that builds its own mask (DeepSeek Sparse Attention's selection) and
+    so bypasses `kernel`, installed as its `keys`: here the rank holds whole rows. `gather(t)`: t [B, h, T_local, d]
+    -> the sequence's [B, h, S, d] (with the gradient back to each token's owner); `visible(T, device)` [B|1, T_local,
+    S] bool: the keys each query may see, causal. Context parallelism and --document-mask install theirs
+    (parallel/context_parallel.py)."""
+
+    @staticmethod
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def visible(T: int, device: torch.device) -> torch.Tensor:
+        return torch.ones(T, T, dtype=torch.bool, device=device).tril().unsqueeze(0)
+
+
 class WholeSequences:
     """A rank's view of its sequences as a recurrent mixer (a linear attention: Qwen3.5's) needs it, installed as its
     `sequence`: here, whole rows, one document each. Context parallelism and --document-mask install theirs

@@ -34,7 +34,7 @@ from trainer3d.data.batch import document_ids
 from trainer3d.distributed.collectives import all_gather_into, group_size, reduce_scatter_into
 from trainer3d.errors import LayoutError
 from trainer3d.parallel.recurrent_sequences import RecurrentSequences
-from trainer3d.models.attention import WholeSequences, gqa
+from trainer3d.models.attention import WholeKeys, WholeSequences, gqa
 from trainer3d.private_api import require
 
 KV_SEQ_DIM = 2  # q, k, v are [batch, heads, sequence, head_dim]
@@ -207,6 +207,22 @@ class SequenceLayout:
             return self.document_positions[self.micro_batch].to(device)
         return self.positions.to(device)
 
+    def gather_keys(self, t: torch.Tensor) -> torch.Tensor:
+        """t [B, h, T_local, d] -> [B, h, seq_len, d] in the sequence's order (the cp all-gather; one process: t)."""
+        return t if self.size == 1 else _GatherSequence.apply(t, self.group, self.gathered_positions)
+
+    def visible(self, T: int, device: torch.device) -> torch.Tensor:
+        """[B|1, T_local, seq_len] bool: the keys each local query may see (causal; its own document under
+        --document-mask), for attention that masks by itself (models/attention.WholeKeys)."""
+        if T != len(self.positions):
+            raise RuntimeError(f"{T} queries on a rank laid out for {len(self.positions)} tokens")
+        q_pos = self.positions.to(device)  # their places in the row (not --reset-position-ids' rotary positions)
+        mask = (torch.arange(self.seq_len, device=device) <= q_pos[:, None]).unsqueeze(0)
+        if self.document_mask:
+            docs = self.documents[self.micro_batch].to(device)
+            mask = mask & (docs[:, None, :] == docs[:, q_pos, None])
+        return mask
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         """q [B, Hq, T_local, hd] (this rank's chunks), k, v [B, Hkv, T_local, hd] -> [B, Hq, T_local, hd]."""
         if self.size > 1:
@@ -248,6 +264,14 @@ class SequenceLayout:
         return create_block_mask(same_document_causal, B, None, Q, K, device=q_docs.device)
 
 
+class LayoutKeys(WholeKeys):
+    """The layout's view of the keys (models/attention.WholeKeys), outside torch.compile's graphs."""
+
+    def __init__(self, layout: SequenceLayout):
+        self.gather = torch.compiler.disable(layout.gather_keys)
+        self.visible = torch.compiler.disable(layout.visible)
+
+
 def apply_context_parallel(stage, layout: SequenceLayout):
     """Point every attention module of `stage` at the layout's attention, every module that reads positions at its
     positions, and every recurrent mixer at its documents and head exchange (parallel/recurrent_sequences.py), in
@@ -255,9 +279,12 @@ def apply_context_parallel(stage, layout: SequenceLayout):
     attend = torch.compiler.disable(layout.attend)
     position_ids = torch.compiler.disable(layout.position_ids)
     recurrent = RecurrentSequences(layout)
+    keys = LayoutKeys(layout)
     for m in stage.modules():
         if hasattr(m, "kernel"):
             m.kernel = attend
+        if isinstance(getattr(m, "keys", None), WholeKeys):  # attention that masks by itself (DSA's)
+            m.keys = keys
         if hasattr(m, "position_ids"):
             m.position_ids = position_ids
         if isinstance(getattr(m, "sequence", None), WholeSequences):  # a recurrent mixer (a linear attention)

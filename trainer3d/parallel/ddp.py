@@ -84,12 +84,12 @@ class DDPEngine(DataParallelEngine):
         self.stages, self.topo, self.device = stages, topo, device
         self.hooks_reduce = not SCHEDULES[cfg.schedule].split_backward  # DDP's hooks see every gradient
         self.wrapped = [wrap_ddp(s, topo.dp_cp_group, device) for s in stages] if self.hooks_reduce else list(stages)
-        self.params = unique_parameters(stages)
+        self.params = [p for p in unique_parameters(stages) if p.requires_grad]  # (frozen ones: no state, no grad)
         self.experts = [p for p in self.params if getattr(p, "expert", False)]  # split over ep (reduced over edp)
-        self.tp_partial = tp_partial_params(stages)
+        self.tp_partial = [p for p in tp_partial_params(stages) if p.requires_grad]
         # which gradients this rank counts in the norm, decided once (a walk of every module each step cost ~1 ms)
         self.norm_params = [(p, getattr(p, "expert", False)) for m in stages for p in m.parameters()
-                            if counts_in_norm(m, p, topo.tp_rank)]
+                            if p.requires_grad and counts_in_norm(m, p, topo.tp_rank)]
         groups = param_groups(self.params, cfg.weight_decay)
         self.optimizer = adam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
 
@@ -135,6 +135,11 @@ class DDPEngine(DataParallelEngine):
         return param.data
 
     def optimizer_state_of(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        """(A frozen parameter, which the optimizer does not hold: the zero moments AdamW starts from, once it has
+        stepped, so that every checkpoint holds every parameter's state.)"""
+        if not param.requires_grad and self.params:
+            state = self.optimizer.state.get(self.params[0], {})
+            return {k: torch.zeros_like(param) for k in ("exp_avg", "exp_avg_sq") if k in state}
         return {k: v for k, v in self.optimizer.state.get(param, {}).items() if torch.is_tensor(v)}
 
     def adam_step(self) -> int | None:
@@ -143,7 +148,7 @@ class DDPEngine(DataParallelEngine):
 
     def load_param_states(self, items) -> None:
         for param, read_state, _ in items:
-            state = read_state()
+            state = read_state() if param.requires_grad else None  # (a frozen one has no optimizer state)
             if state:
                 self.optimizer.state[param] = {
                     k: adam_step_state(v, param, self.optimizer) if k == "step" else v.to(param.device, param.dtype)

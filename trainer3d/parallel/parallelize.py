@@ -7,7 +7,8 @@
      context parallelism and document masking (the attention and the positions of
      this rank's tokens), then activation recomputation around them,
      then compile: torch.compile on each block, in place (--compile),
-  4. materialize this rank's shards with layout-independent values (init, checkpoint or HF weights),
+  4. materialize this rank's shards with layout-independent values (init, checkpoint or HF weights); what does not
+     train stops taking gradients (DeepSeek Sparse Attention's warm-up),
   5. data parallel: hand the stages to the data-parallel engine (DDP, or DeepSpeed ZeRO: zero/engine.py),
   6. pipeline schedule: torch's schedule over what the engine wraps, with static stage shapes (in the compute dtype).
 """
@@ -28,6 +29,7 @@ from trainer3d.parallel import pipeline
 from trainer3d.parallel.batch import BatchPlan
 from trainer3d.parallel.compile import apply_compile
 from trainer3d.parallel.context_parallel import SequenceLayout, apply_context_parallel
+from trainer3d.parallel.dsa import freeze_for_warmup
 from trainer3d.parallel.engine import DataParallelEngine, EngineFactory, is_tied_duplicate
 from trainer3d.parallel.expert_parallel import apply_expert_parallel
 from trainer3d.parallel.fp8 import apply_fp8
@@ -121,6 +123,8 @@ def parallelize(
         engine_factory.materialize(s, device, shard_value, topo.coords_by_axis)
         s.init_tables(device)
     seed_rngs(cfg.seed, topo)  # the default generator's dropout stream, before anything draws from it
+    if getattr(mcfg, "sparse", False) and cfg.dsa_stage == "warmup":  # DSA's warm-up trains the indexers only
+        freeze_for_warmup(stages)
 
     # 5. data parallel
     engine = engine_factory.build(stages)

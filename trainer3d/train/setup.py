@@ -197,6 +197,31 @@ def check_mtp(cfg: TrainConfig, mcfg, layout) -> None:
                           "prediction modules; use --moe-aux-loss sequence, or pass --mtp-loss-coef 0.")
 
 
+def check_dsa(cfg: TrainConfig, mcfg, layout) -> None:
+    """DeepSeek Sparse Attention's flags need a model with indexers, and its layouts: the indexer runs on the whole
+    sequence of its tp rank (not under sequence parallelism); GLM-5's shared layers read the selection of an earlier
+    layer in the same forward (no recomputation, no pipeline cut between them); the warm-up's frozen parameters are
+    built for DDP."""
+    if not getattr(mcfg, "sparse", False):
+        given = [f for f in ("dsa_stage", "dsa_loss_coef") if cfg.given(f)]
+        if given:
+            raise ConfigError(f"{option_name(given[0])} applies to DeepSeek Sparse Attention (a DeepSeek-V3.2 or "
+                              "GLM-5 model), and this model has no indexer; drop it.")
+        return
+    if cfg.sequence_parallel:
+        raise LayoutError("DeepSeek Sparse Attention is not built with --sequence-parallel (each tp rank's indexer "
+                          "reads the whole sequence); drop it.")
+    if any(mcfg.index_shared) and (layout.pp > 1 or cfg.recompute != "none"):
+        raise LayoutError("This model's shared indexer layers reuse an earlier layer's selection within one forward, "
+                          "which is not built with --pp > 1 or --recompute; drop them.")
+    if cfg.dsa_stage == "warmup" and cfg.deepspeed_config is not None:
+        raise ConfigError("--dsa-stage warmup freezes all but the indexers, which is built for DDP, not DeepSpeed; "
+                          "drop --deepspeed_config for the warm-up (it trains a few parameters).")
+    if cfg.dsa_stage == "warmup" and not cfg.dsa_loss_coef:
+        raise ConfigError("--dsa-stage warmup trains the indexers by their loss alone, and --dsa-loss-coef 0 leaves "
+                          "nothing to train; give it a positive weight.")
+
+
 def check_size_flags(cfg: TrainConfig, base) -> None:
     """A size flag must name a field of the model's family (--n-kv-heads means nothing to GPT-2)."""
     fields = {f for f in base.__dataclass_fields__}
@@ -346,6 +371,7 @@ def check_layout(cfg: TrainConfig, mcfg, world_size: int) -> Layout:
         raise LayoutError(problem)
     check_moe_flags(cfg, mcfg, layout)
     check_mtp(cfg, mcfg, layout)
+    check_dsa(cfg, mcfg, layout)
     check_context_parallel(layout.cp, cfg.seq_len)
     if cfg.sequence_parallel:
         check_sequence_parallel(layout.tp, cfg.seq_len, layout.cp)

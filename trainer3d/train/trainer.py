@@ -23,6 +23,7 @@ from trainer3d.errors import TrainingError
 from trainer3d.models.moe import expert_casts_cached
 from trainer3d.optim import DynamicLossScale, lr_at
 from trainer3d.parallel.ddp import DDPEngine
+from trainer3d.parallel.dsa import install_dsa
 from trainer3d.parallel.engine import EngineFactory
 from trainer3d.parallel.moe_balance import MoEBalance
 from trainer3d.parallel.mtp import install_mtp
@@ -66,6 +67,7 @@ class Trainer:
         if self.balance is not None:
             self.parallel_model.listeners.append(self.balance)  # told each micro-batch: its padding
         self.mtp = install_mtp(self)  # multi-token prediction's targets and losses (parallel/mtp.py), or None
+        self.dsa = install_dsa(self)  # DeepSeek Sparse Attention's indexer loss (parallel/dsa.py), or None
         self.objective = DPO(self) if cfg.objective == "dpo" else None  # a pair loss in the token loss's place
         self.boundary = boundary
         self.logging_rank = topo.global_rank(topo.last_stage_pp_rank, 0, 0)
@@ -212,6 +214,8 @@ class Trainer:
             record.update(loss_scale=self.loss_scale.scale)
         if self.balance is not None:  # one all-reduce and one read of the step's routing statistics
             record.update(self.balance.end_step(result.stepped))
+        if self.dsa is not None:  # and of the indexers' loss
+            record.update(self.dsa.end_step())
         record.update(self.engine.memory())  # sizes only: no device read
         return record
 

@@ -59,6 +59,15 @@ class DeepseekV3Config:
     # multi-token prediction (DeepSeek-V3 §2.2): D modules after the last block, each a block of the last's kind
     # (HF's num_nextn_predict_layers); module k is layer n_layer + k - 1 of DeepSeek's files
     mtp_layers: int = 0
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; indexer.py): each MLA layer's lightning indexer scores the
+    # earlier tokens with index_n_heads heads of index_head_dim and the query attends to its index_topk best (0 heads:
+    # dense MLA). GLM-5 rotates the indexer's rope dims in interleaved pairs; its "shared" layers (index_shared[i])
+    # reuse the selection of the nearest earlier layer with an indexer.
+    index_n_heads: int = 0
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    index_rope_interleave: bool = False
+    index_shared: tuple[bool, ...] = ()
 
     family: ClassVar[str] = "deepseek_v3"
 
@@ -71,6 +80,28 @@ class DeepseekV3Config:
         """Keys (or values) of a token over the heads as attention holds them: every head's key is qk_head_dim wide
         (its rope part shared), and values are padded to that width for the attention kernels (model.py)."""
         return self.n_head * self.qk_head_dim
+
+    @property
+    def sparse(self) -> bool:
+        """DeepSeek Sparse Attention: the layers carry a lightning indexer (indexer.py)."""
+        return self.index_n_heads > 0
+
+    def has_indexer(self, layer: int) -> bool:
+        """Does block `layer` (an MTP module's index included) run an indexer of its own? (GLM-5's shared ones not.)"""
+        return self.sparse and not (layer < len(self.index_shared) and self.index_shared[layer])
+
+    @property
+    def n_indexers(self) -> int:
+        return sum(map(self.has_indexer, range(self.n_layer + self.mtp_layers)))
+
+    def indexer_params(self) -> int:
+        """One indexer's parameters: wq_b from the q latent, the key wk, its LayerNorm and the head weights."""
+        n, hd, d = self.index_n_heads, self.index_head_dim, self.n_embd
+        return (self.q_lora_rank or 0) * n * hd + d * hd + 2 * hd + d * n if self.sparse else 0
+
+    def keys_attended(self, seq_len: int) -> int:
+        """The keys a query's attention reads in the FLOPs' convention (every position's T): its top-k under DSA."""
+        return min(seq_len, self.index_topk) if self.sparse else seq_len
 
     @property
     def moe(self) -> MoESpec:
@@ -94,14 +125,19 @@ class DeepseekV3Config:
         q = d * H * qk if self.q_lora_rank is None else self.q_lora_rank * (d + 1 + H * qk)
         kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * (1 + H * (self.qk_nope_head_dim
                                                                                             + self.v_head_dim))
-        return q + kv + H * self.v_head_dim * d
+        return q + kv + H * self.v_head_dim * d + self.indexer_params()
 
-    def latent_norm_params(self) -> int:
-        return self.kv_lora_rank + (self.q_lora_rank or 0)
+    def attention_norm_params(self) -> int:
+        """The gains inside attention (no matmul): the two latent RMSNorms' and the indexer's LayerNorm."""
+        return self.kv_lora_rank + (self.q_lora_rank or 0) + (2 * self.index_head_dim if self.sparse else 0)
 
     # an MoE block's parameters and the model's total: Llama's formulas over this config's attention_params
     mlp_params = LlamaConfig.mlp_params
-    block_params = LlamaConfig.block_params
+
+    def block_params(self, layer: int | None = None, active: bool = False) -> int:
+        """Llama's count over this config's attention (an indexer included), less the indexer a shared layer lacks."""
+        n = LlamaConfig.block_params(self, layer, active)
+        return n if layer is None or self.has_indexer(layer) else n - self.indexer_params()
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         return LlamaConfig.num_params(self, include_embedding, active) + self.mtp_params(active)
@@ -114,13 +150,13 @@ class DeepseekV3Config:
 
     def _mtp_matmul_params(self) -> float:
         """A token's matmul parameters in the MTP modules: each one's block and eh_proj, and the head it applies."""
-        norms = 2 * self.n_embd + self.latent_norm_params()
+        norms = 2 * self.n_embd + self.attention_norm_params()
         return sum(self.block_params(self.n_layer + k, active=True) - norms + 2 * self.n_embd ** 2
                    + self.vocab_size * self.n_embd for k in range(self.mtp_layers))
 
     def _matmul_params(self) -> float:
         """A token's matmul parameters per block, averaged over the blocks (norm gains excluded)."""
-        return self.block_params(active=True) - 2 * self.n_embd - self.latent_norm_params()
+        return self.block_params(active=True) - 2 * self.n_embd - self.attention_norm_params()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per matmul parameter a token uses (the head included, the embedding lookup
@@ -128,10 +164,15 @@ class DeepseekV3Config:
         qk_head_dim and AV over v_head_dim for every head, 6·L·H·(qk + v)·T (Llama's 12·L·H·hd·T with MLA's two widths)."""
         matmul = self.n_layer * self._matmul_params() + self.vocab_size * self.n_embd + self._mtp_matmul_params()
         blocks = self.n_layer + self.mtp_layers
-        return 6.0 * matmul + 6.0 * blocks * self.n_head * (self.qk_head_dim + self.v_head_dim) * seq_len
+        return 6.0 * matmul + 6.0 * blocks * self.n_head * (self.qk_head_dim + self.v_head_dim) * self.keys_attended(seq_len) + (
+            6.0 * self.n_indexers * self.index_n_heads * self.index_head_dim * seq_len)
 
     def layer_flops(self, seq_len: int) -> float:
-        return 2 * self._matmul_params() + 2 * seq_len * self.n_head * (self.qk_head_dim + self.v_head_dim)
+        """A block's forward FLOPs per token: its matmuls, attention over the keys it reads (DSA: its top-k) and, with
+        DSA, the indexer's scores over every earlier key (the mean over the blocks, shared ones without)."""
+        index = 2 * self.index_n_heads * self.index_head_dim * seq_len * (
+            sum(map(self.has_indexer, range(self.n_layer))) / self.n_layer)
+        return 2 * self._matmul_params() + 2 * self.keys_attended(seq_len) * self.n_head * (self.qk_head_dim + self.v_head_dim) + index
 
     def head_flops(self) -> float:
         """The head's forward FLOPs per token and, on the same (last) stage, the MTP modules' matmuls (their

@@ -32,11 +32,40 @@ def mtp_layers(raw: dict) -> int:
     return int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0)
 
 
+# DeepSeek Sparse Attention's two formats: the transformers config class, and whether the indexer's rope pairs are
+# interleaved (GLM-5's) or half-split (DeepSeek-V3.2's)
+DSA_FORMATS = {"deepseek_v32": ("DeepseekV32Config", False), "glm_moe_dsa": ("GlmMoeDsaConfig", True)}
+
+
+def dsa_fields(raw: dict) -> dict:
+    """config.json's DSA entries, completed by transformers' own config class (its defaults differ by model type, and
+    GLM-5's shared layers may come as a pattern or a frequency and offset), as our config's fields."""
+    import transformers
+
+    class_name, interleaved = DSA_FORMATS[raw["model_type"]]
+    known = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
+    full = getattr(transformers, class_name)(**known).to_dict()
+    dense = full["mlp_layer_types"] == ["dense"] * full["first_k_dense_replace"] + ["sparse"] * (
+        full["num_hidden_layers"] - full["first_k_dense_replace"])
+    if not dense:
+        raise ValueError(f"unsupported {raw['model_type']} config: mlp_layer_types={full['mlp_layer_types']} (ours: "
+                         "first_k_dense_replace dense blocks, then mixtures)")
+    shared = tuple(t == "shared" for t in full.get("indexer_types") or ())
+    return {**full, "rope_interleave": True, "index_rope_interleave": interleaved,
+            "index_shared": shared if any(shared) else ()}
+
+
 class DeepseekV3Adapter(LlamaAdapter):
-    model_types = ("deepseek_v3", "kimi_k2")
+    model_types = ("deepseek_v3", "kimi_k2", *DSA_FORMATS)
     architecture = "DeepseekV3ForCausalLM"
 
     def config_from_hf(self, raw: dict, dropout: float | None = None) -> DeepseekV3Config:
+        dsa: dict[str, Any] = {}
+        if raw.get("model_type") in DSA_FORMATS:
+            raw = dsa_fields(raw)
+            dsa = dict(index_n_heads=int(raw["index_n_heads"]), index_head_dim=int(raw["index_head_dim"]),
+                       index_topk=int(raw["index_topk"]), index_rope_interleave=raw["index_rope_interleave"],
+                       index_shared=raw["index_shared"])
         problems: list[str] = []
         if raw.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={raw['hidden_act']!r}: our MLPs are SwiGLU (silu)")
@@ -84,7 +113,7 @@ class DeepseekV3Adapter(LlamaAdapter):
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
             norm_topk_prob=bool(raw.get("norm_topk_prob", True)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope["rope_theta"]), rope_interleave=bool(raw.get("rope_interleave", True)), **yarn,
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)), mtp_layers=mtp_layers(raw),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)), mtp_layers=mtp_layers(raw), **dsa,
         )
 
     def fit_to_weights(self, cfg: DeepseekV3Config,
@@ -106,7 +135,7 @@ class DeepseekV3Adapter(LlamaAdapter):
 
     def hf_config(self, cfg: DeepseekV3Config, dtype: torch.dtype | None = None, eos_token_id: int | None = None,
                   bos_token_id: int | None = None):
-        from transformers import DeepseekV3Config as HFDeepseekV3Config
+        import transformers
 
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
         if cfg.rope_factor is not None:
@@ -120,7 +149,14 @@ class DeepseekV3Adapter(LlamaAdapter):
         kwargs: dict[str, Any] = {}
         if dtype is not None:
             kwargs["dtype"] = str(dtype).removeprefix("torch.")
-        return HFDeepseekV3Config(
+        config_class, extra = transformers.DeepseekV3Config, {"rope_interleave": cfg.rope_interleave}
+        if cfg.sparse:
+            name = next(t for t, (_, interleaved) in DSA_FORMATS.items() if interleaved == cfg.index_rope_interleave)
+            config_class = getattr(transformers, DSA_FORMATS[name][0])
+            extra = dict(index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk)
+            if cfg.index_rope_interleave:  # GLM-5: which layers reuse an earlier selection
+                extra["indexer_types"] = ["full" if cfg.has_indexer(i) else "shared" for i in range(cfg.n_layer)]
+        return config_class(
             vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
             moe_intermediate_size=cfg.moe_ffn_hidden, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
             num_key_value_heads=cfg.n_head, n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.n_experts,
@@ -129,9 +165,9 @@ class DeepseekV3Adapter(LlamaAdapter):
             n_group=cfg.n_group, topk_group=cfg.topk_group, num_experts_per_tok=cfg.top_k,
             first_k_dense_replace=cfg.first_k_dense_replace, norm_topk_prob=cfg.norm_topk_prob, hidden_act="silu",
             max_position_embeddings=cfg.n_positions, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters=rope, rope_interleave=cfg.rope_interleave, attention_bias=False,
-            attention_dropout=cfg.dropout, num_mtp_layers=cfg.mtp_layers, bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id, architectures=[self.architecture], **kwargs)
+            rope_parameters=rope, attention_bias=False, attention_dropout=cfg.dropout,
+            num_mtp_layers=cfg.mtp_layers, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+            architectures=[config_class.__name__.replace("Config", "ForCausalLM")], **extra, **kwargs)
 
     def parts(self, cfg: DeepseekV3Config, name: str) -> list[HFPart]:
         name = _as_layer(name)

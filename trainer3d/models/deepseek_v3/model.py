@@ -19,6 +19,7 @@ them through kv_b_proj at each step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -26,8 +27,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer3d.models.attention import AttentionCore, KVCache
+from trainer3d.models.attention import AttentionCore, KVCache, WholeKeys
 from trainer3d.models.deepseek_v3.config import LATENT_NORM_EPS, DeepseekV3Config
+from trainer3d.models.deepseek_v3.indexer import Indexer, head_probabilities, index_scores, kl_per_query, select
 from trainer3d.models.deepseek_v3.mtp import MTPModule, mtp_logits
 from trainer3d.models.interface import CausalLM, ColumnParallel, ParallelPlan, RowParallel
 from trainer3d.models.llama.model import Llama, RMSNorm, Rotary, rotate
@@ -92,7 +94,7 @@ class YarnRotary(Rotary):
 
 
 class MLAttention(AttentionCore):
-    def __init__(self, cfg: DeepseekV3Config):
+    def __init__(self, cfg: DeepseekV3Config, layer: int = 0):
         super().__init__(cfg.dropout)
         d, H, qk = cfg.n_embd, cfg.n_head, cfg.qk_head_dim
         if cfg.q_lora_rank is None:
@@ -111,6 +113,14 @@ class MLAttention(AttentionCore):
         self.dims = (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
         self.interleaved = cfg.rope_interleave
         self.q_scale = softmax_mscale(cfg)
+        # DeepSeek Sparse Attention (indexer.py): this layer's indexer, or none where it reuses an earlier layer's
+        # selection (GLM-5's shared layers: `selections`, filled by the model); `dense_warmup` and `observer` (the
+        # indexer's loss) are the trainer's (parallel/dsa.py)
+        self.sparse, self.layer, self.heads = cfg.sparse, layer, cfg.n_head
+        self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
+        self.topk, self.selections = cfg.index_topk, None
+        self.dense_warmup, self.observer = False, None
+        self.keys = WholeKeys()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleaved:  # pairs (x0, x1), (x2, x3), ...: evens then odds, each pair one frequency
@@ -119,7 +129,11 @@ class MLAttention(AttentionCore):
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         latent_dim, nope, rope, v_dim = self.dims
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if hasattr(self, "q_proj"):
+            q_latent, q = None, self.q_proj(x)
+        else:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([latent_dim, rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_rope = self.rope_key(k_rope)
@@ -139,6 +153,9 @@ class MLAttention(AttentionCore):
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
+        if self.sparse:
+            y = self._sparse(x, q_latent, q, k, v, (cos, sin), kv_cache, layer)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         if v_dim != nope + rope:
             v = F.pad(v, (0, nope + rope - v_dim))
         y = self.core(q, k, v) if kv_cache is None else self.cached_core(q, k, v)
@@ -146,6 +163,48 @@ class MLAttention(AttentionCore):
         if v_dim != nope + rope:
             y = y[..., :v_dim]
         return self.o_proj(y.reshape(B, T, -1))
+
+
+    def _sparse(self, x, q_latent, q, k, v, rope: tuple, kv_cache: KVCache | None, layer: int) -> torch.Tensor:
+        """MLA over each query's selected keys (a masked dense SDPA, what every device runs; v padded to the keys' width
+        only on CPU). The indexer reads detached inputs; under context parallelism its keys are gathered as k and v
+        are."""
+        T = q.shape[2]
+        if kv_cache is None:
+            visible = self.keys.visible(T, q.device)
+            k, v = self.keys.gather(torch.cat([k, v], dim=-1)).split([k.shape[-1], v.shape[-1]], dim=-1)
+        else:
+            S = k.shape[2]  # query i sits at position S - T + i
+            visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T).unsqueeze(0)
+        if self.indexer is None:
+            allowed = self.selections[self.source]
+        else:
+            iq, ik, w = self.indexer(x.detach(), q_latent.detach(), *rope)
+            ik = self.keys.gather(ik) if kv_cache is None else self._cached_index_keys(ik, kv_cache, layer)
+            scores = index_scores(iq, ik, w, visible)
+            allowed = visible if self.dense_warmup else select(scores.detach(), self.topk, visible)
+            if self.selections is not None:
+                self.selections[self.layer] = allowed
+        dropout_p = self.attn_dropout_p if self.training else 0.0
+        width = v.shape[-1]
+        if q.device.type == "cpu" and width != q.shape[-1]:  # CPU's flash kernel takes a mask but one head size
+            v = F.pad(v, (0, q.shape[-1] - width))  # (its math fallback is 1.5x the time and keeps the probabilities)
+        with self.sharded_rng() if dropout_p else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p)[..., :width]
+        if self.observer is not None and self.indexer is not None and self.training:  # the indexer's loss
+            probs = self.observer.over_heads(head_probabilities(q, k, allowed, q.shape[-1] ** -0.5)) / self.heads
+            y = self.observer.attach(y, kl_per_query(probs, scores, allowed))
+        return y
+
+    @staticmethod
+    def _cached_index_keys(ik: torch.Tensor, kv_cache: KVCache, layer: int) -> torch.Tensor:
+        """Decoding: the indexer's keys of every position so far (one [B, 1, max_len, hd] buffer a layer)."""
+        key = ("indexer", layer)
+        if key not in kv_cache.states:
+            kv_cache.states[key] = ik.new_empty(ik.shape[0], 1, kv_cache.max_len, ik.shape[-1])
+        end = kv_cache.length + ik.shape[2]
+        kv_cache.states[key][:, :, kv_cache.length:end] = ik
+        return kv_cache.states[key][:, :, :end]
 
 
 class DeepseekV3(Llama):
@@ -166,6 +225,14 @@ class DeepseekV3(Llama):
             {str(n + k): MTPModule(cfg, n + k, self.ATTENTION) for k in range(cfg.mtp_layers)})
         self.mtp_embed_tokens: nn.Module | None = None
         self.next_tokens = None  # a callable: the running micro-batch's next tokens, or None (parallel/mtp.py)
+        if cfg.sparse and cfg.n_indexers < n + cfg.mtp_layers:  # GLM-5's shared layers read an earlier selection
+            selections: dict[int, torch.Tensor] = {}
+            source = None
+            for i in range(n):
+                attention = self.layers[str(i)].self_attn
+                attention.selections = selections
+                source = i if attention.indexer is not None else source
+                attention.source = source
 
     def stage(self, layers: range, first: bool, last: bool) -> CausalLM:
         out = super().stage(layers, first, last)

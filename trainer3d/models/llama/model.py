@@ -83,7 +83,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(AttentionCore):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__(cfg.dropout)
         self.qkv_proj = nn.Linear(cfg.n_embd, cfg.q_width + 2 * cfg.kv_width, bias=False)
         self.o_proj = nn.Linear(cfg.q_width, cfg.n_embd, bias=False)
@@ -123,13 +123,13 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm attention and MLP (an MoE block where the config says); `attention`: the family's (DeepSeek-V3's
-    latent attention in place of grouped-query attention)."""
+    """Pre-norm attention and MLP (an MoE block where the config says); `attention(cfg, layer)`: the family's
+    (DeepSeek-V3's latent attention in place of grouped-query attention)."""
 
     def __init__(self, cfg: LlamaConfig, layer: int, attention: type[nn.Module] = Attention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.self_attn = attention(cfg)
+        self.self_attn = attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = MoE(cfg.n_embd, cfg.moe, layer) if cfg.is_moe_layer(layer) else SwiGLU(cfg)
 
