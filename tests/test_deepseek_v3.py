@@ -4,9 +4,10 @@ a random one trained by tests/reference.py's plain loop (torch's AdamW, the sche
 --init-from-hf gives the same loss and gradient norm at every step in one process and at tp 2, tp 2 with sequence
 parallelism, pp 2, dp 2 × ep 2 and cp 2 × tp 2, all in one world of 4; a run that learns the bias exports a directory
 whose logits, bias (read by transformers) and greedy text are trainer3d's. Multi-token prediction: a model with an
-MTP module (stored as DeepSeek's files store it) trained by trainer3d at 1 process, tp 2 and pp 2 gives the losses
-and gradient norms of transformers' model plus the module written here from the paper's rule, and its export loads
-in transformers. One process: the router against transformers' DeepseekV3TopkRouter, the presets against their
+MTP module (stored as DeepSeek's files store it) trained by trainer3d at 1 process, tp 2, tp 2 with sequence
+parallelism, pp 2, cp 2 × tp 2 with sequence parallelism and dp 2 × ep 2 (two modules: 1 process, tp 2, cp 2) gives
+the losses and gradient norms of transformers' model plus the module written here from the paper's rule, and its
+export loads in transformers. One process: the router against transformers' DeepseekV3TopkRouter, the presets against their
 published sizes, the formulas against what the model builds and saves, and the config's edges (MTP layers a file
 lacks dropped with a note, quantized files refused, MTP flags refused where they cannot apply)."""
 
@@ -74,7 +75,10 @@ LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_paralle
 
 # ... and where the MTP module meets data and expert parallelism (its experts over ep, its targets per dp rank's rows)
 # and full recomputation (its block recomputed in the backward like the stack's)
-MTP_LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "pp2": dict(pp=2), "dp2 ep2 recompute": dict(dp=2, ep=2, recompute="full")}
+MTP_LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),
+               "cp2 tp2 sp": dict(cp=2, tp=2, sequence_parallel=True),
+               "dp2 ep2 recompute": dict(dp=2, ep=2, recompute="full")}
+MTP2_LAYOUTS = {"1x1x1": {}, "tp2": dict(tp=2), "cp2": dict(cp=2)}  # depth 2 (cp: each depth's shift, then the split)
 MTP_COEF = 0.3  # λ, large enough for the MTP module to move the gradient norm
 
 
@@ -88,7 +92,7 @@ def _world(rank, world_size, hf_dir, data, trip_dir, trip_data, run_dir, mtp_dir
     for label, layout in MTP_LAYOUTS.items():  # multi-token prediction (the one-process run saved, for the export)
         runs[f"mtp {label}"] = _train(mtp_dir, {**layout, "mtp_loss_coef": MTP_COEF}, data,
                                       mtp_run_dir if label == "1x1x1" else None)
-    for label, layout in (("1x1x1", {}), ("tp2", dict(tp=2))):  # two MTP modules: h^1 feeds depth 2
+    for label, layout in MTP2_LAYOUTS.items():  # two MTP modules: h^1 feeds depth 2
         runs[f"mtp2 {label}"] = _train(mtp2_dir, {**layout, "mtp_loss_coef": MTP_COEF}, data)
     return runs
 
@@ -131,7 +135,7 @@ def test_trains_like_transformers_and_exports(tmp_path, capsys):
     assert any("multi-token-prediction" in note for note in ours["1x1x1"]["notes"])  # (transformers saves 1)
     assert ours["1x1x1"]["mcfg"].mtp_layers == 0 and ours["1x1x1"]["mtp"] == [None] * len(ref_losses)
     report += _check_mtp(ours, mtp_ref, tmp_path)
-    for label in ("1x1x1", "tp2"):  # depth 2: λ/D over two depths, depth 2 reading depth 1's h and t_{i+2}
+    for label in MTP2_LAYOUTS:  # depth 2: λ/D over two depths, depth 2 reading depth 1's h and t_{i+2}
         run = ours[f"mtp2 {label}"]
         rel = {key: max(abs(a - b) / b for a, b in zip(run[key], values))
                for key, values in zip(("losses", "mtp", "norms"), mtp2_ref)}
@@ -537,9 +541,8 @@ def test_mtp_targets_keep_the_mask_and_the_documents():
 
 
 def test_mtp_flags_are_refused_before_any_process_group(monkeypatch, capsys):
-    """Guards: an MTP weight for a family without MTP modules (or a model built without them), a negative one, and a
-    layout MTP is not built for are one sentence and exit 2, before any process group (a rank launched alone would
-    hang in init_process_group)."""
+    """Guards: an MTP weight for a family without MTP modules (or a model built without them) and a negative one are
+    one sentence and exit 2, before any process group (a rank launched alone would hang in init_process_group)."""
     from trainer3d.train.loop import main
 
     launched_alone(monkeypatch, 2)
@@ -548,9 +551,7 @@ def test_mtp_flags_are_refused_before_any_process_group(monkeypatch, capsys):
             (["--mtp-loss-coef", "0.1"], "--mtp-loss-coef 0.1 weighs the loss of multi-token prediction modules, and "
                                          "the gpt2 family has none; drop it."),
             (tiny + ["--mtp-loss-coef", "-1"], "--mtp-loss-coef must be at least 0.0 (got -1.0)."),
-            (tiny + ["--mtp-layers", "0", "--mtp-loss-coef", "0.3"], "and this model has none"),
-            (tiny + ["--tp", "2", "--sequence-parallel"],
-             "Multi-token prediction is not built with --sequence-parallel")):
+            (tiny + ["--mtp-layers", "0", "--mtp-loss-coef", "0.3"], "and this model has none")):
         assert main(BASE + flags) == 2, flags
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err and says in err, err

@@ -189,13 +189,15 @@ class SequenceLayout:
         if self.reset_position_ids:
             self.document_positions = [positions_in_document(d)[:, self.positions] for d in self.documents]
 
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens of rows x [B, seq_len + extra] (token ids or targets); columns past seq_len (tags that
-        travel with a row) are kept whole."""
+    def split(self, x: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+        """This rank's tokens of rows x [B, blocks·seq_len + extra] (token ids or targets; `blocks` rows of targets
+        side by side: multi-token prediction's depths); columns past them (tags that travel with a row) are kept
+        whole."""
         if self.size == 1:
             return x
-        local = x[:, : self.seq_len][:, self.positions.to(x.device)]
-        return torch.cat([local, x[:, self.seq_len:]], dim=1)
+        n = blocks * self.seq_len
+        local = x[:, :n].unflatten(1, (blocks, self.seq_len))[:, :, self.positions.to(x.device)].flatten(1)
+        return torch.cat([local, x[:, n:]], dim=1)
 
     # ---- the model side: installed on the stage's modules ------------------------------------------------------
     def position_ids(self, start: int, T: int, device: torch.device) -> torch.Tensor:

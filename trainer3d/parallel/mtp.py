@@ -25,16 +25,23 @@ from trainer3d.parallel.moe_balance import AuxLossScaler
 
 
 class NextTokens:
-    """The pass's next tokens [B, T] (t_{i+1} at position i, the targets unmasked) by micro-batch, split as the
-    schedule splits its arguments; calling it gives the running micro-batch's, or None outside a training pass (the
-    model then predicts nothing more than the next token)."""
+    """What each depth embeds, by micro-batch: [D, mb, T] (depth k's t_{i+k} at position i: the pass's next tokens
+    shifted left by k - 1 over the whole row, zeros past its end, then cut to this rank's tokens by `split`, the
+    context-parallel layout's), the rows split as the schedule splits its arguments; calling it gives the running
+    micro-batch's, or None outside a training pass (the model then predicts nothing more than the next token)."""
 
-    def __init__(self):
+    def __init__(self, depth: int, split=None):
+        self.depth, self.split = depth, split
         self.micro_batch = 0  # set by the pipeline stage before each forward and backward
         self._chunks: list[torch.Tensor] | None = None
 
     def begin_pass(self, next_tokens: torch.Tensor, micro_batches: int, device: torch.device) -> None:
-        self._chunks = list(next_tokens.to(device, non_blocking=True).tensor_split(micro_batches))
+        """`next_tokens` [B, T]: t_{i+1} at position i (the targets unmasked), whole rows."""
+        depths = [F.pad(next_tokens[:, k:], (0, k)) for k in range(self.depth)]
+        if self.split is not None:
+            depths = [self.split(ids) for ids in depths]
+        stacked = torch.stack(depths).to(device, non_blocking=True)
+        self._chunks = list(stacked.tensor_split(micro_batches, dim=1))
 
     def end_pass(self) -> None:
         self._chunks = None
@@ -115,7 +122,8 @@ def install_mtp(trainer) -> MTPLoss | None:
     depth = getattr(trainer.mcfg, "mtp_layers", 0)
     if not depth:
         return None
-    tokens = NextTokens()
+    sequence = trainer.parallel_model.sequence
+    tokens = NextTokens(depth, sequence.split if sequence is not None else None)
     for stage in trainer.parallel_model.stages:
         if stage.head is not None:
             stage.next_tokens = tokens

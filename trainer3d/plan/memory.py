@@ -47,15 +47,15 @@ def hidden_tokens(cand: Candidate) -> float:
 
 
 def mtp_depth(cfg) -> int:
-    """The model's multi-token prediction modules (DeepSeek-V3's D; 0 where it has none or the run builds none): they
-    run without sequence and context parallelism (train/setup.check_mtp), and the last stage holds 1 + D logits."""
+    """The model's multi-token prediction modules (DeepSeek-V3's D; 0 where it has none or the run builds none): the
+    last stage holds 1 + D logits."""
     return getattr(cfg, "mtp_layers", 0) or 0
 
 
 def without_sequence_parallel(cfg) -> bool:
-    """The model runs without sequence parallelism (train/setup.py refuses it): multi-token prediction, whose shifted
-    inputs would cross the shards, and DeepSeek Sparse Attention, whose indexer reads its tp rank's whole sequence."""
-    return bool(mtp_depth(cfg)) or bool(getattr(cfg, "sparse", False))
+    """The model runs without sequence parallelism (train/setup.py refuses it): DeepSeek Sparse Attention, whose
+    indexer reads its tp rank's whole sequence."""
+    return bool(getattr(cfg, "sparse", False))
 
 
 def stage_activation_bytes(cand: Candidate, st: Stage) -> float:

@@ -18,7 +18,7 @@ from trainer3d.parallel.pipeline import SCHEDULES, pipeline_problem
 from trainer3d.parallel.sequence_parallel import sequence_split_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import Cluster
-from trainer3d.plan.memory import MemoryEstimate, estimate_memory, mtp_depth, without_sequence_parallel
+from trainer3d.plan.memory import MemoryEstimate, estimate_memory, without_sequence_parallel
 from trainer3d.plan.step_time import step_times
 
 
@@ -146,9 +146,6 @@ def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_
             continue
         for cp in cp_sizes or default_cp_sizes(seq_len):
             if (N // tp) % cp:
-                continue
-            if cp > 1 and mtp_depth(cfg):
-                refuse("multi-token prediction runs without context parallelism", f"cp{cp}")
                 continue
             if cp > 1 and cp_problem(cfg, tp, cp):
                 refuse("cp does not divide the model's heads", f"cp{cp} tp{tp}: {cp_problem(cfg, tp, cp)}")

@@ -176,9 +176,8 @@ def check_moe_flags(cfg: TrainConfig, mcfg, layout) -> None:
 
 
 def check_mtp(cfg: TrainConfig, mcfg, layout) -> None:
-    """Multi-token prediction needs a model with MTP modules (DeepSeek-V3's family; --mtp-loss-coef 0 builds none)
-    and a layout its last stage runs them at: not with context or sequence parallelism (the modules' shifted inputs
-    and targets would cross the shards), nor transformers' pooled balance loss (its model has no MTP modules)."""
+    """Multi-token prediction needs a model with MTP modules (DeepSeek-V3's family; --mtp-loss-coef 0 builds none),
+    and not transformers' pooled balance loss (its model has no MTP modules)."""
     depth = getattr(mcfg, "mtp_layers", None)
     if not depth:
         if cfg.mtp_loss_coef:
@@ -187,11 +186,6 @@ def check_mtp(cfg: TrainConfig, mcfg, layout) -> None:
             raise ConfigError(f"--mtp-loss-coef {cfg.mtp_loss_coef} weighs the loss of multi-token prediction modules, "
                               f"and {which}; drop it.")
         return
-    if layout.cp > 1 or cfg.sequence_parallel:
-        which = "--cp" if layout.cp > 1 else "--sequence-parallel"
-        raise LayoutError(f"Multi-token prediction is not built with {which} (its shifted inputs and targets would "
-                          "cross the shards); drop it, or pass "
-                          "--mtp-loss-coef 0 to train without the MTP modules.")
     if cfg.moe_aux_loss == "hf" and cfg.moe_aux_loss_coef:
         raise ConfigError("--moe-aux-loss hf pools the layers of transformers' model, which has no multi-token "
                           "prediction modules; use --moe-aux-loss sequence, or pass --mtp-loss-coef 0.")

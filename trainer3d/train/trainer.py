@@ -117,7 +117,8 @@ class Trainer:
         sequence = self.parallel_model.sequence
         if sequence is not None:
             sequence.begin_pass(inputs, self.plan.micro_batches, documents)
-            inputs, targets = sequence.split(inputs), sequence.split(targets)
+            depths = self.mtp.depth if self.mtp is not None and self.mtp.in_pass else 0  # (targets of each MTP depth)
+            inputs, targets = sequence.split(inputs), sequence.split(targets, blocks=1 + depths)
         args = (inputs.to(self.device, non_blocking=True).contiguous(),) if self.parallel_model.has_first else ()
         has_last = self.parallel_model.has_last
         kwargs = {"target": targets.to(self.device, non_blocking=True).contiguous()} if has_last else {}

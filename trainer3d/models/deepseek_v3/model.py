@@ -210,9 +210,9 @@ class MLAttention(AttentionCore):
 class DeepseekV3(Llama):
     """Llama's skeleton (embedding, blocks, final norm, head) with latent attention in its blocks, and the MTP modules
     (mtp.py) on the last stage, `mtp` keyed by their layer index in DeepSeek's files (n_layer + k - 1). They predict
-    only while `next_tokens` (set by the trainer: the running micro-batch's t_{i+1}, [B, T]) gives tokens: the
-    logits [B, T, V] are then followed by each module's, [B, (1 + D)·T, V]; evaluation, sampling and export see the
-    plain model. A last stage without the embedding embeds with its own copy (EMBEDDING_COPY)."""
+    only while `next_tokens` (set by the trainer: the running micro-batch's t_{i+k} of each depth k, [D, B, T]) gives
+    tokens: the logits [B, T, V] are then followed by each module's, [B, (1 + D)·T, V]; evaluation, sampling and
+    export see the plain model. A last stage without the embedding embeds with its own copy (EMBEDDING_COPY)."""
 
     ATTENTION = MLAttention
     LAST_STAGE = ("norm", "lm_head", "mtp")

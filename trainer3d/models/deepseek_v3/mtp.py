@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from trainer3d.models.llama.model import Block, RMSNorm
 
@@ -46,11 +45,11 @@ class MTPModule(Block):
 
 def mtp_logits(modules: nn.ModuleDict, embedding: nn.Module, head: nn.Module, h: torch.Tensor,
                next_tokens: torch.Tensor) -> list[torch.Tensor]:
-    """Every module's logits [B, T, V] in order of depth. `next_tokens` [B, T]: t_{i+1} at position i (the targets
-    unmasked); depth k embeds t_{i+k}, the same shifted left by k - 1 (zeros past the row's end: no target there)."""
+    """Every module's logits [B, T, V] in order of depth. `next_tokens` [D, B, T]: what depth k embeds at position i,
+    t_{i+k} (zeros past the row's end: no target there), shifted by the trainer over the whole row before any split
+    of the sequence (parallel/mtp.py)."""
     out = []
-    for k, module in enumerate(modules.values()):
-        ids = next_tokens if k == 0 else F.pad(next_tokens[:, k:], (0, k))
+    for module, ids in zip(modules.values(), next_tokens):
         h, normed = module.predict(h, embedding(ids))
         out.append(head(normed))
     return out
