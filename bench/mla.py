@@ -4,7 +4,9 @@
 tokens). Time: all sides in one process, rotated each round, the median of per-round ratios to trainer3d's. Memory:
 each side in its own process, the malloc peak of three passes (bench/memhook.c) and the resident-set high-water mark
 read from outside (/proc/<pid>/status VmHWM). Decoding: the KV cache's bytes a token and layer, trainer3d's latent
-cache against transformers' cache of k and v, at DeepSeek-V3's full shape.
+cache against transformers' cache of k and v, at DeepSeek-V3's full shape; and the time a new token takes through one
+layer after a short and a long prompt, the latent absorbed into the query (trainer3d's decoding) against the latent
+expanded through kv_b at every token (its decoding until 2026-12-07).
 
     python bench/mla.py --rounds 8
 """
@@ -109,6 +111,67 @@ def cache_bytes() -> list[list]:
             ["transformers (k and v)", theirs, fmt_bytes(theirs * per_seq), f"{theirs / ours:.1f}"]]
 
 
+def _decoders(prompts: tuple[int, ...], rounds: int, per_round: int) -> dict:
+    """(side, prompt) -> (layer, cache): one layer each, prefilled with the same prompt."""
+    import torch.nn.functional as F
+
+    from trainer3d.models.attention import KVCache
+    from trainer3d.models.deepseek_v3.model import MLAttention
+
+    class Expanded(MLAttention):
+        """Decoding as it was until 2026-12-07: the cached latent expanded through kv_b_proj at every new token."""
+
+        def _absorbed(self, q, latent, k_rope, allowed):
+            latent_dim, nope, rope, v_dim = self.dims
+            B, S = latent.shape[:2]
+            k_nope, v = self.kv_b_proj(latent).view(B, S, -1, nope + v_dim).transpose(1, 2).split([nope, v_dim], -1)
+            k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
+
+    out = {}
+    for side, cls in (("latent expanded (before)", Expanded), ("absorbed (trainer3d)", MLAttention)):
+        for prompt in prompts:
+            layer = _ours_side()[0]
+            layer.__class__ = cls
+            torch.manual_seed(0)
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+                cache = KVCache(max_len=prompt + (rounds + 1) * per_round)
+                layer(torch.randn(1, prompt, SHAPE["hidden_size"]), cache)
+                cache.length = prompt
+            out[side, prompt] = (layer, cache)
+    return out
+
+
+def decode_rows(rounds: int, prompts=(256, 4096), per_round: int = 8) -> list[list]:
+    """ms per new token of one layer after prompts of two lengths: the median of rounds of `per_round` tokens, the
+    four (side, prompt) pairs rotated each round (the first round warms up)."""
+    import statistics
+    import time
+
+    from bench.harness import rotated
+
+    torch.set_num_threads(1)
+    runs = _decoders(prompts, rounds, per_round)
+    times = {key: [] for key in runs}
+    for r in range(rounds + 1):
+        for key in rotated(list(runs), r):
+            layer, cache = runs[key]
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                for _ in range(per_round):
+                    layer(torch.randn(1, 1, SHAPE["hidden_size"]), cache)
+                    cache.length += 1
+                if r:
+                    times[key].append((time.perf_counter() - t0) / per_round * 1e3)
+    rows = []
+    for side in dict.fromkeys(side for side, _ in runs):
+        short, long = (statistics.median(times[side, p]) for p in prompts)
+        rows.append([side, f"{short:.2f}", f"{long:.2f}", f"{long / short:.2f}"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
@@ -127,6 +190,8 @@ def main() -> None:
     print(table(rows, ["side", "ms", "time / trainer3d", "malloc peak", "RSS high-water (outside)"]))
     print("\nKV cache of DeepSeek-V3 (61 layers, bf16), per token and layer, and for one 128K-token sequence:\n")
     print(table(cache_bytes(), ["cache", "bytes a token and layer", "a 128K sequence", "× trainer3d"]))
+    print("\nDecoding one layer through the latent cache, ms per new token (the median of rounds of 8):\n")
+    print(table(decode_rows(args.rounds), ["attention of a new token", "after 256", "after 4096", "ratio"]))
     print("\n" + stamp("python bench/mla.py " + " ".join(sys.argv[1:])))
 
 

@@ -13,8 +13,9 @@ the rope key is one head shared by every head. Only the rope dims rotate (in Dee
 mscale² (applied to q here, so the shared attention kernels keep their default scale). Values are padded with zeros
 to qk_head_dim before attention, and the padding of the output dropped: the CPU flash kernels and context
 parallelism's gather take one head size. Decoding caches the normed latent and the rotated rope key, kv_lora_rank +
-qk_rope_head_dim numbers a token and layer (DeepSeek-V3: 576, against 2·128·192 = 49,152 for k and v), and expands
-them through kv_b_proj at each step.
+qk_rope_head_dim numbers a token and layer (DeepSeek-V3: 576, against 2·128·192 = 49,152 for k and v), and a new
+token attends to them in the latent space, kv_b_proj's halves absorbed into its query and output (`_absorbed`), never
+expanding the cache.
 """
 
 from __future__ import annotations
@@ -147,12 +148,17 @@ class MLAttention(AttentionCore):
         if kv_cache is not None:  # decoding caches the latent and the rope key (kv_lora_rank + rope a token)
             cached, k_rope = kv_cache.append(layer, latent.unsqueeze(1), k_rope)
             latent = cached.squeeze(1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        if kv_cache is not None and T < latent.shape[1]:  # decoding: attention in the latent space, never expanded
+            S = latent.shape[1]
+            visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T).unsqueeze(0)
+            allowed = self._select(x, q_latent, (cos, sin), visible, kv_cache, layer)[0] if self.sparse else visible
+            return self.o_proj(self._absorbed(q, latent, k_rope, allowed).transpose(1, 2).reshape(B, T, -1))
         kv = self.kv_b_proj(latent)  # (sequence parallelism: gathered here, as the rope key in rope_key)
         S = kv.shape[1]
         k_nope, v = kv.view(B, S, -1, nope + v_dim).transpose(1, 2).split([nope, v_dim], dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
         if self.sparse:
             y = self._sparse(x, q_latent, q, k, v, (cos, sin), kv_cache, layer)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -167,24 +173,14 @@ class MLAttention(AttentionCore):
 
     def _sparse(self, x, q_latent, q, k, v, rope: tuple, kv_cache: KVCache | None, layer: int) -> torch.Tensor:
         """MLA over each query's selected keys (a masked dense SDPA, what every device runs; v padded to the keys' width
-        only on CPU). The indexer reads detached inputs; under context parallelism its keys are gathered as k and v
-        are."""
+        only on CPU). Under context parallelism the indexer's keys are gathered as k and v are."""
         T = q.shape[2]
         if kv_cache is None:
             visible = self.keys.visible(T, q.device)
             k, v = self.keys.gather(torch.cat([k, v], dim=-1)).split([k.shape[-1], v.shape[-1]], dim=-1)
-        else:
-            S = k.shape[2]  # query i sits at position S - T + i
-            visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T).unsqueeze(0)
-        if self.indexer is None:
-            allowed = self.selections[self.source]
-        else:
-            iq, ik, w = self.indexer(x.detach(), q_latent.detach(), *rope)
-            ik = self.keys.gather(ik) if kv_cache is None else self._cached_index_keys(ik, kv_cache, layer)
-            scores = index_scores(iq, ik, w, visible)
-            allowed = visible if self.dense_warmup else select(scores.detach(), self.topk, visible)
-            if self.selections is not None:
-                self.selections[self.layer] = allowed
+        else:  # a prefill: every query sees the keys up to its own
+            visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril().unsqueeze(0)
+        allowed, scores = self._select(x, q_latent, rope, visible, kv_cache, layer)
         dropout_p = self.attn_dropout_p if self.training else 0.0
         width = v.shape[-1]
         if q.device.type == "cpu" and width != q.shape[-1]:  # CPU's flash kernel takes a mask but one head size
@@ -195,6 +191,35 @@ class MLAttention(AttentionCore):
             probs = self.observer.over_heads(head_probabilities(q, k, allowed, q.shape[-1] ** -0.5)) / self.heads
             y = self.observer.attach(y, kl_per_query(probs, scores, allowed))
         return y
+
+    def _select(self, x, q_latent, rope: tuple, visible: torch.Tensor, kv_cache: KVCache | None,
+                layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the keys each query attends to [B|1, T, S], the indexer's scores or None): this layer's indexer on
+        detached inputs, or the selection of the layer it shares (GLM-5)."""
+        if self.indexer is None:
+            return self.selections[self.source], None
+        iq, ik, w = self.indexer(x.detach(), q_latent.detach(), *rope)
+        ik = self.keys.gather(ik) if kv_cache is None else self._cached_index_keys(ik, kv_cache, layer)
+        scores = index_scores(iq, ik, w, visible)
+        allowed = visible if self.dense_warmup else select(scores.detach(), self.topk, visible)
+        if self.selections is not None:
+            self.selections[self.layer] = allowed
+        return allowed, scores
+
+    def _absorbed(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                  allowed: torch.Tensor) -> torch.Tensor:
+        """Decoding's attention over the cached latent [B, S, L] and rope key [B, 1, S, rope] without expanding them
+        (DeepSeek-V2 §2.1.2's absorption): kv_b's key half W_UK is absorbed into each head's query, q_nope·W_UK·c =
+        (W_UKᵀ q_nope)·c, so the scores are those of a query [q_nope·W_UK | q_rope] against the one shared key
+        [c | k_rope], and its value half W_UV is applied after the weighted sum of the latents. Per new token O(S·H·L)
+        where expanding the cache costs O(S·L·H·(nope + v)). -> [B, H, T, v]."""
+        latent_dim, nope, rope, v_dim = self.dims
+        w = self.kv_b_proj.weight.view(-1, nope + v_dim, latent_dim)  # [H (this rank's), nope + v, L]
+        query = torch.cat((torch.einsum("bhtn,hnl->bhtl", q[..., :nope], w[:, :nope].to(q.dtype)), q[..., nope:]), -1)
+        key = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)
+        out = F.scaled_dot_product_attention(query, key, latent.unsqueeze(1), attn_mask=allowed.unsqueeze(1),
+                                             scale=(nope + rope) ** -0.5, enable_gqa=True)
+        return torch.einsum("bhtl,hvl->bhtv", out, w[:, nope:].to(q.dtype))
 
     @staticmethod
     def _cached_index_keys(ik: torch.Tensor, kv_cache: KVCache, layer: int) -> torch.Tensor:
