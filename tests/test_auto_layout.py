@@ -3,7 +3,8 @@ process: the pick is a pure, fast function of its inputs that keeps the flags gi
 refused with one sentence; ZeRO is planned only when asked for; the entry point prints the pick and records it in
 meta.json, the W&B config and metrics.jsonl; the straggler rule names a rank after N slow intervals running.
 
-The multi-process proofs ride in worlds that already spawn: the pick at 4 and 8 processes against the one-process
+Every tiny preset's pick, free and at --tp 2, trains a step in a world of 2 and of 4 (two worlds of their own); the
+other multi-process proofs ride in worlds that already spawn: the pick at 4 and 8 processes against the one-process
 run and a slowed rank named (tests/test_parity.py), a run saved at world 4 resumed at world 2
 (tests/test_checkpoint.py).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import time
 from types import SimpleNamespace
@@ -225,22 +227,59 @@ def test_a_calibration_of_this_machine_replaces_the_nominal_constants(tmp_path, 
     assert "calibrated on this machine 2026-11-26 18:00 UTC" in choice_lines(measured.layout_choice)[0]
 
 
+TINY = dict(layout="auto", seq_len=64, global_batch=8, precision="fp32", out_dir="runs/unused")
+
+
+def _train_each_pick(rank, world_size, runs):
+    """One training step at each (preset, flags)'s pick, on random tokens: {(name, tp flag): (loss, the pick)}."""
+    from trainer3d.checkpoint.load import apply, prepare
+    from trainer3d.train.setup import validate
+    from trainer3d.train.trainer import Trainer
+
+    tokens = torch.randint(0, 512, (8, 65), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, flags in runs:
+        setup = validate(TrainConfig(model=name, **TINY, **flags), world_size, vocab_size=512,
+                         machine=_machine(world_size))
+        topo = setup.topology(list(range(world_size)))
+        if topo.active:
+            mcfg = setup.model_config(512)
+            start = prepare(setup.cfg, mcfg, topo)
+            trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
+            apply(start, trainer)
+            per = 8 // setup.layout.dp
+            record = trainer.train_step(tokens[topo.dp_rank * per:(topo.dp_rank + 1) * per])
+            if trainer.is_logging_rank:
+                out[name, flags.get("tp")] = (record["loss"], setup.cfg.layout_choice["pick"])
+        topo.destroy()
+    return out
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_pick_is_a_layout_the_model_runs(world):
     """Every tiny preset, free and at --tp 2: the pick passes every check of the run (train/setup.validate: the family's
-    tp rule, experts over ep, DeepSeek Sparse Attention's layouts, ...). DSA runs without sequence parallelism, so its
-    picks have none (until 2026-12-06 every tp > 1 pick turned sequence parallelism on, and `deepseek-v3-tiny --layout
-    auto --tp 2` was refused naming --sequence-parallel, a flag the user never passed, when MTP was not built for it)."""
+    tp rule, experts over ep, DeepSeek Sparse Attention's layouts, ...), and trains a step in a world of that size (a
+    loss near ln 512). DSA runs without sequence parallelism, so its picks have none (until
+    2026-12-06 every tp > 1 pick turned sequence parallelism on, and `deepseek-v3-tiny --layout auto --tp 2` was
+    refused naming --sequence-parallel, a flag the user never passed, when MTP was not built for it)."""
+    from distributed import run_world
     from trainer3d.models import MODEL_PRESETS
     from trainer3d.train.setup import validate
 
-    for name in [n for n in MODEL_PRESETS if n.endswith("tiny")]:
+    names = [n for n in MODEL_PRESETS if n.endswith("tiny")]
+    for name in names:
         for flags in ({}, {"tp": 2}):
-            cfg = TrainConfig(model=name, layout="auto", seq_len=64, global_batch=8, precision="fp32", **flags)
-            picked = validate(cfg, world, vocab_size=512, machine=_machine(world)).cfg
+            picked = validate(TrainConfig(model=name, **{**TINY, **flags}), world, vocab_size=512,
+                              machine=_machine(world)).cfg
             assert picked.tp == flags.get("tp", picked.tp), (name, flags)
             if name == "deepseek-v3.2-tiny":
                 assert not picked.sequence_parallel, picked.layout_choice["pick"]
+    runs = [(name, flags) for name in names for flags in ({}, {"tp": 2})]
+    trained = {k: v for r in run_world(world, _train_each_pick, runs, timeout=900) for k, v in r.items()}
+    assert set(trained) == {(name, flags.get("tp")) for name, flags in runs}
+    for (name, tp), (loss, pick) in trained.items():
+        print(f"{name} {'--tp 2 ' if tp else ''}at {world}: {pick}, loss {loss:.3f}")
+        assert abs(loss - math.log(512)) < 1.0, (name, pick, loss)
 
 
 def test_the_last_stage_holds_the_logits_of_every_mtp_depth():
