@@ -172,6 +172,24 @@ def decode_rows(rounds: int, prompts=(256, 4096), per_round: int = 8) -> list[li
     return rows
 
 
+def cp_rows() -> list[list]:
+    """Context parallelism's bytes per step for the tiny DeepSeek-V3 (MLA, no MTP module) at cp 2, measured by
+    bench/comm_volume.py's counter against the planner's count (plan/comm.py: the family's cp_gather_width): the
+    latent and the rope key gathered, and under tp 2 with sequence parallelism the expanded keys and values of each
+    rank's heads (the path every cp run took until 2026-12-07)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from bench.comm_volume import compare, count_layouts
+    from bench.harness import Case
+    from distributed import run_world
+
+    mla = dict(n_layer=4, n_embd=64, n_head=4, vocab=512, seq_len=32, global_batch=8)
+    extra = {"model": "deepseek-v3-tiny", "mtp_layers": 0}
+    cases = [Case(cp=2, extra=extra, **mla), Case(tp=2, cp=2, extra={**extra, "sequence_parallel": True}, **mla)]
+    per_rank = run_world(4, count_layouts, cases, timeout=900)
+    results = [[per_rank[r][i] for r in range(4)] for i in range(len(cases))]
+    return [row[:1] + row[2:5] for row in compare(cases, results)[0] if row[1] == "cp"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
@@ -190,6 +208,8 @@ def main() -> None:
     print(table(rows, ["side", "ms", "time / trainer3d", "malloc peak", "RSS high-water (outside)"]))
     print("\nKV cache of DeepSeek-V3 (61 layers, bf16), per token and layer, and for one 128K-token sequence:\n")
     print(table(cache_bytes(), ["cache", "bytes a token and layer", "a 128K sequence", "× trainer3d"]))
+    print("\nContext parallelism's bytes per step, deepseek-v3-tiny (4 heads of 32 + 16 qk dims, a 32-wide latent), cp 2:\n")
+    print(table(cp_rows(), ["cp layout", "cp bytes measured (all ranks)", "the planner's count", "ratio"]))
     print("\nDecoding one layer through the latent cache, ms per new token (the median of rounds of 8):\n")
     print(table(decode_rows(args.rounds), ["attention of a new token", "after 256", "after 4096", "ratio"]))
     print("\n" + stamp("python bench/mla.py " + " ".join(sys.argv[1:])))

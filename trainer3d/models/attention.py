@@ -107,11 +107,13 @@ def gqa(q: torch.Tensor, k: torch.Tensor) -> dict:
 
 
 class WholeKeys:
-    """A rank's view of the keys, for attention that builds its own mask (DeepSeek Sparse Attention's selection) and
-    so bypasses `kernel`, installed as its `keys`: here the rank holds whole rows. `gather(t)`: t [B, h, T_local, d]
+    """A rank's view of the keys, for attention that builds its own mask (DeepSeek Sparse Attention's selection) or
+    gathers something smaller than its keys (MLA's latent), installed as its `keys`: here the rank holds whole rows. `gather(t)`: t [B, h, T_local, d]
     -> the sequence's [B, h, S, d] (with the gradient back to each token's owner); `visible(T, device)` [B|1, T_local,
     S] bool: the keys each query may see, causal. Context parallelism and --document-mask install theirs
-    (parallel/context_parallel.py)."""
+    (parallel/context_parallel.py); `size`: the ranks a sequence is split over."""
+
+    size = 1
 
     @staticmethod
     def gather(t: torch.Tensor) -> torch.Tensor:

@@ -210,8 +210,11 @@ class SequenceLayout:
         return self.positions.to(device)
 
     def gather_keys(self, t: torch.Tensor) -> torch.Tensor:
-        """t [B, h, T_local, d] -> [B, h, seq_len, d] in the sequence's order (the cp all-gather; one process: t)."""
-        return t if self.size == 1 else _GatherSequence.apply(t, self.group, self.gathered_positions)
+        """t [B, h, T_local, d] -> [B, h, seq_len, d] in the sequence's order (the cp all-gather; one process, or t
+        gathered already: t)."""
+        if self.size == 1 or t.shape[KV_SEQ_DIM] == self.seq_len:
+            return t
+        return _GatherSequence.apply(t, self.group, self.gathered_positions)
 
     def visible(self, T: int, device: torch.device) -> torch.Tensor:
         """[B|1, T_local, seq_len] bool: the keys each local query may see (causal; its own document under
@@ -226,8 +229,9 @@ class SequenceLayout:
         return mask
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        """q [B, Hq, T_local, hd] (this rank's chunks), k, v [B, Hkv, T_local, hd] -> [B, Hq, T_local, hd]."""
-        if self.size > 1:
+        """q [B, Hq, T_local, hd] (this rank's chunks), k, v [B, Hkv, T_local, hd] -> [B, Hq, T_local, hd]; k and v
+        may come gathered already, [B, Hkv, seq_len, hd] (MLA gathers its latent, not its keys and values)."""
+        if self.size > 1 and k.shape[KV_SEQ_DIM] != self.seq_len:
             kv = _GatherSequence.apply(torch.cat([k, v], dim=1), self.group, self.gathered_positions)
             k, v = kv.split(k.shape[1], dim=1)
         outs = []
@@ -270,6 +274,7 @@ class LayoutKeys(WholeKeys):
     """The layout's view of the keys (models/attention.WholeKeys), outside torch.compile's graphs."""
 
     def __init__(self, layout: SequenceLayout):
+        self.size = layout.size
         self.gather = torch.compiler.disable(layout.gather_keys)
         self.visible = torch.compiler.disable(layout.visible)
 

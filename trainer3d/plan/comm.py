@@ -143,10 +143,13 @@ def _tp_summed_grads(cand: Candidate, stages) -> list[Transfer]:
 
 def context_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
     """The cp group's collectives (parallel/context_parallel.py): every block's attention all-gathers this rank's
-    keys and values (its kv heads, /t under tp) into the whole sequence's, and its backward reduce-scatters their
-    gradients; full recomputation gathers them once more."""
+    keys and values (its kv heads, /t under tp; or what the family gathers instead, `cp_gather_width`: MLA's latent)
+    into the whole sequence's, and its backward reduce-scatters their gradients; full recomputation gathers them once
+    more."""
     layers = sum(s.layers for s in stages)
-    gathered = cand.cp * cand.tokens * 2 * cand.cfg.kv_width // cand.tp * cand.prec.matmul
+    width = getattr(cand.cfg, "cp_gather_width", None)
+    width = width(cand.tp, cand.sequence_parallel) if width else 2 * cand.cfg.kv_width // cand.tp
+    gathered = cand.cp * cand.tokens * width * cand.prec.matmul
     calls = layers * cand.micro_batches
     return [
         Transfer("cp", "all_gather", gathered, calls * (2 if cand.recompute else 1), cand.cp,

@@ -81,6 +81,13 @@ class DeepseekV3Config:
         (its rope part shared), and values are padded to that width for the attention kernels (model.py)."""
         return self.n_head * self.qk_head_dim
 
+    def cp_gather_width(self, tp: int, sequence_parallel: bool) -> int:
+        """Numbers a token's keys take on context parallelism's all-gather, per block: the latent and the rope key
+        (model.py), which each rank expands itself; under sequence parallelism the expanded keys and values of this
+        rank's heads (kv_b gathers its input over tp first)."""
+        index = self.index_head_dim if self.sparse else 0  # (DSA: its indexer's keys travel too)
+        return (2 * self.kv_width // tp if sequence_parallel else self.kv_lora_rank + self.qk_rope_head_dim) + index
+
     @property
     def sparse(self) -> bool:
         """DeepSeek Sparse Attention: the layers carry a lightning indexer (indexer.py)."""

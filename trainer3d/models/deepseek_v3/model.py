@@ -155,6 +155,12 @@ class MLAttention(AttentionCore):
             visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T).unsqueeze(0)
             allowed = self._select(x, q_latent, (cos, sin), visible, kv_cache, layer)[0] if self.sparse else visible
             return self.o_proj(self._absorbed(q, latent, k_rope, allowed).transpose(1, 2).reshape(B, T, -1))
+        if kv_cache is None and self.keys.size > 1 and not getattr(self.rope_key, "sequence_parallel", False):
+            # context parallelism: the latent and the rope key travel (kv_lora_rank + rope numbers a token), not the
+            # keys and values they expand to; the attention then finds them gathered (under sequence parallelism,
+            # where kv_b gathers its input over tp first, the expanded ones still travel)
+            both = self.keys.gather(torch.cat((latent.unsqueeze(1), k_rope), dim=-1))
+            latent, k_rope = both.squeeze(1)[..., :latent_dim], both[..., latent_dim:]
         kv = self.kv_b_proj(latent)  # (sequence parallelism: gathered here, as the rope key in rope_key)
         S = kv.shape[1]
         k_nope, v = kv.view(B, S, -1, nope + v_dim).transpose(1, 2).split([nope, v_dim], dim=-1)
@@ -216,9 +222,11 @@ class MLAttention(AttentionCore):
         latent_dim, nope, rope, v_dim = self.dims
         w = self.kv_b_proj.weight.view(-1, nope + v_dim, latent_dim)  # [H (this rank's), nope + v, L]
         query = torch.cat((torch.einsum("bhtn,hnl->bhtl", q[..., :nope], w[:, :nope].to(q.dtype)), q[..., nope:]), -1)
-        key = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)
-        out = F.scaled_dot_product_attention(query, key, latent.unsqueeze(1), attn_mask=allowed.unsqueeze(1),
-                                             scale=(nope + rope) ** -0.5, enable_gqa=True)
+        B, H, T, _ = query.shape
+        key = torch.cat((latent, k_rope.squeeze(1)), dim=-1)  # [B, S, L + rope], one for every head
+        scores = query.reshape(B, H * T, -1) @ key.transpose(1, 2) * (nope + rope) ** -0.5  # heads as rows: one bmm
+        scores = scores.view(B, H, T, -1).masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(-1)
+        out = (scores.view(B, H * T, -1) @ latent).view(B, H, T, latent_dim)
         return torch.einsum("bhtl,hvl->bhtv", out, w[:, nope:].to(q.dtype))
 
     @staticmethod
