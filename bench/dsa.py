@@ -11,7 +11,6 @@ outside (/proc/<pid>/status VmHWM).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -22,8 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from bench.harness import fmt_bytes, print_malloc_peak, stamp, table, time_rotated  # noqa: E402
-from bench.measure import run_under_memhook  # noqa: E402
+from bench.harness import length_rows, lengths_cli, stamp, table  # noqa: E402
 
 LENGTHS = (1024, 4096)
 TOPK = 256
@@ -78,27 +76,17 @@ def _pass_of(sparse: bool, tokens: int):
 SIDES = {"dense MLA": False, f"DSA, top {TOPK} (masked)": True}
 
 
-def rows(rounds: int) -> list[list]:
-    out = []
-    for tokens in LENGTHS:
-        t = time_rotated({name: _pass_of(sparse, tokens) for name, sparse in SIDES.items()}, rounds, "dense MLA")
-        for side in SIDES:
-            mem = run_under_memhook([sys.executable, os.path.abspath(__file__), "--child", side, str(tokens)], ROOT)
-            out.append([tokens, side, f"{t[side][0] * 1e3:.0f}", f"{t[side][1]:.2f}", fmt_bytes(mem["peak"]),
-                        fmt_bytes(mem["hwm"])])
-    return out
+def _side_pass(side: str, tokens: int):
+    return _pass_of(SIDES[side], tokens)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    if args.child:
-        return print_malloc_peak(_pass_of(SIDES[args.child[0]], int(args.child[1])))
+    args = lengths_cli(__doc__, 3, _side_pass)
+    if args is None:
+        return
     print("One MLA layer, forward + backward (DSA: the indexer's KL included):\n")
-    print(table(rows(args.rounds), ["tokens", "side", "ms", "time / dense", "malloc peak", "RSS high-water (outside)"]))
+    rows = length_rows(__file__, _side_pass, SIDES, LENGTHS, args.rounds, "dense MLA")
+    print(table(rows, ["tokens", "side", "ms", "time / dense", "malloc peak", "RSS high-water (outside)"]))
     print("\n" + stamp("python bench/dsa.py " + " ".join(sys.argv[1:])))
 
 

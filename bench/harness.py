@@ -182,6 +182,37 @@ def print_malloc_peak(run, repeats: int = 3) -> None:
     print(json.dumps({"peak": counter.peak() - base}))
 
 
+def lengths_cli(doc: str, rounds: int, make_pass):
+    """The command line of a bench that times sides at several lengths: --rounds, and --child SIDE TOKENS, which
+    prints that pass's malloc peak (its own process, for `length_rows`) and returns None; else the parsed args, one
+    thread."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.child:
+        return print_malloc_peak(make_pass(args.child[0], int(args.child[1])))
+    return args
+
+
+def length_rows(script: str, make_pass, sides, lengths, rounds: int, base: str) -> list[list]:
+    """[tokens, side, ms, time / base, malloc peak, RSS high-water] for `make_pass(side, tokens)` at each length: the
+    sides timed in this process, rotated each round; each one's memory in its own (`script --child side tokens`)."""
+    from bench.measure import run_under_memhook
+
+    rows = []
+    for tokens in lengths:
+        t = time_rotated({side: make_pass(side, tokens) for side in sides}, rounds, base)
+        for side in sides:
+            mem = run_under_memhook([sys.executable, os.path.abspath(script), "--child", side, str(tokens)], ROOT)
+            rows.append([tokens, side, f"{t[side][0] * 1e3:.0f}", f"{t[side][1]:.2f}", fmt_bytes(mem["peak"]),
+                         fmt_bytes(mem["hwm"])])
+    return rows
+
+
 def table(rows: list[list], header: list[str]) -> str:
     cols = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cols) for i in range(len(header))]

@@ -15,7 +15,6 @@ time per new token after prompts of two lengths.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -27,8 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from bench.harness import fmt_bytes, print_malloc_peak, stamp, table, time_rotated  # noqa: E402
-from bench.measure import run_under_memhook  # noqa: E402
+from bench.harness import length_rows, lengths_cli, stamp, table  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
              linear_value_head_dim=64, linear_conv_kernel_dim=4)
@@ -80,16 +78,8 @@ def _pass_of(make, tokens: int):
     return run
 
 
-def layer_rows(rounds: int) -> list[list]:
-    rows = []
-    for tokens in LENGTHS:
-        t = time_rotated({name: _pass_of(make, tokens) for name, make in SIDES.items()}, rounds,
-                         "trainer3d GatedDeltaNet")
-        for side in SIDES:
-            mem = run_under_memhook([sys.executable, os.path.abspath(__file__), "--child", side, str(tokens)], ROOT)
-            rows.append([tokens, side, f"{t[side][0] * 1e3:.0f}", f"{t[side][1]:.2f}", fmt_bytes(mem["peak"]),
-                         fmt_bytes(mem["hwm"])])
-    return rows
+def _side_pass(side: str, tokens: int):
+    return _pass_of(SIDES[side], tokens)
 
 
 def decode_rows(rounds: int, prompts=(256, 4096), per_round: int = 8) -> list[list]:
@@ -140,17 +130,13 @@ def decode_rows(rounds: int, prompts=(256, 4096), per_round: int = 8) -> list[li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    if args.child:
-        return print_malloc_peak(_pass_of(SIDES[args.child[0]], int(args.child[1])))
+    args = lengths_cli(__doc__, 5, _side_pass)
+    if args is None:
+        return
     shape = ", ".join(f"{k} {v}" for k, v in SHAPE.items())
     print(f"One Gated DeltaNet layer ({shape}), forward + backward:\n")
-    print(table(layer_rows(args.rounds), ["tokens", "side", "ms", "time / trainer3d", "malloc peak",
-                                          "RSS high-water (outside)"]))
+    rows = length_rows(__file__, _side_pass, SIDES, LENGTHS, args.rounds, "trainer3d GatedDeltaNet")
+    print(table(rows, ["tokens", "side", "ms", "time / trainer3d", "malloc peak", "RSS high-water (outside)"]))
     print("\nDecoding through the cache, ms per new token (the median of rounds of 8) after a prompt of 256 and of 4096 "
           "tokens:\n")
     print(table(decode_rows(args.rounds * 3), ["model (width 512)", "after 256", "after 4096", "ratio"]))
