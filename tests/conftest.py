@@ -101,7 +101,7 @@ def pytest_runtest_makereport(item, call):
 # Files whose one or few tests run for minutes: queued first. xdist's default queue (pyproject's
 # --no-loadscope-reorder turns it off) hands out the files with the most tests first, so these came last, and one
 # worker ran them alone while the other sat idle (277 s of a 41-minute run, tests/timeline.py).
-LONG_FEW = ("test_gpu_round.py", "test_compile.py", "test_sft_trl.py", "test_deepspeed_launcher.py")
+LONG_FEW = ("test_gpu_round.py", "test_compile.py", "test_sft_trl.py", "test_deepspeed_launcher.py", "test_dsa.py")
 
 
 def pytest_collection_modifyitems(config, items):

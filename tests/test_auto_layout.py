@@ -3,7 +3,7 @@ process: the pick is a pure, fast function of its inputs that keeps the flags gi
 refused with one sentence; ZeRO is planned only when asked for; the entry point prints the pick and records it in
 meta.json, the W&B config and metrics.jsonl; the straggler rule names a rank after N slow intervals running.
 
-Every tiny preset's pick, free and at --tp 2, trains a step in a world of 2 and of 4 (two worlds of their own); the
+Every tiny preset's pick at --tp 2 trains a step in a world of 2 and of 4 (two worlds of their own); the
 other multi-process proofs ride in worlds that already spawn: the pick at 4 and 8 processes against the one-process
 run and a slowed rank named (tests/test_parity.py), a run saved at world 4 resumed at world 2
 (tests/test_checkpoint.py).
@@ -258,8 +258,8 @@ def _train_each_pick(rank, world_size, runs):
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_pick_is_a_layout_the_model_runs(world):
     """Every tiny preset, free and at --tp 2: the pick passes every check of the run (train/setup.validate: the family's
-    tp rule, experts over ep, DeepSeek Sparse Attention's layouts, ...), and trains a step in a world of that size (a
-    loss near ln 512). DSA runs without sequence parallelism, so its picks have none (until
+    tp rule, experts over ep, DeepSeek Sparse Attention's layouts, ...), and the --tp 2 picks (sequence parallelism,
+    experts over ep) train a step in a world of that size (a loss near ln 512). DSA runs without sequence parallelism, so its picks have none (until
     2026-12-06 every tp > 1 pick turned sequence parallelism on, and `deepseek-v3-tiny --layout auto --tp 2` was
     refused naming --sequence-parallel, a flag the user never passed, when MTP was not built for it)."""
     from distributed import run_world
@@ -274,7 +274,7 @@ def test_the_pick_is_a_layout_the_model_runs(world):
             assert picked.tp == flags.get("tp", picked.tp), (name, flags)
             if name == "deepseek-v3.2-tiny":
                 assert not picked.sequence_parallel, picked.layout_choice["pick"]
-    runs = [(name, flags) for name in names for flags in ({}, {"tp": 2})]
+    runs = [(name, {"tp": 2}) for name in names]  # (the free picks of these tiny models are all plain dp)
     trained = {k: v for r in run_world(world, _train_each_pick, runs, timeout=900) for k, v in r.items()}
     assert set(trained) == {(name, flags.get("tp")) for name, flags in runs}
     for (name, tp), (loss, pick) in trained.items():
