@@ -2,10 +2,10 @@
 and GlmMoeDsaForCausalLM: a random one (MLA, 2 dense + 2 MoE blocks, index_topk 6 of 32 tokens, so selection
 matters) trained by the plain loop, whose loss is transformers' cross-entropy (its indexer selects the same keys)
 plus the indexer's KL written here from the DeepSeek-V3.2 report, and by trainer3d --init-from-hf in --dsa-stage
-sparse: the same loss, gradient norm and KL at every step in one process, tp 2, pp 2 with full recomputation, cp 2
-and dp 2 × ep 2; under --document-mask against transformers run on each document alone, in one process and at
-cp 2 × tp 2; GLM-5's interleaved indexer rope and shared layers in one process; all in one world of 4. The dense
-warm-up changes the indexers only (every other tensor bitwise) and lowers their KL; both exports load in
+sparse: the same loss, gradient norm and KL at every step in one process, tp 2, pp 2 with full recomputation, cp 2,
+dp 2 × ep 2 and ZeRO-3 at dp 4 × ep 2; under --document-mask against transformers run on each document alone, in one
+process and at cp 2 × tp 2; GLM-5's interleaved indexer rope and shared layers in one process; all in one world of 4.
+The dense warm-up changes the indexers only (every other tensor bitwise) and lowers their KL; both exports load in
 transformers. One process: selection changes the output where index_topk is below the length and nothing where it is
 not; decoding with the indexer's key cache equals the whole forward; the scores' memory-light autograd function; the
 presets and formulas; the refusals."""
@@ -133,7 +133,9 @@ def reference(hf, interleaved: bool, data: torch.Tensor, coef: float = COEF, per
 
 
 SPARSE = {"1x1x1": {}, "tp2": dict(tp=2), "pp2 recompute full": dict(pp=2, recompute="full"), "cp2": dict(cp=2),
-          "dp2 ep2": dict(dp=2, ep=2)}
+          "dp2 ep2": dict(dp=2, ep=2),
+          # ZeRO-3: every parameter partitioned, the indexer's too (its modules gathered where they are called)
+          "zero3 dp4 ep2": dict(dp=4, ep=2, deepspeed_config="ds_configs/zero3.json")}
 DOCUMENTS = {"docs 1x1x1": {}, "docs cp2 tp2": dict(cp=2, tp=2)}  # --document-mask
 
 

@@ -53,8 +53,8 @@ class Indexer(nn.Module):
         B, T, _ = x.shape
         q = self.wq_b(q_latent).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.wk(x)).view(B, 1, T, self.head_dim)
-        with torch.autocast(x.device.type, enabled=False):  # transformers keeps weights_proj in fp32
-            w = F.linear(x.float(), self.weights_proj.weight.float()) * self.heads ** -0.5
+        with torch.autocast(x.device.type, enabled=False):  # transformers keeps weights_proj in fp32 (and the module
+            w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5  # is called: ZeRO-3)
         return self._rope(q, cos, sin).float(), self._rope(k, cos, sin).float(), w
 
 
