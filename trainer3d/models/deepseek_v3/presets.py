@@ -23,7 +23,8 @@ PRESETS: dict[str, DeepseekV3Config] = {
     # DeepSeek-V3 / V3.1 (deepseek-ai/DeepSeek-V3 config.json): 671B total, 37B activated, one MTP module (14B)
     "deepseek-v3": DeepseekV3Config(**_MLA, mtp_layers=1),
     # DeepSeek-V3.2 (transformers' DeepseekV32Config, which documents deepseek-ai/DeepSeek-V3.2-Exp): V3's shape with
-    # an indexer in every layer    # (64 heads of 128, top 2048 keys): 0.87B more parameters than V3, the MTP module's indexer included
+    # an indexer in every layer (64 heads of 128, top 2048 keys): 0.87B more parameters than V3, the MTP module's
+    # indexer included
     "deepseek-v3.2": DeepseekV3Config(**_MLA, mtp_layers=1, index_n_heads=64, index_head_dim=128, index_topk=2048),
     # GLM-5 (zai-org/GLM-5, as transformers' GlmMoeDsaConfig documents it): 78 blocks, wider heads (192 + 64 qk, 256
     # v), no expert groups, an indexer of 32 heads in every layer with interleaved rope
