@@ -188,8 +188,8 @@ class LossConfig(Section):
     dsa_stage: str = flag(
         "sparse",
         "DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): warmup: dense attention, only the indexers train, towards "
-        "the main attention's distribution (everything else frozen); sparse: each query attends to the index_topk keys "
-        "its indexer selects, everything trains (docs/models.md)", choices=('warmup', 'sparse'))
+        "the main attention's distribution (everything else frozen); sparse: each query attends to the top-k keys its "
+        "indexer selects, everything trains (docs/models.md)", choices=('warmup', 'sparse'))
     dsa_loss_coef: float = flag(
         1.0, "DeepSeek Sparse Attention: the weight of the indexers' KL loss (its mean over queries and indexers)",
         low=0.0)

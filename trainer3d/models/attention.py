@@ -44,6 +44,12 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+def causal_mask(T: int, S: int, device: torch.device) -> torch.Tensor:
+    """[1, T, S] bool: T queries, the newest of S positions (query i at S - T + i), each seeing the keys up to its
+    own."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T).unsqueeze(0)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """The attention kernel of a whole sequence: q [B, Hq, T, hd], k and v [B, Hkv, T, hd], causal."""
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa(q, k))
@@ -97,8 +103,7 @@ class AttentionCore(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **flags)
         if T == 1:
             return F.scaled_dot_product_attention(q, k, v, **flags)
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query i sits at position S-T+i
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **flags)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, S, q.device), **flags)
 
 
 def gqa(q: torch.Tensor, k: torch.Tensor) -> dict:
@@ -108,10 +113,10 @@ def gqa(q: torch.Tensor, k: torch.Tensor) -> dict:
 
 class WholeKeys:
     """A rank's view of the keys, for attention that builds its own mask (DeepSeek Sparse Attention's selection) or
-    gathers something smaller than its keys (MLA's latent), installed as its `keys`: here the rank holds whole rows. `gather(t)`: t [B, h, T_local, d]
-    -> the sequence's [B, h, S, d] (with the gradient back to each token's owner); `visible(T, device)` [B|1, T_local,
-    S] bool: the keys each query may see, causal. Context parallelism and --document-mask install theirs
-    (parallel/context_parallel.py); `size`: the ranks a sequence is split over."""
+    gathers something smaller than its keys (MLA's latent), installed as its `keys`: here the rank holds whole rows.
+    `gather(t)`: t [B, h, T_local, d] -> the sequence's [B, h, S, d] (with the gradient back to each token's owner);
+    `visible(T, device)` [B|1, T_local, S] bool: the keys each query may see, causal. Context parallelism and
+    --document-mask install theirs (parallel/context_parallel.py); `size`: the ranks a sequence is split over."""
 
     size = 1
 
@@ -121,7 +126,7 @@ class WholeKeys:
 
     @staticmethod
     def visible(T: int, device: torch.device) -> torch.Tensor:
-        return torch.ones(T, T, dtype=torch.bool, device=device).tril().unsqueeze(0)
+        return causal_mask(T, T, device)
 
 
 class WholeSequences:

@@ -221,12 +221,15 @@ class SequenceLayout:
         --document-mask), for attention that masks by itself (models/attention.WholeKeys)."""
         if T != len(self.positions):
             raise RuntimeError(f"{T} queries on a rank laid out for {len(self.positions)} tokens")
-        q_pos = self.positions.to(device)  # their places in the row (not --reset-position-ids' rotary positions)
-        mask = (torch.arange(self.seq_len, device=device) <= q_pos[:, None]).unsqueeze(0)
-        if self.document_mask:
-            docs = self.documents[self.micro_batch].to(device)
-            mask = mask & (docs[:, None, :] == docs[:, q_pos, None])
-        return mask
+        key = ("visible", self.micro_batch)  # built once a micro-batch, shared by every layer (cleared by begin_pass)
+        if key not in self._masks:
+            q_pos = self.positions.to(device)  # their places in the row (not --reset-position-ids' rotary positions)
+            mask = (torch.arange(self.seq_len, device=device) <= q_pos[:, None]).unsqueeze(0)
+            if self.document_mask:
+                docs = self.documents[self.micro_batch].to(device)
+                mask = mask & (docs[:, None, :] == docs[:, q_pos, None])
+            self._masks[key] = mask
+        return self._masks[key]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         """q [B, Hq, T_local, hd] (this rank's chunks), k, v [B, Hkv, T_local, hd] -> [B, Hq, T_local, hd]; k and v

@@ -137,7 +137,7 @@ class DDPEngine(DataParallelEngine):
     def optimizer_state_of(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """(A frozen parameter, which the optimizer does not hold: the zero moments AdamW starts from, once it has
         stepped, so that every checkpoint holds every parameter's state.)"""
-        if not param.requires_grad and self.params:
+        if not param.requires_grad and self.params:  # (whether AdamW has stepped, without adam_step()'s host read)
             state = self.optimizer.state.get(self.params[0], {})
             return {k: torch.zeros_like(param) for k in ("exp_avg", "exp_avg_sq") if k in state}
         return {k: v for k, v in self.optimizer.state.get(param, {}).items() if torch.is_tensor(v)}

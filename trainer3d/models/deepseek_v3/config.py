@@ -168,10 +168,12 @@ class DeepseekV3Config:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per matmul parameter a token uses (the head included, the embedding lookup
         excluded; an MoE layer's router and its k experts and shared experts) plus attention's QK^T over
-        qk_head_dim and AV over v_head_dim for every head, 6·L·H·(qk + v)·T (Llama's 12·L·H·hd·T with MLA's two widths)."""
+        qk_head_dim and AV over v_head_dim for every head, 6·L·H·(qk + v)·T (Llama's 12·L·H·hd·T with MLA's two
+        widths; DSA: T the top-k keys, and its indexers' scores over every key)."""
         matmul = self.n_layer * self._matmul_params() + self.vocab_size * self.n_embd + self._mtp_matmul_params()
         blocks = self.n_layer + self.mtp_layers
-        return 6.0 * matmul + 6.0 * blocks * self.n_head * (self.qk_head_dim + self.v_head_dim) * self.keys_attended(seq_len) + (
+        attention = self.n_head * (self.qk_head_dim + self.v_head_dim) * self.keys_attended(seq_len)
+        return 6.0 * matmul + 6.0 * blocks * attention + (
             6.0 * self.n_indexers * self.index_n_heads * self.index_head_dim * seq_len)
 
     def layer_flops(self, seq_len: int) -> float:
@@ -179,7 +181,8 @@ class DeepseekV3Config:
         DSA, the indexer's scores over every earlier key (the mean over the blocks, shared ones without)."""
         index = 2 * self.index_n_heads * self.index_head_dim * seq_len * (
             sum(map(self.has_indexer, range(self.n_layer))) / self.n_layer)
-        return 2 * self._matmul_params() + 2 * self.keys_attended(seq_len) * self.n_head * (self.qk_head_dim + self.v_head_dim) + index
+        attention = self.n_head * (self.qk_head_dim + self.v_head_dim) * self.keys_attended(seq_len)
+        return 2 * self._matmul_params() + 2 * attention + index
 
     def head_flops(self) -> float:
         """The head's forward FLOPs per token and, on the same (last) stage, the MTP modules' matmuls (their

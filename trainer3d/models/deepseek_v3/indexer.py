@@ -53,14 +53,15 @@ class Indexer(nn.Module):
         B, T, _ = x.shape
         q = self.wq_b(q_latent).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.wk(x)).view(B, 1, T, self.head_dim)
-        with torch.autocast(x.device.type, enabled=False):  # transformers keeps weights_proj in fp32 (and the module
-            w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5  # is called: ZeRO-3)
+        # transformers keeps weights_proj in fp32; the module itself is called (ZeRO-3 gathers it in its hook)
+        with torch.autocast(x.device.type, enabled=False):
+            w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5
         return self._rope(q, cos, sin).float(), self._rope(k, cos, sin).float(), w
 
 
 class _IndexScores(torch.autograd.Function):
-    """Σ_h w_h·ReLU(q_h·kᵀ·scale) a head at a time, and the backward recomputes each head's scores: what autograd would
-    keep is the [B, heads, T, S] of them (2 GiB for 8 heads at 4096 tokens, bench/dsa.md); this keeps q, k and w."""
+    """Σ_h w_h·ReLU(q_h·kᵀ·scale) a head at a time, and the backward recomputes each head's scores: what autograd
+    would keep is the [B, heads, T, S] of them (2 GiB for 8 heads at 4096 tokens, bench/dsa.md); this keeps q, k, w."""
 
     @staticmethod
     def forward(ctx, q, k, w, scale):
@@ -104,8 +105,9 @@ def select(scores: torch.Tensor, topk: int, visible: torch.Tensor) -> torch.Tens
 @torch.no_grad()
 def head_probabilities(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float,
                        heads_at_once: int = 2) -> torch.Tensor:
-    """Σ_h softmax(q_h k_hᵀ · scale) over the allowed keys, [B, T, S] fp32: the main attention's probabilities summed
-    over this rank's heads (q [B, H, T, d], k [B, H, S, d]), a few heads at a time (no [B, H, T, S] at once)."""
+    """Σ_h softmax(q_h k_hᵀ · scale) over the allowed keys, [B, T, S] fp32: the main attention's probabilities
+    summed over this rank's heads (q [B, H, T, d], k [B, H, S, d]), a few heads at a time (no [B, H, T, S] at
+    once)."""
     total = torch.zeros(q.shape[0], q.shape[2], k.shape[2], dtype=torch.float32, device=q.device)
     blocked = ~allowed.unsqueeze(1)
     for h in range(0, q.shape[1], heads_at_once):

@@ -28,12 +28,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer3d.models.attention import AttentionCore, KVCache, WholeKeys
+from trainer3d.models.attention import AttentionCore, KVCache, WholeKeys, causal_mask
 from trainer3d.models.deepseek_v3.config import LATENT_NORM_EPS, DeepseekV3Config
-from trainer3d.models.deepseek_v3.indexer import Indexer, head_probabilities, index_scores, kl_per_query, select
+from trainer3d.models.deepseek_v3.indexer import (
+    Indexer, head_probabilities, index_scores, kl_per_query, rotate_pairs, select,
+)
 from trainer3d.models.deepseek_v3.mtp import MTPModule, mtp_logits
 from trainer3d.models.interface import CausalLM, ColumnParallel, ParallelPlan, RowParallel
-from trainer3d.models.llama.model import Llama, RMSNorm, Rotary, rotate
+from trainer3d.models.llama.model import Llama, RMSNorm, Rotary
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -124,9 +126,7 @@ class MLAttention(AttentionCore):
         self.keys = WholeKeys()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:  # pairs (x0, x1), (x2, x3), ...: evens then odds, each pair one frequency
-            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-        return rotate(x, cos, sin)
+        return rotate_pairs(x, cos, sin, self.interleaved)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         latent_dim, nope, rope, v_dim = self.dims
@@ -152,7 +152,7 @@ class MLAttention(AttentionCore):
             q = q * self.q_scale
         if kv_cache is not None and T < latent.shape[1]:  # decoding: attention in the latent space, never expanded
             S = latent.shape[1]
-            visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T).unsqueeze(0)
+            visible = causal_mask(T, S, q.device)
             allowed = self._select(x, q_latent, (cos, sin), visible, kv_cache, layer)[0] if self.sparse else visible
             return self.o_proj(self._absorbed(q, latent, k_rope, allowed).transpose(1, 2).reshape(B, T, -1))
         if kv_cache is None and self.keys.size > 1 and not getattr(self.rope_key, "sequence_parallel", False):
@@ -178,21 +178,19 @@ class MLAttention(AttentionCore):
 
 
     def _sparse(self, x, q_latent, q, k, v, rope: tuple, kv_cache: KVCache | None, layer: int) -> torch.Tensor:
-        """MLA over each query's selected keys (a masked dense SDPA, what every device runs; v padded to the keys' width
-        only on CPU). Under context parallelism the indexer's keys are gathered as k and v are."""
+        """MLA over each query's selected keys (a masked dense SDPA, what every device runs; v padded to the keys'
+        width only on CPU). k and v come whole: one process, or context parallelism's gathered latent (DSA runs
+        without sequence parallelism); the indexer's keys are gathered as the latent is."""
         T = q.shape[2]
-        if kv_cache is None:
-            visible = self.keys.visible(T, q.device)
-            k, v = self.keys.gather(torch.cat([k, v], dim=-1)).split([k.shape[-1], v.shape[-1]], dim=-1)
-        else:  # a prefill: every query sees the keys up to its own
-            visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril().unsqueeze(0)
+        visible = self.keys.visible(T, q.device) if kv_cache is None else causal_mask(T, T, q.device)  # (a prefill)
         allowed, scores = self._select(x, q_latent, rope, visible, kv_cache, layer)
         dropout_p = self.attn_dropout_p if self.training else 0.0
         width = v.shape[-1]
         if q.device.type == "cpu" and width != q.shape[-1]:  # CPU's flash kernel takes a mask but one head size
             v = F.pad(v, (0, q.shape[-1] - width))  # (its math fallback is 1.5x the time and keeps the probabilities)
         with self.sharded_rng() if dropout_p else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p)[..., :width]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p)
+        y = y[..., :width]
         if self.observer is not None and self.indexer is not None and self.training:  # the indexer's loss
             probs = self.observer.over_heads(head_probabilities(q, k, allowed, q.shape[-1] ** -0.5)) / self.heads
             y = self.observer.attach(y, kl_per_query(probs, scores, allowed))
