@@ -4,7 +4,10 @@ ZeRO-3 at dp4 and (Qwen3-MoE) dp2·ep2; a policy-gradient loss written here (rat
 through forward_backward/step equals transformers' model trained by torch's AdamW on the same loss, per step, in loss
 and gradient norm, under token-mean, sequence-mean and sum (1p, tp2·pp2, ZeRO-3 dp4), at a rollout temperature and
 with an entropy bonus whose gradient flows (log-probabilities and entropies at the temperature checked apart); the weights streamed by
-named_weights() are the reference's after training; save -> load gives the same log-probabilities. Misuse (float or
+named_weights() are the reference's after training; save -> load gives the same log-probabilities. Rollouts of any
+count and length (a list of sequences, packed into two passes) give each sequence's log-probs and entropies as if run
+alone, and train (one call; then the batch split over two calls with batch_total) as the reference does sequence by
+sequence, also at ZeRO-1 dp2·pp2 and ZeRO-2 dp4, whose accumulation boundary the engine holds until step(). Misuse (float or
 out-of-vocabulary ids, a mask or field of another shape, a loss_fn that returns a scalar) is refused on every rank at
 tp2·pp2 and changes nothing. The reference shares no code with trainer3d."""
 
@@ -22,6 +25,7 @@ VOCAB, SEQ, GB, LR, CLIP = 1000, 32, 8, 2e-3, 1.0
 TEMPERATURE, ENTROPY_COEF = 0.8, 1.0  # the rollout's temperature; an entropy bonus in the trained loss, strong
 # enough to move the gradient norm (near-uniform distributions: the entropy's gradient is small)
 AGGREGATIONS = ["token-mean", "sequence-mean", "sum", "token-mean"]  # one per step
+ROLLOUT_STEPS = ["sequence-mean", "token-mean"]  # then rollouts: one call, then the batch split over two calls
 
 
 def batch(seed: int = 0):
@@ -38,6 +42,41 @@ def batch(seed: int = 0):
     advantages = torch.randn(GB, 1, generator=g)
     noise = 0.3 * torch.randn(GB, SEQ, generator=g)
     return tokens, documents, mask, advantages, noise
+
+
+def rollouts(seed: int, n: int = 13):
+    """Rollouts of mixed lengths (10 to SEQ + 1 tokens: more rows than one pass of GB holds), each with a response
+    mask from a random start, an advantage (one number) and noise for its old log-probs."""
+    g = torch.Generator().manual_seed(100 + seed)
+    lengths = torch.randint(10, SEQ + 2, (n,), generator=g).tolist()
+    sequences = [torch.randint(0, VOCAB, (length,), generator=g) for length in lengths]
+    masks = [torch.arange(length - 1) >= int(torch.randint(0, length // 2, (1,), generator=g)) for length in lengths]
+    advantages = torch.randn(n, generator=g).tolist()
+    noise = [0.3 * torch.randn(length - 1, generator=g) for length in lengths]
+    return sequences, masks, advantages, noise
+
+
+def reference_sequence(model, sequence, temperature: float = 1.0):
+    """(log-probs, entropies) [len - 1] of one sequence run alone under softmax(logits / temperature)."""
+    logp = torch.log_softmax(model(sequence[None]).logits[0, :-1].float() / temperature, -1)
+    return logp.gather(-1, sequence[1:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+def reference_rollout_loss(model, data, aggregation):
+    """The aggregated loss of rollouts by its definition, sequence by sequence: token-mean Σ_i Σ_t m·l / Σ_i Σ_t m;
+    sequence-mean the mean over sequences of Σ_t m·l / Σ_t m."""
+    sequences, masks, advantages, noise = data
+    sums, counts = [], []
+    for seq, m, adv, eps in zip(sequences, masks, advantages, noise):
+        with torch.no_grad():
+            old = reference_sequence(model, seq, TEMPERATURE)[0] + eps
+        lp, ent = reference_sequence(model, seq, TEMPERATURE)
+        losses = rl_loss(lp, {"old": old, "adv": torch.tensor(adv), "entropy": ent})
+        sums.append((losses * m).sum())
+        counts.append(m.sum())
+    if aggregation == "token-mean":
+        return torch.stack(sums).sum() / torch.stack(counts).sum()
+    return torch.stack([s / c for s, c in zip(sums, counts)]).mean()
 
 
 def pg_loss(logprobs, fields):
@@ -106,7 +145,15 @@ def reference_run(model, data):
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
     losses, norms, first = [], [], {}
-    for step, aggregation in enumerate(AGGREGATIONS):
+    for step, aggregation in enumerate(AGGREGATIONS + ROLLOUT_STEPS):
+        if step >= len(AGGREGATIONS):  # rollouts of any shape
+            loss = reference_rollout_loss(model, data[step], aggregation)
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            continue
         tokens, documents, mask, adv, noise = data[step]
         with torch.no_grad():
             old = reference_logprobs(model, tokens, documents, TEMPERATURE) + noise
@@ -139,7 +186,10 @@ def refusals(engine, tokens, documents) -> list[str]:
                  lambda: engine.forward_backward(tokens, lambda lp, f: -lp, mask=torch.ones(GB, SEQ - 1)),
                  lambda: engine.forward_backward(tokens, pg_loss, fields={"old": before, "adv": torch.ones(GB)},
                                                  documents=documents),
-                 lambda: engine.forward_backward(tokens, lambda lp, f: -lp.sum(), documents=documents)):
+                 lambda: engine.forward_backward(tokens, lambda lp, f: -lp.sum(), documents=documents),
+                 lambda: engine.logprobs([tokens[0], tokens[1, :1]]),
+                 lambda: engine.forward_backward([tokens[0, :5]], pg_loss, mask=[torch.ones(5)], fields={"old": [0.0]}),
+                 lambda: engine.forward_backward([tokens[0, :5]], pg_loss, fields={"old": [0.0], "adv": 1.0})):
         try:
             call()
             said.append("accepted")
@@ -152,6 +202,22 @@ def refusals(engine, tokens, documents) -> list[str]:
         said.append(str(e))
     said.append(torch.equal(engine.logprobs(tokens, documents), before))
     return said
+
+
+def rollout_step(engine, data, aggregation: str, calls: int) -> float:
+    """forward_backward over rollouts of any shape: in one call, or split over `calls` calls that name the whole
+    batch's total (its masked tokens, or its sequences)."""
+    sequences, masks, advantages, noise = data
+    old = [lp + eps for lp, eps in zip(engine.logprobs(sequences, temperature=TEMPERATURE), noise)]
+    total = sum(int(m.sum()) for m in masks) if aggregation == "token-mean" else len(sequences)
+    loss = 0.0
+    for part in torch.arange(len(sequences)).tensor_split(calls):
+        pick = part.tolist()
+        loss = engine.forward_backward([sequences[i] for i in pick], rl_loss, mask=[masks[i] for i in pick],
+                                       fields={"old": [old[i] for i in pick], "adv": [advantages[i] for i in pick]},
+                                       aggregation=aggregation, temperature=TEMPERATURE, entropy=True,
+                                       batch_total=total if calls > 1 else None)
+    return loss
 
 
 def _engine_run(hf_dir, layout, data, train, tmp):
@@ -168,7 +234,8 @@ def _engine_run(hf_dir, layout, data, train, tmp):
         tokens, documents = data[0][0], data[0][1]
         lp, entropy = engine.logprobs(tokens, documents, entropy=True)
         out = {"logprobs": lp, "entropy": entropy,
-               "tempered": engine.logprobs(tokens, documents, entropy=True, temperature=TEMPERATURE)}
+               "tempered": engine.logprobs(tokens, documents, entropy=True, temperature=TEMPERATURE),
+               "rollouts": engine.logprobs(data[len(AGGREGATIONS)][0], entropy=True, temperature=TEMPERATURE)}
         if train:
             out["losses"], out["norms"] = [], []
             for step, aggregation in enumerate(AGGREGATIONS):
@@ -177,6 +244,9 @@ def _engine_run(hf_dir, layout, data, train, tmp):
                 out["losses"].append(engine.forward_backward(
                     tokens, rl_loss, mask=mask, aggregation=aggregation, fields={"old": old, "adv": adv},
                     documents=documents, temperature=TEMPERATURE, entropy=True))
+                out["norms"].append(engine.step()["grad_norm"])
+            for step, aggregation in enumerate(ROLLOUT_STEPS, start=len(AGGREGATIONS)):
+                out["losses"].append(rollout_step(engine, data[step], aggregation, calls=1 + step % 2))
                 out["norms"].append(engine.step()["grad_norm"])
             if layout.get("pp", 1) > 1:
                 out["refusals"] = refusals(engine, tokens, documents)
@@ -197,25 +267,31 @@ def test_engine_against_transformers(tmp_path):
     llama, moe = hf_llama(seed=3), hf_moe("qwen3", seed=3)
     llama.save_pretrained(tmp_path / "llama")
     moe.save_pretrained(tmp_path / "moe")
-    data = [batch(seed) for seed in range(len(AGGREGATIONS))]
+    data = [batch(seed) for seed in range(len(AGGREGATIONS))] + [rollouts(seed) for seed in range(len(ROLLOUT_STEPS))]
     runs = {"1p": (str(tmp_path / "llama"), {}, True),
             "tp2 pp2": (str(tmp_path / "llama"), dict(tp=2, pp=2), True),
             "moe dp2 ep2": (str(tmp_path / "moe"), dict(dp=2, ep=2), False),
-            "zero3 dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero3.json"), True)}
+            "zero3 dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero3.json"), True),
+            # ZeRO-1/2 reduce at DeepSpeed's accumulation boundary, which the engine holds back until step()
+            "zero1 dp2 pp2": (str(tmp_path / "llama"), dict(dp=2, pp=2, deepspeed_config="ds_configs/zero1.json"), True),
+            "zero2 dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero2.json"), True)}
     every_rank = run_world(4, _world, runs, data, str(tmp_path / "runs"), timeout=600)
-    results = every_rank[0]
+    results, last = every_rank[0], data[len(AGGREGATIONS) - 1][0]
     for rank, result in enumerate(every_rank):  # tp2·pp2: ranks 0-1 hold the first stage, 2-3 the last
         shape = "a tensor of shape []" if rank >= 2 else "another shape (on the last pipeline stage)"
         assert result["tp2 pp2"]["refusals"] == [
             "tokens must be integer token ids; got torch.float32.",
-            f"tokens must be ids in [0, {VOCAB}) (the model's vocabulary); got ids from {int(data[-1][0].min()) + VOCAB} "
-            f"to {int(data[-1][0].max()) + VOCAB}.",
+            f"tokens must be ids in [0, {VOCAB}) (the model's vocabulary); got ids from {int(last.min()) + VOCAB} "
+            f"to {int(last.max()) + VOCAB}.",
             f"mask must be a tensor [{GB}, {SEQ}] (global_batch, seq_len: one value per predicted token); got "
             f"[{GB}, {SEQ - 1}].",
             f"fields['adv'] must be a tensor [{GB}, {SEQ}] or [{GB}, 1] (global_batch, seq_len: one value per predicted "
             f"token, or per row); got [{GB}].",
             f"loss_fn must return one loss per token, a tensor shaped like its logprobs argument ([micro-batch rows, "
             f"tokens]); it returned {shape}.",
+            f"rollout 1 has 1 tokens; a rollout holds 2 to seq_len + 1 = {SEQ + 1} (raise seq_len, or cut it).",
+            "mask[0] must be a tensor [4] (one value per predicted token of rollout 0); got [5].",
+            "fields['adv'] must be a list of 1 values, one per rollout; got a float.",
             "step() without a forward_backward since the last step: there is no gradient.", True], rank
 
     tokens, documents = data[0][0], data[0][1]
@@ -227,6 +303,15 @@ def test_engine_against_transformers(tmp_path):
             gap = (results[label]["logprobs"] - ref)[scored].abs().max().item()
             print(f"{label}: max |logprob - transformers'| {gap:.1e}")
             assert gap < 2e-6, (label, gap)
+    with torch.no_grad():  # rollouts of any shape, packed into passes: each sequence as if run alone
+        for label, model in (("1p", llama), ("tp2 pp2", llama), ("moe dp2 ep2", moe), ("zero3 dp4", llama)):
+            got_lp, got_entropy = results[label]["rollouts"]
+            refs = [reference_sequence(model, s, TEMPERATURE) for s in data[len(AGGREGATIONS)][0]]
+            gaps = [max((a - r[0]).abs().max().item() for a, r in zip(got_lp, refs)),
+                    max(((a - r[1]).abs().max() / r[1].abs().max()).item() for a, r in zip(got_entropy, refs))]
+            print(f"{label}: rollouts' max |logprob - transformers'| {gaps[0]:.1e}, entropy rel {gaps[1]:.1e}")
+            assert [len(x) for x in got_lp] == [len(s) - 1 for s in data[len(AGGREGATIONS)][0]]
+            assert gaps[0] < 2e-6 and gaps[1] < 1e-6, (label, gaps)
     with torch.no_grad():  # the entropy of position 0's distribution (always inside the first document)
         probs = torch.log_softmax(llama(tokens[:, :1]).logits[:, 0].float(), -1)
         assert torch.allclose(results["1p"]["entropy"][:, 0], -(probs.exp() * probs).sum(-1), atol=2e-6)
@@ -248,7 +333,7 @@ def test_engine_against_transformers(tmp_path):
     assert abs(first["no entropy"] - first["token-mean"]) > 1e-3 * first["token-mean"]
     assert max(norms) > CLIP  # clipping was active at some step
     state = llama.state_dict()
-    for label in ("1p", "tp2 pp2", "zero3 dp4"):
+    for label in ("1p", "tp2 pp2", "zero3 dp4", "zero1 dp2 pp2", "zero2 dp4"):
         run = results[label]
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], losses))
         norm_rel = max(abs(a - b) / b for a, b in zip(run["norms"], norms))

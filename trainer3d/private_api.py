@@ -91,6 +91,13 @@ PRIVATE: tuple[Private, ...] = (
     Private("deepspeed.runtime.engine._running_engine_backward_lock", "zero/glue.py", "backward bracketing", "set"),
     Private("deepspeed.runtime.engine._running_engine_backward_count", "zero/glue.py", "backward bracketing", "set"),
     Private(f"{_S12}.loss_scale", "zero/engine.py", "clipping through the loss scale (ZeRO-1/2)"),
+    # DeepSpeed: one accumulation boundary for several passes (trainer3d.engine's calls; ZeroEngine.release_boundary)
+    Private(f"{_S12}.setup_buckets", "zero/engine.py", "a boundary's reduction buckets without a gradient hook"),
+    Private(f"{_S12}.get_gradient_for_reduction", "zero/engine.py", "ZeRO-1's held gradients, reduced at the boundary"),
+    Private(f"{_S12}.reduce_ready_partitions_and_remove_grads", "zero/engine.py",
+            "ZeRO-1's held gradients, reduced at the boundary", params=("self", "param", "i")),
+    Private(f"{_Z}.stage_1_and_2.partition_gradients", "zero/engine.py", "ZeRO-2 reduced in its hooks", "set"),
+    Private(f"{_Z}.stage_1_and_2.bit16_groups", "zero/engine.py", "ZeRO-1's parameters, by group", "set"),
     Private(f"{_S3}.loss_scale", "zero/engine.py", "clipping through the loss scale (ZeRO-3)"),
     # DeepSpeed: gradients, norms and the tied embedding
     Private(f"{_FRAGMENT}.get_lp_grad_fragment", "zero/grads.py", "ZeRO-1/2 gradient fragments"),

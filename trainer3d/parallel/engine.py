@@ -86,6 +86,13 @@ class DataParallelEngine:
         self.update(lr, clip_coefficient(norm, max_norm))
         return StepResult(norm, stepped=True, loss=loss_value, stop=stop_agreed, extra=rest)
 
+    def hold_boundary(self, hold: bool) -> None:
+        """Several passes before one step (trainer3d.engine): an engine whose reduction at a pass's end would not add
+        up over passes defers it to release_boundary. DDP reduces in reduce_grads: nothing to hold."""
+
+    def release_boundary(self) -> None:
+        """Before the step of held passes: the reduction their last backward deferred."""
+
     def reduce_grads(self, grad_scale: float) -> torch.Tensor:
         """step()'s first half, without reading the device: reduce over dp, sum the tied embedding and the
         sequence-parallel gradients, multiply by `grad_scale`; return the global gradient norm as a device scalar."""

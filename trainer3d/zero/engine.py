@@ -28,7 +28,9 @@ from trainer3d.parallel.shards import materialize
 from trainer3d.zero import memory, state
 from trainer3d.zero.config import DeepSpeedSpec
 from trainer3d.zero.experts import ExpertMPU, ExpertShard, detached, expert_config, moe_blocks, over_edp
-from trainer3d.zero.glue import TopologyMPU, ZeroPipelineStage, check_glue, patch_zero3_trace_check
+from trainer3d.zero.glue import (
+    TopologyMPU, ZeroPipelineStage, check_glue, engines_backward, is_zero_optimizer, patch_zero3_trace_check,
+)
 from trainer3d.zero.grads import grad_shares, is_zero_param, z3_set_local_grad
 from trainer3d.zero.ops import (
     check_deepspeed_version,
@@ -63,6 +65,7 @@ class ZeroEngine(DataParallelEngine):
                 engine = self._initialize(deepspeed, module, TopologyMPU(topo), spec.ds_config, module)
             self.stage_engines.append(engine)
             engine.trainer3d_companions = []  # the stage's other engines, which glue.py brackets alongside
+            engine.trainer3d_hold_boundary = False  # (hold_boundary)
             if experts:
                 shard = ExpertShard(experts)
                 engine.trainer3d_companions.append(self._initialize(
@@ -106,6 +109,24 @@ class ZeroEngine(DataParallelEngine):
 
     def zero_grad(self) -> None:
         pass  # ZeRO resets its gradient partitions in engine.step()
+
+    def hold_boundary(self, hold: bool) -> None:
+        """Whether a pass's last backward stays short of DeepSpeed's accumulation boundary, for several passes before
+        one step (trainer3d.engine's calls): ZeRO-0/1/2 reduce at each boundary into buffers the next boundary
+        overwrites (each pass's gradient replaced the one before), so the boundary is crossed once, by
+        release_boundary before the step. ZeRO-3 adds each boundary's gradient into its partitions: no hold."""
+        for e in self.stage_engines:
+            e.trainer3d_hold_boundary = hold and self.spec.zero_stage < 3
+
+    def release_boundary(self) -> None:
+        """The accumulation boundary of held passes (hold_boundary): each engine's reduction as its last backward
+        would have run it, over the gradients every pass added."""
+        for stage in self.stage_engines:
+            if stage.trainer3d_hold_boundary:
+                engines = [stage, *stage.trainer3d_companions]
+                with engines_backward(engines, boundary=True):
+                    for e in engines:
+                        _reduce_held(e.optimizer)
 
     def reduce_grads(self, grad_scale: float) -> torch.Tensor:
         if grad_scale != 1.0:
@@ -223,6 +244,21 @@ def gather_by_block(stage: nn.Module) -> None:
     classes = list({type(block) for block in [*stage.blocks.values(), *stage.extra_blocks()]})
     if classes:
         set_z3_leaf_modules(stage, classes)
+
+
+def _reduce_held(opt) -> None:
+    """What the gradient hooks of a boundary backward do, for gradients that earlier backwards left: ZeRO-1/2 set up
+    their reduction buckets on a first hook, and ZeRO-1 reduces only at the boundary, each gradient from its hook (so
+    its epilogue, with overlap_comm, finds nothing reduced). ZeRO-0's plain optimizer reduces in the epilogue."""
+    if not is_zero_optimizer(opt) or not hasattr(opt, "setup_buckets"):
+        return
+    opt.setup_buckets()
+    if opt.partition_gradients:
+        return  # ZeRO-2 reduced each backward's gradients in its hooks
+    for i, group in enumerate(opt.bit16_groups):
+        for p in group:
+            if opt.get_gradient_for_reduction(p) is not None:
+                opt.reduce_ready_partitions_and_remove_grads(p, i)
 
 
 def _has_loss_scale(opt) -> bool:

@@ -162,14 +162,22 @@ class ZeroPipelineStage(PipelineStage):
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type != "full":
             raise RuntimeError("ZeRO stages run full backwards only (split-backward schedules are refused in config)")
-        engines = [self.submod, *self.submod.trainer3d_companions]
-        with contextlib.ExitStack() as stack:
-            for engine in engines:
-                stack.enter_context(_engine_backward(engine, last_backward))
-            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-            for engine in reversed(engines):
-                engine._backward_epilogue()
-        return result
+        boundary = last_backward and not self.submod.trainer3d_hold_boundary  # (ZeroEngine.hold_boundary)
+        with engines_backward([self.submod, *self.submod.trainer3d_companions], boundary):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+@contextlib.contextmanager
+def engines_backward(engines: list, boundary: bool):
+    """DeepSpeed's brackets around a backward through `engines` (a stage's, with its companions): each one's prologue,
+    the backward, each one's epilogue (its reduction, at the accumulation `boundary` the last). With nothing inside,
+    the boundary's reduction of gradients earlier backwards left (ZeroEngine.release_boundary)."""
+    with contextlib.ExitStack() as stack:
+        for engine in engines:
+            stack.enter_context(_engine_backward(engine, boundary))
+        yield
+        for engine in reversed(engines):
+            engine._backward_epilogue()
 
 
 @contextlib.contextmanager

@@ -3,14 +3,17 @@ few calls such a backend needs (verl's engine, slime's actor), at every layout a
 
     engine = Engine(TrainConfig(init_from_hf="my-model", tp=2, pp=2, global_batch=8, seq_len=512, lr=1e-6))
     lp = engine.logprobs(tokens)                        # [B, T]: log p(tokens[:, t+1] | tokens[:, :t+1])
+    lps = engine.logprobs([seq_a, seq_b, seq_c])        # rollouts of any count and length: [len - 1] each
     loss = engine.forward_backward(tokens, loss_fn, mask=mask, fields={"advantages": adv, "old_logprobs": lp})
     engine.step()                                       # {"grad_norm", "lr", "loss", "skipped"}
     for hf_name, tensor in engine.named_weights(): ...  # to an inference engine
     engine.save(out_dir); engine.close()
 
-Every rank of the job (torchrun, SLURM, the deepspeed launcher) runs the same calls with the same whole global batch
-(tokens [global_batch, seq_len + 1]); the engine takes this dp rank's rows, runs the pipeline schedule over them in
-the config's micro-batches, and gives every rank the whole result. Per-token values travel with their tokens through
+Every rank of the job (torchrun, SLURM, the deepspeed launcher) runs the same calls with the same batch: the whole
+global batch (tokens [global_batch, seq_len + 1]), or rollouts, a list of 1-D token tensors of any count and lengths
+up to seq_len + 1, which batch.pack places into as many passes of such rows as they need (several a row under
+document_mask + reset_position_ids), balanced over dp ranks. The engine takes this dp rank's rows, runs the pipeline
+schedule over them in the config's micro-batches, and gives every rank the whole result. Per-token values travel with their tokens through
 the schedule as extra channels of the targets ([B, T, channels]: the target, the row, the position, the loss weight,
 the caller's fields), so context parallelism's split of the sequence and pipeline parallelism's last stage need no
 rule of their own: the loss function sees its micro-batch's tokens wherever they are, and the results are written
@@ -21,7 +24,9 @@ seq_len, or seq_len/cp), fields the caller's [mb, T'] tensors split alike (and "
 token's loss by the aggregation, from the whole batch on the host: token-mean (1/N, N the global count of masked
 tokens: DAPO, Dr. GRPO), sequence-mean (1/(n_seq · n_i), n_i the masked tokens of the token's sequence: GRPO), sum;
 so the gradient is that of the aggregated loss over the global batch at every layout. A sequence is a document of a
-packed row (the call's `documents`, or those the eos_id opens under --document-mask), else the row.
+packed row (the call's `documents`, or those the eos_id opens under --document-mask), else the row; each rollout is
+one. Several passes or calls before one step() add up at every engine: ZeRO-0/1/2's reduction at DeepSpeed's
+accumulation boundary is held back to step() (ZeroEngine.hold_boundary), since each boundary replaces the last.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from trainer3d.checkpoint.save import parameter_pieces, save_checkpoint
 from trainer3d.config import TrainConfig
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
+from trainer3d.engine.batch import (
+    Packing, check_rollout_values, check_rollouts, pack, sequence_weights, token_weights,
+)
 from trainer3d.errors import ConfigError, TrainingError
 from trainer3d.models import canonical_shapes, canonical_tables
 from trainer3d.parallel.cross_entropy import vocab_parallel_entropy
@@ -45,30 +53,10 @@ from trainer3d.parallel.parallelize import named_full_params
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer
 
-AGGREGATIONS = ("token-mean", "sequence-mean", "sum")
 TARGET, ROW, POSITION, WEIGHT, FIELDS = 0, 1, 2, 3, 4  # the channels of the targets a pass carries
 
 LossFn = Callable[[torch.Tensor, dict], torch.Tensor]
-
-
-def token_weights(mask: torch.Tensor, aggregation: str, sequences: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T] float64: each token's weight in the aggregated loss over the whole batch (0 where mask is False).
-    `sequences` [B, T]: the sequence (document) of each predicted token within its row, where rows are packed (None:
-    a row is one sequence); sequence-mean weighs a masked token 1/(n_seq · n_i), n_seq the sequences with a masked
-    token, n_i its sequence's masked tokens (GRPO's 1/G Σ_i 1/|o_i| Σ_t), whatever row the sequence shares."""
-    m = mask.double()
-    if aggregation == "token-mean":
-        return m / m.sum().clamp(min=1)
-    if aggregation == "sequence-mean":
-        docs = torch.zeros(m.shape, dtype=torch.long) if sequences is None else sequences.long()
-        keys = torch.stack([torch.arange(m.shape[0])[:, None].expand_as(docs), docs], -1).reshape(-1, 2)
-        _, seq = torch.unique(keys, dim=0, return_inverse=True)  # (row, document) -> one id per sequence
-        per_seq = torch.zeros(int(seq.max()) + 1, dtype=torch.float64).index_add_(0, seq, m.reshape(-1))
-        n_seq = (per_seq > 0).sum().clamp(min=1)
-        return m / per_seq[seq].view_as(m).clamp(min=1) / n_seq
-    if aggregation == "sum":
-        return m
-    raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)} (got {aggregation!r}).")
+Tokens = torch.Tensor | list[torch.Tensor]  # the whole global batch [global_batch, seq_len + 1], or rollouts
 
 
 class Engine:
@@ -106,6 +94,7 @@ class Engine:
         trainer = Trainer(setup, self.topo, self.device, mcfg, shard_value=start.shard_value, boundary=boundary)
         apply(start, trainer)
         trainer.engine.zero_grad()
+        trainer.engine.hold_boundary(True)  # several passes a step (ZeRO-0/1/2 reduce once, in step())
         return trainer
 
     # ---- passes ----------------------------------------------------------------------------------------------
@@ -147,8 +136,9 @@ class Engine:
                 raise ConfigError(f"{name} must be a tensor {shapes} (global_batch, seq_len: one value per predicted "
                                   f"token{'' if name == 'mask' else ', or per row'}); got {shape}.")
 
-    def _pass(self, tokens, targets, documents, reduction, train: bool) -> list[torch.Tensor]:
-        """This dp rank's rows through the schedule, `reduction(logits, targets)` in the loss's place."""
+    def _pass(self, tokens, targets, documents, reduction, train: bool, real=None) -> list[torch.Tensor]:
+        """This dp rank's rows through the schedule, `reduction(logits, targets)` in the loss's place; `real` [B, T]
+        the inputs that are not padding (the MoE balance counts those only; None: all)."""
         t = self.trainer
         if documents is None and t.cfg.uses_documents and self.eos_id is None:
             raise ConfigError("Under document_mask / reset_position_ids pass each call its documents, or give the "
@@ -157,7 +147,8 @@ class Engine:
         mine = slice(t.topo.dp_rank * per, (t.topo.dp_rank + 1) * per)
         docs = documents[mine, :-1] if documents is not None else None
         if t.balance is not None and train:
-            t.balance.begin_pass(None, t.plan.global_batch * t.cfg.seq_len)
+            count = t.plan.global_batch * t.cfg.seq_len if real is None else int(real.sum())
+            t.balance.begin_pass(None if real is None else real[mine], count)
         return t.run_pass(tokens[mine, :-1], targets[mine], train, docs, reduction)
 
     def _gather(self, results: list[torch.Tensor], shape: tuple[int, int], width: int) -> torch.Tensor:
@@ -186,15 +177,37 @@ class Engine:
             raise ConfigError(f"temperature must be a positive number (the rollout's: log-probabilities of "
                               f"softmax(logits / temperature)); got {temperature!r}.")
 
-    def logprobs(self, tokens: torch.Tensor, documents: torch.Tensor | None = None, entropy: bool = False,
-                 temperature: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _rollouts(self, sequences: list, documents) -> tuple[Packing, list[tuple]]:
+        """Rollouts checked (batch.check_rollouts) and packed: the Packing, and per pass (tokens, documents or None,
+        real inputs)."""
+        t = self.trainer
+        if documents is not None:
+            raise ConfigError("documents are for whole-batch rows; rollouts are one sequence each (pass none).")
+        check_rollouts(sequences, t.cfg.seq_len, t.mcfg.vocab_size)
+        packing = pack([len(s) for s in sequences], t.plan.global_batch, t.cfg.seq_len + 1, t.topo.layout.dp,
+                       several_a_row=t.cfg.document_mask and t.cfg.reset_position_ids)
+        tokens, docs, real = packing.tokens(sequences)
+        keep = t.cfg.uses_documents  # the model sees documents only where it masks them
+        return packing, [(tokens[p], docs[p] if keep else None, real[p]) for p in range(packing.passes)]
+
+    def logprobs(self, tokens: Tokens, documents: torch.Tensor | None = None, entropy: bool = False,
+                 temperature: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list:
         """[B, T] float32 log-probabilities of tokens[:, 1:] under softmax(logits / temperature) (the rollout's
         sampling distribution; and, with `entropy`, the entropy of each position's), on every rank; no gradient,
-        dropout off. `documents` [B, T + 1]: each token's document, for packed rows under --document-mask."""
-        self._check(tokens, documents)
+        dropout off. `documents` [B, T + 1]: each token's document, for packed rows under --document-mask.
+        Rollouts (a list of 1-D token tensors of any count and lengths up to seq_len + 1): a list of [len - 1]."""
         self._check_temperature(temperature)
-        t = self.trainer
-        t.engine.train(False)
+        if isinstance(tokens, (list, tuple)):
+            packing, passes = self._rollouts(tokens, documents)
+            out = packing.unpack(torch.stack([self._score(*batch, temperature, entropy) for batch in passes]))
+            return ([o[:, 0] for o in out], [o[:, 1] for o in out]) if entropy else [o[:, 0] for o in out]
+        self._check(tokens, documents)
+        out = self._score(tokens, documents, None, temperature, entropy)
+        return (out[..., 0], out[..., 1]) if entropy else out[..., 0]
+
+    def _score(self, tokens, documents, real, temperature: float, entropy: bool) -> torch.Tensor:
+        """[B, T, 1 or 2] log-probabilities (and entropies) of one pass's rows, on every rank."""
+        self.trainer.engine.train(False)
 
         def reduction(logits, targets):
             values = [v for v in self._scored(logits, targets, temperature, entropy) if v is not None]
@@ -203,56 +216,69 @@ class Engine:
 
         targets = self._targets(tokens, torch.zeros(tokens.shape[0], tokens.shape[1] - 1), {})
         with torch.no_grad():
-            out = self._gather(self._pass(tokens, targets, documents, reduction, train=False),
-                               (tokens.shape[0], tokens.shape[1] - 1), 2 if entropy else 1)
-        return (out[..., 0], out[..., 1]) if entropy else out[..., 0]
+            return self._gather(self._pass(tokens, targets, documents, reduction, False, real),
+                                (tokens.shape[0], tokens.shape[1] - 1), 2 if entropy else 1)
 
-    def forward_backward(self, tokens: torch.Tensor, loss_fn: LossFn, mask: torch.Tensor | None = None,
-                         fields: dict[str, torch.Tensor] | None = None, aggregation: str = "token-mean",
-                         documents: torch.Tensor | None = None, temperature: float = 1.0,
-                         entropy: bool = False) -> float:
-        """Accumulate the gradient of the aggregated loss Σ_tokens weight · loss_fn(logprobs, fields) over the global
-        batch; return that loss (on every rank). `mask` [B, T] (default: every token), `fields` {name: [B, T] or
-        [B, 1]} the caller's per-token values, given to loss_fn split as the tokens are, with "mask", and with
-        `entropy` the entropy of each position's distribution with its gradient ("entropy": an entropy bonus).
-        Log-probabilities and entropy are those of softmax(logits / temperature), the rollout's. Several calls
-        before one step() add their gradients (DDP; a ZeRO engine takes one call a step)."""
+    def forward_backward(self, tokens: Tokens, loss_fn: LossFn, mask=None, fields: dict | None = None,
+                         aggregation: str = "token-mean", documents: torch.Tensor | None = None,
+                         temperature: float = 1.0, entropy: bool = False, batch_total: float | None = None) -> float:
+        """Accumulate the gradient of the aggregated loss Σ_tokens weight · loss_fn(logprobs, fields) over the batch;
+        return that loss (on every rank). Whole-batch rows: `mask` [B, T] (default: every token), `fields` {name:
+        [B, T] or [B, 1]}. Rollouts (a list of 1-D token tensors): `mask` a list of [len - 1] (or None), `fields`
+        {name: a list of [len - 1] tensors or of numbers, one a sequence}. loss_fn gets the fields split as the
+        tokens are, with "mask", and with `entropy` the entropy of each position's distribution with its gradient
+        ("entropy": an entropy bonus). Log-probabilities and entropy are those of softmax(logits / temperature).
+        Several calls before one step() add up; where they split one batch, `batch_total` gives the whole batch's
+        masked tokens (token-mean) or sequences (sequence-mean), so that their sum is the batch's aggregated loss."""
         fields = dict(fields or {})
         taken = [name for name in ("mask", "entropy") if name in fields]
         if taken:
             raise ConfigError(f"'{taken[0]}' is the engine's field (the {taken[0]} argument); name yours otherwise.")
         self._check_temperature(temperature)
-        self._check(tokens, documents, **({} if mask is None else {"mask": mask}),
-                    **{f"fields[{k!r}]": v for k, v in fields.items()})
+        if isinstance(tokens, (list, tuple)):
+            packing, passes = self._rollouts(tokens, documents)
+            masks = check_rollout_values(tokens, mask, fields)
+            weights = packing.per_token(sequence_weights(masks, aggregation, batch_total))
+            given = {**{k: packing.per_token(v) for k, v in fields.items()}, "mask": packing.per_token(masks) > 0}
+            batches = [(tok, docs, weights[p], {k: v[p] for k, v in given.items()}, real)
+                       for p, (tok, docs, real) in enumerate(passes)]
+        else:
+            self._check(tokens, documents, **({} if mask is None else {"mask": mask}),
+                        **{f"fields[{k!r}]": v for k, v in fields.items()})
+            B, T = tokens.shape[0], tokens.shape[1] - 1
+            mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask.bool()
+            weights = token_weights(mask, aggregation, self._sequences(tokens, documents), batch_total)
+            batches = [(tokens, documents, weights, {**fields, "mask": mask}, None)]
+        return self._train(batches, loss_fn, temperature, entropy)
+
+    def _train(self, batches: list[tuple], loss_fn: LossFn, temperature: float, entropy: bool) -> float:
+        """Each pass's (tokens, documents, weights, fields with "mask", real inputs) through forward and backward;
+        one all-reduce for the loss and for whether loss_fn returned another shape (seen on the last stage)."""
         t = self.trainer
-        if self.passes and t.deepspeed is not None:
-            raise TrainingError("A ZeRO engine takes one forward_backward per step(): pass the whole batch at once.")
-        B, T = tokens.shape[0], tokens.shape[1] - 1
-        mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask.bool()
-        fields["mask"] = mask
-        names = list(fields)
-        targets = self._targets(tokens, token_weights(mask, aggregation, self._sequences(tokens, documents)), fields)
         scale = (t.loss_scale.scale if t.loss_scale else 1.0) * t.topo.layout.dp_cp  # the engine averages over dp·cp
         t.engine.train()
         returned = []  # what loss_fn returned where it was not one loss per token (the last stage sees it)
-
-        def reduction(logits, targets):
-            logprobs, h = self._scored(logits, targets, temperature, entropy)
-            given = {name: targets[..., FIELDS + i].to(logprobs.dtype) for i, name in enumerate(names)}
-            given["mask"] = given["mask"] > 0
-            if h is not None:
-                given["entropy"] = h.to(logprobs.dtype)
-            losses = loss_fn(logprobs, given)
-            if not torch.is_tensor(losses) or losses.shape != logprobs.shape:  # refused after the pass, on every rank
-                returned.append(f"a tensor of shape {list(losses.shape)}" if torch.is_tensor(losses)
-                                else f"a {type(losses).__name__}")
-                return logprobs.sum() * 0.0  # every stage's backward still runs: no rank is left waiting
-            return (losses * targets[..., WEIGHT].to(losses.dtype)).sum() * scale
-
-        losses = self._pass(tokens, targets, documents, reduction, train=True)
         local = torch.zeros(2, device=self.device)  # the loss, and whether loss_fn returned another shape
-        if t.parallel_model.has_last and self.topo.tp_rank == 0 and losses:
-            local[0] = torch.stack([x.detach().float() for x in losses]).sum() / scale
+        for tokens, documents, weights, fields, real in batches:
+            names = list(fields)
+
+            def reduction(logits, targets):
+                logprobs, h = self._scored(logits, targets, temperature, entropy)
+                given = {name: targets[..., FIELDS + i].to(logprobs.dtype) for i, name in enumerate(names)}
+                given["mask"] = given["mask"] > 0
+                if h is not None:
+                    given["entropy"] = h.to(logprobs.dtype)
+                losses = loss_fn(logprobs, given)
+                if not torch.is_tensor(losses) or losses.shape != logprobs.shape:  # refused after the passes
+                    returned.append(f"a tensor of shape {list(losses.shape)}" if torch.is_tensor(losses)
+                                    else f"a {type(losses).__name__}")
+                    return logprobs.sum() * 0.0  # every stage's backward still runs: no rank is left waiting
+                return (losses * targets[..., WEIGHT].to(losses.dtype)).sum() * scale
+
+            targets = self._targets(tokens, weights, fields)
+            losses = self._pass(tokens, targets, documents, reduction, True, real)
+            if t.parallel_model.has_last and self.topo.tp_rank == 0 and losses:
+                local[0] += torch.stack([x.detach().float() for x in losses]).sum() / scale
         local[1] = float(bool(returned))
         reduced = all_reduce(local, self.topo.world_group)
         if reduced[1] > 0:
@@ -275,6 +301,7 @@ class Engine:
             raise TrainingError("step() without a forward_backward since the last step: there is no gradient.")
         result = None
         try:  # the Trainer's step (lr schedule, clip, fp16's scale, non-finite rule); the gradient is spent either way
+            t.engine.release_boundary()  # ZeRO-0/1/2: the reduction the passes held back (hold_boundary)
             result, lr = t.optimizer_step(self._loss.to(self.device), torch.zeros((), device=self.device))
         finally:
             t.engine.zero_grad()
