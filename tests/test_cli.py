@@ -38,6 +38,12 @@ def _cases(tmp):
         (["--lr", "inf"], "--lr must be a positive finite number (got inf)."),
         (["--weight-decay", "nan"], "--weight-decay must be a finite number (got nan)."),
         (["--grad-clip", "inf"], "--grad-clip must be a finite number (got inf)."),
+        (["--objective", "dpo", "--data-format", "preference", "--data", str(a_file), "--dpo-loss", "sigmoid,kto"],
+         "--dpo-loss must name one or more of sigmoid, robust, ipo, hinge, bco_pair, sppo_hard, comma-separated, each "
+         "once (got 'sigmoid,kto')."),
+        (["--objective", "dpo", "--data-format", "preference", "--data", str(a_file), "--dpo-loss", "sigmoid,hinge",
+          "--dpo-loss-weights", "0.5"],
+         "--dpo-loss-weights must be 2 comma-separated numbers, one per --dpo-loss (sigmoid,hinge); got '0.5'."),
         (["--dropout", "1.5"], "--dropout must be in [0.0, 1.0) (got 1.5)."),
         (["--dropout", "-0.1"], "--dropout must be in [0.0, 1.0) (got -0.1)."),
         (["--beta1", "1.0"], "--beta1 must be in [0.0, 1.0) (got 1.0)."),

@@ -83,7 +83,7 @@ def _config(out_dir, n: int, steps: int, lr: float, beta: float, loss_type: str,
     kw = dict(
         output_dir=str(out_dir), per_device_train_batch_size=n, gradient_accumulation_steps=1, max_steps=steps,
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
-        adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=max_grad_norm, beta=beta, loss_type=[loss_type],
+        adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=max_grad_norm, beta=beta, loss_type=loss_type.split(","),
         label_smoothing=label_smoothing, max_length=max_length, truncation_mode="keep_start", padding_free=False,
         precompute_ref_log_probs=False, bf16=False, fp16=False, use_cpu=True, activation_checkpointing=False,
         disable_dropout=True, logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no",

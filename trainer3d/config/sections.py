@@ -200,8 +200,10 @@ class LossConfig(Section):
     dpo_beta: float = flag(0.1, 'dpo: β, the weight of the log-ratio margins', positive=True)
     dpo_loss: str = flag(
         "sigmoid",
-        "dpo: the paper's sigmoid loss (TRL's default; with --dpo-label-smoothing: cDPO), robust DPO (TRL's robust) or"
-        " IPO's squared one", choices=('sigmoid', 'robust', 'ipo'))
+        "dpo: the paper's sigmoid loss (TRL's default; with --dpo-label-smoothing: cDPO), robust, ipo, hinge, "
+        "bco_pair or sppo_hard (TRL's names), or a comma-separated mix of them (MPO: sigmoid,bco_pair)")
+    dpo_loss_weights: str | None = flag(
+        None, "dpo: a weight per --dpo-loss, comma-separated (TRL's loss_weights; default 1 each)", metavar="W,W,...")
     dpo_label_smoothing: float = flag(
         0.0, "dpo, sigmoid and robust: the share ε of pairs taken as mislabelled; 0: off", low=0.0, high=0.5,
         high_excluded=True)

@@ -7,9 +7,14 @@ beside its targets in one more column. With h = (π_c - ref_c) - (π_r - ref_r) 
   sigmoid: -(1 - ε)·log σ(β·h) - ε·log σ(-β·h)          (ε = 0: the paper's DPO; ε > 0: cDPO)
   robust:  (-(1 - ε)·log σ(β·h) + ε·log σ(-β·h)) / (1 - 2ε)   (Chowdhury et al. 2024; TRL's "robust")
   ipo:     ((π_c - ref_c)/|c| - (π_r - ref_r)/|r| - 1/(2β))²   (|c|, |r|: the completions' tokens; TRL's)
-The loss is the mean over the global batch's pairs: each micro-batch's sum over its pairs times dp / the global
+  hinge:   max(0, 1 - β·h)                                       (SLiC; TRL's "hinge")
+  bco_pair: -log σ(β(π_c - ref_c)) - log σ(-β(π_r - ref_r))      (TRL's "bco_pair")
+  sppo_hard: (π_c - ref_c - 1/(2β))² + (π_r - ref_r + 1/(2β))²   (SPPO with hard win probabilities; TRL's)
+--dpo-loss names one or a mix (MPO: "sigmoid,bco_pair"), each weighted by --dpo-loss-weights (default 1 each), as
+TRL's loss_type list and loss_weights. The loss is the mean over the global batch's pairs: each micro-batch's sum over its pairs times dp / the global
 pairs (the engine averages over dp). TRL's metrics ride in the step's one all-reduce: rewards/chosen = β(π_c - ref_c),
-rewards/rejected, rewards/margins and rewards/accuracies (the share of pairs with chosen > rejected), means over pairs.
+rewards/rejected, rewards/margins and rewards/accuracies (the share of pairs with chosen > rejected), logps/chosen
+= π_c and logps/rejected = π_r, means over pairs.
 
 The reference log-probs are the initial weights' (TRL's ref_model=None), or --ref-model's (a Trainer of that model at
 the same layout, built, used and dropped before the policy's), scored once before the first step (forward-only passes
@@ -35,15 +40,32 @@ from trainer3d.fsio import replace_durably, temp_name
 from trainer3d.models import canonical_shapes
 from trainer3d.train.downstream import forward_rows
 
-LOSSES = ("sigmoid", "ipo", "robust")
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies")  # summed over pairs in the step's all-reduce
+LOSSES = ("sigmoid", "robust", "ipo", "hinge", "bco_pair", "sppo_hard")
+SMOOTHED = ("sigmoid", "robust")  # the losses --dpo-label-smoothing's ε enters
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")  # summed
+# over pairs in the step's all-reduce
+
+
+def loss_mix(cfg) -> list[tuple[str, float]]:
+    """--dpo-loss's kinds with --dpo-loss-weights' weights: [(kind, weight)]."""
+    kinds = [k.strip() for k in cfg.dpo_loss.split(",")]
+    if cfg.dpo_loss_weights is None:
+        return [(k, 1.0) for k in kinds]
+    try:
+        weights = [float(w) for w in cfg.dpo_loss_weights.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != len(kinds):
+        raise ConfigError(f"--dpo-loss-weights must be {len(kinds)} comma-separated numbers, one per --dpo-loss "
+                          f"({cfg.dpo_loss}); got {cfg.dpo_loss_weights!r}.")
+    return list(zip(kinds, weights))
 REFERENCE_FILE = "dpo_reference.npy"
 
 
 class DPO:
     def __init__(self, trainer):
         cfg = trainer.cfg.loss  # the run's LossConfig section
-        self.trainer, self.beta, self.kind, self.smoothing = trainer, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing
+        self.trainer, self.beta, self.mix, self.smoothing = trainer, cfg.dpo_beta, loss_mix(cfg), cfg.dpo_label_smoothing
         self.sums = torch.zeros(len(METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
         self.pairs = trainer.plan.global_batch // 2  # a step's (--global-batch counts rows, two a pair)
         self.reference: np.ndarray | None = None  # [2n] every row's reference log-prob (load_or_score), checkpointed
@@ -75,18 +97,32 @@ class DPO:
         policy = self.row_logprobs(logits, targets[:, :-1])
         ratios = policy - targets[:, -1].to(policy.dtype)
         chosen, rejected = ratios[0::2], ratios[1::2]
-        if self.kind == "ipo":  # per-token log-ratios (TRL's; its rewards stay summed)
-            lengths = (targets[:, :-1] >= 0).sum(dim=1).clamp(min=1).to(ratios.dtype)
-            losses = (chosen / lengths[0::2] - rejected / lengths[1::2] - 1 / (2 * self.beta)) ** 2
-        else:
-            h, eps = self.beta * (chosen - rejected), self.smoothing
-            losses = -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)  # cDPO (Mitchell 2023); eps 0: DPO
-            if self.kind == "robust":  # Chowdhury et al. 2024, TRL's "robust"
-                losses = (-(1 - eps) * F.logsigmoid(h) + eps * F.logsigmoid(-h)) / (1 - 2 * eps)
+        lengths = (targets[:, :-1] >= 0).sum(dim=1).clamp(min=1).to(ratios.dtype)
+        losses = sum(weight * self._pair_losses(kind, chosen, rejected, lengths) for kind, weight in self.mix)
         with torch.no_grad():
             self.sums += torch.stack([self.beta * chosen.sum(), self.beta * rejected.sum(),
-                                      (chosen > rejected).float().sum()]).to(self.sums)
+                                      (chosen > rejected).float().sum(), policy[0::2].sum(),
+                                      policy[1::2].sum()]).to(self.sums)
         return losses.sum() * weight
+
+    def _pair_losses(self, kind: str, chosen: torch.Tensor, rejected: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor:
+        """[pairs] one loss kind's, from the pairs' log-ratios π - ref (the module's docstring)."""
+        beta, eps = self.beta, self.smoothing
+        h = beta * (chosen - rejected)
+        if kind == "sigmoid":
+            return -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)  # cDPO (Mitchell 2023); eps 0: DPO
+        if kind == "robust":  # Chowdhury et al. 2024
+            return (-(1 - eps) * F.logsigmoid(h) + eps * F.logsigmoid(-h)) / (1 - 2 * eps)
+        if kind == "ipo":  # per-token log-ratios (TRL's; its rewards stay summed)
+            return (chosen / lengths[0::2] - rejected / lengths[1::2] - 1 / (2 * beta)) ** 2
+        if kind == "hinge":
+            return torch.relu(1 - h)
+        if kind == "bco_pair":
+            return -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * rejected)
+        if kind == "sppo_hard":
+            return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
+        raise ValueError(kind)  # (check_dpo refused it)
 
     def begin_pass(self) -> None:
         self.sums.zero_()
@@ -147,8 +183,8 @@ def load_or_score(trainer, rows, out_dir: str, fresh: bool) -> None:
 def check_dpo(cfg):
     """--objective dpo trains on --data-format preference pairs and nothing else does; its pairs hold nothing out for
     validation (--val-fraction is set to 0)."""
-    dpo_flags = [k for k, v in (("dpo_beta", 0.1), ("dpo_loss", "sigmoid"), ("dpo_label_smoothing", 0.0),
-                                ("ref_model", None)) if getattr(cfg, k) != v]
+    dpo_flags = [k for k, v in (("dpo_beta", 0.1), ("dpo_loss", "sigmoid"), ("dpo_loss_weights", None),
+                                ("dpo_label_smoothing", 0.0), ("ref_model", None)) if getattr(cfg, k) != v]
     if cfg.objective != "dpo":
         if cfg.objective != "lm":
             raise ConfigError(f"--objective must be lm or dpo (got {cfg.objective!r}).")
@@ -160,10 +196,14 @@ def check_dpo(cfg):
     if cfg.data_format != "preference" or cfg.data is None or cfg.data_mixture:
         raise ConfigError("--objective dpo trains on preference pairs: pass --data-format preference and --data with "
                           "prompt/chosen/rejected rows.")
-    if cfg.dpo_loss not in ("sigmoid", "robust", "ipo"):
-        raise ConfigError(f"--dpo-loss must be sigmoid, robust or ipo (got {cfg.dpo_loss!r}).")
-    if cfg.dpo_label_smoothing and cfg.dpo_loss == "ipo":
-        raise ConfigError("--dpo-label-smoothing applies to the sigmoid and robust losses; drop it with --dpo-loss ipo.")
+    mix = loss_mix(cfg)
+    unknown = [kind for kind, _ in mix if kind not in LOSSES]
+    if unknown or len({kind for kind, _ in mix}) != len(mix):
+        raise ConfigError(f"--dpo-loss must name one or more of {', '.join(LOSSES)}, comma-separated, each once (got "
+                          f"{cfg.dpo_loss!r}).")
+    if cfg.dpo_label_smoothing and not any(kind in SMOOTHED for kind, _ in mix):
+        raise ConfigError(f"--dpo-label-smoothing applies to the sigmoid and robust losses; drop it with --dpo-loss "
+                          f"{cfg.dpo_loss}.")
     if cfg.cp > 1 or cfg.mtp_loss_coef:
         raise ConfigError("--objective dpo runs without context parallelism and multi-token prediction (a pair's "
                           "log-prob is summed on one rank): drop --cp / --mtp-loss-coef.")
