@@ -184,3 +184,31 @@ def test_a_resume_into_a_new_out_dir_keeps_the_reference_and_its_mask(tmp_path):
     assert abs(steps["a"][-1]["rewards/margins"]) > 1e-3  # the policy has moved away from the reference
     reference = np.load(tmp_path / "a" / "dpo_reference.npy", allow_pickle=False)
     assert np.array_equal(np.load(tmp_path / "b" / "dpo_reference.npy", allow_pickle=False), reference)
+
+
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_overlong_pairs_truncated_as_trl(tmp_path, mode):
+    """TRL's truncation_mode on pairs longer than a row (max_length = our seq_len + 1): each side's tokens and
+    completion mask equal TRL's collated batch, and keep_start drops the pairs TRL drops (a prompt that fills the
+    row)."""
+    from trainer3d.data.preference import encode_pair, fit
+    from trainer3d.data.tokenizer import load_tokenizer
+
+    tiny_chat_model(tmp_path / "model")
+    rows, width = preference_rows(8, conversational=True), 24  # prompts of 12 to 26 tokens, pairs of 19 to 36
+    trl = trl_dpo_tokenized(str(tmp_path / "model"), rows, max_length=width, out_dir=str(tmp_path / "trl"),
+                            truncation_mode=mode)
+    tok = load_tokenizer(str(tmp_path / "model"))
+    pairs = [fit(p, [c, r], width, "truncate", mode) for p, c, r in (encode_pair(tok, row) for row in rows)]
+    kept = [p for p in pairs if p is not None]
+    full = [encode_pair(tok, row) for row in rows]
+    assert any(len(p) + max(len(c), len(r)) > width for p, c, r in full)  # some pairs are overlong
+    assert (len(kept) < len(rows)) == (mode == "keep_start") and len(kept) == len(trl["prompt_ids"])
+    batch, n = trl["batch"], len(kept)
+    for side in range(2):
+        for i, sides in enumerate(kept):
+            ids, start = sides[side]
+            row = side * n + i
+            length = int(batch["attention_mask"][row].sum())
+            assert ids == batch["input_ids"][row, :length].tolist(), (mode, side, i)
+            assert [0] * start + [1] * (len(ids) - start) == batch["completion_mask"][row, :length].tolist()

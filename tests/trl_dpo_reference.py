@@ -140,12 +140,13 @@ def trl_dpo_run(model_dir: str, rows: list[dict], steps: int, lr: float, beta: f
     return log
 
 
-def trl_dpo_tokenized(model_dir: str, rows: list[dict], max_length: int | None = None, *, out_dir: str) -> dict:
+def trl_dpo_tokenized(model_dir: str, rows: list[dict], max_length: int | None = None, *, out_dir: str,
+                      **overrides) -> dict:
     """TRL's tokenization of `rows` (its DPOTrainer's prepared dataset and its collated batch of all of them):
     {"prompt_ids", "chosen_ids", "rejected_ids": one list per kept row; "batch": the collated tensors, input_ids
     of chosen rows then rejected rows, right-padded with the pad id, attention_mask, completion_mask (before
     truncation to max_length in prompt_ids/..._ids, after it in batch)}."""
-    args = _config(out_dir, len(rows), 1, 1e-6, 0.1, "sigmoid", 0.0, max_length, 1.0, 0)
+    args = _config(out_dir, len(rows), 1, 1e-6, 0.1, "sigmoid", 0.0, max_length, 1.0, 0, **overrides)
     trainer = _trainer(model_dir, rows, args)
     data = trainer.train_dataset
     examples = [data[i] for i in range(len(data))]

@@ -265,6 +265,11 @@ class DatasetConfig(Section):
         "truncate",
         'chat: a conversation longer than --seq-len + 1 tokens keeps its head, or is left out',
         choices=('truncate', 'drop'))
+    truncation_mode: str = flag(
+        "keep_start",
+        "preference pairs under --overlong truncate: each side keeps its first --seq-len + 1 tokens (TRL's default; a "
+        "pair whose prompt fills a row is dropped), its last ones (keep_end), or its prompt loses its head and the "
+        "completions stay whole (keep_completions)", choices=('keep_start', 'keep_end', 'keep_completions'))
     pack: bool = flag(
         True,
         'chat: one conversation per row, padded (default: packed best-fit-decreasing, attention per conversation)',

@@ -6,8 +6,8 @@ Tokenized as TRL's DPOTrainer does, so that the same pairs give the same tokens:
 by the chat template with the generation prompt and each side as prompt + completion without it; plain text is the
 tokenizer's (special tokens included) of the prompt and of prompt + completion + eos; the completion is what follows
 the longest common prefix of the prompt's tokens and both sides'.
-A pair whose longer side is past `seq_len + 1` tokens loses its prompt's head (`overlong` truncate; the completions
-are kept whole) or is dropped. A pair missing a side, with identical completions, or with an empty completion is
+A pair whose longer side is past `seq_len + 1` tokens is truncated as TRL's `truncation_mode` says (`overlong`
+truncate; keep_start by default, as TRL) or is dropped. A pair missing a side, with identical completions, or with an empty completion is
 dropped and counted (`on_bad_row` drop) or stops the run (error).
 
 The pairs sit as rows 2i (chosen) and 2i + 1 (rejected) of a LabeledRows, and `PairRows` indexes pairs: the loader
@@ -94,14 +94,26 @@ def encode_pair(tok, row: dict) -> tuple[list[int], list[int], list[int]]:
     return head[:cut], completions[0], completions[1]
 
 
-def fit(prompt: list[int], completions: list[list[int]], limit: int, overlong: str) -> list[int] | None:
-    """The prompt, its head cut so that prompt + the longer completion fits in `limit` tokens (None: drop)."""
+def fit(prompt: list[int], completions: list[list[int]], limit: int, overlong: str,
+        mode: str) -> list[tuple[list[int], int]] | None:
+    """Each side as (its tokens, where its completion starts), within `limit` tokens (None: drop the pair). Under
+    --overlong truncate, as TRL's collator cuts each side: keep_start its first `limit` tokens (a prompt that fills
+    them leaves no completion: dropped, as TRL drops it), keep_end its last ones; keep_completions cuts the prompt's
+    head alike for both sides and keeps the completions whole."""
+    sides = [(prompt + c, len(prompt)) for c in completions]
     over = len(prompt) + max(len(c) for c in completions) - limit
     if over <= 0:
-        return prompt
-    if overlong == "drop" or over >= len(prompt):
+        return sides
+    if overlong == "drop":
         return None
-    return prompt[over:]
+    if mode == "keep_start":
+        return None if len(prompt) >= limit else [(ids[:limit], start) for ids, start in sides]
+    if mode == "keep_end":
+        return [(ids[-limit:], max(0, start - (len(ids) - limit))) if len(ids) > limit else (ids, start)
+                for ids, start in sides]
+    if over >= len(prompt):
+        return None
+    return [(prompt[over:] + c, len(prompt) - over) for c in completions]
 
 
 def build_pairs(cfg: DataConfig, seq_len: int) -> PairRows:
@@ -125,16 +137,15 @@ def build_pairs(cfg: DataConfig, seq_len: int) -> PairRows:
             bad += 1
             examples.append((i, str(e)))
             continue
-        head = fit(prompt, [chosen, rejected], width, cfg.overlong)
-        if head is None:
+        sides = fit(prompt, [chosen, rejected], width, cfg.overlong, cfg.truncation_mode)
+        if sides is None:
             overlong += 1
             continue
-        for completion in (chosen, rejected):
-            ids = head + completion
+        for ids, start in sides:
             t = np.full(width, pad, dtype=np.int64)
             t[:len(ids)] = ids
             f = np.zeros(width, dtype=np.uint8)
-            f[len(head):len(ids)] = 1  # flags[k]: token k is a supervised target
+            f[start:len(ids)] = 1  # flags[k]: token k is a supervised target
             tokens.append(t)
             flags.append(f)
             lengths.append(len(ids))

@@ -48,6 +48,7 @@ class DataConfig:
     chat_template: str | None = None  # chat: a jinja file replacing the tokenizer's template
     chat_template_kwargs: str | None = None  # chat: a JSON object of variables for the template
     overlong: str = "truncate"  # chat: a conversation longer than a row is "truncate"d or "drop"ped
+    truncation_mode: str = "keep_start"  # preference: how an overlong pair is truncated (data/preference.fit)
     val_data: str | None = None  # validation rows from this source (every row of it) instead of the tail
     pack: bool = True  # chat: conversations packed into rows (documents masked apart), or one per row, padded
 

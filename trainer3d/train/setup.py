@@ -231,7 +231,8 @@ def data_config(cfg: TrainConfig) -> DataConfig:
                       tokenizer=cfg.tokenizer, trust_remote_code=cfg.trust_remote_code, format=cfg.data_format,
                       messages_field=cfg.messages_field, train_on=cfg.train_on, train_roles=cfg.train_roles,
                       on_bad_row=cfg.on_bad_row, chat_template=cfg.chat_template, chat_template_kwargs=cfg.chat_template_kwargs,
-                      overlong=cfg.overlong, pack=cfg.pack, val_fraction=cfg.val_fraction, val_data=cfg.val_data)
+                      overlong=cfg.overlong, truncation_mode=cfg.truncation_mode, pack=cfg.pack,
+                      val_fraction=cfg.val_fraction, val_data=cfg.val_data)
 
 
 CHAT_ONLY = {"train_on": "assistant", "train_roles": None, "on_bad_row": "drop", "overlong": "truncate",
@@ -245,6 +246,8 @@ def check_chat(cfg: TrainConfig) -> TrainConfig:
     --reset-position-ids, set here)."""
     sources = read_mixture(cfg.data_mixture, cfg.text_field) if cfg.data_mixture else []
     mixed_chat = any(s.format in CHAT_FORMATS for s in sources)
+    if cfg.truncation_mode != "keep_start" and cfg.data_format != "preference":
+        raise ConfigError("--truncation-mode applies to --data-format preference pairs; drop it.")
     if cfg.data_format not in CHAT_FORMATS and not mixed_chat:
         pair_flags = ("on_bad_row", "overlong", "chat_template") if cfg.data_format == "preference" else ()
         given = [k for k, v in CHAT_ONLY.items() if getattr(cfg, k) != v and k not in pair_flags]
