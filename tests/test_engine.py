@@ -7,7 +7,9 @@ with an entropy bonus whose gradient flows (log-probabilities and entropies at t
 named_weights() are the reference's after training; save -> load gives the same log-probabilities. Rollouts of any
 count and length (a list of sequences, packed into two passes) give each sequence's log-probs and entropies as if run
 alone, and train (one call; then the batch split over two calls with batch_total) as the reference does sequence by
-sequence, also at ZeRO-1 dp2·pp2 and ZeRO-2 dp4, whose accumulation boundary the engine holds until step(). Misuse (float or
+sequence, also at ZeRO-1 dp2·pp2 and ZeRO-2 dp4, whose accumulation boundary the engine holds until step(). The
+weight stream in bf16 and 4 KiB buckets equals the fp32 stream at every layout, and the MoE's per-expert tensors
+equal transformers' saved file under its names. Misuse (float or
 out-of-vocabulary ids, a mask or field of another shape, a loss_fn that returns a scalar) is refused on every rank at
 tp2·pp2 and changes nothing. The reference shares no code with trainer3d."""
 
@@ -254,6 +256,8 @@ def _engine_run(hf_dir, layout, data, train, tmp):
             before = engine.logprobs(tokens, documents)
             engine.load(engine.save(tmp))
             out["reloaded"] = (engine.logprobs(tokens, documents) - before).abs().max().item()
+        # in bf16, in buckets of 4 KiB (units split across buckets and a unit larger than one): as the fp32 stream
+        out["bf16"] = dict(engine.named_weights(torch.bfloat16, bucket_bytes=1 << 12))
     engine.close()
     return out
 
@@ -325,6 +329,13 @@ def test_engine_against_transformers(tmp_path):
             assert gaps[0] < 2e-6 and gaps[1] < 1e-6, (label, gaps)
             assert (lp - results[label]["logprobs"])[scored].abs().max() > 0.1  # the temperature acts
 
+    from safetensors.torch import load_file
+
+    on_disk = load_file(tmp_path / "moe" / "model.safetensors")  # transformers' per-expert names (fused in memory)
+    for label, run in results.items():  # the bucketed bf16 stream: whole tensors, HF's names (per expert: the MoE's)
+        expected = run["weights"] if "weights" in run else on_disk
+        assert sorted(run["bf16"]) == sorted(expected), label
+        assert all(torch.equal(run["bf16"][k], v.to(torch.bfloat16)) for k, v in expected.items()), label
     losses, norms, first = reference_run(llama.train(), data)
     print(f"transformers: losses {losses}, norms {norms}; step 1's norm token-mean {first['token-mean']:.6f}, "
           f"sequence-mean {first['sequence-mean']:.6f}")

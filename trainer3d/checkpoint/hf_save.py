@@ -90,10 +90,10 @@ def plan_shards(cfg, shapes: Mapping[str, torch.Size], dtype: torch.dtype, max_b
         parts = hf_tensors(cfg, name, torch.empty(shapes[name], device="meta", dtype=dtype), tables)
         return sum(t.numel() * t.element_size() for t in parts.values())
 
-    return _by_size(list(shapes), size, max_bytes)
+    return by_size(list(shapes), size, max_bytes)
 
 
-def _by_size(names: list[str], size, max_bytes: int) -> list[list[str]]:
+def by_size(names: list[str], size, max_bytes: int) -> list[list[str]]:
     """`names` in order, in groups of at most `max_bytes` by `size(name)` (a bigger one alone)."""
     shards: list[list[str]] = [[]]
     used = 0
@@ -144,7 +144,7 @@ def _source_shards(source, max_bytes: int) -> list[list[str]]:
     """The source's tensors (by stored name) in files of at most `max_bytes` (their stored dtypes, from the headers)."""
     if source is None:
         return []
-    return _by_size(list(source.shapes),
+    return by_size(list(source.shapes),
                     lambda name: math.prod(source.shapes[name]) * source.directory.stored_itemsize(name), max_bytes)
 
 

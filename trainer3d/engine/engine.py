@@ -32,24 +32,21 @@ accumulation boundary is held back to step() (ZeroEngine.hold_boundary), since e
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Iterator
 
 import torch
 
-from trainer3d.checkpoint.hf import hf_tables, hf_tensors
 from trainer3d.checkpoint.load import apply, prepare
-from trainer3d.checkpoint.save import parameter_pieces, save_checkpoint
+from trainer3d.checkpoint.save import save_checkpoint
 from trainer3d.config import TrainConfig
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.engine.batch import (
     Packing, check_rollout_values, check_rollouts, pack, sequence_weights, token_weights,
 )
+from trainer3d.engine.weights import WeightStream
 from trainer3d.errors import ConfigError, TrainingError
-from trainer3d.models import canonical_shapes, canonical_tables
 from trainer3d.parallel.cross_entropy import vocab_parallel_entropy
-from trainer3d.parallel.parallelize import named_full_params
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer
 
@@ -80,6 +77,7 @@ class Engine:
         self.group = WorldGroup(env, self.device, cfg.dist_timeout)
         self.topo = self.group.topology = self.setup.topology(ranks)
         self.trainer = self._build(self.setup) if self.topo.active else None
+        self._stream: WeightStream | None = None  # built at the first named_weights()
 
     @property
     def active(self) -> bool:
@@ -313,43 +311,16 @@ class Engine:
         return {"grad_norm": result.grad_norm, "lr": lr, "loss": result.loss, "skipped": not result.stepped, **balance}
 
     # ---- weights and checkpoints -----------------------------------------------------------------------------
-    def named_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, whole tensor on the host) for every weight of the model, on every rank, one canonical
-        tensor at a time: each rank writes the pieces it would checkpoint (one writer per element, whatever the tp,
-        ep, dp or ZeRO partition) into a zero tensor and one sum over the world makes it whole. No rank holds more
-        than its share plus one tensor. Collective: every rank iterates to the end."""
-        t = self.trainer
-        mcfg, (shapes, tables) = t.mcfg, self._weight_shapes
-        mine = named_full_params(t.parallel_model)
-        for name, shape in shapes.items():
-            full = torch.zeros(shape, device=self.device)
-            if name in mine:
-                p, spec = mine[name]
-                for _, start, size, data, _ in parameter_pieces(t, p, spec, False, kinds=("param",)):
-                    full[tuple(slice(o, o + s) for o, s in zip(start, size))] = data.float()
-            elif name in tables:
-                self._write_table(full, name)
-            full = all_reduce(full, self.topo.world_group)
-            yield from hf_tensors(mcfg, name, full.to("cpu", torch.float32 if name in tables else dtype),
-                                  tables).items()  # views of `full`: no second copy
-            del full
-
-    @functools.cached_property
-    def _weight_shapes(self) -> tuple[dict, dict]:
-        """(canonical name -> shape of every parameter and of each table the HF format holds, hf_tables): read off
-        the model on the meta device once, not at every stream."""
-        mcfg, tables = self.trainer.mcfg, hf_tables(self.trainer.mcfg)
-        held = {name: shape for name, shape in canonical_tables(mcfg).items() if name in tables}
-        return {**canonical_shapes(mcfg), **held}, tables
-
-    def _write_table(self, full: torch.Tensor, name: str) -> None:
-        """A table (a router's selection bias) is replicated wherever its module is: the lowest rank holding it
-        writes it."""
-        held = [s.state_tables()[name] for s in self.trainer.parallel_model.stages if name in s.state_tables()]
-        flag = torch.tensor([float(self.topo.rank) if held else float("inf")], device=self.device)  # (NCCL: device)
-        first = all_reduce(flag, self.topo.world_group, torch.distributed.ReduceOp.MIN)
-        if held and self.topo.rank == int(first):
-            full.copy_(held[0].float())
+    def named_weights(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                      bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, whole tensor) for every weight of the model, on every rank, in `dtype` on `device`
+        (the engine's own for a CUDA-IPC or NCCL hand-over; tables stay fp32), per-expert tensors under HF's
+        per-expert names. Gathered in buckets of at most `bucket_bytes` (a larger tensor alone): each element moves
+        once from its one writer to every rank (engine/weights.py), so a rank holds one bucket at a time. Collective:
+        every rank iterates to the end."""
+        if self._stream is None:
+            self._stream = WeightStream(self.trainer, self.device)
+        yield from self._stream.stream(dtype, device, bucket_bytes)
 
     def save(self, out_dir: str) -> str:
         """A checkpoint of the model, optimizer and step under `out_dir`/checkpoints (what --resume and
@@ -361,6 +332,7 @@ class Engine:
         cfg = dataclasses.replace(self.setup.cfg, resume=checkpoint, init_from_hf=None)
         self.trainer = None
         self.trainer, self.passes = self._build(dataclasses.replace(self.setup, cfg=cfg)), 0
+        self._stream = None
 
     def close(self) -> None:
         self.group.close()

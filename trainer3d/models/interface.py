@@ -231,13 +231,22 @@ class HFAdapter:
 
     def to_hf(self, cfg, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         parts = self.parts(cfg, name)
-        out, row = {}, {}
+        if parts[0].expert is not None:
+            return {k: v for e in sorted({p.expert for p in parts}) for k, v in
+                    self.expert_to_hf(cfg, name, e, tensor[e]).items()}
+        return self._rows_to_hf(parts, tensor)
+
+    def expert_to_hf(self, cfg, name: str, expert: int, block: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Expert `expert`'s HF tensors from its block of a stacked expert weight (canonical[expert])."""
+        return self._rows_to_hf([p for p in self.parts(cfg, name) if p.expert == expert], block)
+
+    @staticmethod
+    def _rows_to_hf(parts: list[HFPart], block: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, start = {}, 0
         for p in parts:
-            block = tensor if p.expert is None else tensor[p.expert]
-            start = row.get(p.expert, 0)
             rows = p.rows if p.rows is not None else block.shape[0] - start
             chunk = block.narrow(0, start, rows)
-            row[p.expert] = start + rows
+            start += rows
             out[p.name] = chunk.t() if p.transposed else chunk
         return out
 
