@@ -3,7 +3,7 @@ conversational preference pairs, the whole set one batch a step, fp32, a constan
 norm and TRL's rewards/chosen, rewards/rejected and rewards/margins (and accuracies once the policy has moved) equal
 TRL's, at one process, tp2·pp2 and ZeRO-3 at dp4 (sigmoid), and at one process for IPO, robust DPO and another model
 as the reference (--ref-model), hinge, and a mix of sigmoid, bco_pair and sppo_hard with TRL's loss_weights (MPO); TRL's
-logps/chosen and logps/rejected too; the pairs' tokens equal TRL's, conversational and plain text; bad pairs are dropped and counted or refused; the CLI writes the
+logps/* and logits/* too; the pairs' tokens equal TRL's, conversational and plain text; bad pairs are dropped and counted or refused; the CLI writes the
 metrics."""
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def test_dpo_equals_trl(tmp_path):
                 assert abs(o[key] - r[key]) <= 1e-5 * abs(r[key]), (label, step, key, o[key], r[key])
             for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
                 assert abs(o[key] - r[key]) <= 1e-5 * max(1.0, abs(r[key])), (label, step, key, o[key], r[key])
+            for key in ("logits/chosen", "logits/rejected"):  # ~0.01 here, ours 1e-8 apart after two steps
+                assert abs(o[key] - r[key]) <= 1e-7, (label, step, key, o[key], r[key])
             if step or "ref_model" in flags:  # at step 1 every reward is 0 up to rounding but with --ref-model
                 assert o["rewards/accuracies"] == r["rewards/accuracies"], (label, step)
         assert run[-1]["rewards/margins"] > 0.05  # it learns the preference

@@ -14,7 +14,8 @@ beside its targets in one more column. With h = (π_c - ref_c) - (π_r - ref_r) 
 TRL's loss_type list and loss_weights. The loss is the mean over the global batch's pairs: each micro-batch's sum over its pairs times dp / the global
 pairs (the engine averages over dp). TRL's metrics ride in the step's one all-reduce: rewards/chosen = β(π_c - ref_c),
 rewards/rejected, rewards/margins and rewards/accuracies (the share of pairs with chosen > rejected), logps/chosen
-= π_c and logps/rejected = π_r, means over pairs.
+= π_c and logps/rejected = π_r, means over pairs; logits/chosen and logits/rejected, the logits' mean over the vocabulary
+averaged over the completions' tokens.
 
 The reference log-probs are the initial weights' (TRL's ref_model=None), or --ref-model's (a Trainer of that model at
 the same layout, built, used and dropped before the policy's), scored once before the first step (forward-only passes
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from trainer3d.checkpoint.hf_init import hf_model_config
 from trainer3d.data.batch import Batch
+from trainer3d.distributed.collectives import all_reduce
 from trainer3d.errors import ConfigError, DataError
 from trainer3d.fsio import replace_durably, temp_name
 from trainer3d.models import canonical_shapes
@@ -43,7 +45,8 @@ from trainer3d.train.downstream import forward_rows
 LOSSES = ("sigmoid", "robust", "ipo", "hinge", "bco_pair", "sppo_hard")
 SMOOTHED = ("sigmoid", "robust")  # the losses --dpo-label-smoothing's ε enters
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")  # summed
-# over pairs in the step's all-reduce
+# over pairs in the step's all-reduce; then the logits/* sums and their token counts (means over completion tokens)
+TOKEN_METRICS = ("logits/chosen", "logits/rejected")
 
 
 def loss_mix(cfg) -> list[tuple[str, float]]:
@@ -66,7 +69,7 @@ class DPO:
     def __init__(self, trainer):
         cfg = trainer.cfg.loss  # the run's LossConfig section
         self.trainer, self.beta, self.mix, self.smoothing = trainer, cfg.dpo_beta, loss_mix(cfg), cfg.dpo_label_smoothing
-        self.sums = torch.zeros(len(METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
+        self.sums = torch.zeros(len(METRICS) + 2 * len(TOKEN_METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
         self.pairs = trainer.plan.global_batch // 2  # a step's (--global-batch counts rows, two a pair)
         self.reference: np.ndarray | None = None  # [2n] every row's reference log-prob (load_or_score), checkpointed
 
@@ -94,6 +97,7 @@ class DPO:
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
         """The micro-batch's pairs' summed loss times `weight` (dp / the global pairs, times the loss scale)."""
+        logit_sums, tokens = self._mean_logits(logits, targets[:, :-1])  # (before the loss consumes the logits)
         policy = self.row_logprobs(logits, targets[:, :-1])
         ratios = policy - targets[:, -1].to(policy.dtype)
         chosen, rejected = ratios[0::2], ratios[1::2]
@@ -102,8 +106,20 @@ class DPO:
         with torch.no_grad():
             self.sums += torch.stack([self.beta * chosen.sum(), self.beta * rejected.sum(),
                                       (chosen > rejected).float().sum(), policy[0::2].sum(),
-                                      policy[1::2].sum()]).to(self.sums)
+                                      policy[1::2].sum(), logit_sums[0::2].sum(), tokens[0::2].sum(),
+                                      logit_sums[1::2].sum(), tokens[1::2].sum()]).to(self.sums)
         return losses.sum() * weight
+
+    @torch.no_grad()
+    def _mean_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows] the sum over each row's completion tokens of the logits' mean over the vocabulary, [rows] those
+        tokens): TRL's logits/* metrics, from this rank's vocab shard (its padding past the vocabulary left out) and
+        one sum over tp."""
+        t = self.trainer
+        real = max(0, min(logits.shape[-1], t.mcfg.vocab_size - t.parallel_model.vocab_start))
+        per_token = all_reduce(logits[..., :real].float().sum(-1), t.topo.tp_group) / t.mcfg.vocab_size
+        supervised = targets >= 0
+        return (per_token * supervised).sum(1), supervised.sum(1).float()
 
     def _pair_losses(self, kind: str, chosen: torch.Tensor, rejected: torch.Tensor,
                      lengths: torch.Tensor) -> torch.Tensor:
@@ -130,6 +146,9 @@ class DPO:
     def record(self, sums: list[float]) -> dict:
         """TRL's names, means over the global batch's pairs."""
         out = {name: value / self.pairs for name, value in zip(METRICS, sums)}
+        for i, name in enumerate(TOKEN_METRICS):
+            total, tokens = sums[len(METRICS) + 2 * i: len(METRICS) + 2 * i + 2]
+            out[name] = total / max(tokens, 1.0)
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
         return out
 
