@@ -39,8 +39,8 @@ def _cases(tmp):
         (["--weight-decay", "nan"], "--weight-decay must be a finite number (got nan)."),
         (["--grad-clip", "inf"], "--grad-clip must be a finite number (got inf)."),
         (["--objective", "dpo", "--data-format", "preference", "--data", str(a_file), "--dpo-loss", "sigmoid,kto"],
-         "--dpo-loss must name one or more of sigmoid, robust, ipo, hinge, bco_pair, sppo_hard, comma-separated, each "
-         "once (got 'sigmoid,kto')."),
+         "--dpo-loss must name one or more of sigmoid, robust, ipo, hinge, bco_pair, sppo_hard, sft, comma-separated, "
+         "each once (got 'sigmoid,kto')."),
         (["--objective", "dpo", "--data-format", "preference", "--data", str(a_file), "--dpo-loss", "sigmoid,hinge",
           "--dpo-loss-weights", "0.5"],
          "--dpo-loss-weights must be 2 comma-separated numbers, one per --dpo-loss (sigmoid,hinge); got '0.5'."),

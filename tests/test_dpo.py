@@ -2,7 +2,7 @@
 conversational preference pairs, the whole set one batch a step, fp32, a constant lr. Per step the loss, the gradient
 norm and TRL's rewards/chosen, rewards/rejected and rewards/margins (and accuracies once the policy has moved) equal
 TRL's, at one process, tp2·pp2 and ZeRO-3 at dp4 (sigmoid), and at one process for IPO, robust DPO and another model
-as the reference (--ref-model), hinge, and a mix of sigmoid, bco_pair and sppo_hard with TRL's loss_weights (MPO); TRL's
+as the reference (--ref-model), hinge, sppo_hard, and MPO's mix of sigmoid, bco_pair and sft with TRL's loss_weights (at one process and dp4); TRL's
 logps/* and logits/* too; the pairs' tokens equal TRL's, conversational and plain text; bad pairs are dropped and counted or refused; the CLI writes the
 metrics."""
 
@@ -29,7 +29,9 @@ RUNS = {  # label: (our layout flags, loss, label smoothing)
     "1p robust": ({}, "robust", 0.1),
     "1p ref-model": (dict(ref_model="REF"), "sigmoid", 0.0),  # another model as the reference (TRL's ref_model=)
     "1p hinge": ({}, "hinge", 0.0),
-    "1p mix": (dict(dpo_loss_weights="0.8,0.2,0.1"), "sigmoid,bco_pair,sppo_hard", 0.0),  # TRL's loss_weights (MPO)
+    "1p sppo_hard": ({}, "sppo_hard", 0.0),
+    "1p mix": (dict(dpo_loss_weights="0.8,0.2,1.0"), "sigmoid,bco_pair,sft", 0.0),  # MPO, TRL's loss_weights
+    "dp4 mix": (dict(dp=4, dpo_loss_weights="0.8,0.2,1.0"), "sigmoid,bco_pair,sft", 0.0),  # sft's mean over dp
 }
 
 

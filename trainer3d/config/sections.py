@@ -201,7 +201,7 @@ class LossConfig(Section):
     dpo_loss: str = flag(
         "sigmoid",
         "dpo: the paper's sigmoid loss (TRL's default; with --dpo-label-smoothing: cDPO), robust, ipo, hinge, "
-        "bco_pair or sppo_hard (TRL's names), or a comma-separated mix of them (MPO: sigmoid,bco_pair)")
+        "bco_pair, sppo_hard or sft (TRL's names), or a comma-separated mix of them (MPO: sigmoid,bco_pair,sft)")
     dpo_loss_weights: str | None = flag(
         None, "dpo: a weight per --dpo-loss, comma-separated (TRL's loss_weights; default 1 each)", metavar="W,W,...")
     dpo_label_smoothing: float = flag(

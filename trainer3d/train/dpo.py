@@ -10,6 +10,7 @@ beside its targets in one more column. With h = (π_c - ref_c) - (π_r - ref_r) 
   hinge:   max(0, 1 - β·h)                                       (SLiC; TRL's "hinge")
   bco_pair: -log σ(β(π_c - ref_c)) - log σ(-β(π_r - ref_r))      (TRL's "bco_pair")
   sppo_hard: (π_c - ref_c - 1/(2β))² + (π_r - ref_r + 1/(2β))²   (SPPO with hard win probabilities; TRL's)
+  sft:     the chosen completions' mean token loss over the step's chosen tokens (TRL's "sft": its batch's mean)
 --dpo-loss names one or a mix (MPO: "sigmoid,bco_pair"), each weighted by --dpo-loss-weights (default 1 each), as
 TRL's loss_type list and loss_weights. The loss is the mean over the global batch's pairs: each micro-batch's sum over its pairs times dp / the global
 pairs (the engine averages over dp). TRL's metrics ride in the step's one all-reduce: rewards/chosen = β(π_c - ref_c),
@@ -42,7 +43,7 @@ from trainer3d.fsio import replace_durably, temp_name
 from trainer3d.models import canonical_shapes
 from trainer3d.train.downstream import forward_rows
 
-LOSSES = ("sigmoid", "robust", "ipo", "hinge", "bco_pair", "sppo_hard")
+LOSSES = ("sigmoid", "robust", "ipo", "hinge", "bco_pair", "sppo_hard", "sft")
 SMOOTHED = ("sigmoid", "robust")  # the losses --dpo-label-smoothing's ε enters
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")  # summed
 # over pairs in the step's all-reduce; then the logits/* sums and their token counts (means over completion tokens)
@@ -71,6 +72,7 @@ class DPO:
         self.trainer, self.beta, self.mix, self.smoothing = trainer, cfg.dpo_beta, loss_mix(cfg), cfg.dpo_label_smoothing
         self.sums = torch.zeros(len(METRICS) + 2 * len(TOKEN_METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
         self.pairs = trainer.plan.global_batch // 2  # a step's (--global-batch counts rows, two a pair)
+        self.chosen_tokens = 0.0  # the step's chosen completion tokens (sft's mean over them), set in targets()
         self.reference: np.ndarray | None = None  # [2n] every row's reference log-prob (load_or_score), checkpointed
 
     def run_tables(self) -> dict[str, torch.Tensor]:
@@ -87,6 +89,9 @@ class DPO:
         """[B, T + 1] float64: the targets (-1 where not supervised), then each row's reference log-prob."""
         if batch.reference is None:
             raise DataError("DPO rows without reference log-probs: score them first (train/dpo.py reference).")
+        if any(kind == "sft" for kind, _ in self.mix):  # the step's chosen completion tokens, over dp
+            chosen = torch.tensor([float((targets[0::2] >= 0).sum())], device=self.trainer.device)
+            self.chosen_tokens = float(all_reduce(chosen, self.trainer.topo.dp_group))
         return torch.cat([targets.double(), batch.reference.double()[:, None]], dim=1)
 
     def row_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,7 +107,9 @@ class DPO:
         ratios = policy - targets[:, -1].to(policy.dtype)
         chosen, rejected = ratios[0::2], ratios[1::2]
         lengths = (targets[:, :-1] >= 0).sum(dim=1).clamp(min=1).to(ratios.dtype)
-        losses = sum(weight * self._pair_losses(kind, chosen, rejected, lengths) for kind, weight in self.mix)
+        sft = -policy[0::2] * (self.pairs / max(self.chosen_tokens, 1.0))  # (times the mean over pairs: per token)
+        losses = sum(weight * (sft if kind == "sft" else self._pair_losses(kind, chosen, rejected, lengths))
+                     for kind, weight in self.mix)
         with torch.no_grad():
             self.sums += torch.stack([self.beta * chosen.sum(), self.beta * rejected.sum(),
                                       (chosen > rejected).float().sum(), policy[0::2].sum(),
