@@ -139,6 +139,20 @@ def test_sequence_mean_weighs_each_packed_sequence_alike():
                                dtype=torch.float64))  # unpacked rows: a row is one sequence
 
 
+def test_packed_rollouts_keep_their_own_documents():
+    """Three rollouts in one row, given in another order than the row holds them (the longest first): each gets a
+    document of its own in the row's order, its tokens are real, and only the row's tail is padding."""
+    from trainer3d.engine.batch import pack
+
+    lengths = [4, 10, 6]  # placed at 16, 0 and 10 of a row of 21
+    packing = pack(lengths, rows=2, width=21, dp=1, several_a_row=True)
+    assert packing.passes == 1 and packing.place == [(0, 0, 16), (0, 0, 0), (0, 0, 10)]
+    tokens, documents, real = packing.tokens([torch.full((n,), n) for n in lengths])
+    assert documents[0, 0].tolist() == [0] * 10 + [1] * 6 + [2] * 4 + [21]
+    assert tokens[0, 0, :20].tolist() == [10] * 10 + [6] * 6 + [4] * 4
+    assert real[0, 0].all() and not real[0, 1].any()
+
+
 def reference_run(model, data):
     """transformers' model, torch's AdamW (decay on matrices only) at a constant lr, clip_grad_norm_: per step the
     aggregated loss and the norm; the seq-mean and token-mean norms of step 1 at the same weights."""

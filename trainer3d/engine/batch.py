@@ -82,9 +82,12 @@ class Packing:
         shape = (self.passes, self.rows, self.width)
         tokens, documents = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
         filled = torch.zeros(self.passes, self.rows, dtype=torch.long)
-        for i, (s, (p, r, start)) in enumerate(zip(sequences, self.place)):
+        placed = torch.zeros(self.passes, self.rows, dtype=torch.long)  # sequences placed in each row so far
+        for i in sorted(range(len(sequences)), key=self.place.__getitem__):  # each row's sequences in order
+            (p, r, start), s = self.place[i], sequences[i]
             tokens[p, r, start:start + len(s)] = s
-            documents[p, r, start:start + len(s)] = int(documents[p, r, :start].max()) + 1 if start else 0
+            documents[p, r, start:start + len(s)] = placed[p, r]
+            placed[p, r] += 1
             filled[p, r] = start + len(s)
         positions = torch.arange(self.width)
         documents = torch.where(positions >= filled[..., None], self.width, documents)  # padding: one document
