@@ -51,20 +51,6 @@ def token_weights(mask: torch.Tensor, aggregation: str, sequences: torch.Tensor 
     raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)} (got {aggregation!r}).")
 
 
-def sequence_weights(masks: list[torch.Tensor], aggregation: str, total: float | None = None) -> list[torch.Tensor]:
-    """token_weights for rollouts: each sequence's [len - 1] weights, from its own mask."""
-    _check_total(total)
-    counts = [float(m.sum()) for m in masks]
-    if aggregation == "token-mean":
-        return [m.double() / (total or max(1.0, sum(counts))) for m in masks]
-    if aggregation == "sequence-mean":
-        n_seq = total or max(1, sum(c > 0 for c in counts))
-        return [m.double() / max(1.0, c) / n_seq for m, c in zip(masks, counts)]
-    if aggregation == "sum":
-        return [m.double() for m in masks]
-    raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)} (got {aggregation!r}).")
-
-
 @dataclasses.dataclass
 class Packing:
     """Where each sequence of a call sits: `place[i]` = (pass, row, first token) of sequences[i]; `lengths[i]` its
@@ -155,10 +141,15 @@ def check_rollouts(sequences: list, seq_len: int, vocab: int) -> None:
         if not 2 <= len(s) <= seq_len + 1:
             raise ConfigError(f"rollout {i} has {len(s)} tokens; a rollout holds 2 to seq_len + 1 = {seq_len + 1} "
                               f"(raise seq_len, or cut it).")
-        low, high = (int(x) for x in torch.aminmax(s))
-        if low < 0 or high >= vocab:
-            raise ConfigError(f"rollout {i}'s tokens must be ids in [0, {vocab}) (the model's vocabulary); got ids "
-                              f"from {low} to {high}.")
+        check_ids(s, vocab, f"rollout {i}'s tokens")
+
+
+def check_ids(tokens: torch.Tensor, vocab: int, name: str) -> None:
+    """Token ids in [0, vocab), in one pass over them (torch.aminmax)."""
+    low, high = (int(x) for x in torch.aminmax(tokens))
+    if low < 0 or high >= vocab:
+        raise ConfigError(f"{name} must be ids in [0, {vocab}) (the model's vocabulary); got ids from {low} to "
+                          f"{high}.")
 
 
 def check_rollout_values(sequences: list, mask, fields: dict) -> list[torch.Tensor]:

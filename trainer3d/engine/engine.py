@@ -42,7 +42,7 @@ from trainer3d.config import TrainConfig
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.engine.batch import (
-    Packing, check_rollout_values, check_rollouts, pack, sequence_weights, token_weights,
+    Packing, check_ids, check_rollout_values, check_rollouts, pack, token_weights,
 )
 from trainer3d.engine.weights import WeightStream
 from trainer3d.errors import ConfigError, TrainingError
@@ -120,10 +120,7 @@ class Engine:
                               f"got {list(tokens.shape)}.")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ConfigError(f"tokens must be integer token ids; got {tokens.dtype}.")
-        low, high = (int(x) for x in torch.aminmax(tokens))  # one pass over the batch
-        if low < 0 or high >= vocab:
-            raise ConfigError(f"tokens must be ids in [0, {vocab}) (the model's vocabulary); got ids from {low} to "
-                              f"{high}.")
+        check_ids(tokens, vocab, "tokens")
         if documents is not None and tuple(documents.shape) != (gb, seq + 1):
             raise ConfigError(f"documents must be shaped like tokens, [{gb}, {seq + 1}]; got {list(documents.shape)}.")
         for name, value in per_token.items():
@@ -175,9 +172,9 @@ class Engine:
             raise ConfigError(f"temperature must be a positive number (the rollout's: log-probabilities of "
                               f"softmax(logits / temperature)); got {temperature!r}.")
 
-    def _rollouts(self, sequences: list, documents) -> tuple[Packing, list[tuple]]:
-        """Rollouts checked (batch.check_rollouts) and packed: the Packing, and per pass (tokens, documents or None,
-        real inputs)."""
+    def _rollouts(self, sequences: list, documents) -> tuple[Packing, torch.Tensor, list[tuple]]:
+        """Rollouts checked (batch.check_rollouts) and packed: the Packing, every pass's [P, rows, width] documents,
+        and per pass (tokens, documents where the model masks them else None, real inputs)."""
         t = self.trainer
         if documents is not None:
             raise ConfigError("documents are for whole-batch rows; rollouts are one sequence each (pass none).")
@@ -186,7 +183,7 @@ class Engine:
                        several_a_row=t.cfg.document_mask and t.cfg.reset_position_ids)
         tokens, docs, real = packing.tokens(sequences)
         keep = t.cfg.uses_documents  # the model sees documents only where it masks them
-        return packing, [(tokens[p], docs[p] if keep else None, real[p]) for p in range(packing.passes)]
+        return packing, docs, [(tokens[p], docs[p] if keep else None, real[p]) for p in range(packing.passes)]
 
     def logprobs(self, tokens: Tokens, documents: torch.Tensor | None = None, entropy: bool = False,
                  temperature: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list:
@@ -196,7 +193,7 @@ class Engine:
         Rollouts (a list of 1-D token tensors of any count and lengths up to seq_len + 1): a list of [len - 1]."""
         self._check_temperature(temperature)
         if isinstance(tokens, (list, tuple)):
-            packing, passes = self._rollouts(tokens, documents)
+            packing, _, passes = self._rollouts(tokens, documents)
             out = packing.unpack(torch.stack([self._score(*batch, temperature, entropy) for batch in passes]))
             return ([o[:, 0] for o in out], [o[:, 1] for o in out]) if entropy else [o[:, 0] for o in out]
         self._check(tokens, documents)
@@ -234,10 +231,12 @@ class Engine:
             raise ConfigError(f"'{taken[0]}' is the engine's field (the {taken[0]} argument); name yours otherwise.")
         self._check_temperature(temperature)
         if isinstance(tokens, (list, tuple)):
-            packing, passes = self._rollouts(tokens, documents)
-            masks = check_rollout_values(tokens, mask, fields)
-            weights = packing.per_token(sequence_weights(masks, aggregation, batch_total))
-            given = {**{k: packing.per_token(v) for k, v in fields.items()}, "mask": packing.per_token(masks) > 0}
+            packing, docs, passes = self._rollouts(tokens, documents)
+            mask = packing.per_token(check_rollout_values(tokens, mask, fields)) > 0  # [P, rows, T]
+            # token_weights' rule over the passes' rows, each rollout a document of its row
+            weights = token_weights(mask.flatten(0, 1), aggregation, docs[..., :-1].flatten(0, 1),
+                                    batch_total).view_as(mask)
+            given = {**{k: packing.per_token(v) for k, v in fields.items()}, "mask": mask}
             batches = [(tok, docs, weights[p], {k: v[p] for k, v in given.items()}, real)
                        for p, (tok, docs, real) in enumerate(passes)]
         else:

@@ -95,15 +95,15 @@ class WeightStream:
         adapter, mcfg = family_of(t.mcfg).hf, t.mcfg
         self.received = 0  # elements this rank received in the last stream (bench/engine_weights.py)
         for bucket in self.buckets(dtype, bucket_bytes):
-            first = set(bucket)
+            inside = set(bucket)
             full = {i: torch.empty(self.units[i].shape, dtype=dtype, device=self.device) for i in bucket}
-            rows = self.plan[[int(u) in first for u in self.plan[:, 1]]]
+            rows = self.plan[torch.isin(self.plan[:, 1], torch.tensor(bucket))]
             for writer in sorted(set(rows[:, 0].tolist())):
                 boxes = rows[rows[:, 0] == writer]
                 numels = [int(torch.prod(b[2 + MAX_DIMS:2 + MAX_DIMS + len(self.units[int(b[1])].shape)]))
                           for b in boxes]
                 if writer == topo.rank:
-                    flat = torch.cat([d.reshape(-1).to(dtype) for u, _, _, d in self.mine if u in first])
+                    flat = torch.cat([d.reshape(-1).to(dtype) for u, _, _, d in self.mine if u in inside])
                 else:
                     flat = torch.empty(sum(numels), dtype=dtype, device=self.device)
                     self.received += flat.numel()
