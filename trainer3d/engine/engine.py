@@ -288,18 +288,20 @@ class Engine:
         self._loss = reduced[0] + (self._loss if self.passes > 1 else 0.0)
         return float(self._loss)
 
-    def step(self) -> dict:
+    def step(self, lr: float | None = None) -> dict:
         """Apply the gradient of the forward_backward calls since the last step: dp reduction, clip to --grad-clip,
-        AdamW at the schedule's lr (lr_at of the step count). {"grad_norm", "lr", "loss", "skipped"} (and a MoE's
+        AdamW at the schedule's lr (lr_at of the step count), or at `lr` (a caller's own schedule: verl's). {"grad_norm", "lr", "loss", "skipped"} (and a MoE's
         routing statistics, as training logs them); a non-finite loss or norm skips the update and, under
         --on-nonfinite stop (the default), raises TrainingError, as training does (Trainer.optimizer_step)."""
         t = self.trainer
+        if lr is not None and not (isinstance(lr, (int, float)) and 0 <= lr < float("inf")):
+            raise ConfigError(f"lr must be a number >= 0; got {lr!r}.")
         if not self.passes:
             raise TrainingError("step() without a forward_backward since the last step: there is no gradient.")
         result = None
         try:  # the Trainer's step (lr schedule, clip, fp16's scale, non-finite rule); the gradient is spent either way
             t.engine.release_boundary()  # ZeRO-0/1/2: the reduction the passes held back (hold_boundary)
-            result, lr = t.optimizer_step(self._loss.to(self.device), torch.zeros((), device=self.device))
+            result, lr = t.optimizer_step(self._loss.to(self.device), torch.zeros((), device=self.device), lr=lr)
         finally:
             t.engine.zero_grad()
             self.passes = 0
@@ -308,6 +310,13 @@ class Engine:
             if t.dsa is not None:  # DeepSeek Sparse Attention: the indexers' loss
                 balance.update(t.dsa.end_step())
         return {"grad_norm": result.grad_norm, "lr": lr, "loss": result.loss, "skipped": not result.stepped, **balance}
+
+    def discard(self) -> None:
+        """Drop the gradient of forward_backward calls that no step() used (a caller abandoning a step). ZeRO keeps
+        what its partitions already reduced until its next step (ZeroEngine.zero_grad); DDP's is dropped."""
+        if self.passes:
+            self.trainer.engine.zero_grad()
+            self.passes = 0
 
     # ---- weights and checkpoints -----------------------------------------------------------------------------
     def named_weights(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

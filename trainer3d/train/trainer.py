@@ -220,11 +220,13 @@ class Trainer:
         record.update(self.engine.memory())  # sizes only: no device read
         return record
 
-    def optimizer_step(self, loss: torch.Tensor, stop: torch.Tensor, extra: torch.Tensor | None = None):
-        """After a step's backward: the engine's step at the schedule's lr (`loss`, `stop`, `extra`: device tensors it
-        reads in its one transfer), fp16's loss scale updated, a non-finite step refused under --on-nonfinite stop,
-        the step counted. (StepResult, lr); train_step's and trainer3d.engine's."""
-        lr = lr_at(self.step, self.cfg)
+    def optimizer_step(self, loss: torch.Tensor, stop: torch.Tensor, extra: torch.Tensor | None = None,
+                       lr: float | None = None):
+        """After a step's backward: the engine's step at the schedule's lr, or at `lr` where a caller keeps its own
+        schedule (`loss`, `stop`, `extra`: device tensors it reads in its one transfer), fp16's loss scale updated, a
+        non-finite step refused under --on-nonfinite stop, the step counted. (StepResult, lr); train_step's and
+        trainer3d.engine's."""
+        lr = lr_at(self.step, self.cfg) if lr is None else lr
         grad_scale = 1.0 / self.loss_scale.scale if self.loss_scale else 1.0
         result = self.engine.step(lr, self.cfg.grad_clip, grad_scale, loss=loss, stop=stop, extra=extra)
         if self.loss_scale:

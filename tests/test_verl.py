@@ -1,0 +1,227 @@
+"""trainer3d as verl's training backend, driven through verl's own interfaces: EngineRegistry.new(backend="trainer3d")
+builds it from verl's HFModelConfig and optimizer config; verl's DataProto -> TensorDict -> left_right_2_no_padding
+gives its padding-free batches (prompts left-padded, responses right-padded and of mixed lengths); verl's ppo_loss
+(vanilla clip, dual clip, an entropy bonus, at a rollout temperature) trains it through train_batch, under token-mean
+and then seq-mean-token-mean, with the old log-probs from infer_batch (moved by noise, so that the clip acts). At
+tp2·pp2, dp2·tp2 and ZeRO-1 dp4, each step's loss and gradient norm (as verl's worker reports them) equal
+trainer3d.engine driven directly at one process on the same sequences, with the PPO loss written here from its
+definition (Schulman et al. 2017; dual clip: Ye et al. 2020) and the engine's token-mean / sequence-mean; the
+log-probs infer_batch returns equal the engine's; get_per_tensor_param streams transformers' names with the trained
+weights. The reference side imports nothing of the adapter."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from distributed import run_world
+from test_llama import hf_llama
+from trainer3d.config import TrainConfig
+from verl_site import verl_site
+
+B, PROMPT, RESPONSE, SEQ = 8, 10, 14, 32  # rollouts; longest prompt and response; rows of SEQ + 1 tokens
+LR, BETAS, CLIP, TEMPERATURE, ENTROPY_COEFF = 2e-3, (0.9, 0.999), 1.0, 0.8, 0.5
+EPS_LOW, EPS_HIGH, DUAL_CLIP = 0.2, 0.28, 3.0
+AGGREGATIONS = [("token-mean", "token-mean"), ("seq-mean-token-mean", "sequence-mean"), ("token-mean", "token-mean")]
+
+
+def rollouts(seed: int):
+    """Left-padded prompts and right-padded responses of mixed lengths (verl's rollout layout), per-sequence
+    advantages (GRPO's: one a sequence, spread over its tokens), and noise for the old log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(3, PROMPT + 1, (B,), generator=g)
+    response_lens = torch.randint(2, RESPONSE + 1, (B,), generator=g)
+    ids = torch.randint(0, 1000, (B, PROMPT + RESPONSE), generator=g)
+    positions = torch.arange(PROMPT + RESPONSE)
+    attention = ((positions >= PROMPT - prompt_lens[:, None]) & (positions < PROMPT + response_lens[:, None])).long()
+    advantages = torch.randn(B, 1, generator=g).expand(B, RESPONSE).contiguous()
+    noise = 0.6 * torch.randn(B, RESPONSE, generator=g)  # wide enough that both clips act (ratios past 1 + ε, and past
+    # the dual clip's 3 for negative advantages)
+    return ids, attention, advantages, noise
+
+
+def sequences(ids, attention):
+    """Each rollout's real tokens, and its response's first position among them."""
+    return ([row[mask.bool()] for row, mask in zip(ids, attention)],
+            [int(mask[:PROMPT].sum()) for mask in attention])
+
+
+def ppo_token_loss(logprobs, fields):
+    """PPO's clipped surrogate per token, dual-clipped for negative advantages, minus the entropy bonus."""
+    ratio = torch.exp(logprobs - fields["old"])
+    adv = fields["adv"]
+    clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH))
+    dual = torch.minimum(-adv * DUAL_CLIP, clipped)
+    return torch.where(adv < 0, dual, clipped) - ENTROPY_COEFF * fields["entropy"]
+
+
+def reference(hf_dir, data, tmp):
+    """trainer3d.engine at one process: per step, the old log-probs at the rollout temperature (+ noise), then the
+    PPO loss over the responses' tokens under the step's aggregation."""
+    from trainer3d.engine import Engine
+
+    cfg = TrainConfig(init_from_hf=hf_dir, seq_len=SEQ, global_batch=4, precision="fp32", lr=LR, beta1=BETAS[0],
+                      beta2=BETAS[1], warmup_steps=0,
+                      min_lr=LR, max_steps=100, grad_clip=CLIP, weight_decay=0.0, document_mask=True,
+                      reset_position_ids=True, out_dir=tmp)
+    engine = Engine(cfg, ranks=[0])
+    out = None
+    if engine.active:
+        out = {"losses": [], "norms": []}
+        for step, (_, aggregation) in enumerate(AGGREGATIONS):
+            ids, attention, advantages, noise = data[step]
+            seqs, starts = sequences(ids, attention)
+            lens = attention[:, PROMPT:].sum(1).tolist()
+            old = engine.logprobs(seqs, temperature=TEMPERATURE)
+            if step == 0:
+                out["logprobs"] = [lp[s - 1:s - 1 + n] for lp, s, n in zip(old, starts, lens)]
+            masks, olds, advs = [], [], []
+            for lp, s, n, eps, adv in zip(old, starts, lens, noise, advantages):
+                where = torch.zeros(len(lp), dtype=torch.bool)
+                where[s - 1:s - 1 + n] = True  # position t scores token t + 1: the response's tokens
+                moved, per_token = lp.clone(), torch.zeros(len(lp))
+                moved[where], per_token[where] = lp[where] + eps[:n], adv[:n]
+                masks.append(where), olds.append(moved), advs.append(per_token)
+            out["losses"].append(engine.forward_backward(
+                seqs, ppo_token_loss, mask=masks, fields={"old": olds, "adv": advs}, aggregation=aggregation,
+                temperature=TEMPERATURE, entropy=True))
+            out["norms"].append(engine.step()["grad_norm"])
+        out["weights"] = dict(engine.named_weights())
+    engine.close()
+    return out
+
+
+def through_verl(hf_dir, args, data, tmp):
+    """The same steps as verl's worker runs them: infer_batch for the old log-probs, train_batch with verl's ppo_loss,
+    the loss summed over micro-batches and averaged over dp, the norm from optimizer_step."""
+    from functools import partial
+
+    import torch.distributed as dist
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import ActorConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    found = EngineRegistry.get_engine_cls("language_model", "trainer3d")  # before trainer3d imports anything of verl
+
+    from trainer3d.engine.verl_engine import Trainer3dEngine, Trainer3dEngineConfig
+
+    assert found is Trainer3dEngine  # the class verl's registry found through the plugin entry point, on `import verl`
+    engine = EngineRegistry.new(
+        model_type="language_model", backend="trainer3d",
+        model_config=HFModelConfig(path=hf_dir, load_tokenizer=False),
+        engine_config=Trainer3dEngineConfig(args=[*args, "--seq-len", str(SEQ), "--global-batch", "4",
+                                                  "--precision", "fp32", "--out-dir", tmp],
+                                            dtype="float32", max_token_len_per_gpu=48),
+        optimizer_config=FSDPOptimizerConfig(lr=LR, betas=BETAS, weight_decay=0.0, clip_grad=CLIP,
+                                             total_training_steps=10))
+    engine.initialize()
+    dp, rank = engine.get_data_parallel_size(), engine.get_data_parallel_rank()
+    out = {"losses": [], "norms": [], "clipfrac": [], "dp": dp, "dp_rank": rank,
+           "collects": engine.is_mp_src_rank_with_outputs()}
+    for step, (agg, _) in enumerate(AGGREGATIONS):
+        ids, attention, advantages, noise = (x[rank * B // dp:(rank + 1) * B // dp] for x in data[step])
+        batch = {"input_ids": ids, "prompts": ids[:, :PROMPT], "attention_mask": attention, "responses": ids[:, PROMPT:],
+                 "response_mask": attention[:, PROMPT:], "position_ids": (attention.cumsum(-1) - 1).clamp(min=0)}
+        proto = DataProto.from_single_dict(batch, meta_info={"temperature": TEMPERATURE})
+        td = left_right_2_no_padding(proto.to_tensordict())
+        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=48)
+        with engine.eval_mode():
+            old = no_padding_2_padding(engine.infer_batch(td)["model_output"]["log_probs"], td)
+        if step == 0:
+            out["logprobs"] = old
+        proto.batch["old_log_probs"] = old + noise
+        proto.batch["advantages"] = advantages
+        td = left_right_2_no_padding(proto.to_tensordict())
+        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=48, calculate_entropy=True,
+                             global_batch_size=B)
+        config = ActorConfig(strategy="trainer3d", rollout_n=1, ppo_micro_batch_size_per_gpu=-1, loss_agg_mode=agg,
+                             clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, clip_ratio_c=DUAL_CLIP,
+                             entropy_coeff=ENTROPY_COEFF)
+        with engine.train_mode():
+            result = engine.train_batch(td, partial(ppo_loss, config=config))
+        loss = torch.tensor(sum(result["loss"]), dtype=torch.float64)
+        dist.all_reduce(loss, group=engine.get_data_parallel_group())  # verl's worker: the mean over dp
+        out["losses"].append(float(loss) / dp)
+        out["norms"].append(result["metrics"].get("grad_norm"))  # verl's train_batch: on the ranks that collect
+        out["clipfrac"].append((sum(result["metrics"]["actor/pg_clipfrac"].values),
+                                sum(result["metrics"]["actor/pg_clipfrac_lower"].values)))
+        engine.lr_scheduler_step()
+    out["weights"] = dict(engine.get_per_tensor_param()[0])
+    engine.engine.close()
+    return out
+
+
+def refusals(hf_dir) -> list[str]:
+    """Configs the backend refuses before building anything (no collective runs): each one sentence."""
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+
+    from trainer3d.engine.verl_engine import Trainer3dEngine, Trainer3dEngineConfig
+    from trainer3d.errors import ConfigError
+
+    model = HFModelConfig(path=hf_dir, load_tokenizer=False)
+    cases = [(Trainer3dEngineConfig(args=["--lr", "1e-5"]), FSDPOptimizerConfig(lr=LR)),
+             (Trainer3dEngineConfig(param_offload=True), FSDPOptimizerConfig(lr=LR)),
+             (Trainer3dEngineConfig(args=["--dropout", "0.1"]), FSDPOptimizerConfig(lr=LR)),
+             (Trainer3dEngineConfig(), FSDPOptimizerConfig(lr=LR, optimizer="AdamW8bit"))]
+    said = []
+    for engine_config, optimizer_config in cases:
+        try:
+            Trainer3dEngine(model, engine_config, optimizer_config)
+            said.append("accepted")
+        except ConfigError as e:
+            said.append(str(e))
+    return said
+
+
+def _world(rank, world_size, hf_dir, data, runs, site, tmp):
+    sys.path.append(site)  # after the project's packages: verl's pins never replace torch or transformers
+    out = {"reference": reference(hf_dir, data, f"{tmp}/reference"), "refusals": refusals(hf_dir)}
+    for label, args in runs.items():
+        out[label] = through_verl(hf_dir, args, data, f"{tmp}/{label.replace(' ', '_')}")
+    return out
+
+
+def test_verl_backend_equals_the_engine(tmp_path):
+    site = verl_site()
+    hf_llama(seed=5).save_pretrained(tmp_path / "llama")
+    data = [rollouts(seed) for seed in range(len(AGGREGATIONS))]
+    runs = {"tp2 pp2": ["--tp", "2", "--pp", "2"], "dp2 tp2": ["--tp", "2"],
+            "zero1 dp4": ["--deepspeed_config", "ds_configs/zero1.json"]}
+    every_rank = run_world(4, _world, str(tmp_path / "llama"), data, runs, site, str(tmp_path / "runs"), timeout=900)
+    ref = every_rank[0]["reference"]
+    attention = data[0][1]
+    expected = torch.zeros(B, RESPONSE)
+    for i, lp in enumerate(ref["logprobs"]):
+        expected[i, :len(lp)] = lp
+    for label in runs:
+        for rank, result in enumerate(every_rank):
+            run = result[label]
+            rows = slice(run["dp_rank"] * B // run["dp"], (run["dp_rank"] + 1) * B // run["dp"])
+            mask = attention[rows, PROMPT:].bool()
+            assert (run["logprobs"][mask] - expected[rows][mask]).abs().max() < 1e-5, (label, rank)
+            for step in range(len(AGGREGATIONS)):
+                assert abs(run["losses"][step] - ref["losses"][step]) < 1e-5, (label, rank, run["losses"], ref["losses"])
+                if run["collects"]:
+                    assert abs(run["norms"][step] - ref["norms"][step]) < 1e-5 * max(1.0, ref["norms"][step]), \
+                        (label, rank, step, run["norms"], ref["norms"])
+            assert list(run["weights"]) == list(ref["weights"])
+            worst = max((run["weights"][k] - v).abs().max().item() for k, v in ref["weights"].items())
+            assert worst < 1e-5, (label, rank, worst)
+        assert sorted(r[label]["dp_rank"] for r in every_rank if r[label]["collects"]) == list(range(run["dp"]))
+    print("verl backend vs engine: loss", max(abs(a - b) for r in every_rank for label in runs
+                                              for a, b in zip(r[label]["losses"], ref["losses"])),
+          "norm (relative)", max(abs(a - b) / b for r in every_rank for label in runs if r[label]["collects"]
+                                 for a, b in zip(r[label]["norms"], ref["norms"])),
+          "losses", ref["losses"], "norms", ref["norms"], "clipfrac", every_rank[0]["tp2 pp2"]["clipfrac"])
+    said = every_rank[0]["refusals"]
+    assert said[0].startswith("--lr is verl's to set (optim.lr)"), said
+    assert said[1].startswith("The trainer3d backend does not offload parameters or optimizer state"), said
+    assert said[2].startswith("The trainer3d backend applies verl's loss through a second forward pass"), said
+    assert said[3] == "The trainer3d backend trains with AdamW; verl's optimizer config names 'adamw8bit'.", said
+    clipfrac = every_rank[0]["tp2 pp2"]["clipfrac"]  # (clipped at 1 ± ε, dual-clipped) summed over micro-batches
+    assert all(upper > 0 and lower > 0 for upper, lower in clipfrac), clipfrac
+    assert len(set(ref["losses"])) == len(AGGREGATIONS) and min(ref["norms"]) > 0
