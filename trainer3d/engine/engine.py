@@ -78,6 +78,7 @@ class Engine:
         self.topo = self.group.topology = self.setup.topology(ranks)
         self.trainer = self._build(self.setup) if self.topo.active else None
         self._stream: WeightStream | None = None  # built at the first named_weights()
+        self.offloaded: dict | None = None  # what offload() moved, until onload()
 
     @property
     def active(self) -> bool:
@@ -191,6 +192,7 @@ class Engine:
         sampling distribution; and, with `entropy`, the entropy of each position's), on every rank; no gradient,
         dropout off. `documents` [B, T + 1]: each token's document, for packed rows under --document-mask.
         Rollouts (a list of 1-D token tensors of any count and lengths up to seq_len + 1): a list of [len - 1]."""
+        self._ready()
         self._check_temperature(temperature)
         if isinstance(tokens, (list, tuple)):
             packing, _, passes = self._rollouts(tokens, documents)
@@ -225,6 +227,7 @@ class Engine:
         ("entropy": an entropy bonus). Log-probabilities and entropy are those of softmax(logits / temperature).
         Several calls before one step() add up; where they split one batch, `batch_total` gives the whole batch's
         masked tokens (token-mean) or sequences (sequence-mean), so that their sum is the batch's aggregated loss."""
+        self._ready()
         fields = dict(fields or {})
         taken = [name for name in ("mask", "entropy") if name in fields]
         if taken:
@@ -293,6 +296,7 @@ class Engine:
         AdamW at the schedule's lr (lr_at of the step count), or at `lr` (a caller's own schedule: verl's). {"grad_norm", "lr", "loss", "skipped"} (and a MoE's
         routing statistics, as training logs them); a non-finite loss or norm skips the update and, under
         --on-nonfinite stop (the default), raises TrainingError, as training does (Trainer.optimizer_step)."""
+        self._ready()
         t = self.trainer
         if lr is not None and not (isinstance(lr, (int, float)) and 0 <= lr < float("inf")):
             raise ConfigError(f"lr must be a number >= 0; got {lr!r}.")
@@ -311,6 +315,26 @@ class Engine:
                 balance.update(t.dsa.end_step())
         return {"grad_norm": result.grad_norm, "lr": lr, "loss": result.loss, "skipped": not result.stepped, **balance}
 
+    def offload(self) -> dict:
+        """Between steps, parameters, gradients and optimizer state to host memory, so that a rollout engine on the
+        same GPUs has the device (verl's colocated rollout); onload() brings them back, and until then the engine's
+        other calls are refused. DDP moves every tensor into pinned host memory; DeepSpeed uses its offload_states.
+        Returns the bytes moved (DDP) or held before (DeepSpeed) by kind; on a CPU nothing moves."""
+        if self.passes:
+            raise TrainingError("offload() between forward_backward and step(): step() first (the gradient is held).")
+        if self.offloaded is None:
+            self.offloaded = self.trainer.engine.offload()
+        return self.offloaded
+
+    def onload(self) -> None:
+        if self.offloaded is not None:
+            self.trainer.engine.onload()
+            self.offloaded = None
+
+    def _ready(self) -> None:
+        if self.offloaded is not None:
+            raise TrainingError("The engine is offloaded: call onload() before its other calls.")
+
     def discard(self) -> None:
         """Drop the gradient of forward_backward calls that no step() used (a caller abandoning a step). ZeRO keeps
         what its partitions already reduced until its next step (ZeroEngine.zero_grad); DDP's is dropped."""
@@ -326,6 +350,7 @@ class Engine:
         per-expert names. Gathered in buckets of at most `bucket_bytes` (a larger tensor alone): each element moves
         once from its one writer to every rank (engine/weights.py), so a rank holds one bucket at a time. Collective:
         every rank iterates to the end."""
+        self._ready()
         if self._stream is None:
             self._stream = WeightStream(self.trainer, self.device)
         yield from self._stream.stream(dtype, device, bucket_bytes)
@@ -333,6 +358,7 @@ class Engine:
     def save(self, out_dir: str) -> str:
         """A checkpoint of the model, optimizer and step under `out_dir`/checkpoints (what --resume and
         trainer3d.export read); collective. Returns its directory."""
+        self._ready()
         return str(save_checkpoint(self.trainer, out_dir))
 
     def load(self, checkpoint: str) -> None:
@@ -340,6 +366,7 @@ class Engine:
         cfg = dataclasses.replace(self.setup.cfg, resume=checkpoint, init_from_hf=None)
         self.trainer = None
         self.trainer, self.passes = self._build(dataclasses.replace(self.setup, cfg=cfg)), 0
+        self.offloaded = None  # (a new trainer, on the device)
         self._stream = None
 
     def close(self) -> None:

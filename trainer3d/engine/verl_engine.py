@@ -22,6 +22,7 @@ dp_size), so each rank's dL/dlogp is divided by dp before the pass that sums ove
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 from dataclasses import dataclass, field
@@ -68,10 +69,9 @@ def train_config(model_path: str, engine_config, optimizer_config):
     name = str(getattr(optimizer_config, "optimizer", "AdamW")).lower()
     if name not in ("adamw", "adam_w", "torch.optim.adamw"):
         raise ConfigError(f"The trainer3d backend trains with AdamW; verl's optimizer config names {name!r}.")
-    if engine_config.param_offload or engine_config.optimizer_offload:
-        raise ConfigError("The trainer3d backend does not offload parameters or optimizer state between rollout and "
-                          "training yet: set param_offload and optimizer_offload to False (ZeRO's own offload, "
-                          "--deepspeed_config, moves optimizer state to the host for the whole run).")
+    if engine_config.param_offload != engine_config.optimizer_offload:
+        raise ConfigError("The trainer3d backend moves parameters, gradients and optimizer state to the host together "
+                          "(Engine.offload): set param_offload and optimizer_offload alike.")
     clip = optimizer_config.clip_grad if getattr(optimizer_config, "grad_clip", None) is None \
         else optimizer_config.grad_clip
     try:
@@ -129,6 +129,8 @@ class Trainer3dEngine(BaseEngine):
         self.topo = self.engine.topo
         self.scheduler = lr_schedule(optimizer_config)
         self.mode, self._built, self._saved = None, False, []
+        if engine_config.param_offload:  # (verl's backends start offloaded; its contexts load them for each call)
+            self.engine.offload()
 
     # ---- what verl's worker asks of every backend -----------------------------------------------------------
     def initialize(self):
@@ -138,15 +140,17 @@ class Trainer3dEngine(BaseEngine):
             self.engine.close()
             self.engine = Engine(self.cfg, vocab_size=self.model_config.hf_config.vocab_size)
             self.topo, self.scheduler = self.engine.topo, lr_schedule(self.optimizer_config)
+            if self.engine_config.param_offload:
+                self.engine.offload()
         self._built = True
 
     @property
     def is_param_offload_enabled(self) -> bool:
-        return False  # refused in train_config
+        return bool(self.engine_config.param_offload)
 
     @property
     def is_optimizer_offload_enabled(self) -> bool:
-        return False
+        return bool(self.engine_config.optimizer_offload)
 
     def train_mode(self, **kwargs):
         return _Mode(self, "train", **kwargs)
@@ -181,10 +185,15 @@ class Trainer3dEngine(BaseEngine):
         return self.scheduler.get_last_lr()[0]
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """verl's offload between rollout and training (its train/eval contexts call it under param_offload): to the
+        host, trainer3d's Engine.offload moves parameters, gradients and optimizer state together; back, onload."""
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
-        if torch.device(device).type != self.engine.device.type:
-            raise ConfigError("The trainer3d backend keeps its weights and optimizer state where training runs: "
-                              "moving them between rollout and training (offload) is not built yet.")
+        if not (model or optimizer):
+            return
+        if torch.device(device).type == "cpu":
+            self.engine.offload()
+        else:
+            self.engine.onload()
 
     # ---- forward and backward -------------------------------------------------------------------------------
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
@@ -283,14 +292,30 @@ class Trainer3dEngine(BaseEngine):
     def get_per_tensor_param(self, **kwargs):
         """(Hugging Face name, whole tensor) on this rank's device in engine_config.dtype, from trainer3d's bucketed
         stream (engine/weights.py); no adapter config (None)."""
-        return self.engine.named_weights(dtype=self.stream_dtype, device=self.engine.device), None
+        def stream():
+            with self._loaded():
+                yield from self.engine.named_weights(dtype=self.stream_dtype, device=self.engine.device)
+
+        return stream(), None
+
+    @contextlib.contextmanager
+    def _loaded(self):
+        """On the device for the calls inside, offloaded again after where it was (verl's backends do the same)."""
+        offloaded = self.engine.offloaded is not None
+        self.engine.onload()
+        try:
+            yield
+        finally:
+            if offloaded:
+                self.engine.offload()
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         """trainer3d's checkpoint under `local_path` (resharding, atomic); the oldest this engine wrote are removed
         beyond max_ckpt_to_keep."""
         if hdfs_path is not None:
             raise ConfigError("The trainer3d backend saves to a local (or shared) path only: hdfs_path is not read.")
-        self._saved.append(self.engine.save(local_path))
+        with self._loaded():
+            self._saved.append(self.engine.save(local_path))
         while max_ckpt_to_keep and len(self._saved) > max_ckpt_to_keep:
             old = self._saved.pop(0)
             if self.topo.rank == 0:

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer3d.distributed.collectives import all_reduce, group_size
 from trainer3d.optim import adam, adam_step_state, param_groups, set_lr
 from trainer3d.parallel.engine import (
-    DataParallelEngine, counts_in_norm, sum_of_squares, sum_tp_partial_grads, tp_partial_params,
-    sum_tied_grads, tied_copies, unique_parameters,
+    DataParallelEngine, counts_in_norm, offload_to_host, onload_from_host, sum_of_squares, sum_tp_partial_grads,
+    tp_partial_params, sum_tied_grads, tied_copies, unique_parameters,
 )
 from trainer3d.parallel.pipeline import SCHEDULES
 from trainer3d.private_api import require
@@ -92,6 +92,7 @@ class DDPEngine(DataParallelEngine):
                             if p.requires_grad and counts_in_norm(m, p, topo.tp_rank)]
         groups = param_groups(self.params, cfg.weight_decay)
         self.optimizer = adam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+        self._offloaded = False  # (offload)
 
     @property
     def stage_modules(self) -> list[nn.Module]:
@@ -168,3 +169,16 @@ class DDPEngine(DataParallelEngine):
 
     def describe(self) -> dict:
         return {"engine": "ddp"}
+
+    def offload(self) -> dict:
+        """Every parameter (frozen ones too), gradient and AdamW state tensor to pinned host memory (offload_to_host).
+        DDP's own gradient buckets stay on the device (torch has no call that frees them)."""
+        if self.device.type == "cpu" or self._offloaded:
+            return {"param_bytes": 0, "grad_bytes": 0, "optim_bytes": 0}
+        self._offloaded = True
+        return offload_to_host(unique_parameters(self.stages), self.optimizer)
+
+    def onload(self) -> None:
+        if self._offloaded:
+            onload_from_host(unique_parameters(self.stages), self.optimizer, self.device)
+            self._offloaded = False

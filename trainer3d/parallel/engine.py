@@ -93,6 +93,15 @@ class DataParallelEngine:
     def release_boundary(self) -> None:
         """Before the step of held passes: the reduction their last backward deferred."""
 
+    def offload(self) -> dict:
+        """Between steps, parameters, gradients and optimizer state to host memory, so that a colocated rollout
+        engine has the device; onload() brings them back. Returns the bytes moved by kind. Where the device is the
+        host (CPU) there is nothing to free: nothing moves."""
+        raise NotImplementedError
+
+    def onload(self) -> None:
+        raise NotImplementedError
+
     def reduce_grads(self, grad_scale: float) -> torch.Tensor:
         """step()'s first half, without reading the device: reduce over dp, sum the tied embedding and the
         sequence-parallel gradients, multiply by `grad_scale`; return the global gradient norm as a device scalar."""
@@ -287,3 +296,39 @@ def sum_tp_partial_grads(params: list[nn.Parameter], tp_group, read: Callable, w
     flat = all_reduce(torch.cat([g.reshape(-1).float() for g in grads]), tp_group)
     for p, g, total in zip(params, grads, flat.split([g.numel() for g in grads])):
         write(p, total.view_as(g).to(g.dtype))
+
+
+def offload_to_host(params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
+    """Parameters, their gradients and the optimizer's state tensors into pinned host memory, replaced in place
+    (`.data`), so the optimizer, the modules and DDP keep their references; the device's freed blocks go back to the
+    driver, where another process (a rollout engine) can allocate them. The bytes moved by kind."""
+    moved = {"param_bytes": 0, "grad_bytes": 0, "optim_bytes": 0}
+    for p in params:
+        moved["param_bytes"] += _to_host(p)
+        if p.grad is not None:
+            moved["grad_bytes"] += _to_host(p.grad)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v) and v.device.type != "cpu":
+                moved["optim_bytes"] += _to_host(v)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return moved
+
+
+def onload_from_host(params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """offload_to_host undone: what it moved (pinned tensors) back on `device`."""
+    tensors = [t for p in params for t in (p, p.grad) if t is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    for t in tensors:
+        if t.is_pinned():
+            t.data = t.data.to(device, non_blocking=True)
+    torch.cuda.synchronize(device)
+
+
+def _to_host(t: torch.Tensor) -> int:
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    host.copy_(t.data)
+    t.data = host
+    return t.numel() * t.element_size()
+

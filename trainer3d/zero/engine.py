@@ -19,10 +19,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from trainer3d.distributed.collectives import all_reduce
+from trainer3d.errors import ConfigError
 from trainer3d.optim import adam, param_groups, set_lr
 from trainer3d.parallel.engine import (
-    DataParallelEngine, EngineFactory, counts_in_norm, sum_of_squares, tp_partial_params, sum_tp_partial_grads,
-    sum_tied_grads, tied_copies,
+    DataParallelEngine, EngineFactory, counts_in_norm, offload_to_host, onload_from_host, sum_of_squares,
+    tp_partial_params, sum_tp_partial_grads, sum_tied_grads, tied_copies,
 )
 from trainer3d.parallel.shards import materialize
 from trainer3d.zero import memory, state
@@ -229,6 +230,40 @@ class ZeroEngine(DataParallelEngine):
 
     def memory(self) -> dict:
         return memory.report(self, self._grad_mem)
+
+    def offload(self) -> dict:
+        """DeepSpeed's offload_states on every engine for what it moves with a torch optimizer (ZeRO-1/2: everything;
+        ZeRO-3: the compute-dtype parameters and the gradient buffers, since its optimizer-state offload needs its CUDA
+        FusedAdam), the rest as DDP's (offload_to_host: the fp32 master partitions and AdamW's state in place).
+        DeepSpeed runs it on the host too, where it releases the compute-dtype parameters and onload rebuilds them.
+        The bytes held before, by kind (the engine's memory report)."""
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as State
+
+        if self.spec.offload_param != "none" or self.spec.offload_optimizer != "none":
+            raise ConfigError("offload() moves states to the host between steps; this DeepSpeed config already keeps "
+                              "them there (offload_param / offload_optimizer): drop one of the two.")
+        held = {k: v for k, v in self.memory().items() if k in ("param_bytes", "grad_bytes", "optim_bytes")}
+        pin = self.device.type == "cuda"
+        for e in self.engines:
+            if self.spec.zero_stage == 3:
+                e.offload_states(include=[State.lp_params, State.lp_grads, State.contiguous_grad_buffer],
+                                 device=OffloadDeviceEnum.cpu, pin_memory=pin)
+                if pin:
+                    offload_to_host(e.optimizer.fp32_partitioned_groups_flat, e.optimizer.optimizer)
+            elif self.spec.zero_stage:
+                e.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=pin)
+            elif pin:
+                offload_to_host(e.module.parameters(), e.optimizer)
+        return held
+
+    def onload(self) -> None:
+        for e in self.engines:
+            if self.spec.zero_stage == 3 and self.device.type == "cuda":
+                onload_from_host(e.optimizer.fp32_partitioned_groups_flat, e.optimizer.optimizer, self.device)
+            if self.spec.zero_stage:
+                e.reload_states()
+            elif self.device.type == "cuda":
+                onload_from_host(e.module.parameters(), e.optimizer, self.device)
 
     def describe(self) -> dict:
         return {"engine": "deepspeed", "zero_stage": self.spec.zero_stage, "offload_optimizer": self.spec.offload_optimizer,
