@@ -1,7 +1,8 @@
-"""The GRPO example's learning curve (examples/grpo/grpo.py on trainer3d.engine): its reward and KL every 25 steps,
-as a table and a plot (bench/results/grpo_reward.png).
+"""The GRPO example's learning curve (examples/grpo on trainer3d.engine): the SFT export first (sft.py), then GRPO on
+it; reward, exact replies, the clip's share, KL and reply lengths every 5 steps, as a table and a plot
+(bench/results/grpo_reward.png).
 
-    python bench/grpo_curve.py                        # 300 steps at one process (~70 s on 2 cores)
+    python bench/grpo_curve.py                        # SFT, then 60 GRPO steps at one process (~3.5 min on 2 cores)
     python bench/grpo_curve.py --launch "torchrun --nproc_per_node 4" --flags "--tp 2 --pp 2"
 """
 
@@ -20,19 +21,23 @@ from harness import ROOT, stamp, table
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--launch", default=sys.executable, help="what runs the example (python, or torchrun ...)")
     ap.add_argument("--flags", default="", help="more flags for the example (--tp, --pp, --lr, ...)")
     ap.add_argument("--plot", default=os.path.join(ROOT, "bench", "results", "grpo_reward.png"))
     args = ap.parse_args()
+    example = os.path.join(ROOT, "examples", "grpo")
     with tempfile.TemporaryDirectory() as out:
-        cmd = [*shlex.split(args.launch), os.path.join(ROOT, "examples", "grpo", "grpo.py"), "--steps",
-               str(args.steps), "--out-dir", out, *shlex.split(args.flags)]
+        subprocess.run([sys.executable, os.path.join(example, "sft.py"), "--out-dir", os.path.join(out, "sft")],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        cmd = [*shlex.split(args.launch), os.path.join(example, "grpo.py"), "--model", os.path.join(out, "sft", "hf"),
+               "--steps", str(args.steps), "--out-dir", os.path.join(out, "grpo"), *shlex.split(args.flags)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
-        records = [json.loads(line) for line in open(os.path.join(out, "grpo.jsonl"))]
-    every = [r for r in records if r["step"] == 1 or r["step"] % 25 == 0]
-    print(table([[r["step"], f"{r['reward']:.3f}", f"{r['kl']:.3f}", f"{r['grad_norm']:.3f}"] for r in every],
-                ["step", "reward", "KL to the reference", "grad norm"]))
+        records = [json.loads(line) for line in open(os.path.join(out, "grpo", "grpo.jsonl"))]
+    every = [r for r in records if r["step"] == 1 or r["step"] % 5 == 0]
+    print(table([[r["step"], f"{r['reward']:.3f}", f"{r['exact']:.2f}", f"{r['clipped']:.3f}", f"{r['kl']:.3f}",
+                  f"{r['reply_tokens']:.1f}", f"{r['ended']:.2f}"] for r in every],
+                ["step", "reward", "exact", "clipped", "KL to the SFT model", "reply tokens", "ended at eos"]))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,10 +45,14 @@ def main() -> int:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
     steps = [r["step"] for r in records]
-    left.plot(steps, [r["reward"] for r in records])
-    left.set(xlabel="step", ylabel="reward", ylim=(0, 1.05), title="reward: the share of reply tokens copied")
-    right.plot(steps, [r["kl"] for r in records], color="tab:orange")
-    right.set(xlabel="step", ylabel="KL (k3)", yscale="log", title="KL to the initial model")
+    left.plot(steps, [r["reward"] for r in records], label="reward")
+    left.plot(steps, [r["exact"] for r in records], label="exact replies")
+    left.set(xlabel="step", ylim=(0, 1.05), title="reward on the SFT model's task")
+    left.legend()
+    right.plot(steps, [r["kl"] for r in records], color="tab:orange", label="KL (k3) to the SFT model")
+    right.plot(steps, [r["clipped"] for r in records], color="tab:green", label="share the clip holds")
+    right.set(xlabel="step", yscale="log", title="KL and the clip")
+    right.legend()
     fig.suptitle("GRPO on trainer3d.engine (examples/grpo)")
     fig.tight_layout()
     fig.savefig(args.plot, dpi=100)

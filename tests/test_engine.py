@@ -15,6 +15,8 @@ tp2·pp2 and changes nothing. The reference shares no code with trainer3d."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from distributed import run_world
@@ -220,6 +222,17 @@ def refusals(engine, tokens, documents) -> list[str]:
     return said
 
 
+def refused(call) -> str:
+    """The sentence a call is refused with (TrainingError), or "accepted"."""
+    from trainer3d.errors import TrainingError
+
+    try:
+        call()
+        return "accepted"
+    except TrainingError as e:
+        return str(e)
+
+
 def rollout_step(engine, data, aggregation: str, calls: int) -> float:
     """forward_backward over rollouts of any shape: in one call, or split over `calls` calls that name the whole
     batch's total (its masked tokens, or its sequences)."""
@@ -261,6 +274,10 @@ def _engine_run(hf_dir, layout, data, train, tmp):
                     tokens, rl_loss, mask=mask, aggregation=aggregation, fields={"old": old, "adv": adv},
                     documents=documents, temperature=TEMPERATURE, entropy=True))
                 out["norms"].append(engine.step()["grad_norm"])
+                if step == 0:  # between steps, to the host and back: the steps after it still equal the reference's
+                    out["offloaded"] = engine.offload()
+                    out["offload_refusal"] = refused(lambda: engine.logprobs(tokens, documents))
+                    engine.onload()
             for step, aggregation in enumerate(ROLLOUT_STEPS, start=len(AGGREGATIONS)):
                 out["losses"].append(rollout_step(engine, data[step], aggregation, calls=1 + step % 2))
                 out["norms"].append(engine.step()["grad_norm"])
@@ -370,22 +387,62 @@ def test_engine_against_transformers(tmp_path):
         # lr on rounding alone (1.1e-5 at tp 2 x pp 2 on an AVX-512 machine)
         assert sorted(run["weights"]) == sorted(state) and weights < PARAM_ATOL, (label, weights)
         assert run["reloaded"] == 0.0
+        assert run["offload_refusal"] == "The engine is offloaded: call onload() before its other calls."
+        if "zero" in label:  # DeepSpeed reports what its engines held: the steps after the round trip still match
+            assert run["offloaded"]["param_bytes"] > 0 and run["offloaded"]["optim_bytes"] > 0, run["offloaded"]
+        else:  # on a CPU, DDP has nothing to move: the device is the host
+            assert run["offloaded"] == {"param_bytes": 0, "grad_bytes": 0, "optim_bytes": 0}, run["offloaded"]
+
+
+def test_grpo_loss_clips_as_ppo_defines_it():
+    """The example's per-token loss: -min(ρA, clip(ρ, 1 ± ε)A) + β·k3. Where the clip holds the ratio (ρ > 1 + ε with
+    A > 0, ρ < 1 - ε with A < 0) the surrogate's gradient in logp is 0; elsewhere it is -ρA. Fails without the clip
+    (every gradient -ρA) or with the advantage's sign flipped."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grpo_example", "examples/grpo/grpo.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    grpo_loss = example.grpo_loss
+
+    ratio = torch.tensor([1.5, 0.5, 1.5, 0.5, 1.1, 0.9])
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0, -2.0])
+    old = torch.zeros(6)
+    logp = ratio.log().requires_grad_(True)
+    loss = grpo_loss(clip=0.2, kl_coef=0.0)(logp, {"old": old, "adv": adv, "ref": logp.detach()})
+    loss.sum().backward()
+    expected = torch.tensor([-1.2, -0.5, 1.5, 0.8, -2.2, 1.8])  # -min(ρA, clip(ρ)A), written out
+    assert torch.allclose(loss, expected), loss
+    held = torch.tensor([True, False, False, True, False, False])  # 1.5 > 1.2 with A > 0; 0.5 < 0.8 with A < 0
+    assert torch.equal(logp.grad == 0, held), logp.grad
+    assert torch.allclose(logp.grad[~held], -(ratio * adv)[~held]), logp.grad
 
 
 def test_grpo_example(tmp_path):
-    """examples/grpo at toy size under torchrun at tp 2: the rollout process's reference log-probs of the first
-    rollouts equal the engine's (KL 0: the weights streamed by named_weights() are the policy's), the policy then
-    moves (KL > 0) and every step is logged."""
+    """examples/grpo end to end: an SFT export made as a user makes one (sft.py: trainer3d's chat SFT of a small
+    Llama with the GPT-2 tokenizer, then trainer3d.export), then GRPO on it at one process: replies end at eos with
+    lengths that vary, four updates a step make the ratio leave 1 (the clip holds some tokens), and the reward and
+    the share of exact replies rise over 16 steps (they fall with the advantage's sign flipped)."""
     import json
     import subprocess
 
     from distributed import free_port, launch_env
 
-    cmd = ["torchrun", "--nproc_per_node", "2", f"--master_port={free_port()}", "examples/grpo/grpo.py", "--tp", "2",
-           "--steps", "3", "--prompts", "4", "--group", "4", "--out-dir", str(tmp_path)]
-    p = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=300)
+    env = launch_env()
+    p = subprocess.run([sys.executable, "examples/grpo/sft.py", "--out-dir", str(tmp_path / "sft")], env=env,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    records = [json.loads(line) for line in open(tmp_path / "grpo.jsonl")]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[0]["kl"] < 1e-6 < records[2]["kl"], records
-    assert all(0.0 <= r["reward"] <= 1.0 and r["grad_norm"] > 0 for r in records)
+    cmd = [sys.executable, "examples/grpo/grpo.py", "--model", str(tmp_path / "sft" / "hf"), "--steps", "16",
+           "--out-dir", str(tmp_path / "grpo")]
+    p = subprocess.run(cmd, env={**env, "MASTER_PORT": str(free_port())}, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "grpo" / "grpo.jsonl")]
+    assert [r["step"] for r in records] == list(range(1, 17))
+    first, last = records[:5], records[-5:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, "reward") > mean(first, "reward") + 0.02, [r["reward"] for r in records]
+    assert mean(last, "exact") > mean(first, "exact") + 0.05, [r["exact"] for r in records]
+    assert records[0]["kl"] < 1e-5 < records[-1]["kl"]  # the rollout side scores as the engine does, then it moves
+    assert all(r["ended"] > 0.9 and r["reply_tokens_max"] > r["reply_tokens"] for r in records), records
+    assert sum(r["clipped"] > 0 for r in records) >= 8, [r["clipped"] for r in records]
