@@ -22,6 +22,9 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
   big      llama3.2-3b with full recomputation on one GPU, then under ZeRO-3 with    51 s; offload 123 s at
            CPU offload (the planner's JSON): tokens/s and peak memory against the   3 steps (H200, 5th round)
            planner's estimate
+  engine   bench/engine_gpu.py: trainer3d.engine's offload()/onload() (what it        not yet run (~60 s est.)
+           frees, their cost, the same log-probs after) and named_weights' rate,
+           llama3.2-1b bf16 under DDP, ZeRO-1, ZeRO-3
 
 The rounds' figures are in bench/gpu_round.md; --parts skips what a round need not repeat and --mfu-rows picks the
 mfu part's rows (the fourth round: env,fp8,mfu with the six compiled bf16 rows, then env,paths,fp8).
@@ -57,7 +60,7 @@ class Round:
         self.out, self.work, self.dry = out, work, dry
         self.deadline = time.monotonic() + budget_s
         self.rows: list[tuple[str, str, float, str]] = []  # (part, status, seconds, finding)
-        self.parts = ["env", "smoke", "paths", "fp8", "mfu", "big"]
+        self.parts = ["env", "smoke", "paths", "fp8", "mfu", "big", "engine"]
         self.mfu_rows = MFU_ROWS
         self.log_path = os.path.join(out, "round.log")
         # dry: each Python command forked from one process that imported the trainer (bench/preloaded.py)
@@ -258,10 +261,13 @@ def path_runs(r: Round, n: int) -> dict:
                       f"rewards/margins {last(run, 'rewards/margins'):.4f}; {tok_s(run)}")
 
     def engine(base):  # the GRPO example: the engine on this device, its rollouts in a CPU process of transformers
-        out = os.path.join(r.work, "grpo")
-        cmd = [sys.executable, "examples/grpo/grpo.py", "--steps", "3", "--prompts", "4", "--group", "4", "--out-dir",
-               out]
-        rc, text = r.run("grpo", cmd, 180, {"CUDA_VISIBLE_DEVICES": ""} if r.dry else None)
+        out, env = os.path.join(r.work, "grpo"), {"CUDA_VISIBLE_DEVICES": ""} if r.dry else None
+        sft = [sys.executable, "examples/grpo/sft.py", "--steps", "10", "--rows", "500", "--out-dir", f"{out}_sft"]
+        rc, text = r.run("grpo_sft", sft, 120, env)  # (its start model, briefly: this path checks the engine only)
+        cmd = [sys.executable, "examples/grpo/grpo.py", "--model", f"{out}_sft/hf", "--steps", "3", "--prompts", "4",
+               "--group", "4", "--minibatches", "2", "--out-dir", out]
+        if not rc:
+            rc, text = r.run("grpo", cmd, 180, env)
         path = os.path.join(out, "grpo.jsonl")
         if rc or not os.path.exists(path):
             return "failed", f"rc {rc}: {(text.strip().splitlines() or ['no output'])[-1][:160]}"
@@ -443,11 +449,23 @@ def part_big(r: Round) -> None:
                  f"{planner_gib(r, model, seq, batch, layout)} GiB planned; loss {last(run):.3f}")
 
 
+def part_engine(r: Round) -> tuple[str, str]:
+    """trainer3d.engine as a colocated RL trainer (bench/engine_gpu.py): what offload() frees, onload's cost, the
+    weight stream's rate, at DDP, ZeRO-1 and ZeRO-3 (llama3.2-1b in bf16)."""
+    rc, output = r.run("engine", [sys.executable, "bench/engine_gpu.py", *(["--dry"] if r.dry else [])], 180)
+    rows = [line for line in output.splitlines() if line.startswith(("| ddp", "| zero"))]
+    if rc != 0 or not rows:
+        return "failed", output.strip().splitlines()[-1] if output.strip() else f"exit {rc}"
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    return "ok", "; ".join(f"{c[0]}: offload frees {c[2]} (driver {c[3]}) in {c[4]} s, same log-probs {c[5]}, "
+                           f"stream {c[7]} GB/s on device, {c[8]} to host" for c in cells)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu_round"))
     ap.add_argument("--budget-s", type=float, default=450, help="the whole round's wall time")
-    ap.add_argument("--parts", default="env,smoke,paths,fp8,mfu,big",
+    ap.add_argument("--parts", default="env,smoke,paths,fp8,mfu,big,engine",
                     help="which parts, comma-separated (a later round may skip what an earlier one measured)")
     ap.add_argument("--dry", action="store_true", default=os.environ.get("GPU_ROUND_DRY") == "1",
                     help="every part on CPU at tiny sizes (GPU_ROUND_DRY=1)")
@@ -460,7 +478,7 @@ def main(argv=None) -> int:
     r.parts, r.mfu_rows = args.parts.split(","), args.mfu_rows
     r.log(f"# GPU round {'(dry, CPU)' if args.dry else ''} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     for name, fn in [("env", part_env), ("smoke", part_smoke), ("paths", part_paths), ("fp8", part_fp8),
-                     ("mfu", part_mfu), ("big", part_big)]:
+                     ("mfu", part_mfu), ("big", part_big), ("engine", part_engine)]:
         if name not in r.parts:
             continue
         t0 = time.monotonic()

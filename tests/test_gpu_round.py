@@ -24,7 +24,7 @@ PARTS = ["env", "smoke", "paths: bf16 eager", "paths: fp32 GPU vs CPU", "paths: 
          "paths: save -> resume", "paths: export -> init-from-hf", "paths: ZeRO-1", "paths: ZeRO-3",
          "paths: document mask (flex)", "paths: Qwen3-MoE tiny", "paths: DeepSeek-V3 tiny", "paths: fp8 rowwise",
          "paths: fp8 tensorwise", "paths: DPO", "paths: engine (GRPO)", "fp8", "mfu",
-         "big: recompute full", "big: ZeRO-3 + CPU offload (the planner's JSON)"]
+         "big: recompute full", "big: ZeRO-3 + CPU offload (the planner's JSON)", "engine"]
 
 
 def _summary(out: Path) -> dict[str, tuple[str, str]]:
@@ -59,6 +59,7 @@ def test_dry_round_runs_every_part_and_compares(tmp_path):
     assert rows["paths: DPO"][1].startswith("--objective dpo: loss 0.693147"), rows["paths: DPO"]  # ln 2: ref = policy
     kl = float(re.search(r"KL [^0-9]* ([0-9.e+-]+);", rows["paths: engine (GRPO)"][1]).group(1))
     assert kl < 1e-6, rows["paths: engine (GRPO)"]  # the streamed weights are the engine's
+    assert rows["engine"][1].count("same log-probs yes") == 3, rows["engine"]  # offload -> onload at DDP, ZeRO-1, 3
     assert "torch" in (out / "env.txt").read_text()
     mfu = json.loads((out / "gpu_mfu.json").read_text())
     assert [r["label"] for r in mfu] == ["tiny trainer", "tiny trainer-compile", "tiny bare-compile",

@@ -125,23 +125,24 @@ class Trainer3dEngine(BaseEngine):
         self.stream_dtype = DTYPES.get(str(engine_config.dtype))
         if self.stream_dtype is None:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {engine_config.dtype!r}.")
-        self.engine = Engine(self.cfg, vocab_size=model_config.hf_config.vocab_size)
-        self.topo = self.engine.topo
-        self.scheduler = lr_schedule(optimizer_config)
         self.mode, self._built, self._saved = None, False, []
-        if engine_config.param_offload:  # (verl's backends start offloaded; its contexts load them for each call)
+        self._build()
+
+    def _build(self) -> None:
+        """The model of model_config.path, the optimizer and verl's schedule fresh; offloaded under param_offload
+        (verl's backends start so: its contexts load the engine for each call)."""
+        self.engine = Engine(self.cfg, vocab_size=self.model_config.hf_config.vocab_size)
+        self.topo, self.scheduler = self.engine.topo, lr_schedule(self.optimizer_config)
+        if self.engine_config.param_offload:
             self.engine.offload()
 
     # ---- what verl's worker asks of every backend -----------------------------------------------------------
     def initialize(self):
-        """The model of model_config.path, the optimizer fresh: built at construction; a second call (verl's reset)
-        builds it again."""
+        """Built at construction (verl's worker asks for the dp rank before it initializes); a second call (verl's
+        reset) builds it again."""
         if self._built:
             self.engine.close()
-            self.engine = Engine(self.cfg, vocab_size=self.model_config.hf_config.vocab_size)
-            self.topo, self.scheduler = self.engine.topo, lr_schedule(self.optimizer_config)
-            if self.engine_config.param_offload:
-                self.engine.offload()
+            self._build()
         self._built = True
 
     @property
