@@ -223,19 +223,20 @@ def refusals(engine, tokens, documents) -> list[str]:
 
 
 def refused(call) -> str:
-    """The sentence a call is refused with (TrainingError), or "accepted"."""
-    from trainer3d.errors import TrainingError
+    """The sentence a call is refused with (ConfigError, TrainingError), or "accepted"."""
+    from trainer3d.errors import ConfigError, TrainingError
 
     try:
         call()
         return "accepted"
-    except TrainingError as e:
+    except (ConfigError, TrainingError) as e:
         return str(e)
 
 
 def rollout_step(engine, data, aggregation: str, calls: int) -> float:
     """forward_backward over rollouts of any shape: in one call, or split over `calls` calls that name the whole
-    batch's total (its masked tokens, or its sequences)."""
+    batch's total (its masked tokens, or its sequences); between two calls, one with a loss_fn that returns a scalar,
+    refused before any pass: the step's gradient is the calls' (which equal the reference's) at every engine."""
     sequences, masks, advantages, noise = data
     old = [lp + eps for lp, eps in zip(engine.logprobs(sequences, temperature=TEMPERATURE), noise)]
     total = sum(int(m.sum()) for m in masks) if aggregation == "token-mean" else len(sequences)
@@ -246,6 +247,9 @@ def rollout_step(engine, data, aggregation: str, calls: int) -> float:
                                        fields={"old": [old[i] for i in pick], "adv": [advantages[i] for i in pick]},
                                        aggregation=aggregation, temperature=TEMPERATURE, entropy=True,
                                        batch_total=total if calls > 1 else None)
+        if calls > 1 and pick[0] == 0:
+            said = refused(lambda: engine.forward_backward([sequences[0]], lambda lp, f: -lp.sum()))
+            assert said.startswith("loss_fn must return one loss per token"), said
     return loss
 
 
@@ -313,7 +317,7 @@ def test_engine_against_transformers(tmp_path):
     every_rank = run_world(4, _world, runs, data, str(tmp_path / "runs"), timeout=600)
     results, last = every_rank[0], data[len(AGGREGATIONS) - 1][0]
     for rank, result in enumerate(every_rank):  # tp2·pp2: ranks 0-1 hold the first stage, 2-3 the last
-        shape = "a tensor of shape []" if rank >= 2 else "another shape (on the last pipeline stage)"
+        shape = "a tensor of shape []"  # (seen before any pass, on every rank)
         assert result["tp2 pp2"]["refusals"] == [
             "tokens must be integer token ids; got torch.float32.",
             f"tokens must be ids in [0, {VOCAB}) (the model's vocabulary); got ids from {int(last.min()) + VOCAB} "

@@ -249,7 +249,25 @@ class Engine:
             mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask.bool()
             weights = token_weights(mask, aggregation, self._sequences(tokens, documents), batch_total)
             batches = [(tokens, documents, weights, {**fields, "mask": mask}, None)]
+        self._probe(loss_fn, [*fields, "mask"], entropy)
         return self._train(batches, loss_fn, temperature, entropy)
+
+    @staticmethod
+    def _probe(loss_fn: LossFn, names: list[str], entropy: bool) -> None:
+        """loss_fn on a stand-in micro-batch (zeros [1, 2] for the log-probs and each field) on every rank, before
+        any pass: one that returns another shape (a scalar, a row's sum) is refused with nothing run, whatever the
+        engine (a gradient that ZeRO holds across calls cannot be taken back). The check inside the pass stays for
+        a loss_fn whose shape depends on its values."""
+        given = {name: torch.zeros(1, 2) for name in names}
+        given["mask"] = torch.ones(1, 2, dtype=torch.bool)
+        if entropy:
+            given["entropy"] = torch.zeros(1, 2)
+        with torch.no_grad():
+            losses = loss_fn(torch.zeros(1, 2), given)
+        if not torch.is_tensor(losses) or tuple(losses.shape) != (1, 2):
+            got = f"a tensor of shape {list(losses.shape)}" if torch.is_tensor(losses) else f"a {type(losses).__name__}"
+            raise ConfigError(f"loss_fn must return one loss per token, a tensor shaped like its logprobs argument "
+                              f"([micro-batch rows, tokens]); it returned {got}.")
 
     def _train(self, batches: list[tuple], loss_fn: LossFn, temperature: float, entropy: bool) -> float:
         """Each pass's (tokens, documents, weights, fields with "mask", real inputs) through forward and backward;
@@ -282,7 +300,9 @@ class Engine:
         local[1] = float(bool(returned))
         reduced = all_reduce(local, self.topo.world_group)
         if reduced[1] > 0:
-            t.engine.zero_grad()  # (the calls before it in this step are spent too: the step starts over)
+            # (a loss_fn whose shape depends on its values, which _probe could not see: DDP drops the step's earlier
+            # calls too and the step starts over; ZeRO keeps what it has reduced of them until its next step)
+            t.engine.zero_grad()
             self.passes = 0
             got = returned[0] if returned else "another shape (on the last pipeline stage)"
             raise ConfigError(f"loss_fn must return one loss per token, a tensor shaped like its logprobs argument "

@@ -331,4 +331,3 @@ def _to_host(t: torch.Tensor) -> int:
     host.copy_(t.data)
     t.data = host
     return t.numel() * t.element_size()
-
