@@ -3,8 +3,9 @@ conversational preference pairs, the whole set one batch a step, fp32, a constan
 norm and TRL's rewards/chosen, rewards/rejected and rewards/margins (and accuracies once the policy has moved) equal
 TRL's, at one process, tp2·pp2 and ZeRO-3 at dp4 (sigmoid), and at one process for IPO, robust DPO and another model
 as the reference (--ref-model), hinge, sppo_hard, and MPO's mix of sigmoid, bco_pair and sft with TRL's loss_weights (at one process and dp4); TRL's
-logps/* and logits/* too; the pairs' tokens equal TRL's, conversational and plain text; bad pairs are dropped and counted or refused; the CLI writes the
-metrics."""
+logps/* and logits/* too; after the steps, the evaluation of 8 held-out pairs (--val-data) equals TRL's evaluate() on
+them as eval_dataset in every run (val_loss and each eval_ metric); the pairs' tokens equal TRL's, conversational and
+plain text; bad pairs are dropped and counted or refused; the CLI writes the metrics."""
 
 from __future__ import annotations
 
@@ -40,12 +41,14 @@ def write_rows(path, rows):
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def _dpo_run(model_dir, data, layout, loss, smoothing, out_dir):
-    """The CLI's pieces (loop.py): pairs, loader, trainer, the reference scored, STEPS steps."""
+def _dpo_run(model_dir, data, val_data, layout, loss, smoothing, out_dir):
+    """The CLI's pieces (loop.py): pairs and the --val-data pairs, loader, trainer, the references scored, the
+    evaluation of the val pairs before training, STEPS steps, the evaluation after them."""
     from trainer3d.checkpoint.load import apply, prepare
     from trainer3d.data import BatchLoader
     from trainer3d.data.preference import build_pairs
-    from trainer3d.train.dpo import load_or_score
+    from trainer3d.train.data_setup import build_val_pairs
+    from trainer3d.train.dpo import evaluate, load_or_score
     from trainer3d.train.loop import score_with_reference
     from trainer3d.train.setup import data_config, validate
     from trainer3d.train.trainer import Trainer
@@ -55,43 +58,54 @@ def _dpo_run(model_dir, data, layout, loss, smoothing, out_dir):
     cfg = TrainConfig(init_from_hf=model_dir, objective="dpo", data_format="preference", data=data, seq_len=SEQ,
                       global_batch=32, micro_batches=2, precision="fp32", lr=LR, warmup_steps=0, min_lr=LR,
                       beta2=0.999, weight_decay=0.0, grad_clip=1.0, dpo_beta=BETA, dpo_loss=loss,
-                      dpo_label_smoothing=smoothing, max_steps=STEPS, out_dir=out_dir, **layout)
+                      dpo_label_smoothing=smoothing, max_steps=STEPS, out_dir=out_dir, val_data=val_data,
+                      eval_every=STEPS, **layout)
     setup = validate(cfg, n)
     topo = setup.topology(list(range(n)))
     out = None
     if topo.active:
         pairs = build_pairs(data_config(setup.cfg), SEQ)
+        val = build_val_pairs(setup.cfg, data_config(setup.cfg))
         loader = BatchLoader(pairs, setup.plan.global_batch // 2, topo.dp_rank, setup.layout.dp, setup.cfg.seed)
         mcfg = setup.model_config(pairs.vocab_size)
         start = prepare(setup.cfg, mcfg, topo)
         if setup.cfg.ref_model:
-            score_with_reference(setup, topo, torch.device("cpu"), mcfg, pairs, out_dir)
+            score_with_reference(setup, topo, torch.device("cpu"), mcfg, pairs, out_dir, val)
         trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value, boundary=pairs.eos_id)
         apply(start, trainer, loader)
-        load_or_score(trainer, pairs, out_dir, fresh=True)
-        out = [trainer.train_step(loader.next_batch()) for _ in range(STEPS)]
+        load_or_score(trainer, pairs, out_dir, fresh=True, val_rows=val)
+        before = evaluate(trainer)
+        out = {"steps": [trainer.train_step(loader.next_batch()) for _ in range(STEPS)], "val_before": before,
+               "val": evaluate(trainer)}
     topo.destroy()
     return out
 
 
-def _world(rank, world_size, model_dir, data, tmp):
-    return {label: _dpo_run(model_dir, data, layout, loss, eps, f"{tmp}/{label.replace(' ', '_')}")
+def _world(rank, world_size, model_dir, data, val_data, tmp):
+    return {label: _dpo_run(model_dir, data, val_data, layout, loss, eps, f"{tmp}/{label.replace(' ', '_')}")
             for label, (layout, loss, eps) in RUNS.items()}
 
 
 def test_dpo_equals_trl(tmp_path):
     model_dir, rows = tmp_path / "model", preference_rows(16, conversational=True)
+    val_rows = preference_rows(8, conversational=True, seed=1)  # --val-data: TRL's eval_dataset
     tiny_chat_model(model_dir)
     tiny_chat_model(f"{model_dir}-ref", seed=6)
     write_rows(tmp_path / "pairs.jsonl", rows)
-    ours = run_world(4, _world, str(model_dir), str(tmp_path / "pairs.jsonl"), str(tmp_path / "runs"), timeout=900)[0]
-    refs = {(loss, eps, "ref_model" in flags): trl_dpo_run(
-        str(model_dir), rows, STEPS, LR, BETA, loss, eps, out_dir=str(tmp_path / loss),
-        ref_model_dir=f"{model_dir}-ref" if "ref_model" in flags else None,
-        **({"loss_weights": [float(w) for w in flags["dpo_loss_weights"].split(",")]} if "dpo_loss_weights" in flags
-           else {})) for flags, loss, eps in RUNS.values()}
+    write_rows(tmp_path / "val.jsonl", val_rows)
+    ours = run_world(4, _world, str(model_dir), str(tmp_path / "pairs.jsonl"), str(tmp_path / "val.jsonl"),
+                     str(tmp_path / "runs"), timeout=900)[0]
+    refs, evals = {}, {}
+    for flags, loss, eps in RUNS.values():
+        key, keep = (loss, eps, "ref_model" in flags), {}
+        refs[key] = trl_dpo_run(
+            str(model_dir), rows, STEPS, LR, BETA, loss, eps, out_dir=str(tmp_path / loss), keep=keep,
+            ref_model_dir=f"{model_dir}-ref" if "ref_model" in flags else None, eval_rows=val_rows,
+            **({"loss_weights": [float(w) for w in flags["dpo_loss_weights"].split(",")]}
+               if "dpo_loss_weights" in flags else {}))
+        evals[key] = keep["evaluation"]
     for label, (flags, loss, eps) in RUNS.items():
-        ref, run = refs[(loss, eps, "ref_model" in flags)], ours[label]
+        ref, run = refs[(loss, eps, "ref_model" in flags)], ours[label]["steps"]
         print(f"\n{label}: TRL losses {[r['loss'] for r in ref]}, ours {[r['loss'] for r in run]}")
         for step, (r, o) in enumerate(zip(ref, run)):
             for key in ("loss", "grad_norm"):
@@ -103,6 +117,16 @@ def test_dpo_equals_trl(tmp_path):
             if step or "ref_model" in flags:  # at step 1 every reward is 0 up to rounding but with --ref-model
                 assert o["rewards/accuracies"] == r["rewards/accuracies"], (label, step)
         assert run[-1]["rewards/margins"] > 0.05  # it learns the preference
+        # --val-data after the steps: TRL's evaluate() of the same pairs (eval_ names, ours val_)
+        trl_eval, val = evals[(loss, eps, "ref_model" in flags)], ours[label]["val"]
+        print(f"{label}: TRL eval_loss {trl_eval['eval_loss']:.6f}, ours val_loss {val['val_loss']:.6f}")
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"):
+            r, o = trl_eval[f"eval_{key}"], val[f"val_{key}"]
+            assert abs(o - r) <= 1e-5 * max(1.0, abs(r)), (label, key, o, r)
+        if "ref_model" not in flags and loss == "sigmoid":  # before any step the policy is the reference: ln 2
+            assert abs(ours[label]["val_before"]["val_loss"] - 0.6931472) < 1e-6, ours[label]["val_before"]
+        assert val["val_loss"] != ours[label]["val_before"]["val_loss"]
     assert refs[("sigmoid", 0.0, False)][-1]["loss"] != refs[("robust", 0.1, False)][-1]["loss"]  # robust's ε acts
     assert abs(refs[("sigmoid", 0.0, True)][0]["loss"] - 0.6931472) > 1e-3  # another reference: not ln 2 at step 1
 
@@ -159,13 +183,16 @@ def test_a_resume_into_a_new_out_dir_keeps_the_reference_and_its_mask(tmp_path):
     reference kept only in the first run's directory did, zeroes the rewards). Under --document-mask and
     --reset-position-ids on conversational rows (whose chat template closes the user's turn with eos) the reference is
     scored with the rows' own documents, as training sees them: at step 1 the policy is the reference, every reward 0
-    and the loss ln 2 (scored by eos-opened documents instead, they were not)."""
+    and the loss ln 2 (scored by eos-opened documents instead, they were not). The --val-data pairs' reference is the
+    checkpoint's too: the resumed run's validation at step 3 is the uninterrupted run's, and at step 0 it is ln 2."""
     from distributed import free_port
 
     tiny_chat_model(tmp_path / "model")
     write_rows(tmp_path / "pairs.jsonl", preference_rows(8, conversational=True))
+    write_rows(tmp_path / "val.jsonl", preference_rows(6, conversational=True, seed=2))
     flags = ["--init-from-hf", str(tmp_path / "model"), "--objective", "dpo", "--data-format", "preference", "--data",
-             str(tmp_path / "pairs.jsonl"), "--seq-len", "64", "--global-batch", "8", "--max-steps", "3",
+             str(tmp_path / "pairs.jsonl"), "--val-data", str(tmp_path / "val.jsonl"), "--eval-every", "1",
+             "--seq-len", "64", "--global-batch", "8", "--max-steps", "3",
              "--log-every", "1", "--lr", "1e-3", "--min-lr", "1e-3", "--warmup-steps", "0", "--document-mask",
              "--reset-position-ids", "--precision", "fp32"]
     first = subprocess.run([sys.executable, "launch/train.py", *flags, "--save-every", "2", "--out-dir",
@@ -177,7 +204,7 @@ def test_a_resume_into_a_new_out_dir_keeps_the_reference_and_its_mask(tmp_path):
                               str(tmp_path / "a" / "checkpoints" / "step_000002"), "--out-dir", str(tmp_path / "b")],
                              env=launch_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    steps = {run: [json.loads(line) for line in open(tmp_path / run / "metrics.jsonl") if "rewards/margins" in line]
+    steps = {run: [r for r in map(json.loads, open(tmp_path / run / "metrics.jsonl")) if "rewards/margins" in r]
              for run in ("a", "b")}
     start = steps["a"][0]
     print(f"\nstep 1: {start}\nstep 3: {steps['a'][-1]}\nresumed: {steps['b'][-1]}")
@@ -186,8 +213,14 @@ def test_a_resume_into_a_new_out_dir_keeps_the_reference_and_its_mask(tmp_path):
     for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert abs(steps["b"][0][key] - steps["a"][-1][key]) <= 1e-5 * max(1.0, abs(steps["a"][-1][key])), key
     assert abs(steps["a"][-1]["rewards/margins"]) > 1e-3  # the policy has moved away from the reference
-    reference = np.load(tmp_path / "a" / "dpo_reference.npy", allow_pickle=False)
-    assert np.array_equal(np.load(tmp_path / "b" / "dpo_reference.npy", allow_pickle=False), reference)
+    for name in ("dpo_reference.npy", "dpo_val_reference.npy"):
+        reference = np.load(tmp_path / "a" / name, allow_pickle=False)
+        assert np.array_equal(np.load(tmp_path / "b" / name, allow_pickle=False), reference), name
+    val = {run: {r["step"]: r for r in map(json.loads, open(tmp_path / run / "metrics.jsonl")) if "val_loss" in r}
+           for run in ("a", "b")}
+    assert abs(val["a"][0]["val_loss"] - 0.6931472) < 1e-6 and sorted(val["a"]) == [0, 1, 2, 3], val["a"]
+    assert abs(val["b"][3]["val_loss"] - val["a"][3]["val_loss"]) <= 1e-5, (val["a"][3], val["b"][3])
+    assert abs(val["b"][3]["val_rewards/margins"] - val["a"][3]["val_rewards/margins"]) <= 1e-5
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])

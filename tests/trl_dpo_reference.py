@@ -92,7 +92,7 @@ def _config(out_dir, n: int, steps: int, lr: float, beta: float, loss_type: str,
     return trl.DPOConfig(**kw)
 
 
-def _trainer(model_dir, rows, args, ref_model_dir=None):
+def _trainer(model_dir, rows, args, ref_model_dir=None, eval_rows=None):
     import datasets
     import transformers
     import trl
@@ -103,7 +103,8 @@ def _trainer(model_dir, rows, args, ref_model_dir=None):
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_model_dir)) if ref_model_dir else None
     trainer = trl.DPOTrainer(model=str(model_dir), ref_model=ref, args=args,
-                             train_dataset=datasets.Dataset.from_list(rows), processing_class=tok)
+                             train_dataset=datasets.Dataset.from_list(rows), processing_class=tok,
+                             eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None)
     trainer.remove_callback(transformers.PrinterCallback)
     return trainer
 
@@ -111,19 +112,23 @@ def _trainer(model_dir, rows, args, ref_model_dir=None):
 def trl_dpo_run(model_dir: str, rows: list[dict], steps: int, lr: float, beta: float, loss_type: str = "sigmoid",
                 label_smoothing: float = 0.0, max_length: int | None = None, *, out_dir: str,
                 max_grad_norm: float = 1.0, seed: int = 0, keep: dict | None = None, ref_model_dir: str | None = None,
-                **overrides) -> list[dict]:
+                eval_rows: list[dict] | None = None, **overrides) -> list[dict]:
     """Train the Hugging Face model in `model_dir` (its tokenizer there too) with trl.DPOTrainer on `rows`, all of
     them in each step's one batch, for `steps` steps; per step, TRL's log entry (loss, grad_norm before clipping,
     learning_rate, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
     logps/rejected, logits/chosen, logits/rejected, entropy, mean_token_accuracy, num_tokens, epoch, step).
     max_length None: no truncation (TRL's default is 1024). label_smoothing: TRL 1.16's sigmoid and ipo losses
     ignore it. `overrides`: further DPOConfig fields (optim, ...). `keep`: if given, filled with "trainer" (after
-    training) and "policy_before" ({step: state_dict of the policy the step's forward saw})."""
+    training), "policy_before" ({step: state_dict of the policy the step's forward saw}) and, with `eval_rows`, the
+    trained model's "evaluation" on them (DPOTrainer.evaluate, all of them in one batch: eval_loss, eval_rewards/*,
+    eval_logps/*, eval_logits/*)."""
     import transformers
 
+    if eval_rows:
+        overrides.setdefault("per_device_eval_batch_size", len(eval_rows))
     args = _config(out_dir, len(rows), steps, lr, beta, loss_type, label_smoothing, max_length, max_grad_norm,
                    seed, **overrides)
-    trainer = _trainer(model_dir, rows, args, ref_model_dir)
+    trainer = _trainer(model_dir, rows, args, ref_model_dir, eval_rows)
     if keep is not None:
         before = keep.setdefault("policy_before", {})
 
@@ -135,6 +140,8 @@ def trl_dpo_run(model_dir: str, rows: list[dict], steps: int, lr: float, beta: f
     trainer.train()
     if keep is not None:
         keep["trainer"] = trainer
+        if eval_rows:
+            keep["evaluation"] = trainer.evaluate()
     log = [h for h in trainer.state.log_history if "loss" in h and "rewards/chosen" in h]
     assert len(log) == steps, trainer.state.log_history
     return log

@@ -4,8 +4,10 @@ corpus once; then every rank builds the same loader and validation passes over i
 
 from __future__ import annotations
 
+import dataclasses
+
 from trainer3d.data import BatchLoader, DataConfig, TokenBlocks, build_rows, val_batches
-from trainer3d.data.preference import build_pairs
+from trainer3d.data.preference import PairRows, build_pairs
 from trainer3d.data.mixture import MixtureBlocks, MixtureLoader, combine, mixture_validation, read_mixture
 from trainer3d.distributed.leader import leader_first
 
@@ -25,6 +27,11 @@ def build_blocks(cfg, data_cfg: DataConfig, rank: int, local_rank: int) -> Token
         blocks.append(leader_first(f"tokenize mixture source {i} into the cache",
                                    lambda c=source_cfg: build_rows(c, cfg.seq_len), rank, local_rank))
     return combine(sources, blocks)
+
+
+def build_val_pairs(cfg, data_cfg: DataConfig) -> PairRows | None:
+    """--val-data's preference pairs (DPO's validation), rendered as the training pairs are; None without it."""
+    return build_pairs(dataclasses.replace(data_cfg, data=cfg.val_data), cfg.seq_len) if cfg.val_data else None
 
 
 def make_loader(blocks, global_batch: int, dp_rank: int, dp_size: int, seed: int):

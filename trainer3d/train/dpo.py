@@ -22,7 +22,8 @@ The reference log-probs are the initial weights' (TRL's ref_model=None), or --re
 the same layout, built, used and dropped before the policy's), scored once before the first step (forward-only passes
 over every pair, with the rows' own documents, as training sees them under --document-mask / --reset-position-ids).
 They belong to the run's state: every checkpoint holds them (a run table, layout-free), so a --resume at any layout and
-into any --out-dir uses the first run's after the weights moved; <out-dir>/dpo_reference.npy is a copy to read.
+into any --out-dir uses the first run's after the weights moved; <out-dir>/dpo_reference.npy is a copy to read. The
+--val-data pairs get theirs alike (dpo_val_reference), and evaluate() gives TRL's evaluation of them.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def loss_mix(cfg) -> list[tuple[str, float]]:
         raise ConfigError(f"--dpo-loss-weights must be {len(kinds)} comma-separated numbers, one per --dpo-loss "
                           f"({cfg.dpo_loss}); got {cfg.dpo_loss_weights!r}.")
     return list(zip(kinds, weights))
-REFERENCE_FILE = "dpo_reference.npy"
+TABLES = ("dpo_reference", "dpo_val_reference")  # the reference log-probs of the training and the --val-data pairs,
+# as checkpoint run tables and as <out-dir>/<name>.npy copies
 
 
 class DPO:
@@ -73,17 +75,20 @@ class DPO:
         self.sums = torch.zeros(len(METRICS) + 2 * len(TOKEN_METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
         self.pairs = trainer.plan.global_batch // 2  # a step's (--global-batch counts rows, two a pair)
         self.chosen_tokens = 0.0  # the step's chosen completion tokens (sft's mean over them), set in targets()
-        self.reference: np.ndarray | None = None  # [2n] every row's reference log-prob (load_or_score), checkpointed
+        # every row's reference log-prob (load_or_score), checkpointed: the training pairs' and the --val-data pairs'
+        self.references: dict[str, np.ndarray] = {}
+        self.val_rows = None  # the --val-data pairs (PairRows), which evaluate() scores
 
     def run_tables(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of the objective (checkpoint/save.py: written whole by rank 0)."""
-        return {} if self.reference is None else {"dpo_reference": torch.from_numpy(self.reference)}
+        return {name: torch.from_numpy(values) for name, values in self.references.items()}
 
     def load_run_tables(self, read) -> None:
         """From a checkpoint (checkpoint/load.py): `read(name)` a saved run table or None (saved before they were)."""
-        saved = read("dpo_reference")
-        if saved is not None:
-            self.reference = saved.double().numpy()
+        for name in TABLES:
+            saved = read(name)
+            if saved is not None:
+                self.references[name] = saved.double().numpy()
 
     def targets(self, batch: Batch, targets: torch.Tensor) -> torch.Tensor:
         """[B, T + 1] float64: the targets (-1 where not supervised), then each row's reference log-prob."""
@@ -160,10 +165,9 @@ class DPO:
         return out
 
 
-def reference_logprobs(trainer, rows) -> np.ndarray:
-    """[2n] float64: each row's completion log-prob under the trainer's current weights (the reference, before the
-    first step): forward-only passes over every row, every rank getting every value."""
-    dpo, flat = trainer.objective, rows.tokens
+def _row_batches(rows):
+    """forward_rows' make_batch over PairRows: inputs, targets (-1 where not supervised), documents."""
+    flat = rows.tokens
 
     def make_batch(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         real = np.minimum(idx, len(flat) - 1)
@@ -172,29 +176,72 @@ def reference_logprobs(trainer, rows) -> np.ndarray:
         documents = torch.from_numpy(rows.documents[real][:, :-1].astype(np.int64))  # as the training rows carry them
         return tokens[:, :-1], tokens[:, 1:].masked_fill(~supervised, -1), documents
 
-    out = forward_rows(trainer, len(flat), make_batch, lambda lg, tg: dpo.row_logprobs(lg, tg)[:, None], width=1)
+    return make_batch
+
+
+def reference_logprobs(trainer, rows) -> np.ndarray:
+    """[2n] float64: each row's completion log-prob under the trainer's current weights (the reference, before the
+    first step): forward-only passes over every row, every rank getting every value."""
+    dpo = trainer.objective
+    out = forward_rows(trainer, len(rows.tokens), _row_batches(rows), lambda lg, tg: dpo.row_logprobs(lg, tg)[:, None],
+                       width=1)
     return out[:, 0].double().cpu().numpy()
 
 
-def load_or_score(trainer, rows, out_dir: str, fresh: bool) -> None:
-    """Set the reference log-probs of every row (rows.reference, and the objective's, which checkpoints save): a
-    resumed run's from its checkpoint (restored into the objective already), --ref-model's (scored into rows before the
-    policy was built), else scored now by the initial weights; written atomically to <out_dir>/dpo_reference.npy where
-    scored or not there yet. A checkpoint saved before they were part of it falls back to that file."""
-    path = Path(out_dir) / REFERENCE_FILE
+def evaluate(trainer) -> dict:
+    """TRL's evaluation on the --val-data pairs under the current weights (dropout off, no gradient): the loss (the
+    mix of --dpo-loss, a mean over the pairs) as val_loss, and its metrics as val_rewards/*, val_logps/*,
+    val_logits/*, each a mean over the pairs (logits/*: over the completions' tokens)."""
+    dpo, rows = trainer.objective, trainer.objective.val_rows
+
+    def reduction(logits, targets):
+        logit_sums, tokens = dpo._mean_logits(logits, targets)  # (before the loss consumes the logits)
+        return torch.stack([dpo.row_logprobs(logits, targets), logit_sums, tokens], dim=1)
+
+    out = forward_rows(trainer, len(rows.tokens), _row_batches(rows), reduction, width=3).double().cpu()
+    policy, logit_sums, tokens = out.unbind(1)
+    ratios = policy - torch.from_numpy(dpo.references[TABLES[1]])
+    chosen, rejected = ratios[0::2], ratios[1::2]
+    lengths = torch.from_numpy(rows.flags[:, 1:].sum(1).astype(np.float64)).clamp(min=1)
+    sft = -policy[0::2] * len(chosen) / tokens[0::2].sum().clamp(min=1)  # its mean: the chosen tokens' mean loss
+    loss = sum(w * (sft if kind == "sft" else dpo._pair_losses(kind, chosen, rejected, lengths)) for kind, w in dpo.mix)
+    record = {"val_loss": float(loss.mean()), "val_rewards/chosen": float(dpo.beta * chosen.mean()),
+              "val_rewards/rejected": float(dpo.beta * rejected.mean()),
+              "val_rewards/accuracies": float((chosen > rejected).double().mean()),
+              "val_rewards/margins": float(dpo.beta * (chosen - rejected).mean()),
+              "val_logps/chosen": float(policy[0::2].mean()), "val_logps/rejected": float(policy[1::2].mean())}
+    for name, side in (("val_logits/chosen", slice(0, None, 2)), ("val_logits/rejected", slice(1, None, 2))):
+        record[name] = float(logit_sums[side].sum() / tokens[side].sum().clamp(min=1))
+    return record
+
+
+def load_or_score(trainer, rows, out_dir: str, fresh: bool, val_rows=None) -> None:
+    """Set the reference log-probs of every row of the training pairs and of the --val-data pairs (`val_rows`):
+    a resumed run's from its checkpoint (restored into the objective already), --ref-model's (scored into the rows
+    before the policy was built), else scored now by the initial weights; written atomically to
+    <out_dir>/<table>.npy where scored or not there yet. A checkpoint saved before they were part of it falls back to
+    those files."""
     dpo = trainer.objective
-    reference = dpo.reference if dpo.reference is not None else rows.reference
+    dpo.val_rows = val_rows
+    for name, part in zip(TABLES, (rows, val_rows)):
+        if part is not None:
+            part.reference = dpo.references[name] = _load_or_score_one(trainer, part, name, out_dir, fresh)
+
+
+def _load_or_score_one(trainer, rows, name: str, out_dir: str, fresh: bool) -> np.ndarray:
+    path = Path(out_dir) / f"{name}.npy"
+    reference = trainer.objective.references.get(name, rows.reference)
     if reference is None and not fresh:
         if not path.exists():
-            raise DataError(f"The checkpoint holds no DPO reference log-probs (saved by an earlier trainer3d) and "
-                            f"{path} does not exist: resume into the first run's --out-dir, or copy its "
-                            f"{REFERENCE_FILE} there.")
+            raise DataError(f"The checkpoint holds no DPO reference log-probs ({name}: saved by an earlier trainer3d, "
+                            f"or before --val-data was given) and {path} does not exist: resume into the first run's "
+                            f"--out-dir, or copy its {path.name} there.")
         reference = np.load(path, allow_pickle=False)
     scored = reference is None
     if scored:
         reference = reference_logprobs(trainer, rows)
     if reference.shape != (len(rows.tokens),):
-        raise DataError(f"The reference log-probs score {reference.shape[0]} rows and this run has "
+        raise DataError(f"The reference log-probs ({name}) score {reference.shape[0]} rows and this run has "
                         f"{len(rows.tokens)}; resume with the same preference data and --seq-len.")
     if trainer.is_logging_rank and (scored or not path.exists()):  # the copy to read, in a resumed run's new dir too
         os.makedirs(out_dir, exist_ok=True)
@@ -202,13 +249,13 @@ def load_or_score(trainer, rows, out_dir: str, fresh: bool) -> None:
         with open(tmp, "wb") as f:
             np.save(f, reference, allow_pickle=False)
         replace_durably(tmp, path)
-    rows.reference = dpo.reference = reference
+    return reference
 
 
 # ---- the flags' rules, before any process group (train/setup.validate calls them) ----------------------------------
 def check_dpo(cfg):
     """--objective dpo trains on --data-format preference pairs and nothing else does; its pairs hold nothing out for
-    validation (--val-fraction is set to 0)."""
+    validation (--val-fraction is set to 0): --val-data's pairs are its validation."""
     dpo_flags = [k for k, v in (("dpo_beta", 0.1), ("dpo_loss", "sigmoid"), ("dpo_loss_weights", None),
                                 ("dpo_label_smoothing", 0.0), ("ref_model", None)) if getattr(cfg, k) != v]
     if cfg.objective != "dpo":
@@ -233,11 +280,13 @@ def check_dpo(cfg):
     if cfg.cp > 1 or cfg.mtp_loss_coef:
         raise ConfigError("--objective dpo runs without context parallelism and multi-token prediction (a pair's "
                           "log-prob is summed on one rank): drop --cp / --mtp-loss-coef.")
-    if cfg.val_data or cfg.eval_hellaswag:
-        raise ConfigError("--objective dpo does not validate yet: drop --val-data / --eval-hellaswag.")
+    if cfg.eval_hellaswag:
+        raise ConfigError("--objective dpo validates on held-out pairs (--val-data), not HellaSwag: drop "
+                          "--eval-hellaswag.")
     if cfg.ref_model is not None and not (Path(cfg.ref_model).expanduser() / "config.json").is_file():
         raise ConfigError(f"--ref-model {cfg.ref_model} is not a Hugging Face model directory (no config.json).")
-    return dataclasses.replace(cfg, val_fraction=0.0, eval_every=0)
+    # its validation: --val-data's pairs only (no tail of the training pairs is held out)
+    return dataclasses.replace(cfg, val_fraction=0.0, eval_every=cfg.eval_every if cfg.val_data else 0)
 
 
 def check_reference(cfg, mcfg, vocab_size: int) -> None:

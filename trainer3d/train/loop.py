@@ -25,9 +25,9 @@ from trainer3d.plan.auto import agree_on_pick, choice_lines
 from trainer3d.plugins import load_plugins
 from trainer3d.errors import UsageError, first_line, report
 from trainer3d.rundir import clear_run
-from trainer3d.train.data_setup import build_blocks, make_loader, make_val_batches
+from trainer3d.train.data_setup import build_blocks, build_val_pairs, make_loader, make_val_batches
 from trainer3d.train.downstream import Downstream
-from trainer3d.train.dpo import load_or_score
+from trainer3d.train.dpo import evaluate as dpo_evaluate, load_or_score
 from trainer3d.train.metrics import device_peak_tflops
 from trainer3d.train.report import Report
 from trainer3d.train.profiling import StepProfiler
@@ -76,14 +76,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"a pass over the training rows)", flush=True)
         mcfg = setup.model_config(blocks.vocab_size)
         start = prepare(run_setup.cfg, mcfg, topo, loader.fingerprint)  # checked before anything is built
+        val_pairs = build_val_pairs(cfg, data_config(cfg)) if dpo else None  # --val-data's pairs, DPO's validation
         if dpo and cfg.ref_model and start.checkpoint is None:  # --ref-model scores the pairs first, then goes
-            score_with_reference(run_setup, topo, device, mcfg, blocks, cfg.out_dir)
+            score_with_reference(run_setup, topo, device, mcfg, blocks, cfg.out_dir, val_pairs)
         trainer = Trainer(run_setup, topo, device, mcfg, shard_value=start.shard_value, boundary=blocks.eos_id)
-        if validates(cfg):  # too few rows: said before step 1
+        if validates(cfg) and not dpo:  # too few rows: said before step 1
             make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, None)
         apply(start, trainer, loader)  # optimizer, step, data position, RNG, loss scale
         if dpo:  # the reference log-probs of every pair: the checkpoint's, --ref-model's, or the initial weights'
-            load_or_score(trainer, blocks, cfg.out_dir, fresh=start.checkpoint is None)
+            load_or_score(trainer, blocks, cfg.out_dir, fresh=start.checkpoint is None, val_rows=val_pairs)
         downstream = Downstream(trainer, setup.hellaswag)  # HellaSwag rows, the sample prompt (when asked for)
         run(trainer, loader,
             lambda: make_val_batches(blocks, plan.global_batch, topo.dp_rank, layout.dp, cfg.eval_batches), downstream)
@@ -136,21 +137,24 @@ def run(trainer: Trainer, loader, make_val_batches, downstream: Downstream | Non
     report.summarize(saver.last_saved)
 
 
-def score_with_reference(setup, topo, device, mcfg, rows, out_dir: str) -> None:
-    """--ref-model: its log-probs of every row (rows.reference, and the file), by a Trainer of it at this layout, freed
-    before the policy's is built."""
+def score_with_reference(setup, topo, device, mcfg, rows, out_dir: str, val_rows=None) -> None:
+    """--ref-model: its log-probs of every row (rows.reference, and the file; the --val-data pairs' too), by a Trainer
+    of it at this layout, freed before the policy's is built."""
     cfg = dataclasses.replace(setup.cfg, init_from_hf=setup.cfg.ref_model, resume=None)
     start = prepare(cfg, mcfg, topo)
     reference = Trainer(dataclasses.replace(setup, cfg=cfg), topo, device, mcfg, shard_value=start.shard_value,
                         boundary=rows.eos_id)
     apply(start, reference)
-    load_or_score(reference, rows, out_dir, fresh=True)
+    load_or_score(reference, rows, out_dir, fresh=True, val_rows=val_rows)
     del reference, start
     gc.collect()
 
 
 def evaluation(trainer: Trainer, make_val_batches, downstream: Downstream) -> dict:
-    """The validation loss (and perplexity) and the downstream scores (HellaSwag), every rank."""
+    """The validation loss (and perplexity) and the downstream scores (HellaSwag), every rank; DPO's: TRL's
+    evaluation of the held-out pairs."""
+    if trainer.objective is not None:
+        return dpo_evaluate(trainer)
     batches = make_val_batches()
     if isinstance(batches, MixtureValidation):  # each source's own held-out part: val_loss/<source> and their mean
         record = batches.record(trainer.evaluate)
