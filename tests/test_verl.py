@@ -5,9 +5,9 @@ gives its padding-free batches (prompts left-padded, responses right-padded and 
 and then seq-mean-token-mean, with the old log-probs from infer_batch (moved by noise, so that the clip acts). At
 tp2·pp2, dp2·tp2 and ZeRO-1 dp4, each step's loss and gradient norm (as verl's worker reports them) equal
 trainer3d.engine driven directly at one process on the same sequences, with the PPO loss written here from its
-definition (Schulman et al. 2017; dual clip: Ye et al. 2020) and the engine's token-mean / sequence-mean; the
-log-probs infer_batch returns equal the engine's; get_per_tensor_param streams transformers' names with the trained
-weights. The reference side imports nothing of the adapter."""
+definition (Schulman et al. 2017; dual clip: Ye et al. 2020) and the engine's token-mean / sequence-mean; so does a
+Qwen3-MoE at tp2·ep2·dp2 (its balance loss in both); the log-probs infer_batch returns equal the engine's;
+get_per_tensor_param streams transformers' names (per expert) with the trained weights. The reference side imports nothing of the adapter."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import sys
 import torch
 
 from distributed import run_world
+from parity import PARAM_ATOL
 from test_llama import hf_llama
+from test_llama_hf import hf_moe
 from trainer3d.config import TrainConfig
 from verl_site import verl_site
 
@@ -179,28 +181,33 @@ def refusals(hf_dir) -> list[str]:
     return said
 
 
-def _world(rank, world_size, hf_dir, data, runs, site, tmp):
+def _world(rank, world_size, models, data, runs, site, tmp):
     sys.path.append(site)  # after the project's packages: verl's pins never replace torch or transformers
-    out = {"reference": reference(hf_dir, data, f"{tmp}/reference"), "refusals": refusals(hf_dir)}
-    for label, (args, offload) in runs.items():
-        out[label] = through_verl(hf_dir, args, offload, data, f"{tmp}/{label.replace(' ', '_')}")
+    out = {f"reference {name}": reference(path, data, f"{tmp}/reference_{name}") for name, path in models.items()}
+    out["refusals"] = refusals(models["llama"])
+    for label, (model, args, offload) in runs.items():
+        out[label] = through_verl(models[model], args, offload, data, f"{tmp}/{label.replace(' ', '_')}")
     return out
 
 
 def test_verl_backend_equals_the_engine(tmp_path):
     site = verl_site()
     hf_llama(seed=5).save_pretrained(tmp_path / "llama")
+    hf_moe("qwen3", seed=5).save_pretrained(tmp_path / "moe")
+    models = {"llama": str(tmp_path / "llama"), "moe": str(tmp_path / "moe")}
     data = [rollouts(seed) for seed in range(len(AGGREGATIONS))]
-    # (ZeRO-1 offloaded between calls as verl's contexts do under param_offload: DeepSpeed releases its parameters)
-    runs = {"tp2 pp2": (["--tp", "2", "--pp", "2"], False), "dp2 tp2": (["--tp", "2"], False),
-            "zero1 dp4 offload": (["--deepspeed_config", "ds_configs/zero1.json"], True)}
-    every_rank = run_world(4, _world, str(tmp_path / "llama"), data, runs, site, str(tmp_path / "runs"), timeout=900)
-    ref = every_rank[0]["reference"]
+    # (ZeRO-1 offloaded between calls as verl's contexts do under param_offload: DeepSpeed releases its parameters;
+    # the Qwen3-MoE's experts split over ep, streamed under HF's per-expert names)
+    runs = {"tp2 pp2": ("llama", ["--tp", "2", "--pp", "2"], False), "dp2 tp2": ("llama", ["--tp", "2"], False),
+            "zero1 dp4 offload": ("llama", ["--deepspeed_config", "ds_configs/zero1.json"], True),
+            "moe dp2 ep2 tp2": ("moe", ["--tp", "2", "--ep", "2"], False)}
+    every_rank = run_world(4, _world, models, data, runs, site, str(tmp_path / "runs"), timeout=900)
     attention = data[0][1]
-    expected = torch.zeros(B, RESPONSE)
-    for i, lp in enumerate(ref["logprobs"]):
-        expected[i, :len(lp)] = lp
-    for label in runs:
+    for label, (model, _, _) in runs.items():
+        ref = every_rank[0][f"reference {model}"]
+        expected = torch.zeros(B, RESPONSE)
+        for i, lp in enumerate(ref["logprobs"]):
+            expected[i, :len(lp)] = lp
         for rank, result in enumerate(every_rank):
             run = result[label]
             rows = slice(run["dp_rank"] * B // run["dp"], (run["dp_rank"] + 1) * B // run["dp"])
@@ -214,13 +221,14 @@ def test_verl_backend_equals_the_engine(tmp_path):
             assert run["offloaded"] == ("offload" in label)
             assert list(run["weights"]) == list(ref["weights"])
             worst = max((run["weights"][k] - v).abs().max().item() for k, v in ref["weights"].items())
-            assert worst < 1e-5, (label, rank, worst)
+            assert worst < PARAM_ATOL, (label, rank, worst)  # the parity rule's bound (tests/parity.py)
         assert sorted(r[label]["dp_rank"] for r in every_rank if r[label]["collects"]) == list(range(run["dp"]))
+    refs = {label: every_rank[0][f"reference {model}"] for label, (model, _, _) in runs.items()}
     print("verl backend vs engine: loss", max(abs(a - b) for r in every_rank for label in runs
-                                              for a, b in zip(r[label]["losses"], ref["losses"])),
+                                              for a, b in zip(r[label]["losses"], refs[label]["losses"])),
           "norm (relative)", max(abs(a - b) / b for r in every_rank for label in runs if r[label]["collects"]
-                                 for a, b in zip(r[label]["norms"], ref["norms"])),
-          "losses", ref["losses"], "norms", ref["norms"], "clipfrac", every_rank[0]["tp2 pp2"]["clipfrac"])
+                                 for a, b in zip(r[label]["norms"], refs[label]["norms"])),
+          "clipfrac", every_rank[0]["tp2 pp2"]["clipfrac"])
     said = every_rank[0]["refusals"]
     assert said[0].startswith("--lr is verl's to set (optim.lr)"), said
     assert said[1].startswith("The trainer3d backend moves parameters, gradients and optimizer state to the host "
@@ -229,4 +237,7 @@ def test_verl_backend_equals_the_engine(tmp_path):
     assert said[3] == "The trainer3d backend trains with AdamW; verl's optimizer config names 'adamw8bit'.", said
     clipfrac = every_rank[0]["tp2 pp2"]["clipfrac"]  # (clipped at 1 ± ε, dual-clipped) summed over micro-batches
     assert all(upper > 0 and lower > 0 for upper, lower in clipfrac), clipfrac
+    ref = every_rank[0]["reference llama"]
     assert len(set(ref["losses"])) == len(AGGREGATIONS) and min(ref["norms"]) > 0
+    experts = [k for k in every_rank[0]["moe dp2 ep2 tp2"]["weights"] if ".mlp.experts." in k]
+    assert len(experts) == 2 * 8 * 3 and "model.layers.1.mlp.experts.7.down_proj.weight" in experts, experts[:4]
