@@ -426,7 +426,8 @@ def test_grpo_example(tmp_path):
     """examples/grpo end to end: an SFT export made as a user makes one (sft.py: trainer3d's chat SFT of a small
     Llama with the GPT-2 tokenizer, then trainer3d.export), then GRPO on it at one process: replies end at eos with
     lengths that vary, four updates a step make the ratio leave 1 (the clip holds some tokens), and the reward and
-    the share of exact replies rise over 16 steps (they fall with the advantage's sign flipped)."""
+    the share of exact replies rise over 16 steps (they fall with the advantage's sign flipped); under torchrun at
+    tp 2 its first steps are the one process's (rewards and gradient norms)."""
     import json
     import subprocess
 
@@ -450,3 +451,11 @@ def test_grpo_example(tmp_path):
     assert records[0]["kl"] < 1e-5 < records[-1]["kl"]  # the rollout side scores as the engine does, then it moves
     assert all(r["ended"] > 0.9 and r["reply_tokens_max"] > r["reply_tokens"] for r in records), records
     assert sum(r["clipped"] > 0 for r in records) >= 8, [r["clipped"] for r in records]
+    # under torchrun at tp 2 (rank 0 samples and scores, every rank trains on what it broadcasts): the same steps
+    cmd = ["torchrun", "--nproc_per_node", "2", f"--master_port={free_port()}", *cmd[1:4], "--steps", "2", "--tp",
+           "2", "--out-dir", str(tmp_path / "grpo_tp2")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    tp2 = [json.loads(line) for line in open(tmp_path / "grpo_tp2" / "grpo.jsonl")]
+    for a, b in zip(records[:2], tp2, strict=True):
+        assert a["reward"] == b["reward"] and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5 * a["grad_norm"], (a, b)

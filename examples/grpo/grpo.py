@@ -100,14 +100,16 @@ def rollout_worker(model_dir: str, inbox, outbox, group: int, max_reply: int, te
 
 
 def share(obj, device: torch.device):
-    """Rank 0's rollouts on every rank: the sequences and the reference's log-probs as two flat tensors with their
-    lengths, and the rest as numbers (through the engine's group: NCCL on GPUs)."""
+    """Rank 0's scored rollouts, (sequence, reply start, ended, reward, reference log-probs) each, on every rank: the
+    sequences and log-probs as flat tensors with their lengths, the rest as numbers (through the engine's group:
+    NCCL on GPUs). Every rank must then make the same engine calls with the same values."""
     if dist.get_world_size() == 1:
         return obj
     n = torch.tensor([len(obj) if obj else 0], device=device)
     dist.broadcast(n, 0)
     lengths = torch.tensor([len(s) for s, *_ in obj] if obj else [0] * int(n), device=device)
-    meta = torch.tensor([[start, ended] for _, start, ended, *_ in obj] if obj else [[0, 0]] * int(n), device=device)
+    meta = torch.tensor([[start, ended, r] for _, start, ended, r, _ in obj] if obj else [[0.0] * 3] * int(n),
+                        dtype=torch.float64, device=device)
     dist.broadcast(lengths, 0), dist.broadcast(meta, 0)
     sizes = lengths.tolist()
     flat = torch.cat([s for s, *_ in obj]).to(device) if obj else torch.zeros(sum(sizes), dtype=torch.long,
@@ -115,8 +117,7 @@ def share(obj, device: torch.device):
     ref = torch.cat([r for *_, r in obj]).to(device) if obj else torch.zeros(sum(sizes) - len(sizes), device=device)
     dist.broadcast(flat, 0), dist.broadcast(ref, 0)
     seqs, refs = flat.cpu().split(sizes), ref.cpu().split([s - 1 for s in sizes])
-    texts = [t for *_, t, _ in obj] if obj else [""] * len(sizes)  # only rank 0 logs them
-    return [(s, int(m[0]), bool(m[1]), t, r) for s, m, t, r in zip(seqs, meta.tolist(), texts, refs)]
+    return [(s, int(m[0]), bool(m[1]), float(m[2]), r) for s, m, r in zip(seqs, meta.tolist(), refs)]
 
 
 def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
@@ -169,6 +170,23 @@ def update(engine, rollouts, adv, args, loss_fn) -> dict:
     return stats
 
 
+def start_rank0(args):
+    """Rank 0's side: the rollout process and its queues, the metrics file, W&B where WANDB_PROJECT is set."""
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    worker = ctx.Process(target=rollout_worker, args=(args.model, inbox, outbox, args.group, args.max_reply,
+                                                      args.temperature, args.seed))
+    worker.start()
+    os.makedirs(args.out_dir, exist_ok=True)
+    log = open(os.path.join(args.out_dir, "grpo.jsonl"), "w")
+    wandb_run = None
+    if os.environ.get("WANDB_PROJECT"):
+        import wandb
+
+        wandb_run = wandb.init(project=os.environ["WANDB_PROJECT"], config=vars(args), dir=args.out_dir)
+    return worker, inbox, outbox, log, wandb_run
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     rank = int(os.environ.get("RANK", 0))
@@ -181,19 +199,9 @@ def main(argv=None) -> int:
                       max_steps=args.steps * args.minibatches, weight_decay=0.0, grad_clip=1.0, seed=args.seed,
                       document_mask=True, reset_position_ids=True, out_dir=args.out_dir)
     engine = Engine(cfg)
-    worker = log = wandb_run = None
+    worker = inbox = outbox = log = wandb_run = None
     if rank == 0:
-        ctx = mp.get_context("spawn")
-        inbox, outbox = ctx.Queue(), ctx.Queue()
-        worker = ctx.Process(target=rollout_worker, args=(args.model, inbox, outbox, args.group, args.max_reply,
-                                                          args.temperature, args.seed))
-        worker.start()
-        os.makedirs(args.out_dir, exist_ok=True)
-        log = open(os.path.join(args.out_dir, "grpo.jsonl"), "w")
-        if os.environ.get("WANDB_PROJECT"):
-            import wandb
-
-            wandb_run = wandb.init(project=os.environ["WANDB_PROJECT"], config=vars(args), dir=args.out_dir)
+        worker, inbox, outbox, log, wandb_run = start_rank0(args)
     rng = random.Random(args.seed + 1)
     loss_fn = grpo_loss(args.clip, args.kl_coef)
     for step in range(1, args.steps + 1):
@@ -202,9 +210,12 @@ def main(argv=None) -> int:
         tasks = [(rng.randint(0, 9), rng.randint(1, MAX_COUNT)) for _ in range(args.prompts)]
         if rank == 0:
             inbox.put((weights, [prompt(d, c) for d, c in tasks]))
-        rollouts = share(outbox.get() if rank == 0 else None, engine.device)
-        rewards = torch.tensor([reward(text, ended, *tasks[i // args.group])
-                                for i, (_, _, ended, text, _) in enumerate(rollouts)])
+        scored = None
+        if rank == 0:  # the rollouts' texts are here: the rewards too, then every rank gets both
+            scored = [(seq, first, ended, reward(text, ended, *tasks[i // args.group]), ref)
+                      for i, (seq, first, ended, text, ref) in enumerate(outbox.get())]
+        rollouts = share(scored, engine.device)
+        rewards = torch.tensor([r for _, _, _, r, _ in rollouts])
         adv = group_advantages(rewards, args.group)
         stats = update(engine, rollouts, adv, args, loss_fn)
         lengths = [len(s) - start for s, start, *_ in rollouts]
