@@ -16,7 +16,7 @@ log-prob and entropy; (2) verl's loss runs on them exactly as verl's own backend
 dp normalization), and autograd gives dL/dlogp and dL/dentropy per token; (3) one forward-backward pass trains
 Σ_t (dL/dlogp_t · logp_t + dL/dH_t · H_t), whose gradient in the weights is dL/dθ by the chain rule. Exact at every
 layout for any loss of the log-probs and entropies (dropout must be off: both forwards must agree); the price is the
-extra forward of (1), a third more compute than a fused loss. verl averages gradients over dp (its losses scale by
+extra forward of (1): an update takes 1.36x the engine's own (bench/verl_backend.md). verl averages gradients over dp (its losses scale by
 dp_size), so each rank's dL/dlogp is divided by dp before the pass that sums over the whole batch.
 """
 
