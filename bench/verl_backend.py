@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if site is None:
         sys.exit("verl is not installed here: run tests/test_verl.py once (it installs it into .cache), or pass "
                  "--verl-site.")
-    sys.path.append(site)
+    sys.path.insert(0, site)  # (its pins first: tests/verl_site.py)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
     torch.set_num_threads(1)

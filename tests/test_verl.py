@@ -100,8 +100,10 @@ def through_verl(hf_dir, args, offload, data, tmp):
     from functools import partial
 
     import torch.distributed as dist
+    from omegaconf import OmegaConf
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
+    from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import ActorConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
@@ -112,13 +114,16 @@ def through_verl(hf_dir, args, offload, data, tmp):
     from trainer3d.engine.verl_engine import Trainer3dEngine, Trainer3dEngineConfig
 
     assert found is Trainer3dEngine  # the class verl's registry found through the plugin entry point, on `import verl`
+    # the engine config as verl's hydra config builds it (`actor_rollout_ref.actor.engine._target_=...`)
+    engine_config = omega_conf_to_dataclass(OmegaConf.create({
+        "_target_": "trainer3d.engine.verl_engine.Trainer3dEngineConfig", "dtype": "float32",
+        "args": [*args, "--seq-len", str(SEQ), "--global-batch", "4", "--precision", "fp32", "--out-dir", tmp],
+        "max_token_len_per_gpu": 48, "param_offload": offload, "optimizer_offload": offload}))
+    assert isinstance(engine_config, Trainer3dEngineConfig), type(engine_config)
     engine = EngineRegistry.new(
         model_type="language_model", backend="trainer3d",
         model_config=HFModelConfig(path=hf_dir, load_tokenizer=False),
-        engine_config=Trainer3dEngineConfig(args=[*args, "--seq-len", str(SEQ), "--global-batch", "4",
-                                                  "--precision", "fp32", "--out-dir", tmp],
-                                            dtype="float32", max_token_len_per_gpu=48, param_offload=offload,
-                                            optimizer_offload=offload),
+        engine_config=engine_config,
         optimizer_config=FSDPOptimizerConfig(lr=LR, betas=BETAS, weight_decay=0.0, clip_grad=CLIP,
                                              total_training_steps=10))
     engine.initialize()
@@ -182,7 +187,9 @@ def refusals(hf_dir) -> list[str]:
 
 
 def _world(rank, world_size, models, data, runs, site, tmp):
-    sys.path.append(site)  # after the project's packages: verl's pins never replace torch or transformers
+    # first, so that verl's pins win where the environment has another version (hydra's antlr4 4.9); the folder holds
+    # only the packages of verl_requirements.txt (--no-deps): never torch or transformers, already imported anyway
+    sys.path.insert(0, site)
     out = {f"reference {name}": reference(path, data, f"{tmp}/reference_{name}") for name, path in models.items()}
     out["refusals"] = refusals(models["llama"])
     for label, (model, args, offload) in runs.items():

@@ -1,7 +1,8 @@
 """verl for the tests that drive trainer3d through it: the pinned packages of verl_requirements.txt, installed once
 with pip --no-deps into the checkout's .cache/verl-site (a key of the pins names it, so a new pin installs anew),
 written into a temporary folder and renamed into place (an interrupted install leaves nothing half-made). Ranks put
-it on sys.path after everything else, so trainer3d's torch and transformers stay the ones imported."""
+it first on sys.path: it holds only the pinned packages (never torch or transformers), and its pins must win where
+the environment holds another version (hydra needs antlr4 4.9)."""
 
 from __future__ import annotations
 
