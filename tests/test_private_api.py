@@ -54,6 +54,7 @@ ZERO_PUBLIC = {
     "get_world_size", "getsize", "getsource", "is_available", "is_compatible", "isdir", "isfile", "lineno", "makedirs",
     "module", "normpath", "parse_known_args", "pp_rank", "print_help", "returncode", "sep", "setLevel",
     "set_gradient_accumulation_boundary", "stderr", "submod", "suppress", "time", "tp_rank", "walk", "which",
+    "offload_states", "reload_states",  # DeepSpeedEngine's documented offload API (its docstrings, DeepSpeed 0.16+)
 }
 
 
