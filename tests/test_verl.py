@@ -7,7 +7,8 @@ tp2·pp2, dp2·tp2 and ZeRO-1 dp4, each step's loss and gradient norm (as verl's
 trainer3d.engine driven directly at one process on the same sequences, with the PPO loss written here from its
 definition (Schulman et al. 2017; dual clip: Ye et al. 2020) and the engine's token-mean / sequence-mean; so does a
 Qwen3-MoE at tp2·ep2·dp2 (its balance loss in both); the log-probs infer_batch returns equal the engine's;
-get_per_tensor_param streams transformers' names (per expert) with the trained weights. The reference side imports nothing of the adapter."""
+get_per_tensor_param streams transformers' names (per expert) with the trained weights. verl's sft_loss (its SFT
+trainer's) at tp2·dp2 equals its definition through trainer3d.engine at one process. The reference side imports nothing of the adapter."""
 
 from __future__ import annotations
 
@@ -164,6 +165,66 @@ def through_verl(hf_dir, args, offload, data, tmp):
     return out
 
 
+def sft_sequences():
+    """Four SFT samples in verl's padding-free layout: tokens, and a loss mask over the inputs (0 on a 3-token
+    prompt), as verl's SFT datasets give them."""
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (9, 14, 6, 11)]
+    return seqs, [(torch.arange(len(s)) >= 3).long() for s in seqs]
+
+
+def sft_direct(hf_dir, tmp):
+    """verl's sft_loss by its definition (the mean over the batch's masked tokens of -log p, the mask of the token
+    predicted), through trainer3d.engine at one process: (loss, norm)."""
+    from trainer3d.engine import Engine
+
+    cfg = TrainConfig(init_from_hf=hf_dir, seq_len=SEQ, global_batch=4, precision="fp32", lr=LR, beta1=BETAS[0],
+                      beta2=BETAS[1], warmup_steps=0, min_lr=LR, grad_clip=CLIP, weight_decay=0.0,
+                      document_mask=True, reset_position_ids=True, out_dir=tmp)
+    engine, out = Engine(cfg, ranks=[0]), None
+    if engine.active:
+        seqs, masks = sft_sequences()
+        loss = engine.forward_backward(seqs, lambda lp, f: -lp, mask=[m[1:].bool() for m in masks])
+        out = (loss, engine.step()["grad_norm"])
+    engine.close()
+    return out
+
+
+def sft_through_verl(hf_dir, args, tmp):
+    """One train_batch with verl's own sft_loss on the same samples (loss summed over micro-batches, mean over dp;
+    the norm where verl collects it)."""
+    from functools import partial
+
+    import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import ActorConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.utils.losses import sft_loss
+
+    from trainer3d.engine.verl_engine import Trainer3dEngineConfig
+
+    engine = EngineRegistry.new(
+        model_type="language_model", backend="trainer3d", model_config=HFModelConfig(path=hf_dir, load_tokenizer=False),
+        engine_config=Trainer3dEngineConfig(args=[*args, "--seq-len", str(SEQ), "--global-batch", "4", "--precision",
+                                                  "fp32", "--out-dir", tmp], dtype="float32"),
+        optimizer_config=FSDPOptimizerConfig(lr=LR, betas=BETAS, weight_decay=0.0, clip_grad=CLIP,
+                                             total_training_steps=10))
+    seqs, masks = sft_sequences()
+    dp, rank = engine.get_data_parallel_size(), engine.get_data_parallel_rank()
+    part = slice(rank * len(seqs) // dp, (rank + 1) * len(seqs) // dp)
+    nested = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    td = tu.get_tensordict({"input_ids": nested(seqs[part]), "loss_mask": nested(masks[part]),
+                            "position_ids": nested([torch.arange(len(x)) for x in seqs[part]])},
+                           non_tensor_dict={"temperature": 1.0, "use_dynamic_bsz": True, "max_token_len_per_gpu": 32})
+    config = ActorConfig(strategy="trainer3d", rollout_n=1, ppo_micro_batch_size_per_gpu=-1)
+    with engine.train_mode():
+        result = engine.train_batch(td, partial(sft_loss, config=config))
+    loss = torch.tensor(sum(result["loss"]), dtype=torch.float64)
+    dist.all_reduce(loss, group=engine.get_data_parallel_group())
+    engine.engine.close()
+    return float(loss) / dp, result["metrics"].get("grad_norm")
+
+
 def refusals(hf_dir) -> list[str]:
     """Configs the backend refuses before building anything (no collective runs): each one sentence."""
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
@@ -192,6 +253,8 @@ def _world(rank, world_size, models, data, runs, site, tmp):
     sys.path.insert(0, site)
     out = {f"reference {name}": reference(path, data, f"{tmp}/reference_{name}") for name, path in models.items()}
     out["refusals"] = refusals(models["llama"])
+    out["sft reference"] = sft_direct(models["llama"], f"{tmp}/sft_reference")
+    out["sft tp2 dp2"] = sft_through_verl(models["llama"], ["--tp", "2"], f"{tmp}/sft_tp2_dp2")
     for label, (model, args, offload) in runs.items():
         out[label] = through_verl(models[model], args, offload, data, f"{tmp}/{label.replace(' ', '_')}")
     return out
@@ -236,6 +299,12 @@ def test_verl_backend_equals_the_engine(tmp_path):
           "norm (relative)", max(abs(a - b) / b for r in every_rank for label in runs if r[label]["collects"]
                                  for a, b in zip(r[label]["norms"], refs[label]["norms"])),
           "clipfrac", every_rank[0]["tp2 pp2"]["clipfrac"])
+    loss, norm = every_rank[0]["sft reference"]  # verl's sft_loss (its SFT trainer's) at tp2·dp2 = the definition
+    for rank, result in enumerate(every_rank):
+        got_loss, got_norm = result["sft tp2 dp2"]
+        assert abs(got_loss - loss) < 1e-5 * loss and (got_norm is None or abs(got_norm - norm) < 1e-5 * norm), \
+            (rank, result["sft tp2 dp2"], (loss, norm))
+    assert sum(r["sft tp2 dp2"][1] is not None for r in every_rank) == 2  # dp 2: one rank of each collects
     said = every_rank[0]["refusals"]
     assert said[0].startswith("--lr is verl's to set (optim.lr)"), said
     assert said[1].startswith("The trainer3d backend moves parameters, gradients and optimizer state to the host "
