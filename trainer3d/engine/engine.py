@@ -7,9 +7,11 @@ few calls such a backend needs (verl's engine, slime's actor), at every layout a
     loss = engine.forward_backward(tokens, loss_fn, mask=mask, fields={"advantages": adv, "old_logprobs": lp})
     engine.step()                                       # {"grad_norm", "lr", "loss", "skipped"}
     for hf_name, tensor in engine.named_weights(): ...  # to an inference engine
+    engine.offload(); ...; engine.onload()              # the device to a colocated rollout engine, and back
     engine.save(out_dir); engine.close()
 
-Every rank of the job (torchrun, SLURM, the deepspeed launcher) runs the same calls with the same batch: the whole
+verl drives the same calls through its own engine interface (engine/verl_engine.py). Every rank of the job
+(torchrun, SLURM, the deepspeed launcher) runs the same calls with the same batch: the whole
 global batch (tokens [global_batch, seq_len + 1]), or rollouts, a list of 1-D token tensors of any count and lengths
 up to seq_len + 1, which batch.pack places into as many passes of such rows as they need (several a row under
 document_mask + reset_position_ids), balanced over dp ranks. The engine takes this dp rank's rows, runs the pipeline
