@@ -267,9 +267,7 @@ class Engine:
         with torch.no_grad():
             losses = loss_fn(torch.zeros(1, 2), given)
         if not torch.is_tensor(losses) or tuple(losses.shape) != (1, 2):
-            got = f"a tensor of shape {list(losses.shape)}" if torch.is_tensor(losses) else f"a {type(losses).__name__}"
-            raise ConfigError(f"loss_fn must return one loss per token, a tensor shaped like its logprobs argument "
-                              f"([micro-batch rows, tokens]); it returned {got}.")
+            raise _not_per_token(_described(losses))
 
     def _train(self, batches: list[tuple], loss_fn: LossFn, temperature: float, entropy: bool) -> float:
         """Each pass's (tokens, documents, weights, fields with "mask", real inputs) through forward and backward;
@@ -290,8 +288,7 @@ class Engine:
                     given["entropy"] = h.to(logprobs.dtype)
                 losses = loss_fn(logprobs, given)
                 if not torch.is_tensor(losses) or losses.shape != logprobs.shape:  # refused after the passes
-                    returned.append(f"a tensor of shape {list(losses.shape)}" if torch.is_tensor(losses)
-                                    else f"a {type(losses).__name__}")
+                    returned.append(_described(losses))
                     return logprobs.sum() * 0.0  # every stage's backward still runs: no rank is left waiting
                 return (losses * targets[..., WEIGHT].to(losses.dtype)).sum() * scale
 
@@ -306,17 +303,15 @@ class Engine:
             # calls too and the step starts over; ZeRO keeps what it has reduced of them until its next step)
             t.engine.zero_grad()
             self.passes = 0
-            got = returned[0] if returned else "another shape (on the last pipeline stage)"
-            raise ConfigError(f"loss_fn must return one loss per token, a tensor shaped like its logprobs argument "
-                              f"([micro-batch rows, tokens]); it returned {got}.")
+            raise _not_per_token(returned[0] if returned else "another shape (on the last pipeline stage)")
         self.passes += 1
         self._loss = reduced[0] + (self._loss if self.passes > 1 else 0.0)
         return float(self._loss)
 
     def step(self, lr: float | None = None) -> dict:
         """Apply the gradient of the forward_backward calls since the last step: dp reduction, clip to --grad-clip,
-        AdamW at the schedule's lr (lr_at of the step count), or at `lr` (a caller's own schedule: verl's). {"grad_norm", "lr", "loss", "skipped"} (and a MoE's
-        routing statistics, as training logs them); a non-finite loss or norm skips the update and, under
+        AdamW at the schedule's lr (lr_at of the step count), or at `lr` (a caller's own schedule: verl's).
+        {"grad_norm", "lr", "loss", "skipped"} (and a MoE's routing statistics, as training logs them); a non-finite loss or norm skips the update and, under
         --on-nonfinite stop (the default), raises TrainingError, as training does (Trainer.optimizer_step)."""
         self._ready()
         t = self.trainer
@@ -393,3 +388,14 @@ class Engine:
 
     def close(self) -> None:
         self.group.close()
+
+
+def _described(losses) -> str:
+    """What a loss_fn returned, for the refusal."""
+    return f"a tensor of shape {list(losses.shape)}" if torch.is_tensor(losses) else f"a {type(losses).__name__}"
+
+
+def _not_per_token(got: str) -> ConfigError:
+    """The one sentence for a loss_fn that does not return one loss per token (before the passes or inside them)."""
+    return ConfigError(f"loss_fn must return one loss per token, a tensor shaped like its logprobs argument "
+                       f"([micro-batch rows, tokens]); it returned {got}.")
