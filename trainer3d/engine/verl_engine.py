@@ -203,10 +203,11 @@ class Trainer3dEngine(BaseEngine):
         temperature = _scalar(tu.get_non_tensor_data(data=data, key="temperature", default=1.0))
         entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         mine = [s.cpu() for s in data["input_ids"].unbind()]
-        everyone = [s for rank in self._gather(mine, torch.long) for s in rank]
+        sizes = self._sizes(mine)  # every dp rank's sequence lengths: the gathers below need no exchange of their own
+        everyone = [s for rank in self._gather(mine, torch.long, sizes) for s in rank]
         scored = self.engine.logprobs(everyone, entropy=entropy, temperature=temperature)
         logp, ent = scored if entropy else (scored, None)
-        start = sum(self._counts(len(mine))[: self.topo.dp_rank])
+        start = sum(len(rank) for rank in sizes[: self.topo.dp_rank])
         own = {"log_probs": _verl_layout(logp[start:start + len(mine)])}
         if entropy:
             own["entropy"] = _verl_layout(ent[start:start + len(mine)])
@@ -217,7 +218,7 @@ class Trainer3dEngine(BaseEngine):
             tu.assign_non_tensor(data, batch_num_tokens=tokens.item(), dp_size=self.get_data_parallel_size())
         outputs, grads = self._verl_loss(data, own, loss_function, train=not forward_only)
         if not forward_only:
-            self._train(everyone, grads, entropy, temperature)
+            self._train(everyone, [[n - 1 for n in rank] for rank in sizes], grads, entropy, temperature)
         return outputs
 
     def _verl_loss(self, data: TensorDict, own: dict, loss_function, train: bool):
@@ -245,13 +246,14 @@ class Trainer3dEngine(BaseEngine):
                             "metrics": metrics})
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data), grads
 
-    def _train(self, everyone: list, grads: dict, entropy: bool, temperature: float) -> None:
-        """Step (3): Σ dL/dlogp · logp (+ dL/dH · H) over the whole batch, dL/d· of every dp rank divided by dp."""
+    def _train(self, everyone: list, sizes: list[list[int]], grads: dict, entropy: bool, temperature: float) -> None:
+        """Step (3): Σ dL/dlogp · logp (+ dL/dH · H) over the whole batch, dL/d· of every dp rank divided by dp;
+        `sizes`: every dp rank's predicted tokens per sequence."""
         dp = self.get_data_parallel_size()
         fields = {}
         for name, field_name in (("log_probs", "dlogp"), ("entropy", "dentropy")):
             if name in grads:
-                per_rank = self._gather([g[:-1].float() / dp for g in grads[name]], torch.float32)
+                per_rank = self._gather([g[:-1].float() / dp for g in grads[name]], torch.float32, sizes)
                 fields[field_name] = [g for rank in per_rank for g in rank]
 
         def linear(logprobs, given):
@@ -262,32 +264,28 @@ class Trainer3dEngine(BaseEngine):
                                      entropy=entropy)
 
     # ---- the dp axis: verl hands each dp rank its own sequences; trainer3d.engine takes the whole batch ----------
-    def _counts(self, n: int) -> list[int]:
-        """The number of sequences of every dp rank."""
-        counts = torch.zeros(self.topo.layout.dp, dtype=torch.long, device=self.engine.device)
-        counts[self.topo.dp_rank] = n
-        dist.all_reduce(counts, group=self.topo.dp_group)
-        return counts.tolist()
-
-    def _gather(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> list[list[torch.Tensor]]:
-        """Every dp rank's 1-D tensors, on every rank, in dp order (padded all-gathers: gloo and NCCL alike)."""
-        counts = self._counts(len(tensors))
+    def _sizes(self, tensors: list[torch.Tensor]) -> list[list[int]]:
+        """Every dp rank's tensor lengths, on every rank, in dp order: their counts (one all-reduce), then the lengths
+        (one padded all-gather: gloo and NCCL alike)."""
         device, dp = self.engine.device, self.topo.layout.dp
-        lengths = torch.zeros(max(counts), dtype=torch.long, device=device)
+        counts = torch.zeros(dp, dtype=torch.long, device=device)
+        counts[self.topo.dp_rank] = len(tensors)
+        dist.all_reduce(counts, group=self.topo.dp_group)
+        lengths = torch.zeros(int(counts.max()), dtype=torch.long, device=device)
         lengths[:len(tensors)] = torch.tensor([len(t) for t in tensors], dtype=torch.long)
-        all_lengths = [torch.empty_like(lengths) for _ in range(dp)]
-        dist.all_gather(all_lengths, lengths, group=self.topo.dp_group)
-        width = max(int(x.sum()) for x in all_lengths)
-        flat = torch.zeros(width, dtype=dtype, device=device)
+        gathered = [torch.empty_like(lengths) for _ in range(dp)]
+        dist.all_gather(gathered, lengths, group=self.topo.dp_group)
+        return [g.cpu()[:c].tolist() for g, c in zip(gathered, counts.tolist())]
+
+    def _gather(self, tensors: list[torch.Tensor], dtype: torch.dtype,
+                sizes: list[list[int]]) -> list[list[torch.Tensor]]:
+        """Every dp rank's 1-D tensors of those `sizes` (_sizes), on every rank, in dp order: one padded all-gather."""
+        flat = torch.zeros(max(sum(rank) for rank in sizes), dtype=dtype, device=self.engine.device)
         if tensors:
-            flat[:sum(len(t) for t in tensors)] = torch.cat(tensors).to(device, dtype)
-        all_flat = [torch.empty_like(flat) for _ in range(dp)]
-        dist.all_gather(all_flat, flat, group=self.topo.dp_group)
-        out = []
-        for f, n, c in zip(all_flat, all_lengths, counts):
-            sizes = n.cpu()[:c].tolist()
-            out.append(list(f.cpu()[:sum(sizes)].split(sizes)))
-        return out
+            flat[:sum(len(t) for t in tensors)] = torch.cat(tensors).to(flat.device, dtype)
+        gathered = [torch.empty_like(flat) for _ in range(self.topo.layout.dp)]
+        dist.all_gather(gathered, flat, group=self.topo.dp_group)
+        return [list(g.cpu()[:sum(rank)].split(rank)) for g, rank in zip(gathered, sizes)]
 
     # ---- weights and checkpoints ----------------------------------------------------------------------------
     def get_per_tensor_param(self, **kwargs):
