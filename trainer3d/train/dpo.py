@@ -113,14 +113,26 @@ class DPO:
         chosen, rejected = ratios[0::2], ratios[1::2]
         lengths = (targets[:, :-1] >= 0).sum(dim=1).clamp(min=1).to(ratios.dtype)
         sft = -policy[0::2] * (self.pairs / max(self.chosen_tokens, 1.0))  # (times the mean over pairs: per token)
-        losses = sum(weight * (sft if kind == "sft" else self._pair_losses(kind, chosen, rejected, lengths))
-                     for kind, weight in self.mix)
+        losses = self.mixed(chosen, rejected, lengths, sft)
         with torch.no_grad():
-            self.sums += torch.stack([self.beta * chosen.sum(), self.beta * rejected.sum(),
-                                      (chosen > rejected).float().sum(), policy[0::2].sum(),
-                                      policy[1::2].sum(), logit_sums[0::2].sum(), tokens[0::2].sum(),
-                                      logit_sums[1::2].sum(), tokens[1::2].sum()]).to(self.sums)
+            self.sums += self.metric_sums(chosen, rejected, policy, logit_sums, tokens).to(self.sums)
         return losses.sum() * weight
+
+    def mixed(self, chosen: torch.Tensor, rejected: torch.Tensor, lengths: torch.Tensor,
+              sft: torch.Tensor) -> torch.Tensor:
+        """[pairs] the --dpo-loss mix of each pair, from its log-ratios π - ref, its rows' completion lengths, and the
+        sft term (its chosen side's share of the chosen tokens' mean loss)."""
+        return sum(w * (sft if kind == "sft" else self._pair_losses(kind, chosen, rejected, lengths))
+                   for kind, w in self.mix)
+
+    @torch.no_grad()
+    def metric_sums(self, chosen, rejected, policy, logit_sums, tokens) -> torch.Tensor:
+        """TRL's metrics as sums over these pairs (METRICS, then TOKEN_METRICS' sums and token counts), float64: what
+        record() turns into means, for a step's micro-batches (summed over the world) and for the --val-data pairs."""
+        return torch.stack([t.double() for t in (
+            self.beta * chosen.sum(), self.beta * rejected.sum(), (chosen > rejected).float().sum(),
+            policy[0::2].sum(), policy[1::2].sum(), logit_sums[0::2].sum(), tokens[0::2].sum(),
+            logit_sums[1::2].sum(), tokens[1::2].sum())])
 
     @torch.no_grad()
     def _mean_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,9 +167,9 @@ class DPO:
     def begin_pass(self) -> None:
         self.sums.zero_()
 
-    def record(self, sums: list[float]) -> dict:
-        """TRL's names, means over the global batch's pairs."""
-        out = {name: value / self.pairs for name, value in zip(METRICS, sums)}
+    def record(self, sums: list[float], pairs: int | None = None) -> dict:
+        """TRL's names, means over `pairs` (default: the global batch's)."""
+        out = {name: value / (pairs or self.pairs) for name, value in zip(METRICS, sums)}
         for i, name in enumerate(TOKEN_METRICS):
             total, tokens = sums[len(METRICS) + 2 * i: len(METRICS) + 2 * i + 2]
             out[name] = total / max(tokens, 1.0)
@@ -204,15 +216,9 @@ def evaluate(trainer) -> dict:
     chosen, rejected = ratios[0::2], ratios[1::2]
     lengths = torch.from_numpy(rows.flags[:, 1:].sum(1).astype(np.float64)).clamp(min=1)
     sft = -policy[0::2] * len(chosen) / tokens[0::2].sum().clamp(min=1)  # its mean: the chosen tokens' mean loss
-    loss = sum(w * (sft if kind == "sft" else dpo._pair_losses(kind, chosen, rejected, lengths)) for kind, w in dpo.mix)
-    record = {"val_loss": float(loss.mean()), "val_rewards/chosen": float(dpo.beta * chosen.mean()),
-              "val_rewards/rejected": float(dpo.beta * rejected.mean()),
-              "val_rewards/accuracies": float((chosen > rejected).double().mean()),
-              "val_rewards/margins": float(dpo.beta * (chosen - rejected).mean()),
-              "val_logps/chosen": float(policy[0::2].mean()), "val_logps/rejected": float(policy[1::2].mean())}
-    for name, side in (("val_logits/chosen", slice(0, None, 2)), ("val_logits/rejected", slice(1, None, 2))):
-        record[name] = float(logit_sums[side].sum() / tokens[side].sum().clamp(min=1))
-    return record
+    metrics = dpo.record(dpo.metric_sums(chosen, rejected, policy, logit_sums, tokens).tolist(), pairs=len(chosen))
+    return {"val_loss": float(dpo.mixed(chosen, rejected, lengths, sft).mean()),
+            **{f"val_{name}": value for name, value in metrics.items()}}
 
 
 def load_or_score(trainer, rows, out_dir: str, fresh: bool, val_rows=None) -> None:
