@@ -45,11 +45,13 @@ from typing import Any
 
 import torch
 
+from trainer3d.checkpoint.lora_base import Base, merged, spec_of
 from trainer3d.checkpoint.pieces import KINDS, MOMENTS, Piece, parse_key, read_local, tp_boxes
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.models import (
     FAMILIES, canonical_name, canonical_shapes, canonical_tables, config_from_dict, shape_diffs,
 )
+from trainer3d.parallel.lora import adapter_shapes, with_adapters
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
 from trainer3d.rundir import CHECKPOINTS
 
@@ -206,6 +208,11 @@ class Checkpoint:
             raise CheckpointError(f"{meta_path} has an unreadable model config ({first_line(e)}).") from None
         self.version = int(meta.get("format_version", 1))
         self.shapes = canonical_shapes(self.model_config)  # name -> full shape (building it costs ~1 s at 405B)
+        # a LoRA run's: the adapters' settings and its base's identity (lora_base.py); it saves the adapters only
+        self.lora = meta.get("lora")
+        self.lora_spec = None if self.lora is None else spec_of(self.lora)
+        self.saved_shapes = self.shapes if self.lora is None else adapter_shapes(self.model_config, self.lora_spec)
+        self._base = None  # (the LoRA base, opened when first read)
         self._handles: dict[str, Any] = {}
         self.bytes_read = 0  # of tensor data, by this process (the benches report it)
         self.pieces = self._index_pieces(files)  # (kind, canonical name) -> its pieces
@@ -277,7 +284,7 @@ class Checkpoint:
         """Every element of every tensor the model needs (and of its Adam moments, if saved) is in exactly one piece,
         and every piece has the shape its key says (headers only)."""
         kinds = ("param", *MOMENTS) if self.meta.get("has_optimizer_state") else ("param",)
-        for name, shape in sorted(self.shapes.items()):
+        for name, shape in sorted(self.saved_shapes.items()):
             for kind in kinds:
                 what = _label(kind, name)
                 covered = 0
@@ -340,8 +347,22 @@ class Checkpoint:
         return None if not pieces else self._handle(pieces[0].file).get_tensor(pieces[0].key)
 
     def model_tensor(self, name: str) -> torch.Tensor:
-        """One whole canonical parameter, in fp32."""
-        return self.local_tensor("param", name, None, tuple(self.shapes[name]), 0, 1)
+        """One whole canonical parameter, in fp32 (of a LoRA run: the base's with the adapters merged in)."""
+        if self.lora is None:
+            return self.local_tensor("param", name, None, tuple(self.shapes[name]), 0, 1)
+        return merged(self.model_config, self.lora_spec, name, self.base.tensor(name, tuple(self.shapes[name])),
+                      self.adapter_tensor)
+
+    def adapter_tensor(self, name: str) -> torch.Tensor:
+        """One whole saved LoRA adapter parameter, in fp32."""
+        return self.local_tensor("param", name, None, tuple(self.saved_shapes[name]), 0, 1)
+
+    @property
+    def base(self) -> Base:
+        """A LoRA run's frozen base, checked against the fingerprint the checkpoint records."""
+        if self._base is None:
+            self._base = Base(self.lora, self.model_config, str(self.path))
+        return self._base
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The whole canonical state dict (for small models: sample.py; export.py streams tensor by tensor)."""
@@ -384,7 +405,7 @@ class Checkpoint:
         def value(name: str, spec, local_shape: tuple, tp_rank: int, tp: int) -> torch.Tensor:
             return self.local_tensor("param", canonical_name(mcfg, name), spec, local_shape, tp_rank, tp)
 
-        return value
+        return value if self.lora is None else with_adapters(self.base.shard_value, value)
 
     def close(self) -> None:
         self._handles.clear()

@@ -29,8 +29,12 @@ from trainer3d.checkpoint.hf_init import hf_shard_value, nonfinite_error, open_h
 from trainer3d.distributed.collectives import agree_on_error, broadcast_object
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import write_text_atomic
+from trainer3d.checkpoint.lora_base import record as lora_record
+from trainer3d.checkpoint.peft import adapter_reader
 from trainer3d.models import canonical_name
+from trainer3d.parallel.lora import LoRASpec, initial_value, with_adapters
 from trainer3d.parallel.parallelize import rng_seeds, seed_rngs
+from trainer3d.parallel.shards import from_full
 from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
 from trainer3d.rundir import METRICS
 from trainer3d.checkpoint.pieces import MOMENTS, local_shape
@@ -94,8 +98,10 @@ def restore(trainer, ckpt: Checkpoint, loader=None) -> list[str]:
     adam_step = ckpt.optimizer_step
     items = []
     for name, p, spec in _stage_params(trainer.parallel_model):
+        if name not in ckpt.saved_shapes:  # a LoRA base: built from the base the checkpoint names
+            continue
         rank, size = topo.shard_coords(spec)  # tp, or ep for experts
-        shape = local_shape(spec, ckpt.shapes[name], size)  # (not p.shape: ZeRO-3 partitions the parameter)
+        shape = local_shape(spec, ckpt.saved_shapes[name], size)  # (not p.shape: ZeRO-3 partitions the parameter)
 
         def read_state(flat=None, name=name, spec=spec, shape=shape, rank=rank, size=size):
             if adam_step is None:
@@ -214,6 +220,7 @@ def prepare(cfg, mcfg, topo, data_fingerprint: str | None = None) -> Start:
     if ckpt is not None and data_fingerprint is not None:
         check_data_matches(ckpt, cfg, data_fingerprint)
     if ckpt is not None:
+        check_lora_matches(ckpt, LoRASpec.of(cfg))
         start.checkpoint = start.source = ckpt
         start.shard_value = ckpt.shard_value(mcfg)
         start.notes.append(f"resuming from {ckpt.path} (step {ckpt.step})")
@@ -227,7 +234,27 @@ def prepare(cfg, mcfg, topo, data_fingerprint: str | None = None) -> Start:
         start.shard_value = hf_shard_value(start.source, mcfg)
         start.notes.append(f"initialised from the Hugging Face weights in {cfg.init_from_hf}")
         start.notes += start.source.notes
+    spec = LoRASpec.of(cfg)
+    if spec is not None and cfg.init_from_hf:  # the adapters' start: a PEFT directory's, or PEFT's initialisation
+        if cfg.lora_from:  # (validate: only over --init-from-hf)
+            adapters = adapter_reader(cfg.lora_from, mcfg, spec)
+            start.notes.append(f"LoRA adapters continued from {cfg.lora_from}")
+        else:
+            adapters = lambda name, shape: initial_value(name, shape, cfg.seed)  # noqa: E731
+        start.shard_value = with_adapters(start.shard_value, from_full(adapters))
     return start
+
+
+def check_lora_matches(ckpt: Checkpoint, spec: LoRASpec | None) -> None:
+    """A resume trains what the checkpoint holds: its adapters with their settings over the base it names (opened
+    here, so that a base gone or changed is refused before anything is built), or every weight."""
+    if ckpt.lora_spec != spec:
+        held = "no LoRA adapters" if ckpt.lora_spec is None else f"LoRA adapters of {ckpt.lora_spec}"
+        asked = "none" if spec is None else f"{spec}"
+        raise CheckpointError(f"{ckpt.path} holds {held}, and this run asks for {asked}; resume with the LoRA flags "
+                              "it was saved with.")
+    if spec is not None:
+        ckpt.base  # noqa: B018 - opened and checked
 
 
 def apply(start: Start, trainer, loader=None) -> None:
@@ -238,6 +265,9 @@ def apply(start: Start, trainer, loader=None) -> None:
         agree_on_error(nonfinite_error(start.source), trainer.topo.world_group, CheckpointError)
         copy_tables(trainer, lambda name, shape: start.source.table(name))  # (a router's selection bias)
         trainer.hf_source = hf_source.record(start.source)
+    spec = LoRASpec.of(trainer.cfg)
+    if spec is not None:  # what the checkpoints record of the adapters and the base
+        trainer.lora = start.checkpoint.lora if start.checkpoint is not None else lora_record(trainer.cfg, spec)
     if start.checkpoint is not None:
         notes += restore(trainer, start.checkpoint, loader)
         start.checkpoint.close()

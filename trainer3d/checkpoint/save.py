@@ -27,6 +27,7 @@ from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import fsync_path, write_text_atomic
 from trainer3d.optim import lr_at
 from trainer3d.models import config_to_dict
+from trainer3d.parallel.lora import is_adapter
 from trainer3d.parallel.parallelize import named_full_params
 
 
@@ -59,6 +60,8 @@ def rank_pieces(trainer, copy: bool = True) -> tuple[dict[str, torch.Tensor], in
     pieces: dict[str, torch.Tensor] = {}
     adam_step = trainer.engine.adam_step()
     for name, (p, spec) in named_full_params(trainer.parallel_model).items():
+        if trainer.lora is not None and not is_adapter(name):  # a LoRA base is saved by reference (lora_base.py)
+            continue
         for kind, start, size, data, live in parameter_pieces(trainer, p, spec, adam_step is not None):
             pieces[piece_key(kind, name, start, size)] = _to_host(data, pinned, copy or not live)
     index, count = _writer_slice(None, topo)  # tables: replicated wherever their module is
@@ -201,6 +204,7 @@ def _meta(trainer, loader) -> dict:
         "model": config_to_dict(trainer.mcfg),
         "config": trainer.cfg.flat(),
         "hf_source": getattr(trainer, "hf_source", None),  # checkpoint/hf_source.py
+        "lora": trainer.lora,  # the adapters' settings and the base's identity (checkpoint/lora_base.py)
         "layout": layout_record(trainer),
         "data_parallel": trainer.engine.describe(),
         "precision": trainer.precision,

@@ -214,6 +214,27 @@ class LossConfig(Section):
 
 
 @dataclass
+class LoRAConfig(Section):
+    """Low-rank adapters beside a frozen base (parallel/lora.py), PEFT's LoraConfig by our flags."""
+
+    TITLE: ClassVar[str] = 'LoRA (parallel/lora.py)'
+    lora_rank: int = flag(0, "LoRA: the adapters' rank r (PEFT's r); 0: no adapters, every weight trains", low=0)
+    lora_alpha: float = flag(16.0, "LoRA: α; the adapters' product is scaled by α/r (PEFT's lora_alpha)",
+                             positive=True)
+    lora_dropout: float = flag(0.0, "LoRA: dropout on the adapters' input (PEFT's lora_dropout)", low=0.0, high=1.0,
+                               high_excluded=True)
+    lora_targets: str = flag(
+        "all-linear",
+        "LoRA: the linears that get adapters: all-linear (every linear of the blocks, as PEFT's; not the output head), "
+        "or comma-separated names, Hugging Face's (q_proj,v_proj) or the family's (qkv_proj)", metavar='NAMES')
+    lora_rslora: bool = flag(False, "LoRA: scale by α/√r (rank-stabilized LoRA, PEFT's use_rslora)")
+    lora_from: str | None = flag(
+        None, "LoRA: start the adapters from a PEFT adapter directory (adapter_config.json, "
+        "adapter_model.safetensors) over --init-from-hf's base; its rank, α and targets are the run's",
+        metavar='DIR')
+
+
+@dataclass
 class DatasetConfig(Section):
     """The training data: its source, tokenizer, format, and a chat format's rules (data/)."""
 

@@ -9,13 +9,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from trainer3d.config.sections import (
-    ArchConfig, BatchConfig, CheckpointConfig, DatasetConfig, EvalConfig, LoggingConfig, LossConfig, MoEConfig,
-    OptimConfig, ParallelConfig, RuntimeConfig,
+    ArchConfig, BatchConfig, CheckpointConfig, DatasetConfig, EvalConfig, LoggingConfig, LoRAConfig, LossConfig,
+    MoEConfig, OptimConfig, ParallelConfig, RuntimeConfig,
 )
 from trainer3d.models import MODEL_PRESETS
 
 SECTIONS = {"arch": ArchConfig, "parallel": ParallelConfig, "batch": BatchConfig, "optim": OptimConfig,
-            "moe": MoEConfig, "loss": LossConfig, "dataset": DatasetConfig, "eval": EvalConfig,
+            "moe": MoEConfig, "loss": LossConfig, "lora": LoRAConfig, "dataset": DatasetConfig, "eval": EvalConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "runtime": RuntimeConfig}
 # flat name -> its section, and its default
 OWNER = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -36,6 +36,7 @@ class TrainConfig:
     optim: OptimConfig
     moe: MoEConfig
     loss: LossConfig
+    lora: LoRAConfig
     dataset: DatasetConfig
     eval: EvalConfig
     checkpoint: CheckpointConfig

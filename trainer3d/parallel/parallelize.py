@@ -2,13 +2,13 @@
 
   1. build the family's plain model on the meta device (no memory, any size),
   2. pipeline: keep only this rank's stage(s),
-  3. tensor parallel: swap each stage's layers for their sharded forms (sequence parallelism: the activations
-     between them on sequence shards), mixtures of experts (tokens split over tp, experts over ep),
-     context parallelism and document masking (the attention and the positions of
-     this rank's tokens), then activation recomputation around them,
+  3. tensor parallel: swap each stage's layers for their sharded forms (with LoRA's pairs beside them; sequence
+     parallelism: the activations between them on sequence shards), mixtures of experts (tokens split over tp,
+     experts over ep), context parallelism and document masking (the attention and the positions of this rank's
+     tokens), then activation recomputation around them,
      then compile: torch.compile on each block, in place (--compile),
   4. materialize this rank's shards with layout-independent values (init, checkpoint or HF weights); what does not
-     train stops taking gradients (DeepSeek Sparse Attention's warm-up),
+     train stops taking gradients (DeepSeek Sparse Attention's warm-up, a LoRA base),
   5. data parallel: hand the stages to the data-parallel engine (DDP, or DeepSpeed ZeRO: zero/engine.py),
   6. pipeline schedule: torch's schedule over what the engine wraps, with static stage shapes (in the compute dtype).
 """
@@ -33,6 +33,7 @@ from trainer3d.parallel.dsa import freeze_for_warmup
 from trainer3d.parallel.engine import DataParallelEngine, EngineFactory, is_tied_duplicate
 from trainer3d.parallel.expert_parallel import apply_expert_parallel
 from trainer3d.parallel.fp8 import apply_fp8
+from trainer3d.parallel.lora import LoRASpec, apply_lora, freeze_base, initial_value, is_adapter
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
 from trainer3d.parallel.shards import from_full, gather_full
@@ -94,6 +95,8 @@ def parallelize(
     # the default generator, seeded alike on tp peers (seed_rngs).
     sharded_rng = ShardedDropoutRNG(rng_seeds(cfg.seed, topo)[1], device)
     stages = [apply_tensor_parallel(s, topo.tp_group, topo.tp_rank, L.tp, sharded_rng) for s in stages]
+    lora = LoRASpec.of(cfg)  # ... with LoRA's pairs beside the targeted linears, split as they are
+    stages = [apply_lora(s, lora, topo.tp_group, L.tp, sharded_rng) for s in stages]
     if cfg.sequence_parallel:  # ... with the activations between the tp regions on sequence shards
         stages = [apply_sequence_parallel(s, topo.tp_rank, L.tp, sharded_rng) for s in stages]
     # ... mixtures of experts: tokens split over tp, experts over ep (parallel/expert_parallel.py)
@@ -117,14 +120,17 @@ def parallelize(
     stages = [apply_compile(s, cfg.compiled_backend) for s in stages]
 
     # 4. materialize: values are a function of the parameter's name, never of the layout
-    if shard_value is None:
-        shard_value = from_full(lambda name, shape: init_value(mcfg, name, shape, cfg.seed))
+    if shard_value is None:  # (a LoRA pair starts as PEFT's)
+        shard_value = from_full(lambda name, shape: initial_value(name, shape, cfg.seed) if is_adapter(name)
+                                else init_value(mcfg, name, shape, cfg.seed))
     for s in stages:
         engine_factory.materialize(s, device, shard_value, topo.coords_by_axis)
         s.init_tables(device)
     seed_rngs(cfg.seed, topo)  # the default generator's dropout stream, before anything draws from it
     if getattr(mcfg, "sparse", False) and cfg.dsa_stage == "warmup":  # DSA's warm-up trains the indexers only
         freeze_for_warmup(stages)
+    if lora is not None:  # LoRA trains the adapters only
+        freeze_base(stages)
 
     # 5. data parallel
     engine = engine_factory.build(stages)

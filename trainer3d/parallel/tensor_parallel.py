@@ -220,9 +220,11 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features // size, device=device))
             self.bias.tp_spec = TPSpec(0, (out_features,), fused)
         self.fp8 = None  # --fp8: an FP8Matmul (parallel/fp8.py)
+        self.lora = None  # --lora-rank: its adapter pairs, added to this rank's output columns (parallel/lora.py)
 
     def forward(self, x):
-        return parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8)
+        y = parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class RowParallelLinear(nn.Module):
@@ -236,9 +238,12 @@ class RowParallelLinear(nn.Module):
         self.weight.tp_spec = TPSpec(1, (out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None  # replicated, added once
         self.fp8 = None  # --fp8: an FP8Matmul (parallel/fp8.py)
+        self.lora = None  # --lora-rank: its adapter pair, a partial sum joining the base's (parallel/lora.py)
 
     def forward(self, x):
         y = F.linear(x, self.weight) if self.fp8 is None else self.fp8(to_compute_dtype(x), self.weight)
+        if self.lora is not None:
+            y = y + self.lora(x)
         y = leave_tp(y, self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 

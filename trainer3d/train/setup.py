@@ -14,6 +14,7 @@ import torch
 
 from trainer3d.checkpoint.format import checkpoints_root, resolve_checkpoint
 from trainer3d.checkpoint.hf_init import hf_model_config
+from trainer3d.checkpoint.peft import read_spec
 from trainer3d.config import PRECISIONS, RECOMPUTE_MODES, SIZE_FLAGS, TrainConfig
 from trainer3d.config.fields import option_name
 from trainer3d.data.hellaswag import Example, read_examples
@@ -31,6 +32,7 @@ from trainer3d.parallel.compile import check_compiler
 from trainer3d.parallel.context_parallel import check_context_parallel
 from trainer3d.parallel.expert_parallel import check_expert_parallel
 from trainer3d.parallel.fp8 import check_fp8
+from trainer3d.parallel.lora import LoRASpec, check_lora
 from trainer3d.parallel.pipeline import SCHEDULES, check_pipeline, last_stage_pp_rank
 from trainer3d.parallel.sequence_parallel import check_sequence_parallel
 from trainer3d.plan import calibrate
@@ -216,6 +218,35 @@ def check_dsa(cfg: TrainConfig, mcfg, layout) -> None:
                           "nothing to train; give it a positive weight.")
 
 
+LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora")
+
+
+def resolve_lora(cfg: TrainConfig, mcfg) -> TrainConfig:
+    """LoRA's flags: --lora-from's adapter sets rank, α, dropout, targets and scaling (a flag given otherwise is
+    refused) over the --init-from-hf base it was trained on; the targets and rank must fit the model."""
+    given = [f for f in LORA_FLAGS if cfg.given(f)]
+    if cfg.lora_from:
+        if not cfg.init_from_hf:
+            raise ConfigError("--lora-from continues an adapter over the base it was trained on; give that base with "
+                              "--init-from-hf.")
+        spec = read_spec(cfg.lora_from)
+        saved = dict(lora_rank=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                     lora_targets=",".join(spec.targets), lora_rslora=spec.rslora)
+        clash = [f for f in given if getattr(cfg, f) != saved[f]]
+        if clash:
+            raise ConfigError(f"{option_name(clash[0])} {getattr(cfg, clash[0])} differs from --lora-from's "
+                              f"{saved[clash[0]]}; drop it (the adapter's settings are the run's).")
+        cfg = dataclasses.replace(cfg, **saved)
+    elif not cfg.lora_rank:
+        if given:
+            raise ConfigError(f"{option_name(given[0])} sets up LoRA adapters; give their rank with --lora-rank.")
+        return cfg
+    if getattr(mcfg, "sparse", False) and cfg.dsa_stage == "warmup":
+        raise ConfigError("--dsa-stage warmup trains the indexers alone and LoRA the adapters alone; drop one.")
+    check_lora(mcfg, LoRASpec.of(cfg))
+    return cfg
+
+
 def check_size_flags(cfg: TrainConfig, base) -> None:
     """A size flag must name a field of the model's family (--n-kv-heads means nothing to GPT-2)."""
     fields = {f for f in base.__dataclass_fields__}
@@ -300,6 +331,7 @@ def validate(cfg: TrainConfig, world_size: int, vocab_size: int = 50257, base_mo
     cfg = check_chat(check_dpo(cfg))
     check_eos_token(cfg)
     mcfg = resolve_model(cfg, vocab_size, base_model)
+    cfg = resolve_lora(cfg, mcfg)
     if cfg.layout == "auto":
         cfg = resolve_auto(cfg, mcfg, machine or auto_machine(cfg, world_size))
     layout = check_layout(cfg, mcfg, world_size)

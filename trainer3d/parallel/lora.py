@@ -1,0 +1,270 @@
+"""LoRA (Hu et al. 2021), as PEFT's LoraConfig builds it: beside each targeted linear of a frozen base, a trainable
+pair y = W x + s · B A x, s = α/r (α/√r rank-stabilized), A [r, in] Kaiming-uniform and B [out, r] zero at the start,
+dropout on the pair's input.
+
+Under tensor parallelism a pair is split as its linear (DESIGN.md; Megatron-Bridge's rule):
+  - column-parallel: A whole on every rank, B split by rows as the base's output. A x enters the tp region as an
+    r-wide activation through a TPEntry (the all-reduce of its gradient; under sequence parallelism the all-gather of
+    the r-wide product of this rank's sequence shard), so the pair's collectives carry r columns, not the input's d;
+  - row-parallel: A split by columns as the base's input, B whole. B (A_local x_local) is a partial sum added to the
+    base's before the one reduction that leaves the region, so the pair adds no collective; B's gradient is a share
+    per tp rank (`tp_partial`, summed by the engines).
+A fused linear (q|k|v, gate|up) gets one pair per block that Hugging Face holds as a module of its own (q_proj,
+k_proj, v_proj), so the model is PEFT's: A stacked [pairs·r, in], B stacked by rows and split per block as the base.
+A block no target names gets no pair. Adapter parameters are named `<linear>.lora.A` / `.lora.B`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainer3d.errors import ConfigError
+from trainer3d.models import build_model, family_of
+from trainer3d.models.interface import CausalLM, ColumnParallel, find_module
+from trainer3d.models.seeding import name_seeded_uniform
+from trainer3d.parallel.sequence_parallel import ShardedDropout
+from trainer3d.parallel.tensor_parallel import (
+    ColumnParallelLinear, RowParallelLinear, ShardedDropoutRNG, TPEntry, TPSpec, to_compute_dtype,
+)
+
+ALL_LINEAR = "all-linear"
+MARK = ".lora."  # in every adapter parameter's name, and in no base parameter's
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """The run's adapters (--lora-*): rank, α, dropout, targets (ALL_LINEAR or names), rank-stabilized scaling."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = (ALL_LINEAR,)
+    rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @classmethod
+    def of(cls, cfg) -> LoRASpec | None:
+        """From a TrainConfig; None without --lora-rank."""
+        if not cfg.lora_rank:
+            return None
+        targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
+        return cls(cfg.lora_rank, float(cfg.lora_alpha), cfg.lora_dropout, targets, cfg.lora_rslora)
+
+
+def is_adapter(name: str) -> bool:
+    return MARK in name
+
+
+# ---- which blocks of which linears get a pair ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pair:
+    """One adapter pair of a linear: its Hugging Face module name, and the rows of the linear's output it writes."""
+
+    hf_module: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class Target:
+    """A linear with adapters: `path` in its block; `pairs`, one per Hugging Face module the linear fuses (None
+    where that block is not targeted) and `rows`, each such block's output rows; `fused`: B's blocks as tensor
+    parallelism splits them."""
+
+    path: str
+    pairs: tuple[Pair | None, ...]
+    rows: tuple[int, ...]
+    fused: tuple[int, ...] | None
+    column: bool
+    in_features: int
+
+
+def linear_targets(mcfg, model: CausalLM, layer: str, spec: LoRASpec) -> list[Target]:
+    """The targets among the parallel plan's linears of block `layer` (its key in the model's blocks). A linear's
+    Hugging Face modules are its family adapter's parts; the leaf of their name (q_proj) or of ours (qkv_proj) is what
+    --lora-targets names."""
+    block, plan, hf = model.blocks[layer], model.parallel_plan(), family_of(mcfg).hf
+    out = []
+    for path, style in plan.linears.items():
+        linear = _linear(block, path)
+        if linear is None:
+            continue
+        parts = hf.parts(mcfg, f"{model.BLOCKS}.{layer}.{path}.weight")
+        fused = style.fused if isinstance(style, ColumnParallel) else None
+        rows = [p.rows for p in parts] if len(parts) > 1 else [_out_features(linear)]
+        pairs = tuple(Pair(p.name.removesuffix(".weight"), r)
+                      if any(names(t, p.name.removesuffix(".weight"), path) for t in spec.targets) else None
+                      for p, r in zip(parts, rows))
+        if any(pairs):
+            if len(parts) > 1:  # one pair per HF module: B's blocks are the targeted ones
+                fused = tuple(p.rows for p in pairs if p is not None)
+                fused = fused if len(fused) > 1 else None
+            out.append(Target(path, pairs, tuple(rows), fused, isinstance(style, ColumnParallel),
+                              _in_features(linear)))
+    return out
+
+
+@lru_cache(maxsize=4)
+def targets_by_linear(mcfg, spec: LoRASpec) -> dict[str, Target]:
+    """Every targeted linear of the model by its canonical prefix (`layers.3.self_attn.qkv_proj`)."""
+    with torch.device("meta"):
+        model = build_model(mcfg)
+    return {f"{model.BLOCKS}.{layer}.{t.path}": t for layer in model.blocks
+            for t in linear_targets(mcfg, model, layer, spec)}
+
+
+def adapter_shapes(mcfg, spec: LoRASpec) -> dict[str, tuple[int, int]]:
+    """Every adapter parameter's canonical name and full shape."""
+    out = {}
+    for prefix, t in targets_by_linear(mcfg, spec).items():
+        pairs = [p for p in t.pairs if p is not None]
+        out[f"{prefix}{MARK}A"] = (len(pairs) * spec.rank, t.in_features)
+        out[f"{prefix}{MARK}B"] = (sum(p.rows for p in pairs), spec.rank)
+    return out
+
+
+def names(target: str, hf_module: str, path: str) -> bool:
+    """Whether a --lora-targets entry names a linear's block: all-linear; PEFT's rule for Hugging Face module names
+    (the name, or a suffix of it after a dot: q_proj, layers.0.self_attn.q_proj); or the leaf of the family's own
+    path (qkv_proj, every block it fuses)."""
+    return (target == ALL_LINEAR or hf_module == target or hf_module.endswith("." + target)
+            or path.rpartition(".")[2] == target)
+
+
+def _linear(block: nn.Module, path: str):
+    found = find_module(block, path)
+    return found if isinstance(found, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) else None
+
+
+def _in_features(linear) -> int:
+    return linear.in_features if isinstance(linear, nn.Linear) else linear.weight.tp_spec.full_shape[1]
+
+
+def _out_features(linear) -> int:
+    return linear.out_features if isinstance(linear, nn.Linear) else linear.weight.tp_spec.full_shape[0]
+
+
+# ---- the pairs ----------------------------------------------------------------------------------------------------
+class ColumnLoRA(nn.Module):
+    """The pairs of a column-parallel linear: s · [B_j (A x)_j per block], on this rank's output columns."""
+
+    def __init__(self, t: Target, spec: LoRASpec, group, size: int, device):
+        super().__init__()
+        n, r = sum(p is not None for p in t.pairs), spec.rank
+        targeted = sum(p.rows for p in t.pairs if p is not None)
+        self.A = nn.Parameter(torch.empty(n * r, t.in_features, device=device))
+        self.B = nn.Parameter(torch.empty(targeted // size, r, device=device))
+        self.B.tp_spec = TPSpec(0, (targeted, r), t.fused)
+        self.blocks = [(p is not None, rows // size) for p, rows in zip(t.pairs, t.rows)]
+        self.rank, self.scale = r, spec.scale
+        self.dropout = nn.Dropout(spec.dropout)  # (sequence parallelism swaps it for the per-rank stream)
+        self.entry = TPEntry(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.entry(F.linear(to_compute_dtype(self.dropout(x)), self.A))
+        As, Bs = a.split(self.rank, dim=-1), self.B.split([w for on, w in self.blocks if on], dim=0)
+        outs, j = [], 0
+        for on, width in self.blocks:
+            if on:
+                outs.append(F.linear(As[j], Bs[j]))
+                j += 1
+            else:
+                outs.append(a.new_zeros(*a.shape[:-1], width))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y * self.scale
+
+
+class RowLoRA(nn.Module):
+    """The pair of a row-parallel linear: s · B (A_local x_local), a partial sum over tp like the base's output."""
+
+    def __init__(self, t: Target, spec: LoRASpec, size: int, rng: ShardedDropoutRNG | None, device):
+        super().__init__()
+        r, out = spec.rank, t.pairs[0].rows
+        self.A = nn.Parameter(torch.empty(r, t.in_features // size, device=device))
+        self.A.tp_spec = TPSpec(1, (r, t.in_features))
+        self.B = nn.Parameter(torch.empty(out, r, device=device))
+        self.B.tp_partial = True  # each rank's product is a share of A x
+        self.scale = spec.scale
+        # the input is split over tp by columns: each rank's columns draw their own mask
+        self.dropout = ShardedDropout(spec.dropout, rng) if rng is not None and size > 1 else nn.Dropout(spec.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = to_compute_dtype(self.dropout(x))
+        return F.linear(F.linear(x, self.A), self.B) * self.scale
+
+
+# ---- applying them ------------------------------------------------------------------------------------------------
+def apply_lora(stage: CausalLM, spec: LoRASpec | None, group, size: int, rng: ShardedDropoutRNG | None) -> CausalLM:
+    """Give every targeted linear of a tensor-parallel stage its pairs (`adapter`, which the linear adds to its
+    output), in place; before sequence parallelism, which switches their entries and dropouts to sequence shards."""
+    if spec is None:
+        return stage
+    dev = next(stage.parameters()).device
+    for layer, block in stage.blocks.items():
+        for t in linear_targets(stage.cfg, stage, layer, spec):
+            linear = block.get_submodule(t.path)
+            linear.lora = ColumnLoRA(t, spec, group, size, dev) if t.column else RowLoRA(t, spec, size, rng, dev)
+    return stage
+
+
+def freeze_base(stages: list[nn.Module]) -> None:
+    """Only the adapters train: every other parameter stops taking gradients before the data-parallel engine is
+    built, so DDP and AdamW (ZeRO's too) hold no gradient, master copy or moment of the base."""
+    for s in stages:
+        for name, p in s.named_parameters():
+            p.requires_grad_(is_adapter(name))
+        if s.embedding is not None:
+            s.embedding.register_forward_hook(_output_requires_grad)
+
+
+def _output_requires_grad(module, args, output):
+    """The frozen embedding's output marked as taking a gradient (transformers' enable_input_require_grads, for the
+    same reason): the hooks that ZeRO-3 and torch's pipeline stage attach around the first block need an input with
+    a gradient to fire in the backward."""
+    return output.requires_grad_(True)
+
+
+def initial_value(name: str, shape: tuple, seed: int) -> torch.Tensor:
+    """PEFT's start, as a pure function of the name: A ~ U(±1/√in) (nn.init.kaiming_uniform_ with a=√5), B = 0."""
+    if name.endswith(".B"):
+        return torch.zeros(shape)
+    bound = 1.0 / math.sqrt(shape[1])
+    return name_seeded_uniform(name, shape, seed, -bound, bound)
+
+
+def with_adapters(base_value, adapter_value):
+    """One `shard_value` hook (parallel/shards.materialize) from the base's and the adapters' (each called only for
+    its own names)."""
+
+    def value(name, spec, local_shape, rank, size):
+        return (adapter_value if is_adapter(name) else base_value)(name, spec, local_shape, rank, size)
+
+    return value
+
+
+def check_lora(mcfg, spec: LoRASpec) -> None:
+    """Targets that name a linear of this model, and a rank no wider than any of them: one sentence otherwise."""
+    with torch.device("meta"):
+        model = build_model(mcfg)
+    everything = LoRASpec(spec.rank, spec.alpha, targets=(ALL_LINEAR,))
+    linears = [(t.path, p.hf_module) for layer in model.blocks
+               for t in linear_targets(mcfg, model, layer, everything) for p in t.pairs]
+    unknown = [t for t in spec.targets if not any(names(t, hf, path) for path, hf in linears)]
+    if unknown:
+        known = sorted({n.rpartition(".")[2] for link in linears for n in link})
+        raise ConfigError(f"--lora-targets names {unknown[0]}, which is no linear of this {mcfg.family} model; its "
+                          f"linears are {', '.join(known)} (or all-linear).")
+    narrowest = min((min(t.in_features, *(p.rows for p in t.pairs if p is not None)), t.path)
+                    for layer in model.blocks for t in linear_targets(mcfg, model, layer, spec))
+    if spec.rank > narrowest[0]:
+        raise ConfigError(f"--lora-rank {spec.rank} is wider than {narrowest[1]} ({narrowest[0]}); a rank above a "
+                          "target's width adds parameters and no expressiveness: pick at most "
+                          f"{narrowest[0]}.")
