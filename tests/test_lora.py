@@ -15,7 +15,6 @@ from pathlib import Path
 
 import datasets
 import peft
-import pytest
 import torch
 import transformers
 import trl
@@ -109,6 +108,55 @@ def test_lora_sft_equals_trl_peft(tmp_path, monkeypatch, capsys):
             more, failed = compare(label, ref, metrics(Path(runs[layout][name][-1])), supervised)
             lines, failures = lines + more, failures + failed
     lines.append(f"trainer3d's worlds: {worlds_s:.0f} s")
+    lines += exports(hf_dir, tmp_path, {layout: Path(runs[layout]["q,v"][-1]) for layout in LAYOUTS}, refs["q,v"],
+                     capsys)
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert not failures, "\n".join(failures)
+
+
+def exports(hf_dir: Path, tmp: Path, run_dirs: dict[str, Path], ref: dict, capsys) -> list[str]:
+    """Every layout's last checkpoint exported with --adapter: PEFT loads it, its tensors equal TRL's trained
+    adapter (and each other's: the checkpoints reshard); the merged export's logits equal the PEFT model's, greedy
+    generation by transformers on either equals trainer3d.sample's from the checkpoint."""
+    from trainer3d.export import main as export
+    from trainer3d.sample import main as sample
+
+    lines, adapters = [], {}
+    for layout, run in run_dirs.items():
+        out = tmp / f"export-{layout}".replace(" ", "_")
+        assert export([str(run), str(out), "--adapter"]) == 0
+        adapters[layout] = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir),
+                                                          out).eval()
+        got = peft.get_peft_model_state_dict(adapters[layout])
+        assert got.keys() == ref["adapter"].keys()
+        gap = max((got[k] - ref["adapter"][k]).abs().max().item() for k in got)
+        lines.append(f"{layout}: the exported adapter against TRL's trained one, max |difference| {gap:.1e}")
+        assert gap < 1e-5, (layout, gap)
+    first = next(iter(run_dirs.values()))
+    assert export([str(first), str(tmp / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp / "merged").eval()
+    with_peft = next(iter(adapters.values()))
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        tuned = with_peft(ids).logits
+        gap = (merged(ids).logits - tuned).abs().max().item()
+        with with_peft.disable_adapter():
+            base = with_peft(ids).logits
+        bare = (base - tuned).abs().max().item()
+        base_gap = (base - transformers.AutoModelForCausalLM.from_pretrained(hf_dir)(ids).logits).abs().max().item()
+    lines.append(f"merged export's logits against the PEFT model's: {gap:.1e} (the adapter moves them {bare:.1e})")
+    assert gap < 1e-5 and bare > 1e-3 and base_gap == 0.0, (gap, bare, base_gap)
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    prompt = tok("hello there", return_tensors="pt").input_ids
+    greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    by_peft = with_peft.generate(input_ids=prompt, **greedy)[0, prompt.shape[1]:]
+    by_merged = merged.generate(input_ids=prompt, **greedy)[0, prompt.shape[1]:]
+    capsys.readouterr()
+    assert sample([str(first), "--prompt", "hello there", "--max-new-tokens", "12", "--temperature", "0",
+                   "--eos-token", tok.pad_token or tok.eos_token]) == 0
+    text = capsys.readouterr().out.splitlines()[1]
+    assert by_peft.tolist() == by_merged.tolist()
+    assert text == tok.decode(prompt[0].tolist() + by_peft.tolist()), (text, tok.decode(by_peft))
+    lines.append(f"greedy: PEFT, the merged export and trainer3d.sample agree on {len(by_peft)} tokens")
+    return lines

@@ -1,7 +1,7 @@
 """Export a trainer3d checkpoint as a Hugging Face `save_pretrained` directory, without any process group:
 
     python -m trainer3d.export CKPT OUT [--dtype float32|bfloat16|float16] [--tokenizer DIR|none] [--overwrite]
-                                        [--max-shard-size 5GB] [--eos-token TOKEN]
+                                        [--max-shard-size 5GB] [--eos-token TOKEN] [--adapter]
 
 CKPT is a checkpoint directory (`<out-dir>/checkpoints/step_000123`), a `checkpoints` directory or a run's
 --out-dir (both follow `latest`). The layout-free pieces are read directly (any layout saved them), tensor by
@@ -13,6 +13,9 @@ So that `generate` stops where a reply ends, generation_config.json and config.j
 chat template's end of turn, e.g. <|im_end|>, then the eos; --eos-token, or the run's, names another), and a chat
 run's tokenizer is shipped with that end of turn as its eos, its --chat-template and the model's context as
 model_max_length (data/export_tokenizer.py).
+
+A LoRA run's checkpoint exports merged into its base (each targeted weight plus s · B A), or with --adapter as a PEFT
+adapter directory (adapter_config.json, adapter_model.safetensors) that PeftModel.from_pretrained loads over the base.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.hf import hf_tables
 from trainer3d.checkpoint.hf_source import open_source
 from trainer3d.checkpoint.hf_save import parse_size, save_hf_checkpoint
+from trainer3d.checkpoint.peft import write_adapter
 from trainer3d.data.chat import read_template
 from trainer3d.data.export_tokenizer import export_tokenizer, special_ids, tokenizer_dir
 from trainer3d.errors import ArgumentParser, CheckpointError, DataError, UsageError, report
@@ -117,6 +121,22 @@ def export(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
     return out
 
 
+def export_adapter(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                   overwrite: bool = False) -> Path:
+    """A LoRA checkpoint's adapters as a PEFT directory over the base the run started from."""
+    ckpt = Checkpoint(resolve_checkpoint(ckpt_path))
+    if ckpt.lora is None:
+        raise CheckpointError(f"{ckpt.path} holds no LoRA adapters (the run trained every weight); export it without "
+                              "--adapter.")
+    ckpt.verify_files([f for f in ckpt.meta["files"] if not f.startswith(("optim-", "rng-"))])
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} already exists; pass --overwrite to replace it or choose another directory.")
+    adapters = {name: ckpt.adapter_tensor(name) for name in ckpt.saved_shapes}
+    write_adapter(out, ckpt.model_config, ckpt.lora_spec, adapters, dtype, ckpt.lora["base"].get("path"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(
         prog="python -m trainer3d.export",
@@ -136,7 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest weights file, as Hugging Face spells it (5GB, 500MiB, bytes); bigger models are "
                         "split into model-0000k-of-0000n.safetensors with model.safetensors.index.json")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write its adapters as a PEFT directory (default: merged into the base)")
     args = p.parse_args(argv)
+    if args.adapter:
+        try:
+            out = export_adapter(args.checkpoint, args.out, DTYPES[args.dtype], args.overwrite)
+        except UsageError as e:
+            return report(e)
+        print(f"trainer3d.export: wrote {out} (a PEFT LoRA adapter, {args.dtype})")
+        return 0
     try:
         parse_size(args.max_shard_size)
     except ValueError as e:
