@@ -10,6 +10,7 @@ tensors equal TRL's trained adapter, and the base's every tensor in the checkpoi
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -160,3 +161,102 @@ def exports(hf_dir: Path, tmp: Path, run_dirs: dict[str, Path], ref: dict, capsy
     assert text == tok.decode(prompt[0].tolist() + by_peft.tolist()), (text, tok.decode(by_peft))
     lines.append(f"greedy: PEFT, the merged export and trainer3d.sample agree on {len(by_peft)} tokens")
     return lines
+
+
+def _base_unchanged(hf_dir: str, layout: dict) -> dict:
+    """A LoRA trainer built as the entry point builds it, three steps on random tokens: every base tensor this rank
+    holds (its ZeRO-3 partition) bitwise as it started, every adapter B moved from zero."""
+    from trainer3d.checkpoint.load import apply, prepare
+    from trainer3d.config import TrainConfig
+    from trainer3d.parallel.lora import is_adapter
+    from trainer3d.train.setup import validate
+    from trainer3d.train.trainer import Trainer
+
+    n = layout.pop("world")
+    cfg = TrainConfig(init_from_hf=hf_dir, lora_rank=RANK, seq_len=32, global_batch=4, precision="fp32",
+                      max_steps=3, lr=1e-2, warmup_steps=0, val_fraction=0.0, eval_every=0, **layout)
+    setup = validate(cfg, n)
+    topo = setup.topology(list(range(n)))
+    mcfg = setup.model_config(1000)
+    start = prepare(setup.cfg, mcfg, topo)
+    trainer = Trainer(setup, topo, torch.device("cpu"), mcfg, shard_value=start.shard_value)
+    apply(start, trainer)
+
+    def held(p):  # (ZeRO-3 keeps this rank's partition apart from the gathered parameter)
+        return (p.ds_tensor if hasattr(p, "ds_tensor") else p.data).detach().clone()
+
+    params = [(name, p) for s in trainer.parallel_model.stages for name, p in s.named_parameters()]
+    before = {name: held(p) for name, p in params}
+    gen = torch.Generator().manual_seed(topo.dp_rank)
+    for _ in range(3):
+        trainer.train_step(torch.randint(0, 1000, (4 // setup.layout.dp, 33), generator=gen))
+    after = {name: held(p) for name, p in params}
+    topo.destroy()
+    base = [name for name in before if not is_adapter(name)]
+    return {"base": len(base), "changed": [name for name in base if not torch.equal(before[name], after[name])],
+            "B still zero": [name for name in before if name.endswith(".B") and not after[name].abs().max() > 0]}
+
+
+def _runs_then_bases(rank: int, world_size: int, runs: list[list[str]], hf_dir: str | None) -> dict:
+    """The entry point for each argv; then (`hf_dir`) _base_unchanged at tp 2 with sequence parallelism and at dp 2
+    under ZeRO-3."""
+    from trainer3d.train.loop import main
+
+    out = {"codes": [main(argv) for argv in runs]}
+    if hf_dir is not None:
+        out["bases"] = {label: _base_unchanged(hf_dir, layout) for label, layout in (
+            ("tp2 sp", dict(world=2, tp=2, sequence_parallel=True)),
+            ("dp2 zero3", dict(world=2, deepspeed_config="ds_configs/zero3.json")))}
+    return out
+
+
+def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
+    """A LoRA run saved at step 2 by dp 2 and resumed by tp 2 continues the straight dp 2 run (its checkpoint holds
+    the adapters only); a resume with other LoRA flags, or over a base whose files changed, is refused (exit 2); bad
+    flags are refused before any process group; the base stays bitwise as loaded."""
+    monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "cache"))
+    hf_dir, moved = tmp_path / "hf", tmp_path / "hf-moved"
+    hf_llama(tie=True, seed=5).save_pretrained(hf_dir)
+    chat_tokenizer(hf_dir)
+    shutil.copytree(hf_dir, moved)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations(N, seed=6)))
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    seq, batch = shapes([n for n, _ in rendered(transformers.AutoTokenizer.from_pretrained(hf_dir), CHATML)], False)
+    lora = ["--lora-rank", str(RANK), "--lora-targets", "q_proj,down_proj", "--lr", str(LORA_LR), "--min-lr",
+            str(LORA_LR)]
+
+    def argv(name, *flags, base=hf_dir):
+        return t3d_argv(base, data, template, seq, batch, False, [*lora, *flags], tmp_path / name)
+
+    runs = [argv("straight"), argv("half", "--max-steps", "2"), argv("half", "--tp", "2", "--resume"),
+            argv("half", "--tp", "2", "--resume", "--max-steps", "6", "--lora-rank", "8"),
+            argv("moved", "--max-steps", "2", base=moved)]
+    first = run_world(2, _runs_then_bases, runs, None, timeout=600)[0]
+    hf_llama(tie=True, seed=6).save_pretrained(moved)  # another model of the same shape in the base's place
+    second = run_world(2, _runs_then_bases, [argv("moved", "--resume", "--max-steps", "4", base=moved)],
+                       str(hf_dir), timeout=600)[0]
+    assert first["codes"] == [0, 0, 0, 2, 0] and second["codes"] == [2], (first, second)
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "half")
+    assert len(resumed["loss"]) == STEPS
+    for key in ("loss", "grad_norm"):
+        assert max(abs(a - b) / abs(a) for a, b in zip(straight[key][2:], resumed[key][2:])) < 1e-5, key
+    meta = json.loads((tmp_path / "half" / "checkpoints" / "step_000004" / "meta.json").read_text())
+    saved = {key.split("/")[1].split("@")[0] for f in meta["files"].values() for key in f["tensors"]
+             if key.startswith("param/")}
+    assert saved and all(".lora." in name for name in saved), saved
+    assert meta["lora"]["base"]["path"] == str(hf_dir.resolve()) and meta["lora"]["targets"] == ["q_proj", "down_proj"]
+    for label, got in second["bases"].items():
+        assert got["base"] > 0 and not got["changed"] and not got["B still zero"], (label, got)
+
+    from trainer3d.train.loop import main
+    refused = {"give their rank with --lora-rank": ["--lora-alpha", "4"],
+               "--lora-targets names wq, which is no linear": ["--lora-rank", "4", "--lora-targets", "wq"],
+               "--lora-rank 100 is wider than": ["--lora-rank", "100"],
+               "give that base with --init-from-hf": ["--lora-from", str(tmp_path)]}
+    capsys.readouterr()
+    for sentence, flags in refused.items():
+        assert main(["--model", "llama-tiny", "--max-steps", "1", *flags, "--out-dir", str(tmp_path / "x")]) == 2
+        assert sentence in capsys.readouterr().err, sentence
+    assert not (tmp_path / "x").exists()

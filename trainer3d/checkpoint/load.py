@@ -249,8 +249,8 @@ def check_lora_matches(ckpt: Checkpoint, spec: LoRASpec | None) -> None:
     """A resume trains what the checkpoint holds: its adapters with their settings over the base it names (opened
     here, so that a base gone or changed is refused before anything is built), or every weight."""
     if ckpt.lora_spec != spec:
-        held = "no LoRA adapters" if ckpt.lora_spec is None else f"LoRA adapters of {ckpt.lora_spec}"
-        asked = "none" if spec is None else f"{spec}"
+        held = "no LoRA adapters" if ckpt.lora_spec is None else f"LoRA adapters ({ckpt.lora_spec})"
+        asked = "none" if spec is None else f"LoRA adapters ({spec})"
         raise CheckpointError(f"{ckpt.path} holds {held}, and this run asks for {asked}; resume with the LoRA flags "
                               "it was saved with.")
     if spec is not None:

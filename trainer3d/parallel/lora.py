@@ -47,6 +47,10 @@ class LoRASpec:
     targets: tuple[str, ...] = (ALL_LINEAR,)
     rslora: bool = False
 
+    def __str__(self) -> str:
+        return (f"rank {self.rank}, alpha {self.alpha:g}, dropout {self.dropout:g}, targets {','.join(self.targets)}"
+                f"{', rslora' if self.rslora else ''}")
+
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
