@@ -29,6 +29,9 @@ RUNS = {  # label: (our layout flags, loss, label smoothing)
     "1p ipo": ({}, "ipo", 0.0),
     "1p robust": ({}, "robust", 0.1),
     "1p ref-model": (dict(ref_model="REF"), "sigmoid", 0.0),  # another model as the reference (TRL's ref_model=)
+    # a PEFT adapter (B non-zero) continued at tp 2 × pp 2 against TRL on the PEFT model: the reference is the policy
+    # it starts from, base and adapter (TRL's frozen "ref" copy of the adapter), not the base alone
+    "tp2 pp2 lora": (dict(tp=2, pp=2, lora_from="ADAPTER"), "sigmoid", 0.0),
     "1p hinge": ({}, "hinge", 0.0),
     "1p sppo_hard": ({}, "sppo_hard", 0.0),
     "1p mix": (dict(dpo_loss_weights="0.8,0.2,1.0"), "sigmoid,bco_pair,sft", 0.0),  # MPO, TRL's loss_weights
@@ -53,7 +56,8 @@ def _dpo_run(model_dir, data, val_data, layout, loss, smoothing, out_dir):
     from trainer3d.train.setup import data_config, validate
     from trainer3d.train.trainer import Trainer
 
-    layout = {k: (f"{model_dir}-ref" if v == "REF" else v) for k, v in layout.items()}
+    layout = {k: {"REF": f"{model_dir}-ref", "ADAPTER": f"{model_dir}-adapter"}.get(v, v) if isinstance(v, str) else v
+              for k, v in layout.items()}
     n = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
     cfg = TrainConfig(init_from_hf=model_dir, objective="dpo", data_format="preference", data=data, seq_len=SEQ,
                       global_batch=32, micro_batches=2, precision="fp32", lr=LR, warmup_steps=0, min_lr=LR,
@@ -91,21 +95,23 @@ def test_dpo_equals_trl(tmp_path):
     val_rows = preference_rows(8, conversational=True, seed=1)  # --val-data: TRL's eval_dataset
     tiny_chat_model(model_dir)
     tiny_chat_model(f"{model_dir}-ref", seed=6)
+    lora_adapter(model_dir, f"{model_dir}-adapter")
     write_rows(tmp_path / "pairs.jsonl", rows)
     write_rows(tmp_path / "val.jsonl", val_rows)
     ours = run_world(4, _world, str(model_dir), str(tmp_path / "pairs.jsonl"), str(tmp_path / "val.jsonl"),
                      str(tmp_path / "runs"), timeout=900)[0]
     refs, evals = {}, {}
     for flags, loss, eps in RUNS.values():
-        key, keep = (loss, eps, "ref_model" in flags), {}
+        key, keep = _key(flags, loss, eps), {}
         refs[key] = trl_dpo_run(
             str(model_dir), rows, STEPS, LR, BETA, loss, eps, out_dir=str(tmp_path / loss), keep=keep,
             ref_model_dir=f"{model_dir}-ref" if "ref_model" in flags else None, eval_rows=val_rows,
+            adapter_dir=f"{model_dir}-adapter" if "lora_from" in flags else None,
             **({"loss_weights": [float(w) for w in flags["dpo_loss_weights"].split(",")]}
                if "dpo_loss_weights" in flags else {}))
         evals[key] = keep["evaluation"]
     for label, (flags, loss, eps) in RUNS.items():
-        ref, run = refs[(loss, eps, "ref_model" in flags)], ours[label]["steps"]
+        ref, run = refs[_key(flags, loss, eps)], ours[label]["steps"]
         print(f"\n{label}: TRL losses {[r['loss'] for r in ref]}, ours {[r['loss'] for r in run]}")
         for step, (r, o) in enumerate(zip(ref, run)):
             for key in ("loss", "grad_norm"):
@@ -116,9 +122,10 @@ def test_dpo_equals_trl(tmp_path):
                 assert abs(o[key] - r[key]) <= 1e-7, (label, step, key, o[key], r[key])
             if step or "ref_model" in flags:  # at step 1 every reward is 0 up to rounding but with --ref-model
                 assert o["rewards/accuracies"] == r["rewards/accuracies"], (label, step)
-        assert run[-1]["rewards/margins"] > 0.05  # it learns the preference
+        assert run[-1]["rewards/margins"] > (0.02 if "lora_from" in flags else 0.05)  # it learns the preference
+        # (the adapters, a few percent of the weights, learn it more slowly at the same lr)
         # --val-data after the steps: TRL's evaluate() of the same pairs (eval_ names, ours val_)
-        trl_eval, val = evals[(loss, eps, "ref_model" in flags)], ours[label]["val"]
+        trl_eval, val = evals[_key(flags, loss, eps)], ours[label]["val"]
         print(f"{label}: TRL eval_loss {trl_eval['eval_loss']:.6f}, ours val_loss {val['val_loss']:.6f}")
         for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
                     "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"):
@@ -127,8 +134,28 @@ def test_dpo_equals_trl(tmp_path):
         if "ref_model" not in flags and loss == "sigmoid":  # before any step the policy is the reference: ln 2
             assert abs(ours[label]["val_before"]["val_loss"] - 0.6931472) < 1e-6, ours[label]["val_before"]
         assert val["val_loss"] != ours[label]["val_before"]["val_loss"]
-    assert refs[("sigmoid", 0.0, False)][-1]["loss"] != refs[("robust", 0.1, False)][-1]["loss"]  # robust's ε acts
-    assert abs(refs[("sigmoid", 0.0, True)][0]["loss"] - 0.6931472) > 1e-3  # another reference: not ln 2 at step 1
+    assert refs[_key({}, "sigmoid", 0.0)][-1]["loss"] != refs[_key({}, "robust", 0.1)][-1]["loss"]  # robust's ε acts
+    assert abs(refs[_key({"ref_model": 1}, "sigmoid", 0.0)][0]["loss"] - 0.6931472) > 1e-3  # another reference
+
+
+def _key(flags: dict, loss: str, eps: float) -> tuple:
+    """Runs that TRL trains alike share its run."""
+    return loss, eps, "ref_model" in flags, "lora_from" in flags
+
+
+def lora_adapter(model_dir, out: str) -> None:
+    """A PEFT adapter (all-linear, r 4) over the model, B drawn N(0, 0.05) so that the policy starts off its base."""
+    import peft
+    import transformers
+
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(model_dir),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(out)
 
 
 @pytest.mark.parametrize("conversational", [True, False])

@@ -92,7 +92,7 @@ def _config(out_dir, n: int, steps: int, lr: float, beta: float, loss_type: str,
     return trl.DPOConfig(**kw)
 
 
-def _trainer(model_dir, rows, args, ref_model_dir=None, eval_rows=None):
+def _trainer(model_dir, rows, args, ref_model_dir=None, eval_rows=None, adapter_dir=None):
     import datasets
     import transformers
     import trl
@@ -102,7 +102,13 @@ def _trainer(model_dir, rows, args, ref_model_dir=None, eval_rows=None):
     transformers.utils.logging.disable_progress_bar()
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_model_dir)) if ref_model_dir else None
-    trainer = trl.DPOTrainer(model=str(model_dir), ref_model=ref, args=args,
+    model = str(model_dir)
+    if adapter_dir:  # a PEFT model: TRL's reference is its base with the adapter disabled
+        import peft
+
+        model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(model), adapter_dir,
+                                               is_trainable=True)
+    trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args,
                              train_dataset=datasets.Dataset.from_list(rows), processing_class=tok,
                              eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None)
     trainer.remove_callback(transformers.PrinterCallback)
@@ -112,7 +118,7 @@ def _trainer(model_dir, rows, args, ref_model_dir=None, eval_rows=None):
 def trl_dpo_run(model_dir: str, rows: list[dict], steps: int, lr: float, beta: float, loss_type: str = "sigmoid",
                 label_smoothing: float = 0.0, max_length: int | None = None, *, out_dir: str,
                 max_grad_norm: float = 1.0, seed: int = 0, keep: dict | None = None, ref_model_dir: str | None = None,
-                eval_rows: list[dict] | None = None, **overrides) -> list[dict]:
+                eval_rows: list[dict] | None = None, adapter_dir: str | None = None, **overrides) -> list[dict]:
     """Train the Hugging Face model in `model_dir` (its tokenizer there too) with trl.DPOTrainer on `rows`, all of
     them in each step's one batch, for `steps` steps; per step, TRL's log entry (loss, grad_norm before clipping,
     learning_rate, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
@@ -128,7 +134,7 @@ def trl_dpo_run(model_dir: str, rows: list[dict], steps: int, lr: float, beta: f
         overrides.setdefault("per_device_eval_batch_size", len(eval_rows))
     args = _config(out_dir, len(rows), steps, lr, beta, loss_type, label_smoothing, max_length, max_grad_norm,
                    seed, **overrides)
-    trainer = _trainer(model_dir, rows, args, ref_model_dir, eval_rows)
+    trainer = _trainer(model_dir, rows, args, ref_model_dir, eval_rows, adapter_dir)
     if keep is not None:
         before = keep.setdefault("policy_before", {})
 

@@ -18,7 +18,8 @@ rewards/rejected, rewards/margins and rewards/accuracies (the share of pairs wit
 = π_c and logps/rejected = π_r, means over pairs; logits/chosen and logits/rejected, the logits' mean over the vocabulary
 averaged over the completions' tokens.
 
-The reference log-probs are the initial weights' (TRL's ref_model=None), or --ref-model's (a Trainer of that model at
+The reference log-probs are the initial weights' (TRL's ref_model=None; of a LoRA run, the base with the adapters it
+starts from, as TRL's frozen "ref" copy of a PEFT model's adapter), or --ref-model's (a Trainer of that model at
 the same layout, built, used and dropped before the policy's), scored once before the first step (forward-only passes
 over every pair, with the rows' own documents, as training sees them under --document-mask / --reset-position-ids).
 They belong to the run's state: every checkpoint holds them (a run table, layout-free), so a --resume at any layout and
