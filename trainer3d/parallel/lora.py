@@ -135,6 +135,13 @@ def adapter_shapes(mcfg, spec: LoRASpec) -> dict[str, tuple[int, int]]:
     return out
 
 
+def trained_flops_per_token(mcfg, seq_len: int, spec: LoRASpec | None) -> float:
+    """The family's model FLOPs per token of a training step; under LoRA less the weight gradients of the frozen base
+    (a third of its matmuls' FLOPs), which nothing computes (the adapters' own are a few per cent of a percent)."""
+    frozen = mcfg.flops_per_token(1) / 3 if spec is not None else 0.0
+    return mcfg.flops_per_token(seq_len) - frozen
+
+
 def names(target: str, hf_module: str, path: str) -> bool:
     """Whether a --lora-targets entry names a linear's block: all-linear; PEFT's rule for Hugging Face module names
     (the name, or a suffix of it after a dot: q_proj, layers.0.self_attn.q_proj); or the leaf of the family's own

@@ -21,6 +21,7 @@ from trainer3d.distributed.collectives import all_gather_object
 from trainer3d.errors import ConfigError
 from trainer3d.parallel.batch import global_batch_of
 from trainer3d.parallel.expert_parallel import check_expert_parallel
+from trainer3d.parallel.lora import LoRASpec
 from trainer3d.parallel.pipeline import pipeline_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
@@ -164,7 +165,7 @@ def search(cfg: TrainConfig, mcfg, C: Cluster, zero: str, device: str):
         schedules=[cfg.schedule] if cfg.given("schedule") else SCHEDULES,
         zero_stages=zero_stages(cfg, zero), offload=zero in ("auto", "json"),
         recompute=not pooled and (not cfg.given("recompute") or cfg.recompute == "full"), fixed=fixed,
-        cp_sizes=cp_sizes, precision="fp32" if fp32 else None, fp8=cfg.fp8)
+        cp_sizes=cp_sizes, precision="fp32" if fp32 else None, fp8=cfg.fp8, lora=LoRASpec.of(cfg))
 
 
 def choose(cfg: TrainConfig, mcfg, m: Machine) -> tuple[Plan, Plan | None, dict]:

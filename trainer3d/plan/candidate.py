@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from trainer3d.parallel.lora import targets_by_linear
 from trainer3d.parallel.param_counts import embedding_on_last, local_params
 from trainer3d.parallel.pipeline import balance_layers, stage_ids, stages_per_rank
 from trainer3d.zero.config import auto_buckets
@@ -114,6 +115,7 @@ class Candidate:
     zero_bucket_elems: int | None = None  # DeepSpeed reduce_bucket_size; None: the "auto" value
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of the dp×cp line
     fp8: str | None = None  # --fp8's recipe: the eligible block linears' matmuls at twice the bf16 rate (parallel/fp8.py)
+    lora: object | None = None  # --lora-rank's LoRASpec: only its adapters take gradients and AdamW state
 
     @property
     def tokens(self) -> int:  # T: a rank's tokens of a micro-batch (its 1/cp share of every sequence)
@@ -187,6 +189,22 @@ def stage_params(cfg, tp: int, st: Stage, ep: int = 1) -> int:
 
 def rank_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
     return sum(stage_params(cfg, tp, s, ep) for s in stages)
+
+
+def trainable_params(cand, stages: list[Stage]) -> float:
+    """The parameters of a rank's stages that take gradients and AdamW state: every one, or under LoRA the adapters
+    alone (parallel/lora.py: a column-parallel target's A whole and B split by tp, a row-parallel one's A split)."""
+    if cand.lora is None:
+        return rank_params(cand.cfg, cand.tp, stages, cand.ep)
+    blocks = {b for s in stages for b in s.blocks}
+    total = 0
+    for prefix, t in targets_by_linear(cand.cfg, cand.lora).items():
+        if int(prefix.split(".")[1]) in blocks:
+            r, rows = cand.lora.rank, sum(p.rows for p in t.pairs if p is not None)
+            pairs = sum(p is not None for p in t.pairs)
+            total += (pairs * r * t.in_features + rows * r // cand.tp) if t.column else \
+                (r * t.in_features // cand.tp + rows * r)
+    return total
 
 
 def expert_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:

@@ -37,6 +37,7 @@ from trainer3d.errors import ArgumentParser, UsageError, report
 from trainer3d.fsio import write_text_atomic
 from trainer3d.models import MODEL_PRESETS, family_of
 from trainer3d.parallel.fp8 import RECIPES as FP8_RECIPES
+from trainer3d.parallel.lora import LoRASpec
 from trainer3d.plan.candidate import describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
 from trainer3d.plan.report import DS_CONFIG_PATH, format_plans, launch_command, plan_deepspeed_config, why
@@ -101,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fp8", nargs="?", const="rowwise", default=None, choices=FP8_RECIPES,
                    help="every plan with the trainer's --fp8 of this recipe (default rowwise): its eligible matmuls at "
                    "twice the bf16 peak, plus torchao's casts (Cluster.fp8_cast_s, times FP8_CAST_SHARE's recipe)")
+    s.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="every plan training LoRA adapters of rank R on all-linear over a frozen base (the trainer's "
+                        "--lora-rank): gradients and AdamW state for the adapters only, no weight gradient of the base")
     s.add_argument("--max-micro-batch-size", type=int, default=64)
     s.add_argument("--cp-sizes", type=int, nargs="+", default=None,
                    help="context-parallel sizes to consider (default: 1 and the powers of two that leave each rank at "
@@ -113,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print the plans as JSON")
     o.add_argument("--evaluate", default=None, metavar="LAYOUT",
                    help="also estimate one layout, e.g. tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1 "
-                        "(dp follows from the cluster; keys: tp pp cp ep schedule v mbs zero offload recompute sp fp8)")
+                        "(dp follows from the cluster; keys: tp pp cp ep schedule v mbs zero offload recompute sp fp8 "
+                        "lora, the last a LoRA rank as --lora-rank's)")
     return p
 
 
@@ -184,6 +189,7 @@ def main(argv=None) -> int:
         cfg, C, gb, args.seq_len, schedules=args.schedules, zero_stages=tuple(args.zero_stages),
         offload=not args.no_offload, recompute=not args.no_recompute, max_micro_batch_size=args.max_micro_batch_size,
         cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None, fp8=args.fp8,
+        lora=LoRASpec(args.lora_rank, 2.0 * args.lora_rank) if args.lora_rank else None,
     )
     kv = f" kv{cfg.n_kv_heads}" if hasattr(cfg, "n_kv_heads") else ""
     print(f"model: {name or 'custom'} ({cfg.family}) L{cfg.n_layer} d{cfg.n_embd} h{cfg.n_head}{kv} vocab {cfg.vocab_size} "

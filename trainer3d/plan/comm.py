@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from trainer3d.parallel.pipeline import last_stage_pp_rank
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
 from trainer3d.parallel.param_counts import embedding_on_last, local_params
-from trainer3d.plan.candidate import Candidate, expert_params, persistent_params, rank_params, tp_summed_pieces
+from trainer3d.plan.candidate import (
+    Candidate, expert_params, persistent_params, tp_summed_pieces, trainable_params,
+)
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -212,9 +214,9 @@ def data_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
     """Gradients reduced over dp × cp (DDP's all-reduce, ZeRO's reduce-scatter and all-gather); under ep the experts
     over their edp group instead (DDP: all-reduced after the backward, parallel/ddp.py; ZeRO: their own engine's
     partitions, zero/experts.py)."""
-    n_local = rank_params(cand.cfg, cand.tp, stages, cand.ep)
+    n_local = trainable_params(cand, stages)  # (under LoRA the adapters' only, the experts frozen)
     out: list[Transfer] = []
-    if cand.ep > 1:
+    if cand.ep > 1 and cand.lora is None:
         experts = expert_params(cand.cfg, cand.tp, stages, cand.ep)
         n_local -= experts
         out += _reduction(cand, "edp", cand.edp, experts, 0)

@@ -23,6 +23,7 @@ from trainer3d.parallel.tensor_parallel import padded_vocab_size
 from trainer3d.zero.config import auto_buckets
 from trainer3d.plan.candidate import (
     Candidate, Stage, block_params, expert_params, max_param_tensor, partition_params, persistent_params, rank_params,
+    trainable_params,
     tp_summed_params,
 )
 
@@ -174,6 +175,9 @@ def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> No
     K = 12 bytes per parameter (fp32 master + moments) even in fp32, and an fp32 gradient partition."""
     P, cfg, h, n = cand.prec, cand.cfg, cand.cfg.n_embd, e.n_params
     z, dp = cand.zero_stage, cand.dp_cp  # ZeRO partitions over dp × cp
+    if cand.lora is not None:  # LoRA: a frozen base (no gradient, no optimizer state) and its adapters
+        _lora_states(e, cand, stages)
+        return
     zero_bucket = cand.zero_bucket_elems
     if zero_bucket is None:
         zero_bucket = auto_buckets(h)["reduce_bucket_size"]
@@ -208,6 +212,23 @@ def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> No
         e.zero_buffers += min(zero_bucket, n) * P.grad  # DeepSpeed's reduce (ipg) bucket
 
 
+def _lora_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> None:
+    """A LoRA run's: the base as the engine holds it (DDP: whole, fp32 under autocast; ZeRO: in the compute dtype,
+    partitioned at stage 3), the adapters with gradients and AdamW state, partitioned as ZeRO partitions them."""
+    P, z, n, t = cand.prec, cand.zero_stage, e.n_params, trainable_params(cand, stages)
+    if z == 0:
+        e.params, e.grads, e.optimizer = (n + t) * P.param, t * P.grad, t * P.optim
+        e.ddp_buckets = t * P.grad if cand.dp_cp > 1 else 0.0
+        return
+    e.params = (partition_params(cand, stages) if z >= 3 else n) * P.param + t * P.param
+    e.grads, e.optimizer = t / cand.dp_cp * 4, t / cand.dp_cp * 12
+    if z >= 3:
+        e.zero_buffers += 2 * block_params(cand.cfg, cand.tp, ep=cand.ep) * P.param
+    if cand.offload_optimizer:
+        e.offloaded += e.optimizer + e.grads
+        e.optimizer = e.grads = 0.0
+
+
 def _pipeline_buffers(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> None:
     """torch's PipelineStage allocates one receive buffer per micro-batch, for the activation on every non-first
     stage and for its gradient on every non-last stage."""
@@ -235,7 +256,7 @@ def _step_peak(e: MemoryEstimate, cand: Candidate, pp_rank: int, stages: list[St
     later = m > k or (cand.pp == 1 and m > 1)
     # gradients held while later micro-batches run: DDP and ZeRO-1 accumulate the full gradient in p.grad;
     # ZeRO-2/3 reduce each bucket into the partition as soon as it is full
-    accum = n * P.grad if z <= 1 else 0.0
+    accum = trainable_params(cand, stages) * P.grad if z <= 1 else 0.0
     with_grads = accum + (k if later else max(k - 1, 0)) * per_mb
     without_grads = k * per_mb
     e.activations = k * per_mb

@@ -10,6 +10,7 @@ from trainer3d.models import MODEL_PRESETS
 from trainer3d.plan.candidate import describe, gib
 from trainer3d.plan.cluster import Cluster
 from trainer3d.plan.search import Plan
+from trainer3d.plan.step_time import flops_per_token
 from trainer3d.zero.config import auto_buckets
 
 DS_CONFIG_PATH = "plan_ds_config.json"  # what a ZeRO plan's command reads unless --write-ds-config names a path
@@ -88,7 +89,7 @@ def model_flops_utilization(p: Plan, C: Cluster) -> float:
     """Model FLOPs (the family's count: a mixture of experts' active ones; a recomputed forward not counted) over the
     cluster's peak for the step time."""
     c = p.candidate
-    return c.cfg.flops_per_token(c.seq_len) * c.global_batch * c.seq_len / (p.step_time * C.world * C.peak_tflops * 1e12)
+    return flops_per_token(c) * c.global_batch * c.seq_len / (p.step_time * C.world * C.peak_tflops * 1e12)
 
 
 def format_plans(shown: list[Plan], C: Cluster) -> str:

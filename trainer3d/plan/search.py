@@ -14,6 +14,7 @@ from trainer3d.errors import ConfigError, LayoutError
 from trainer3d.models import family_of
 from trainer3d.parallel.expert_parallel import check_expert_parallel
 from trainer3d.parallel.fp8 import RECIPES as FP8_RECIPES
+from trainer3d.parallel.lora import LoRASpec
 from trainer3d.parallel.pipeline import SCHEDULES, pipeline_problem
 from trainer3d.parallel.sequence_parallel import sequence_split_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
@@ -108,11 +109,12 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
                     zero_stages=(0, 1, 2, 3), offload: bool = True, recompute: bool = True,
                     max_micro_batch_size: int = 64, allow_tp_across_nodes: bool = False,
                     cp_sizes: tuple[int, ...] | None = None, fixed: dict[str, int] | None = None,
-                    precision: str | None = None, fp8: str | None = None) -> Search:
+                    precision: str | None = None, fp8: str | None = None, lora=None) -> Search:
     """Every feasible plan, fastest first; offload only where the plan does not fit without it. `cp_sizes`: the
     context-parallel sizes to try (default_cp_sizes); `fixed`: tp and/or pp held at a value (a launch's explicit
     flags, plan/auto.py); `precision`: one of candidate.PRECISIONS for every plan (default: bf16 autocast for DDP,
-    bf16 mixed precision under ZeRO, what a GPU run does); `fp8`: every plan with --fp8 of that recipe."""
+    bf16 mixed precision under ZeRO, what a GPU run does); `fp8`: every plan with --fp8 of that recipe; `lora`: every
+    plan training LoRA adapters of that LoRASpec over a frozen base."""
     refuse = Refusals()
     cfg = replace(model, n_positions=max(model.n_positions, seq_len))
     schedules = list(schedules or ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
@@ -124,7 +126,7 @@ def enumerate_plans(model, C: Cluster, global_batch: int, seq_len: int, *, sched
             for s, v, m, mbs in pipelines:
                 layout = dict(cfg=cfg, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, schedule=s, virtual_stages=v,
                               micro_batches=m, micro_batch_size=mbs, seq_len=seq_len)
-                plans += _fitting(layout, C, zero_stages, offload, recompute, refuse, precision, fp8)
+                plans += _fitting(layout, C, zero_stages, offload, recompute, refuse, precision, fp8, lora)
     plans.sort(key=lambda p: (p.step_time, p.memory))
     return Search(plans, refuse.counts, refuse.examples)
 
@@ -202,7 +204,7 @@ def _pipelines(cfg, pp: int, local_batch: int, schedules: list[str], max_micro_b
 
 
 def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bool, refuse,
-             precision: str | None = None, fp8: str | None = None) -> list[Plan]:
+             precision: str | None = None, fp8: str | None = None, lora=None) -> list[Plan]:
     """The plans of one layout that fit, over ZeRO stages, offload and recomputation; offload only where the plan
     does not fit without it."""
     plans = []
@@ -224,7 +226,7 @@ def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bo
                              offload_optimizer=off_o, offload_params=off_p, recompute=rc,
                              # the same tp bytes, activations /tp: on at tp > 1 where the model allows it
                              sequence_parallel=layout["tp"] > 1 and not without_sequence_parallel(layout["cfg"]),
-                             fp8=fp8)
+                             fp8=fp8, lora=lora)
             mem, host = memory_per_gpu(cand)
             if mem > C.usable_bytes:
                 refuse("does not fit in GPU memory", f"{describe(cand)}: {gib(mem):.1f} GiB")
@@ -260,7 +262,7 @@ def _fp8_recipe(value: str, text: str) -> str | None:
 def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) -> Candidate:
     """The candidate of an --evaluate string, e.g. `tp=8,pp=16,schedule=1f1b,mbs=1,zero=0,recompute=1` (`ep=8`: the
     experts over 8 of the dp×cp ranks)."""
-    keys = ("tp", "pp", "cp", "ep", "schedule", "v", "mbs", "zero", "offload", "recompute", "sp", "fp8")
+    keys = ("tp", "pp", "cp", "ep", "schedule", "v", "mbs", "zero", "offload", "recompute", "sp", "fp8", "lora")
     items = [item.split("=", 1) for item in text.replace(" ", "").split(",") if item]
     if any(len(kv) != 2 or kv[0] not in keys for kv in items):
         raise ConfigError(f"--evaluate takes key=value pairs from {', '.join(keys)} separated by commas "
@@ -293,6 +295,7 @@ def parse_layout(text: str, cfg, C: Cluster, global_batch: int, seq_len: int) ->
         offload_optimizer=off in ("opt", "all"), offload_params=off == "all", recompute=kv.get("recompute", "0") in ("1", "true"),
         sequence_parallel=tp > 1 and kv.get("sp", "1") in ("1", "true"),  # on with tp, as the search has it
         cp=cp, ep=ep, fp8=_fp8_recipe(kv.get("fp8", "0"), text),
+        lora=LoRASpec(int(kv["lora"]), 2.0 * int(kv["lora"])) if int(kv.get("lora", "0")) else None,
     )
 
 

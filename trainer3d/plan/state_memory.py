@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer3d.parallel.param_counts import embedding_on_last, local_params
-from trainer3d.plan.candidate import Candidate, expert_params, max_param_tensor, rank_params, replicated_params
+from trainer3d.plan.candidate import (
+    Candidate, expert_params, max_param_tensor, rank_params, replicated_params, trainable_params,
+)
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,16 @@ def state_memory(cand: Candidate, pp_rank: int) -> StateMemory:
     saved = n - (local_params(cand.cfg, cand.tp).head if tied_copy else 0) - replicated * (1 - 1 / cand.tp)
     experts = expert_params(cand.cfg, cand.tp, stages, ep) if ep > 1 else 0  # (replicated over tp: 1/tp of them left)
     share = (saved - experts / cand.tp) * 12 / cand.dp_cp + experts / cand.tp * 12 / cand.edp
+    if cand.lora is not None:  # a checkpoint holds the adapters and their moments; the base is read from its source
+        saved = trainable_params(cand, stages)
+        share = saved * 12 / cand.dp_cp
     if cand.zero_stage >= 3:  # partitions, plus one parameter's tp shard before it is partitioned
         built = n * cand.prec.param / cand.dp_cp + largest * 4
     else:
         built = n * 4
     # a resume reads the values that build the stage (ZeRO-3: dp rank 0, which broadcasts them), then DDP the Adam
     # moments of its tp shard, ZeRO its partition of master and moments
-    masters_and_moments = share if cand.zero_stage else n * 8
+    masters_and_moments = share if cand.zero_stage else saved * 8
     return StateMemory(
         startup_device=built,
         startup_host=largest * cand.tp * 4,

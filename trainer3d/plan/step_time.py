@@ -19,7 +19,8 @@ from functools import lru_cache
 from trainer3d.distributed.topology import Layout
 from trainer3d.parallel.fp8 import fp8_linears
 from trainer3d.parallel.pipeline import SCHEDULES, stage_cost, stage_ids
-from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params, rank_params
+from trainer3d.parallel.lora import trained_flops_per_token
+from trainer3d.plan.candidate import Candidate, balanced_ranges, n_stages, partition_params, trainable_params
 from trainer3d.plan.cluster import FP8_CAST_SHARE, Cluster
 from trainer3d.plan.comm import analytic_comm, ring_steps
 
@@ -71,10 +72,14 @@ def all_to_all_seconds(payload: float, stride: int, size: int, C: Cluster) -> fl
                payload * (size - in_node) / size / (C.inter_node_gbps * 1e9))
 
 
+def flops_per_token(cand: Candidate) -> float:
+    return trained_flops_per_token(cand.cfg, cand.seq_len, cand.lora)
+
+
 def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     """Seconds per optimizer step, by component."""
     tokens = cand.global_batch * cand.seq_len
-    model_flops = cand.cfg.flops_per_token(cand.seq_len) * tokens
+    model_flops = flops_per_token(cand) * tokens
     # full recomputation runs each block's forward again in the backward; under a split-backward schedule twice, once
     # for the input-gradient pass and once for the weight pass (measured: (1,1,2) zbv 2.4x its time without, 1F1B
     # 1.5x; docs/parallelism.md)
@@ -112,8 +117,8 @@ def step_times(cand: Candidate, C: Cluster) -> dict[str, float]:
     if cand.offload_optimizer:
         out["offload"] = shard / C.cpu_adam_params_per_s + shard * (4 + 2) / (C.pcie_gbps * 1e9)
     else:  # each rank steps what it holds under DDP, its partition (1/dp×cp) under ZeRO
-        held = shard if cand.zero_stage else max(rank_params(cand.cfg, cand.tp, cand.stages(r), cand.ep)
-                                                 for r in sorted({0, cand.pp - 1}))
+        trained = max(trainable_params(cand, cand.stages(r)) for r in sorted({0, cand.pp - 1}))  # (LoRA: adapters)
+        held = trained if not cand.zero_stage else shard if cand.lora is None else trained / cand.dp_cp
         out["optimizer"] = held / C.adam_params_per_s
     if cand.offload_params:
         out["offload"] = out.get("offload", 0.0) + cand.micro_batches * 2 * shard * 2 / (C.pcie_gbps * 1e9)

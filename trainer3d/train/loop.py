@@ -22,6 +22,7 @@ from trainer3d.distributed.collectives import agree_on_error
 from trainer3d.distributed.failure import Heartbeat, run_reported
 from trainer3d.distributed.topology import LaunchEnv, WorldGroup, default_device
 from trainer3d.plan.auto import agree_on_pick, choice_lines
+from trainer3d.parallel.lora import LoRASpec, trained_flops_per_token
 from trainer3d.plugins import load_plugins
 from trainer3d.errors import UsageError, first_line, report
 from trainer3d.rundir import clear_run
@@ -205,7 +206,8 @@ class Throughput:
 
     def __init__(self, trainer: Trainer, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
-        self.flops_per_device = trainer.mcfg.flops_per_token(trainer.cfg.seq_len) / trainer.topo.layout.world_size
+        self.flops_per_device = trained_flops_per_token(trainer.mcfg, trainer.cfg.seq_len, LoRASpec.of(trainer.cfg)) \
+            / trainer.topo.layout.world_size
         self.peak = device_peak_tflops(trainer.device, trainer.precision, trainer.cfg.peak_tflops)
 
     def of(self, step: int, seconds: float, batch=None, seen: int | None = None) -> dict:
