@@ -154,7 +154,11 @@ class DataParallelEngine:
 class EngineFactory:
     """Builds the data-parallel engine over a rank's stage modules (`build`), and materializes the stages'
     parameters the way that engine keeps them (`materialize`): whole, by default; ZeRO-3 partitions each parameter
-    as soon as it exists, so that no rank ever holds more than its partition plus one parameter."""
+    as soon as it exists, so that no rank ever holds more than its partition plus one parameter. `input_grads`: the
+    engine's backward hooks need a first block whose input takes a gradient even where no parameter before it does
+    (ZeRO-3's, under a frozen embedding: parallel/lora.freeze_base)."""
+
+    input_grads = False
 
     def __init__(self, build: Callable[[list[nn.Module]], DataParallelEngine]):
         self.build = build

@@ -226,21 +226,17 @@ def apply_lora(stage: CausalLM, spec: LoRASpec | None, group, size: int, rng: Sh
     return stage
 
 
-def freeze_base(stages: list[nn.Module]) -> None:
+def freeze_base(stages: list[nn.Module], input_grads: bool = False) -> None:
     """Only the adapters train: every other parameter stops taking gradients before the data-parallel engine is
-    built, so DDP and AdamW (ZeRO's too) hold no gradient, master copy or moment of the base."""
+    built, so DDP and AdamW (ZeRO's too) hold no gradient, master copy or moment of the base. `input_grads`: the
+    embedding's output takes a gradient (transformers' enable_input_require_grads, for the same reason): ZeRO-3's
+    backward hook around the first block fires only on an input that does. It costs the first block's input
+    gradient, which nothing else needs."""
     for s in stages:
         for name, p in s.named_parameters():
             p.requires_grad_(is_adapter(name))
-        if s.embedding is not None:
-            s.embedding.register_forward_hook(_output_requires_grad)
-
-
-def _output_requires_grad(module, args, output):
-    """The frozen embedding's output marked as taking a gradient (transformers' enable_input_require_grads, for the
-    same reason): the hooks that ZeRO-3 and torch's pipeline stage attach around the first block need an input with
-    a gradient to fire in the backward."""
-    return output.requires_grad_(True)
+        if input_grads and s.embedding is not None:
+            s.embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
 
 
 def initial_value(name: str, shape: tuple, seed: int) -> torch.Tensor:

@@ -130,7 +130,7 @@ def parallelize(
     if getattr(mcfg, "sparse", False) and cfg.dsa_stage == "warmup":  # DSA's warm-up trains the indexers only
         freeze_for_warmup(stages)
     if lora is not None:  # LoRA trains the adapters only
-        freeze_base(stages)
+        freeze_base(stages, engine_factory.input_grads)
 
     # 5. data parallel
     engine = engine_factory.build(stages)

@@ -334,6 +334,7 @@ class ZeroEngineFactory(EngineFactory):
     def __init__(self, spec: DeepSpeedSpec, topo, device: torch.device, verbose: bool = False):
         super().__init__(lambda stages: ZeroEngine(spec, stages, topo, device, verbose=verbose))
         self.spec, self.topo, self.device, self.verbose = spec, topo, device, verbose
+        self.input_grads = spec.zero_stage == 3  # its pre-backward hook fires on the block's input
 
     def materialize(self, module: nn.Module, device: torch.device, shard_value, coords: dict) -> None:
         if self.spec.zero_stage < 3:
