@@ -197,9 +197,42 @@ def _base_unchanged(hf_dir: str, layout: dict) -> dict:
             "B still zero": [name for name in before if name.endswith(".B") and not after[name].abs().max() > 0]}
 
 
-def _runs_then_bases(rank: int, world_size: int, runs: list[list[str]], hf_dir: str | None) -> dict:
+def _engine_stream(hf_dir: str, layout: dict, out_dir: str) -> dict:
+    """trainer3d.engine on a LoRA run, one step: named_weights() (merged) and named_weights(adapters=True), then its
+    checkpoint exported merged and as a PEFT directory (on rank 0): the largest difference of each stream from its
+    export."""
+    from safetensors.torch import load_file
+
+    from trainer3d.config import TrainConfig
+    from trainer3d.engine import Engine
+    from trainer3d.export import export, export_adapter
+
+    cfg = TrainConfig(init_from_hf=hf_dir, lora_rank=RANK, lora_targets="q_proj,v_proj,down_proj", seq_len=32,
+                      global_batch=4, precision="fp32", lr=1e-2, warmup_steps=0, max_steps=10, out_dir=out_dir,
+                      **layout)
+    engine = Engine(cfg, ranks=[0, 1])
+    tokens = torch.randint(0, 1000, (4, 33), generator=torch.Generator().manual_seed(2))
+    engine.forward_backward(tokens, lambda logprobs, f: -logprobs)
+    engine.step()
+    merged, adapters = dict(engine.named_weights()), dict(engine.named_weights(adapters=True))
+    saved = engine.save(out_dir)
+    engine.close()
+    if torch.distributed.get_rank() != 0:
+        return {}
+    export(saved, f"{out_dir}/merged", tokenizer="none")
+    export_adapter(saved, f"{out_dir}/adapter")
+    want_merged, want_adapters = load_file(f"{out_dir}/merged/model.safetensors"), \
+        load_file(f"{out_dir}/adapter/adapter_model.safetensors")
+    base = load_file(f"{hf_dir}/model.safetensors")
+    assert merged.keys() == want_merged.keys() and adapters.keys() == want_adapters.keys()
+    return {"merged": max((merged[k] - want_merged[k]).abs().max().item() for k in merged),
+            "adapters": max((adapters[k] - want_adapters[k]).abs().max().item() for k in adapters),
+            "moved": max((merged[k] - base[k]).abs().max().item() for k in merged if k in base)}
+
+
+def _runs_then_bases(rank: int, world_size: int, runs: list[list[str]], hf_dir: str | None, tmp: str) -> dict:
     """The entry point for each argv; then (`hf_dir`) _base_unchanged at tp 2 with sequence parallelism and at dp 2
-    under ZeRO-3."""
+    under ZeRO-3, and _engine_stream at tp 2 and at dp 2 under ZeRO-3."""
     from trainer3d.train.loop import main
 
     out = {"codes": [main(argv) for argv in runs]}
@@ -207,13 +240,16 @@ def _runs_then_bases(rank: int, world_size: int, runs: list[list[str]], hf_dir: 
         out["bases"] = {label: _base_unchanged(hf_dir, layout) for label, layout in (
             ("tp2 sp", dict(world=2, tp=2, sequence_parallel=True)),
             ("dp2 zero3", dict(world=2, deepspeed_config="ds_configs/zero3.json")))}
+        out["streams"] = {label: _engine_stream(hf_dir, layout, f"{tmp}/engine-{label}") for label, layout in (
+            ("tp2", dict(tp=2)), ("zero3", dict(deepspeed_config="ds_configs/zero3.json")))}
     return out
 
 
 def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
     """A LoRA run saved at step 2 by dp 2 and resumed by tp 2 continues the straight dp 2 run (its checkpoint holds
     the adapters only); a resume with other LoRA flags, or over a base whose files changed, is refused (exit 2); bad
-    flags are refused before any process group; the base stays bitwise as loaded."""
+    flags are refused before any process group; the base stays bitwise as loaded; trainer3d.engine streams the
+    merged weights, or the adapters alone, as the exports hold them."""
     monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "cache"))
     hf_dir, moved = tmp_path / "hf", tmp_path / "hf-moved"
     hf_llama(tie=True, seed=5).save_pretrained(hf_dir)
@@ -233,10 +269,10 @@ def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
     runs = [argv("straight"), argv("half", "--max-steps", "2"), argv("half", "--tp", "2", "--resume"),
             argv("half", "--tp", "2", "--resume", "--max-steps", "6", "--lora-rank", "8"),
             argv("moved", "--max-steps", "2", base=moved)]
-    first = run_world(2, _runs_then_bases, runs, None, timeout=600)[0]
+    first = run_world(2, _runs_then_bases, runs, None, str(tmp_path), timeout=600)[0]
     hf_llama(tie=True, seed=6).save_pretrained(moved)  # another model of the same shape in the base's place
     second = run_world(2, _runs_then_bases, [argv("moved", "--resume", "--max-steps", "4", base=moved)],
-                       str(hf_dir), timeout=600)[0]
+                       str(hf_dir), str(tmp_path), timeout=600)[0]
     assert first["codes"] == [0, 0, 0, 2, 0] and second["codes"] == [2], (first, second)
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "half")
     assert len(resumed["loss"]) == STEPS
@@ -249,6 +285,8 @@ def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
     assert meta["lora"]["base"]["path"] == str(hf_dir.resolve()) and meta["lora"]["targets"] == ["q_proj", "down_proj"]
     for label, got in second["bases"].items():
         assert got["base"] > 0 and not got["changed"] and not got["B still zero"], (label, got)
+    for label, got in second["streams"].items():  # the engine's weights: merged, or the adapters, as exported
+        assert got["merged"] < 1e-6 and got["adapters"] < 1e-6 and got["moved"] > 1e-4, (label, got)
 
     from trainer3d.train.loop import main
     refused = {"give their rank with --lora-rank": ["--lora-alpha", "4"],

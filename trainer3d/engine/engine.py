@@ -49,6 +49,7 @@ from trainer3d.engine.batch import (
 from trainer3d.engine.weights import WeightStream
 from trainer3d.errors import ConfigError, TrainingError
 from trainer3d.parallel.cross_entropy import vocab_parallel_entropy
+from trainer3d.parallel.lora import LoRASpec
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer
 
@@ -361,16 +362,20 @@ class Engine:
 
     # ---- weights and checkpoints -----------------------------------------------------------------------------
     def named_weights(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                      bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, torch.Tensor]]:
+                      bucket_bytes: int = 1 << 28, adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, whole tensor) for every weight of the model, on every rank, in `dtype` on `device`
         (the engine's own for a CUDA-IPC or NCCL hand-over; tables stay fp32), per-expert tensors under HF's
         per-expert names. Gathered in buckets of at most `bucket_bytes` (a larger tensor alone): each element moves
         once from its one writer to every rank (engine/weights.py), so a rank holds one bucket at a time. Collective:
-        every rank iterates to the end."""
+        every rank iterates to the end. A LoRA run's weights come merged with its adapters; with `adapters`, the
+        adapters alone under PEFT's names (an inference engine's LoRA hand-over: vLLM's LoRARequest)."""
         self._ready()
+        if adapters and LoRASpec.of(self.setup.cfg) is None:
+            raise ConfigError("named_weights(adapters=True) streams LoRA adapters, and this engine trains every "
+                              "weight (no --lora-rank).")
         if self._stream is None:
             self._stream = WeightStream(self.trainer, self.device)
-        yield from self._stream.stream(dtype, device, bucket_bytes)
+        yield from self._stream.stream(dtype, device, bucket_bytes, adapters)
 
     def save(self, out_dir: str) -> str:
         """A checkpoint of the model, optimizer and step under `out_dir`/checkpoints (what --resume and

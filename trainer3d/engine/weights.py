@@ -9,6 +9,9 @@ every rank places them into the units and yields their HF tensors. A rank receiv
 what it writes: (model bytes in dtype - its own pieces) in, no world-wide all-reduce of fp32 copies (the stream until
 2026-12-07), and it holds one bucket (or one unit, where a unit is larger) at a time. Which rank writes which piece is
 gathered once per engine (the plan).
+
+A LoRA run's adapters are units too, streamed first and kept: each targeted weight is yielded merged (W + s · B A, in
+fp32, then the caller's dtype), or with `adapters` only the adapters, under PEFT's names (checkpoint/peft.py).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import torch.distributed as dist
 
 from trainer3d.checkpoint.hf import hf_tables, hf_tensors
 from trainer3d.checkpoint.hf_save import by_size
+from trainer3d.checkpoint.lora_base import merged
+from trainer3d.checkpoint.peft import peft_tensors
 from trainer3d.checkpoint.save import parameter_pieces
 from trainer3d.distributed.collectives import all_reduce
 from trainer3d.models import canonical_shapes, canonical_tables, family_of
+from trainer3d.parallel.lora import LoRASpec, adapter_shapes
 from trainer3d.parallel.parallelize import named_full_params
 
 MAX_DIMS = 4  # a piece's box in a unit: up to this many dims (padded)
@@ -43,7 +49,10 @@ class WeightStream:
         self.trainer, self.device, mcfg = trainer, device, trainer.mcfg
         self.tables = hf_tables(mcfg)
         adapter = family_of(mcfg).hf
-        self.units: list[Unit] = []
+        self.lora = LoRASpec.of(trainer.cfg)
+        lora_units = adapter_shapes(mcfg, self.lora) if self.lora is not None else {}
+        self.units: list[Unit] = [Unit(name, None, shape) for name, shape in lora_units.items()]  # (first: kept)
+        self.n_adapters = len(self.units)
         for name, shape in canonical_shapes(mcfg).items():
             parts = adapter.parts(mcfg, name)
             experts = sorted({p.expert for p in parts}) if parts[0].expert is not None else [None]
@@ -85,16 +94,38 @@ class WeightStream:
         dist.all_gather(gathered, padded.to(self.device), group=group)
         return torch.cat([g.cpu()[:int(n)] for g, n in zip(gathered, counts)])
 
-    def buckets(self, dtype: torch.dtype, bucket_bytes: int) -> list[list[int]]:
-        """Consecutive units, each bucket at most `bucket_bytes` in `dtype` (a larger unit alone)."""
+    def buckets(self, dtype: torch.dtype, bucket_bytes: int, units: range) -> list[list[int]]:
+        """Consecutive `units`, each bucket at most `bucket_bytes` in `dtype` (a larger unit alone)."""
         nbytes = [torch.Size(u.shape).numel() * dtype.itemsize for u in self.units]
-        return by_size(list(range(len(self.units))), nbytes.__getitem__, bucket_bytes)
+        return by_size(list(units), nbytes.__getitem__, bucket_bytes)
 
-    def stream(self, dtype: torch.dtype, device, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-        t, topo = self.trainer, self.trainer.topo
-        adapter, mcfg = family_of(t.mcfg).hf, t.mcfg
+    def stream(self, dtype: torch.dtype, device, bucket_bytes: int,
+               adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights (`adapters`: a LoRA run's adapters alone, PEFT-named), bucket by bucket."""
+        mcfg = self.trainer.mcfg
         self.received = 0  # elements this rank received in the last stream (bench/engine_weights.py)
-        for bucket in self.buckets(dtype, bucket_bytes):
+        held = {}  # a LoRA run's adapters, whole, fp32
+        for i, tensor in self._units(range(self.n_adapters), torch.float32, bucket_bytes):
+            held[self.units[i].name] = tensor
+        if adapters:
+            yield from ((k, v.to(device, dtype)) for k, v in peft_tensors(mcfg, self.lora, held).items())
+            return
+        hf = family_of(mcfg).hf
+        for i, tensor in self._units(range(self.n_adapters, len(self.units)), dtype, bucket_bytes):
+            unit = self.units[i]
+            if held:
+                tensor = merged(mcfg, self.lora, unit.name, tensor.float(), held.__getitem__).to(dtype)
+            tensor = tensor.to(device)
+            yield from (hf.expert_to_hf(mcfg, unit.name, unit.expert, tensor) if unit.expert is not None
+                        else hf_tensors(mcfg, unit.name, tensor, self.tables)).items()
+        for name, shape in self.table_shapes.items():
+            yield from hf_tensors(mcfg, name, self._table(name, shape).to(device), self.tables).items()
+
+    def _units(self, units: range, dtype: torch.dtype, bucket_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(unit index, whole tensor in `dtype` on the engine's device) of `units`, every writer's pieces broadcast
+        bucket by bucket."""
+        topo = self.trainer.topo
+        for bucket in self.buckets(dtype, bucket_bytes, units):
             inside = set(bucket)
             full = {i: torch.empty(self.units[i].shape, dtype=dtype, device=self.device) for i in bucket}
             rows = self.plan[torch.isin(self.plan[:, 1], torch.tensor(bucket))]
@@ -115,12 +146,7 @@ class WeightStream:
                     full[int(b[1])][tuple(slice(o, o + s) for o, s in zip(start, size))] = piece.view(size)
                 del flat
             for i in bucket:
-                unit, tensor = self.units[i], full.pop(i).to(device)
-                out = (adapter.expert_to_hf(mcfg, unit.name, unit.expert, tensor) if unit.expert is not None
-                       else hf_tensors(mcfg, unit.name, tensor, self.tables))
-                yield from out.items()
-        for name, shape in self.table_shapes.items():
-            yield from hf_tensors(mcfg, name, self._table(name, shape).to(device), self.tables).items()
+                yield i, full.pop(i)
 
     def _table(self, name: str, shape) -> torch.Tensor:
         """A table (a router's selection bias) is replicated wherever its module is: broadcast from the lowest rank

@@ -126,7 +126,8 @@ def full_param(engine, p: nn.Parameter) -> torch.Tensor:
     """The full fp32 value of a parameter (this rank's tp shard), from ZeRO's master copy."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    value = safe_get_full_fp32_param(p) if _partitioned(engine) else p.data
+    frozen = not p.requires_grad  # (a LoRA base: no master copy; ZeRO-1/2 hold it whole, ZeRO-3 see partition_of)
+    value = safe_get_full_fp32_param(p) if _partitioned(engine) and not frozen else p.data
     return value.detach().float().reshape(_full_shape(engine, p))
 
 
@@ -154,6 +155,11 @@ def partition_of(engine, p: nn.Parameter, moments: bool) -> Partition | None:
     partitioned (stage 0 in fp32) or the optimizer lives on NVMe (the assembled path then reads it through
     DeepSpeed). `moments`: Adam has stepped (its state exists)."""
     kind = holding(engine.optimizer)
+    if not p.requires_grad:  # a frozen parameter (a LoRA base) has no master: ZeRO-3's partition of its data
+        if kind is not Holding.PARTITION:
+            return None
+        start, numel, _ = _partition(engine, p)
+        return Partition(start, tuple(p.ds_shape), {"param": p.ds_tensor.reshape(-1).narrow(0, 0, numel)})
     if kind is Holding.WHOLE or _swaps_optimizer(engine):
         return None
     if kind is Holding.PARTITION:
