@@ -230,6 +230,43 @@ def _engine_stream(hf_dir: str, layout: dict, out_dir: str) -> dict:
             "moved": max((merged[k] - base[k]).abs().max().item() for k in merged if k in base)}
 
 
+def _bf16_base(hf_dir: str, layout: dict) -> dict:
+    """Three bf16 LoRA steps under DDP and autocast with the frozen base's matmul weights held in bf16
+    (parallel/lora.hold_base_in) and with it patched out (fp32 copies): (loss, grad norm) of each, and the bytes of
+    this rank's parameters."""
+    from trainer3d.checkpoint.load import apply, prepare
+    from trainer3d.config import TrainConfig
+    from trainer3d.parallel import parallelize
+    from trainer3d.train.setup import validate
+    from trainer3d.train.trainer import Trainer
+
+    out = {}
+    for held in (True, False):
+        cfg = TrainConfig(init_from_hf=hf_dir, lora_rank=RANK, seq_len=32, global_batch=4, precision="bf16",
+                          max_steps=3, lr=1e-2, warmup_steps=0, val_fraction=0.0, eval_every=0, **layout)
+        setup = validate(cfg, 2)
+        topo = setup.topology([0, 1])
+        start = prepare(setup.cfg, setup.model_config(1000), topo)
+        cast = parallelize.hold_base_in
+        parallelize.hold_base_in = cast if held else (lambda stages, dtype: None)
+        try:
+            trainer = Trainer(setup, topo, torch.device("cpu"), setup.model_config(1000), shard_value=start.shard_value)
+        finally:
+            parallelize.hold_base_in = cast
+        apply(start, trainer)
+        gen = torch.Generator().manual_seed(topo.dp_rank)
+        steps = [trainer.train_step(torch.randint(0, 1000, (4 // setup.layout.dp, 33), generator=gen))
+                 for _ in range(3)]
+        stages = trainer.parallel_model.stages
+        embeddings = {id(st.embedding.weight) for st in stages if st.embedding is not None}
+        out[held] = {"steps": [(r["loss"], r["grad_norm"]) for r in steps],
+                     "bytes": sum(p.numel() * p.element_size() for st in stages for p in st.parameters()),
+                     "frozen matmul elements": sum(p.numel() for st in stages for p in st.parameters()
+                                                   if not p.requires_grad and p.dim() >= 2 and id(p) not in embeddings)}
+        topo.destroy()
+    return out
+
+
 def _runs_then_bases(rank: int, world_size: int, runs: list[list[str]], hf_dir: str | None, tmp: str) -> dict:
     """The entry point for each argv; then (`hf_dir`) _base_unchanged at tp 2 with sequence parallelism and at dp 2
     under ZeRO-3, and _engine_stream at tp 2 and at dp 2 under ZeRO-3."""
@@ -242,6 +279,7 @@ def _runs_then_bases(rank: int, world_size: int, runs: list[list[str]], hf_dir: 
             ("dp2 zero3", dict(world=2, deepspeed_config="ds_configs/zero3.json")))}
         out["streams"] = {label: _engine_stream(hf_dir, layout, f"{tmp}/engine-{label}") for label, layout in (
             ("tp2", dict(tp=2)), ("zero3", dict(deepspeed_config="ds_configs/zero3.json")))}
+        out["bf16"] = {label: _bf16_base(hf_dir, layout) for label, layout in (("dp2", {}), ("pp2", dict(pp=2)))}
     return out
 
 
@@ -249,7 +287,8 @@ def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
     """A LoRA run saved at step 2 by dp 2 and resumed by tp 2 continues the straight dp 2 run (its checkpoint holds
     the adapters only); a resume with other LoRA flags, or over a base whose files changed, is refused (exit 2); bad
     flags are refused before any process group; the base stays bitwise as loaded; trainer3d.engine streams the
-    merged weights, or the adapters alone, as the exports hold them."""
+    merged weights, or the adapters alone, as the exports hold them; a bf16 run under DDP holds the frozen base's
+    matmul weights in bf16 and computes bitwise what fp32 copies under autocast compute."""
     monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "cache"))
     hf_dir, moved = tmp_path / "hf", tmp_path / "hf-moved"
     hf_llama(tie=True, seed=5).save_pretrained(hf_dir)
@@ -285,6 +324,9 @@ def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
     assert meta["lora"]["base"]["path"] == str(hf_dir.resolve()) and meta["lora"]["targets"] == ["q_proj", "down_proj"]
     for label, got in second["bases"].items():
         assert got["base"] > 0 and not got["changed"] and not got["B still zero"], (label, got)
+    for label, got in second["bf16"].items():  # the same steps, bitwise, on fewer bytes (pp2: the tied head's copy)
+        saved = got[False]["bytes"] - got[True]["bytes"]
+        assert got[True]["steps"] == got[False]["steps"] and saved == 2 * got[False]["frozen matmul elements"] > 0, got
     for label, got in second["streams"].items():  # the engine's weights: merged, or the adapters, as exported
         assert got["merged"] < 1e-6 and got["adapters"] < 1e-6 and got["moved"] > 1e-4, (label, got)
 

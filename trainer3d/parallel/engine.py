@@ -191,15 +191,15 @@ def unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
 def tied_copies(stage_modules: list[nn.Module]) -> list[nn.Parameter]:
     """This rank's copies of an embedding the last stage uses too (CausalLM.shares_embedding): the first stage's
     embedding, the last stage's tied head weight and its own copy for multi-token prediction (the same Parameter
-    where one module holds both ends); none when the last stage uses no embedding. `stage_modules`: plain
-    (unwrapped) stage modules (models.CausalLM)."""
+    where one module holds both ends); none when the last stage uses no embedding, or it is frozen (a LoRA base:
+    no gradient to share, on every stage alike). `stage_modules`: plain (unwrapped) stage modules (models.CausalLM)."""
     out: list[nn.Parameter] = []
     for m in stage_modules:
-        if not m.shares_embedding():
+        if not m.shares_embedding() or not any(p.requires_grad for p in _embedding_ends(m)):
             continue
-        for part in (m.embedding, m.head if m.cfg.tie_embeddings else None, m.embedding_copy):
-            if part is not None and not any(part.weight is p for p in out):
-                out.append(part.weight)
+        for w in _embedding_ends(m):
+            if not any(w is p for p in out):
+                out.append(w)
     return out
 
 
@@ -211,6 +211,11 @@ def is_tied_duplicate(module: nn.Module, param: nn.Parameter) -> bool:
         return True
     return (module.cfg.tie_embeddings and module.head is not None and module.embedding is None
             and param is module.head.weight)
+
+
+def _embedding_ends(m: nn.Module) -> list[nn.Parameter]:
+    return [part.weight for part in (m.embedding, m.head if m.cfg.tie_embeddings else None, m.embedding_copy)
+            if part is not None]
 
 
 def counts_in_norm(module: nn.Module, param: nn.Parameter, tp_rank: int) -> bool:

@@ -27,13 +27,15 @@ import torch.nn.functional as F
 from trainer3d.errors import ConfigError
 from trainer3d.models import build_model, family_of
 from trainer3d.models.interface import CausalLM, ColumnParallel, find_module
+from trainer3d.models.moe import Experts
 from trainer3d.models.seeding import name_seeded_uniform
 from trainer3d.parallel.sequence_parallel import ShardedDropout
 from trainer3d.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, ShardedDropoutRNG, TPEntry, TPSpec, to_compute_dtype,
+    ColumnParallelLinear, RowParallelLinear, ShardedDropoutRNG, TPEntry, TPSpec, VocabParallelHead, to_compute_dtype,
 )
 
 ALL_LINEAR = "all-linear"
+WEIGHTED = (ColumnParallelLinear, RowParallelLinear, VocabParallelHead, Experts)  # the matmuls hold_base_in casts
 MARK = ".lora."  # in every adapter parameter's name, and in no base parameter's
 
 
@@ -237,6 +239,20 @@ def freeze_base(stages: list[nn.Module], input_grads: bool = False) -> None:
             p.requires_grad_(is_adapter(name))
         if input_grads and s.embedding is not None:
             s.embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+
+
+def hold_base_in(stages: list[nn.Module], dtype: torch.dtype) -> None:
+    """A frozen base's matmul weights held in the compute dtype (a bf16 run under DDP and autocast): autocast casts an
+    fp32 weight to it at every matmul anyway, so the values computed are the same, and the fp32 copy that only the
+    optimizer needed goes (half the base's bytes). Norms, biases and the embedding stay as they are (the residual
+    stream keeps its dtype)."""
+    tied = {id(s.embedding.weight) for s in stages if s.embedding is not None}
+    for s in stages:
+        for m in s.modules():
+            for name in ("weight", "gate_up_proj", "down_proj"):
+                p = m._parameters.get(name) if isinstance(m, WEIGHTED) else None
+                if p is not None and not p.requires_grad and p.dim() >= 2 and id(p) not in tied:
+                    p.data = p.data.to(dtype)
 
 
 def initial_value(name: str, shape: tuple, seed: int) -> torch.Tensor:

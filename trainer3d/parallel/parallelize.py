@@ -33,7 +33,7 @@ from trainer3d.parallel.dsa import freeze_for_warmup
 from trainer3d.parallel.engine import DataParallelEngine, EngineFactory, is_tied_duplicate
 from trainer3d.parallel.expert_parallel import apply_expert_parallel
 from trainer3d.parallel.fp8 import apply_fp8
-from trainer3d.parallel.lora import LoRASpec, apply_lora, freeze_base, initial_value, is_adapter
+from trainer3d.parallel.lora import LoRASpec, apply_lora, freeze_base, hold_base_in, initial_value, is_adapter
 from trainer3d.parallel.recompute import apply_recompute
 from trainer3d.parallel.sequence_parallel import apply_sequence_parallel
 from trainer3d.parallel.shards import from_full, gather_full
@@ -134,6 +134,8 @@ def parallelize(
 
     # 5. data parallel
     engine = engine_factory.build(stages)
+    if lora is not None and compute_dtype != torch.float32 and not engine.casts_module:
+        hold_base_in(stages, compute_dtype)  # (DDP under autocast: the frozen matmul weights without an fp32 copy)
 
     # 6. the schedule over the engine's stage modules; stage boundaries in the compute dtype (under autocast the
     # residual stream is fp32 inside a stage and is cast for the wire)
