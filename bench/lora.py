@@ -6,16 +6,17 @@ chat tokenizer and ChatML template (tests/chat_data, tests/test_sft_trl.CHATML),
 each step's batch, unpacked (one conversation a row), constant lr, AdamW, clip 1.0. LoRA: rank 16, α 32, all-linear.
 Sides, each a process (or a torchrun world) of its own, one after the other:
   - trainer3d full SFT and trainer3d LoRA SFT, at 1 process and at dp 2 under ZeRO-3 (ds_configs/zero3.json);
-  - TRL's SFTTrainer with peft_config (LoRA, the same rank, α and targets) at 1 process.
+  - TRL's SFTTrainer with peft_config (LoRA, the same rank, α and targets), and without, at 1 process.
 Memory: every process of a side is read every 20 ms from here (/proc/<pid>/status VmHWM, the kernel's high-water mark,
-so no peak between two reads is missed); a torchrun world's ranks are its python children running launch/train.py.
+so no peak between two reads is missed); a torchrun world's ranks are its children (a rank's own forks, which share its
+pages, are not counted).
 The planner's figure (plan/memory.estimate_memory, fp32, the side's layout) is its model states (parameters, gradients,
 AdamW state) and its peak, which adds activations; the bench compares the drop from full to LoRA, measured and
 planned, since a process's own footprint (torch, the interpreter: ~0.4 GiB) is in neither of the planner's figures.
 Speed: median step time of the steps after the first `--skip`; tokens/s counts the set's real tokens.
 Then the planner alone for Llama 3.1 8B and 70B on 8 and 16 H100s: GiB per GPU, full against LoRA.
 
-    python bench/lora.py                  # the bench/lora.md tables (~4 min)
+    python bench/lora.py                  # the bench/lora.md tables (~5 min)
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ SIZE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_at
 
 
 def run_measured(cmd: list[str], log: Path) -> dict:
-    """Run `cmd`; its wall time and the VmHWM of every process of its tree that runs launch/train.py or this file's
-    child (torchrun's ranks), read from here every 20 ms."""
+    """Run `cmd`; its wall time and the VmHWM of each rank (the process itself, or torchrun's children; not a rank's
+    own forks, which share its pages), read from here every 20 ms."""
     import psutil
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TRAINER3D_"))}
@@ -52,10 +53,10 @@ def run_measured(cmd: list[str], log: Path) -> dict:
         root = psutil.Process(proc.pid)
         while proc.poll() is None:
             try:
-                for p in [root, *root.children(recursive=True)]:
-                    if any(a.endswith(("launch/train.py", "lora.py")) for a in p.cmdline()[:3]):
+                ranks = root.children() if "torch.distributed.run" in cmd else [root]
+                for p in ranks:
                         with open(f"/proc/{p.pid}/status") as f:
-                            hwm = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM"))
+                            hwm = next((int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM")), 0)
                         peaks[p.pid] = max(peaks.get(p.pid, 0), hwm)
             except (OSError, psutil.Error):
                 pass
@@ -81,15 +82,15 @@ def trainer3d_side(work: Path, name: str, seq: int, steps: int, lora: bool, zero
     return {**measured, "step_s": [r["step_time_s"] for r in rows], "loss": [r["loss"] for r in rows]}
 
 
-def trl_side(work: Path, seq: int, steps: int) -> dict:
-    out = work / "trl.json"
-    measured = run_measured([sys.executable, os.path.abspath(__file__), "--child", str(work), str(seq), str(steps)],
-                            work / "trl.log")
+def trl_side(work: Path, seq: int, steps: int, lora: bool) -> dict:
+    out = work / f"trl-{int(lora)}.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(work), str(seq), str(steps), str(int(lora))]
+    measured = run_measured(cmd, work / f"trl-{int(lora)}.log")
     return {**measured, **json.loads(out.read_text())}
 
 
-def trl_child(work: Path, seq: int, steps: int) -> None:
-    """TRL's SFTTrainer with peft_config: test_sft_trl's settings, LoRA of the bench's rank, α and targets."""
+def trl_child(work: Path, seq: int, steps: int, lora: bool) -> None:
+    """TRL's SFTTrainer (with `lora`, and peft_config: the bench's rank, α and targets), test_sft_trl's settings."""
     import datasets
     import peft
     import torch
@@ -117,10 +118,11 @@ def trl_child(work: Path, seq: int, steps: int) -> None:
 
     trainer = trl.SFTTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(work / "hf"), args=args,
                              train_dataset=data, processing_class=tok, callbacks=[Timer()],
-                             peft_config=peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear"))
+                             peft_config=peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear")
+                             if lora else None)
     trainer.train()
     loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    (work / "trl.json").write_text(json.dumps({"step_s": [b - a for a, b in zip(ends, ends[1:])], "loss": loss}))
+    (work / f"trl-{int(lora)}.json").write_text(json.dumps({"step_s": [b - a for a, b in zip(ends, ends[1:])], "loss": loss}))
 
 
 def planned(cfg, dp: int, zero: int, lora: bool) -> tuple[float, float]:
@@ -161,7 +163,7 @@ def planner_rows() -> list[list]:
 
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
-        trl_child(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        trl_child(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), bool(int(sys.argv[5])))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
@@ -189,12 +191,14 @@ def main(argv=None) -> int:
 
     sides = {"trainer3d full, 1 process": lambda: trainer3d_side(work, "full", seq, args.steps, False, False),
              "trainer3d LoRA, 1 process": lambda: trainer3d_side(work, "lora", seq, args.steps, True, False),
-             "TRL + PEFT LoRA, 1 process": lambda: trl_side(work, seq, args.steps),
+             "TRL + PEFT LoRA, 1 process": lambda: trl_side(work, seq, args.steps, True),
+             "TRL full, 1 process": lambda: trl_side(work, seq, args.steps, False),
              "trainer3d full, dp2 ZeRO-3": lambda: trainer3d_side(work, "full-z3", seq, args.steps, False, True),
              "trainer3d LoRA, dp2 ZeRO-3": lambda: trainer3d_side(work, "lora-z3", seq, args.steps, True, True)}
     results = {name: run() for name, run in sides.items()}
     layout = {"trainer3d full, 1 process": (1, 0, False), "trainer3d LoRA, 1 process": (1, 0, True),
-              "TRL + PEFT LoRA, 1 process": (1, 0, True), "trainer3d full, dp2 ZeRO-3": (2, 3, False),
+              "TRL + PEFT LoRA, 1 process": (1, 0, True), "TRL full, 1 process": (1, 0, False),
+              "trainer3d full, dp2 ZeRO-3": (2, 3, False),
               "trainer3d LoRA, dp2 ZeRO-3": (2, 3, True)}
     gib = 2**30
     rows = []
@@ -216,8 +220,12 @@ def main(argv=None) -> int:
                       f"{med[full] / med[lora]:.2f}"])
     print(table(drops, ["full -> LoRA", "peak drop measured GiB", "planner's peak drop GiB", "measured / planned",
                         "LoRA speed-up (full step / LoRA step)"]))
-    print(f"trainer3d LoRA / TRL + PEFT, 1 process: step time {med['trainer3d LoRA, 1 process'] / med['TRL + PEFT LoRA, 1 process']:.2f}, "
-          f"peak RSS {max(results['trainer3d LoRA, 1 process']['peaks']) / max(results['TRL + PEFT LoRA, 1 process']['peaks']):.2f}")
+    peak = {n: max(r["peaks"]) for n, r in results.items()}
+    print(table([[kind, f"{med[f'trainer3d {kind}, 1 process'] / med[f'{trl} {kind}, 1 process']:.2f}",
+                  f"{peak[f'trainer3d {kind}, 1 process'] / peak[f'{trl} {kind}, 1 process']:.2f}",
+                  f"{(peak[f'trainer3d {kind}, 1 process'] - peak[f'{trl} {kind}, 1 process']) / gib:.2f}"]
+                 for kind, trl in (("full", "TRL"), ("LoRA", "TRL + PEFT"))],
+                ["1 process", "trainer3d / TRL step time", "trainer3d / TRL peak RSS", "peak RSS difference GiB"]))
     print(table(planner_rows(), ["model", "layout (seq 4096, mbs 1, recompute)", "adapters a GPU",
                                  "full: model states GiB/GPU", "LoRA: model states", "full: peak GiB/GPU",
                                  "LoRA: peak", "LoRA / full peak"]))

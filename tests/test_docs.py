@@ -61,12 +61,13 @@ def _sets(module: str, attr: str) -> bool:
 
 
 def _in_libraries(name: str) -> bool:
-    """A name in torch's, DeepSpeed's or transformers' Python sources, which the documents may cite."""
+    """A name in torch's, DeepSpeed's, transformers' or PEFT's Python sources, which the documents may cite."""
     import deepspeed
+    import peft
     import torch
     import transformers
 
-    dirs = [str(Path(m.__file__).parent) for m in (torch, deepspeed, transformers)]
+    dirs = [str(Path(m.__file__).parent) for m in (torch, deepspeed, transformers, peft)]
     return subprocess.run(["grep", "-rqsF", "--include=*.py", name, *dirs]).returncode == 0
 
 
