@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from distributed import launch_env, run_world
+from test_lora import adapter
 from trl_dpo_reference import preference_rows, tiny_chat_model, trl_dpo_run, trl_dpo_tokenized
 from trainer3d.config import TrainConfig
 
@@ -95,7 +96,7 @@ def test_dpo_equals_trl(tmp_path):
     val_rows = preference_rows(8, conversational=True, seed=1)  # --val-data: TRL's eval_dataset
     tiny_chat_model(model_dir)
     tiny_chat_model(f"{model_dir}-ref", seed=6)
-    lora_adapter(model_dir, f"{model_dir}-adapter")
+    adapter(model_dir, "all-linear", f"{model_dir}-adapter", std=0.05, seed=7, rank=4, alpha=8.0)
     write_rows(tmp_path / "pairs.jsonl", rows)
     write_rows(tmp_path / "val.jsonl", val_rows)
     ours = run_world(4, _world, str(model_dir), str(tmp_path / "pairs.jsonl"), str(tmp_path / "val.jsonl"),
@@ -143,19 +144,6 @@ def _key(flags: dict, loss: str, eps: float) -> tuple:
     return loss, eps, "ref_model" in flags, "lora_from" in flags
 
 
-def lora_adapter(model_dir, out: str) -> None:
-    """A PEFT adapter (all-linear, r 4) over the model, B drawn N(0, 0.05) so that the policy starts off its base."""
-    import peft
-    import transformers
-
-    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(model_dir),
-                                peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    model.save_pretrained(out)
 
 
 @pytest.mark.parametrize("conversational", [True, False])

@@ -33,15 +33,16 @@ LAYOUTS = {"1 process": (1, []),
            "tp2 dp2 zero3": (4, ["--tp", "2", "--deepspeed_config", "ds_configs/zero3.json"])}
 
 
-def adapter(hf_dir: Path, targets, out: Path) -> Path:
-    """A PEFT adapter over the model in `hf_dir`: PEFT's A, and B drawn N(0, 0.02) instead of zeros."""
+def adapter(hf_dir, targets, out, std: float = 0.02, seed: int = 3, rank: int = RANK, alpha: float = ALPHA):
+    """A PEFT adapter over the model in `hf_dir`: PEFT's A, and B drawn N(0, std) instead of zeros (so that every
+    factor has a gradient at step 1 and the policy starts off its base)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets))
-    gen = torch.Generator().manual_seed(3)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in pm.named_parameters():
             if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
     pm.save_pretrained(out)
     return out
 
