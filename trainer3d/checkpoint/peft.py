@@ -30,7 +30,9 @@ def read_spec(path: str | os.PathLike) -> LoRASpec:
         raise CheckpointError(f"--lora-from {path}: {file} cannot be read ({first_line(e)}).") from None
     if raw.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"--lora-from {path} holds a {raw['peft_type']} adapter; only LoRA is read.")
-    unsupported = [k for k in ("use_dora", "target_parameters", "rank_pattern", "alpha_pattern") if raw.get(k)]
+    unsupported = [k for k in ("use_dora", "target_parameters", "rank_pattern", "alpha_pattern", "exclude_modules",
+                               "layers_to_transform", "layers_pattern", "modules_to_save", "lora_bias") if raw.get(k)]
+    unsupported += ["bias"] if raw.get("bias", "none") != "none" else []
     if unsupported:
         raise CheckpointError(f"--lora-from {path} sets {', '.join(unsupported)}, which trainer3d's LoRA does not build.")
     targets = raw.get("target_modules") or []
