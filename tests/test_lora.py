@@ -1,7 +1,7 @@
 """LoRA (issue 73) equals PEFT under TRL step by step: a random Hugging Face Llama and a PEFT adapter over it (B drawn
 non-zero, so that every factor has a gradient from step 1), continued by trl.SFTTrainer on the PEFT model and by
 trainer3d's entry point with --init-from-hf and --lora-from, at one process, tp 2 with sequence parallelism × pp 2,
-and tp 2 × dp 2 under ZeRO-3: fp32, the whole conversation set in one batch a step, constant lr (1e-2), AdamW with TRL's
+tp 2 × dp 2 under ZeRO-3 and pp 2 × dp 2 under ZeRO-1: fp32, the whole conversation set in one batch a step, constant lr (1e-2), AdamW with TRL's
 defaults, clipping at 1.0. Per step: the same loss and gradient norm (the adapters', before clipping) within
 tests/parity.py's tolerances. Two target sets: all-linear, and q_proj,v_proj (two of the three blocks of our fused
 q|k|v, none of the MLP). Then the run's own export: the adapter directory loads in PeftModel.from_pretrained, its
@@ -30,7 +30,8 @@ LORA_LR = 1e-2  # (adapters learn at a higher rate than full fine-tuning; 4 step
 TARGETS = {"all-linear": "all-linear", "q,v": ["q_proj", "v_proj"]}
 LAYOUTS = {"1 process": (1, []),
            "tp2 sp pp2": (4, ["--tp", "2", "--sequence-parallel", "--pp", "2"]),
-           "tp2 dp2 zero3": (4, ["--tp", "2", "--deepspeed_config", "ds_configs/zero3.json"])}
+           "tp2 dp2 zero3": (4, ["--tp", "2", "--deepspeed_config", "ds_configs/zero3.json"]),
+           "pp2 dp2 zero1": (4, ["--pp", "2", "--deepspeed_config", "ds_configs/zero1.json"])}
 
 
 def adapter(hf_dir, targets, out, std: float = 0.02, seed: int = 3, rank: int = RANK, alpha: float = ALPHA):
@@ -47,7 +48,7 @@ def adapter(hf_dir, targets, out, std: float = 0.02, seed: int = 3, rank: int = 
     return out
 
 
-def trl_peft_run(hf_dir: Path, adapter_dir: Path, template: Path, seq: int, out: Path) -> dict:
+def trl_peft_run(hf_dir: Path, adapter_dir: Path, template: Path, seq: int, out: Path, lr: float = LORA_LR) -> dict:
     """TRL's SFTTrainer on the PEFT model (the adapter trainable, the base frozen), test_sft_trl's settings."""
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), adapter_dir,
@@ -55,7 +56,7 @@ def trl_peft_run(hf_dir: Path, adapter_dir: Path, template: Path, seq: int, out:
     args = trl.SFTConfig(
         output_dir=str(out), assistant_only_loss=True, packing=False, chat_template_path=str(template),
         max_length=seq + 1, per_device_train_batch_size=N, gradient_accumulation_steps=1, max_steps=STEPS,
-        learning_rate=LORA_LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, bf16=False, fp16=False, logging_steps=1,
         report_to="none", save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True)
     data = datasets.Dataset.from_list([{"messages": m} for m in conversations(N, seed=6)])
@@ -341,3 +342,71 @@ def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
         assert main(["--model", "llama-tiny", "--max-steps", "1", *flags, "--out-dir", str(tmp_path / "x")]) == 2
         assert sentence in capsys.readouterr().err, sentence
     assert not (tmp_path / "x").exists()
+
+
+EXPERT_LAYOUTS = {"1 process": (1, []), "dp2 ep2": (2, ["--ep", "2"]), "tp2": (2, ["--tp", "2"]),
+                  "dp2 ep2 zero2": (2, ["--ep", "2", "--deepspeed_config", "ds_configs/zero2.json"])}
+
+
+def test_lora_experts_equal_peft(tmp_path, monkeypatch, capsys):
+    """A random Qwen3-MoE (block 0 dense, the others 8 experts, top 2) with a PEFT adapter on attention's linears
+    and on the experts' stacked weights (target_parameters gate_up_proj, down_proj: a pair per expert),
+    B drawn non-zero, continued by TRL's SFTTrainer on the PEFT model and by trainer3d --lora-from at 1 process,
+    dp 2 × ep 2 (the experts' pairs split with them), tp 2 (tokens split over tp) and dp 2 × ep 2 under ZeRO-2 (the
+    experts' own engine): per step the same loss and
+    gradient norm; each run's --adapter export loads in PeftModel.from_pretrained and equals TRL's trained adapter,
+    its expert tensors in PEFT's nested keys and interleaved layout."""
+    from test_llama_hf import MOE_LR, hf_moe
+    from trainer3d.checkpoint.peft import EXPERT_PARAMETERS
+    from trainer3d.export import main as export
+
+    monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "cache"))
+    hf_dir = tmp_path / "hf"
+    moe = hf_moe("qwen3", seed=3)
+    moe.config.router_aux_loss_coef = 0.0  # (TRL's SFTTrainer adds transformers' balance loss where it is set)
+    moe.save_pretrained(hf_dir)
+    chat_tokenizer(hf_dir)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations(N, seed=6)))
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    convs = rendered(transformers.AutoTokenizer.from_pretrained(hf_dir), CHATML)
+    seq, batch = shapes([n for n, _ in convs], False)
+    seq += seq % 2
+    # attention's linears (PEFT 0.21 turns MLP names or all-linear on a MoE into more target_parameters, the router's
+    # weight and gate_up at twice the rank by a rank_pattern, which --lora-from refuses with one sentence)
+    linears = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=linears, target_parameters=EXPERT_PARAMETERS))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    model.save_pretrained(tmp_path / "adapter")
+    runs = {layout: t3d_argv(hf_dir, data, template, seq, batch, False,
+                             [*flags, "--lr", str(MOE_LR), "--min-lr", str(MOE_LR), "--lora-from",
+                              str(tmp_path / "adapter")], tmp_path / layout.replace(" ", "_"))
+            for layout, (_, flags) in EXPERT_LAYOUTS.items()}
+    codes = {layout: run_world(EXPERT_LAYOUTS[layout][0], _trainer3d, [argv], timeout=600)[0][0]
+             for layout, argv in runs.items()}
+    ref = trl_peft_run(hf_dir, tmp_path / "adapter", template, seq, tmp_path / "trl", lr=MOE_LR)
+    lines, failures = [], []
+    for layout, argv in runs.items():
+        if codes[layout] != 0:
+            failures.append(f"{layout}: trainer3d exited {codes[layout]}")
+            continue
+        more, failed = compare(f"LoRA with experts {layout}", ref, metrics(Path(argv[-1])), ref["supervised"])
+        lines, failures = lines + more, failures + failed
+        out = tmp_path / f"export-{layout}".replace(" ", "_")
+        assert export([argv[-1], str(out), "--adapter"]) == 0
+        loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), out)
+        got = peft.get_peft_model_state_dict(loaded)
+        assert got.keys() == ref["adapter"].keys() and any("experts" in k for k in got)
+        gap = max((got[k] - ref["adapter"][k]).abs().max().item() for k in got)
+        lines.append(f"{layout}: the exported adapter against TRL's trained one, max |difference| {gap:.1e}")
+        failures += [f"{layout}: adapter {gap:.1e}"] if gap > 1e-5 else []
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert ref["loss"][-1] < ref["loss"][0], ref["loss"]
+    assert not failures, "\n".join(failures)

@@ -724,24 +724,30 @@ def test_fp8_step_ratio_against_the_gpu_round():
     assert fp8_times["compute"] + fp8_times["fp8 casts"] < 0.85 * bf16_times["compute"], (fp8_times, bf16_times)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_lora_counts_the_adapters_the_trainer_builds(tp):
+@pytest.mark.parametrize("tp, model, targets", [(1, "llama-tiny", "q_proj,v_proj,o_proj,gate_up_proj"),
+                                                 (2, "llama-tiny", "q_proj,v_proj,o_proj,gate_up_proj"),
+                                                 (2, "qwen3-moe-tiny", "qkv_proj,o_proj,experts")])
+def test_lora_counts_the_adapters_the_trainer_builds(tp, model, targets):
     """Under LoRA the planner's trainable parameters are the adapters parallel/lora.py builds on a tp rank (a
     column-parallel target's A whole and B split, a row-parallel one's A split), and only they take gradients and
     AdamW state: a ZeRO-3 rank holds its 1/dp of their fp32 gradient and 12-byte state beside the base's partition."""
     from trainer3d.models import build_model
+    from trainer3d.parallel.expert_parallel import apply_expert_parallel
     from trainer3d.parallel.lora import LoRASpec, apply_lora, is_adapter
     from trainer3d.parallel.tensor_parallel import apply_tensor_parallel
     from trainer3d.plan.candidate import trainable_params
 
-    cfg, spec = MODEL_PRESETS["llama-tiny"], LoRASpec(8, 16.0, targets=("q_proj", "v_proj", "o_proj", "gate_up_proj"))
+    cfg, spec, ep = MODEL_PRESETS[model], LoRASpec(8, 16.0, targets=tuple(targets.split(","))), 2
     with torch.device("meta"):
         stage = apply_lora(apply_tensor_parallel(build_model(cfg), None, 0, tp, None), spec, None, tp, None)
+        stage = apply_expert_parallel(stage, None, 0, tp, False, None, 0, ep)  # (a dense model: nothing to split)
     built = sum(p.numel() for name, p in stage.named_parameters() if is_adapter(name))
-    cand = Candidate(cfg, dp=4, tp=tp, zero_stage=3, lora=spec)
+    experts = sum(p.numel() for name, p in stage.named_parameters() if is_adapter(name) and ".experts." in name)
+    cand = Candidate(cfg, dp=4, tp=tp, zero_stage=3, lora=spec, ep=ep if cfg.moe is not None else 1)
     assert built > 0 and trainable_params(cand, cand.stages(0)) == built
-    full, lora = estimate_memory(Candidate(cfg, dp=4, tp=tp, zero_stage=3), 0), estimate_memory(cand, 0)
-    assert lora.grads == built / 4 * 4 and lora.optimizer == built / 4 * 12
+    full, lora = estimate_memory(Candidate(cfg, dp=4, tp=tp, zero_stage=3, ep=cand.ep), 0), estimate_memory(cand, 0)
+    part = (built - experts) / 4 + experts / (4 // cand.ep)  # ZeRO's partitions: dp×cp, the experts' edp
+    assert lora.grads == part * 4 and lora.optimizer == part * 12 and (experts > 0) == (cfg.moe is not None)
     assert lora.params >= full.params and lora.model_states < full.model_states / 4  # the base without its state
     searched = enumerate_plans(cfg, Cluster(nodes=1, **H100), 8, 128, lora=spec)
     assert searched.plans and all(p.candidate.lora == spec for p in searched.plans)

@@ -13,11 +13,17 @@ import torch
 
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import temp_name, replace_durably, write_text_atomic
-from trainer3d.parallel.lora import ALL_LINEAR, MARK, LoRASpec, Target, targets_by_linear
+from trainer3d.parallel.lora import (
+    ALL_LINEAR, EXPERTS, MARK, LoRASpec, adapter_shapes, expert_targets, targets_by_linear,
+)
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
+
+
+# PEFT's target_parameters for a mixture's experts; it wraps gate_up_proj first (its keys then read `base_layer.`)
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def read_spec(path: str | os.PathLike) -> LoRASpec:
@@ -30,19 +36,61 @@ def read_spec(path: str | os.PathLike) -> LoRASpec:
         raise CheckpointError(f"--lora-from {path}: {file} cannot be read ({first_line(e)}).") from None
     if raw.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"--lora-from {path} holds a {raw['peft_type']} adapter; only LoRA is read.")
-    unsupported = [k for k in ("use_dora", "target_parameters", "rank_pattern", "alpha_pattern", "exclude_modules",
-                               "layers_to_transform", "layers_pattern", "modules_to_save", "lora_bias") if raw.get(k)]
+    unsupported = [k for k in ("use_dora", "rank_pattern", "alpha_pattern", "exclude_modules", "layers_to_transform",
+                               "layers_pattern", "modules_to_save", "lora_bias") if raw.get(k)]
     unsupported += ["bias"] if raw.get("bias", "none") != "none" else []
+    experts = raw.get("target_parameters") or []
+    unsupported += ["target_parameters other than the experts' gate_up_proj, down_proj"] \
+        if experts and sorted(experts) != sorted(EXPERT_PARAMETERS) else []
     if unsupported:
         raise CheckpointError(f"--lora-from {path} sets {', '.join(unsupported)}, which trainer3d's LoRA does not build.")
     targets = raw.get("target_modules") or []
     targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
     return LoRASpec(int(raw["r"]), float(raw.get("lora_alpha", 8)), float(raw.get("lora_dropout", 0.0)),
-                    tuple("all-linear" if t == ALL_LINEAR else t for t in targets), bool(raw.get("use_rslora")))
+                    tuple("all-linear" if t == ALL_LINEAR else t for t in targets) + ((EXPERTS,) if experts else ()),
+                    bool(raw.get("use_rslora")))
 
 
-def _keys(t: Target, factor: str) -> list[str]:
-    return [f"{PREFIX}{p.hf_module}.lora_{factor}.weight" for p in t.pairs if p is not None]
+class PeftLayout:
+    """Our adapter tensors <-> PEFT's keys and layouts. A linear's pairs: each HF module's A and B, stacked by rows in
+    ours. An expert pair (target_parameters): PEFT nests the second parameter's wrapper over the first's, so gate_up's
+    keys read `experts.base_layer.lora_*` and down's `experts.lora_*`; its A is ours [E, r, in] as [E·r, in], its B
+    ours [E, out, r] as [out, r·E] with B_e[o, k] at column k·E + e."""
+
+    def __init__(self, mcfg, spec: LoRASpec):
+        from trainer3d.models import family_of
+
+        self.spec, self.linears = spec, targets_by_linear(mcfg, spec)
+        hf = family_of(mcfg).hf
+        self.experts = {}
+        for prefix in expert_targets(mcfg, spec):
+            first = hf.parts(mcfg, f"{prefix}.gate_up_proj")[0].name
+            self.experts[prefix] = PREFIX + first[:first.index(".experts.")] + ".experts"
+
+    def keys(self, name: str) -> list[str]:
+        prefix, _, factor = name.rpartition(MARK)
+        if prefix in self.experts:
+            weight, _, factor = factor.partition(".")
+            return [f"{self.experts[prefix]}{'.base_layer' if weight == 'gate_up' else ''}.lora_{factor}.weight"]
+        return [f"{PREFIX}{p.hf_module}.lora_{factor}.weight" for p in self.linears[prefix].pairs if p is not None]
+
+    def to_peft(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        prefix, _, factor = name.rpartition(MARK)
+        if prefix in self.experts:
+            flat = value.reshape(-1, value.shape[-1]) if factor.endswith("A") else value.permute(1, 2, 0).reshape(
+                value.shape[1], -1)
+            return {self.keys(name)[0]: flat.contiguous()}
+        t = self.linears[prefix]
+        sizes = [self.spec.rank] * len(self.keys(name)) if factor == "A" else [p.rows for p in t.pairs if p is not None]
+        return {k: part.contiguous() for k, part in zip(self.keys(name), value.split(sizes, dim=0))}
+
+    def from_peft(self, name: str, tensors: list[torch.Tensor], shape: tuple) -> torch.Tensor:
+        prefix, _, factor = name.rpartition(MARK)
+        if prefix in self.experts:
+            E, r = shape[0], self.spec.rank
+            t = tensors[0]
+            return t.reshape(E, r, -1) if factor.endswith("A") else t.reshape(t.shape[0], r, E).permute(2, 0, 1)
+        return torch.cat(tensors, dim=0)
 
 
 def adapter_reader(path: str | os.PathLike, mcfg, spec: LoRASpec):
@@ -52,37 +100,30 @@ def adapter_reader(path: str | os.PathLike, mcfg, spec: LoRASpec):
     file = Path(path) / WEIGHTS
     if not file.is_file():
         raise CheckpointError(f"--lora-from {path}: {file} does not exist (a PEFT save_pretrained directory has it).")
-    targets = targets_by_linear(mcfg, spec)
+    layout = PeftLayout(mcfg, spec)
     with safe_open(str(file), framework="pt", device="cpu") as f:
         stored = set(f.keys())
-    wanted = {k for t in targets.values() for factor in "AB" for k in _keys(t, factor)}
+    wanted = {k for name in adapter_shapes(mcfg, spec) for k in layout.keys(name)}
     missing, extra = sorted(wanted - stored), sorted(stored - wanted)
     if missing or extra:
         which = f"lacks {missing[0]}" if missing else f"holds {extra[0]}, which this model's targets do not name"
         raise CheckpointError(f"--lora-from {path} does not fit the base: its {WEIGHTS} {which}.")
 
     def full_value(name: str, shape: tuple) -> torch.Tensor:
-        prefix, _, factor = name.rpartition(MARK)
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            value = torch.cat([f.get_tensor(k).float() for k in _keys(targets[prefix], factor)], dim=0)
+            value = layout.from_peft(name, [f.get_tensor(k).float() for k in layout.keys(name)], shape)
         if tuple(value.shape) != tuple(shape):
             raise CheckpointError(f"--lora-from {path}: {name}'s tensors have shape {tuple(value.shape)}, the run's "
                                   f"{tuple(shape)}.")
-        return value
+        return value.contiguous()
 
     return full_value
 
 
 def peft_tensors(mcfg, spec: LoRASpec, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """PEFT's tensors from our full adapter tensors (canonical names)."""
-    targets, out = targets_by_linear(mcfg, spec), {}
-    for name, value in adapters.items():
-        prefix, _, factor = name.rpartition(MARK)
-        t = targets[prefix]
-        sizes = [spec.rank] * len(_keys(t, "A")) if factor == "A" else [p.rows for p in t.pairs if p is not None]
-        for key, part in zip(_keys(t, factor), value.split(sizes, dim=0)):
-            out[key] = part.contiguous()
-    return out
+    layout = PeftLayout(mcfg, spec)
+    return {k: v for name, value in adapters.items() for k, v in layout.to_peft(name, value).items()}
 
 
 def peft_config(mcfg, spec: LoRASpec, base: str | None) -> dict:
@@ -93,6 +134,7 @@ def peft_config(mcfg, spec: LoRASpec, base: str | None) -> dict:
                     for p in t.pairs if p is not None})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
             "lora_dropout": spec.dropout, "use_rslora": spec.rslora, "target_modules": names, "bias": "none",
+            "target_parameters": EXPERT_PARAMETERS if expert_targets(mcfg, spec) else None,
             "fan_in_fan_out": family_of(mcfg).name == "gpt2", "init_lora_weights": True, "inference_mode": True,
             "base_model_name_or_path": base, "modules_to_save": None}
 

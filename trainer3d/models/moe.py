@@ -167,6 +167,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(spec.n_experts, 2 * spec.expert_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(spec.n_experts, hidden, spec.expert_hidden))
         self.grad_scale = 1.0  # what the weights' gradients are multiplied by (expert parallelism: 1/ep)
+        self.lora = None  # --lora-targets experts: the per-expert pairs, which run the SwiGLU (parallel/lora.py)
 
     # Eager under --compile: the row count is data-dependent (a graph break at the dispatch anyway) and dynamo's fake
     # torch._grouped_mm accepts bf16 only, where the eager kernel also runs fp32 (CPU).
@@ -180,6 +181,8 @@ class Experts(nn.Module):
             x, (gate_up, down) = x.to(dtype), self._cast(gate_up, down, dtype)
         elif x.dtype != gate_up.dtype:  # a module held in bf16 (DeepSpeed's engine) computes in it
             x = x.to(gate_up.dtype)
+        if self.lora is not None:
+            return self.lora(x, gate_up, down, counts, sizes, self.grad_scale)
         return _SwiGLUExperts.apply(x, gate_up, down, counts, sizes, grouped_mm_applies(x, gate_up, down),
                                     self.grad_scale)
 
@@ -231,7 +234,7 @@ def grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     return (x.shape[1] * size) % 16 == 0 and (gate_up.shape[1] * size) % 16 == 0 and (down.shape[2] * size) % 16 == 0
 
 
-def _per_expert(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets) -> torch.Tensor:
+def per_expert(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets) -> torch.Tensor:
     """Each expert's rows of x [M, K] times its weight transposed (w [E, N, K]) -> [M, N]."""
     if offsets is not None:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
@@ -276,11 +279,11 @@ class _SwiGLUExperts(torch.autograd.Function):
         if not grouped and sizes is None:  # the loop's one host read, where the dispatcher read none
             sizes = counts.tolist()
         sizes = None if grouped else sizes
-        h = _per_expert(x, gate_up, sizes, offsets)
+        h = per_expert(x, gate_up, sizes, offsets)
         gate, up = h.chunk(2, dim=-1)
         ctx.save_for_backward(x, gate_up, down, h, offsets if grouped else counts)
         ctx.grouped, ctx.sizes, ctx.grad_scale = grouped, sizes, grad_scale
-        return _per_expert(F.silu(gate) * up, down, sizes, offsets)
+        return per_expert(F.silu(gate) * up, down, sizes, offsets)
 
     @staticmethod
     def backward(ctx, dy):
@@ -295,7 +298,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         act = F.silu(gate) if need_weights or d_h is None else None
         d_down = _weight_grads(dy, act * up, sizes, offsets) if need_weights else None
         if d_h is None:  # [d gate | d up], written in place: no concatenated copy
-            d_act = _per_expert(dy, down.transpose(-2, -1), sizes, offsets)
+            d_act = per_expert(dy, down.transpose(-2, -1), sizes, offsets)
             d_h = torch.empty_like(h)
             d_gate, d_up = d_h.chunk(2, dim=-1)
             torch.mul(d_act, act, out=d_up)
@@ -303,7 +306,7 @@ class _SwiGLUExperts(torch.autograd.Function):
             torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
             del d_act
         ctx.d_h = d_h if _PASS == "input" else None
-        d_x = _per_expert(d_h, gate_up.transpose(-2, -1), sizes, offsets) if need_x else None
+        d_x = per_expert(d_h, gate_up.transpose(-2, -1), sizes, offsets) if need_x else None
         if not need_weights:
             return d_x, None, None, None, None, None, None
         d_gate_up = _weight_grads(d_h, x, sizes, offsets)

@@ -151,15 +151,17 @@ def apply_expert_parallel(stage: nn.Module, tp_group, tp_rank: int, tp: int, seq
 
 
 def _split_experts(moe: MoE, ep: int) -> None:
+    """This rank's experts of every stacked parameter [E, ...] under the experts (their LoRA pairs too)."""
     experts = moe.experts
-    for name, p in list(experts.named_parameters(recurse=False)):
+    for name, p in list(experts.named_parameters()):
         full = tuple(p.shape)
         local = nn.Parameter(torch.empty((full[0] // ep,) + full[1:], device=p.device), requires_grad=p.requires_grad)
         local.tp_spec = TPSpec(0, full, axis="ep")
         local.expert = True  # reduced over the edp group, counted once per expert in the norm (engines)
         if getattr(p, "tp_partial", False):
             local.tp_partial = True
-        setattr(experts, name, local)
+        owner, _, leaf = name.rpartition(".")
+        setattr(experts.get_submodule(owner) if owner else experts, leaf, local)
 
 
 def check_expert_parallel(cfg, ep: int, tp: int, seq_len: int, cp: int) -> str | None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from trainer3d.errors import ConfigError
 from trainer3d.models import build_model, family_of
 from trainer3d.models.interface import CausalLM, ColumnParallel, find_module
-from trainer3d.models.moe import Experts
+from trainer3d.models.moe import Experts, per_expert
 from trainer3d.models.seeding import name_seeded_uniform
 from trainer3d.parallel.sequence_parallel import ShardedDropout
 from trainer3d.parallel.tensor_parallel import (
@@ -35,6 +35,7 @@ from trainer3d.parallel.tensor_parallel import (
 )
 
 ALL_LINEAR = "all-linear"
+EXPERTS = "experts"  # the target naming a mixture's stacked expert weights (PEFT's target_parameters)
 WEIGHTED = (ColumnParallelLinear, RowParallelLinear, VocabParallelHead, Experts)  # the matmuls hold_base_in casts
 MARK = ".lora."  # in every adapter parameter's name, and in no base parameter's
 
@@ -93,6 +94,17 @@ class Target:
     in_features: int
 
 
+def expert_targets(mcfg, spec: LoRASpec) -> dict[str, tuple[int, int, int]]:
+    """The mixtures whose experts take pairs (--lora-targets experts): canonical prefix (`layers.3.mlp.experts`) ->
+    (experts, hidden, expert hidden)."""
+    if EXPERTS not in spec.targets:
+        return {}
+    with torch.device("meta"):
+        model = build_model(mcfg)
+    return {f"{model.BLOCKS}.{layer}.{path}": (m.down_proj.shape[0], m.down_proj.shape[1], m.down_proj.shape[2])
+            for layer, block in model.blocks.items() for path, m in block.named_modules() if isinstance(m, Experts)}
+
+
 def linear_targets(mcfg, model: CausalLM, layer: str, spec: LoRASpec) -> list[Target]:
     """The targets among the parallel plan's linears of block `layer` (its key in the model's blocks). A linear's
     Hugging Face modules are its family adapter's parts; the leaf of their name (q_proj) or of ours (qkv_proj) is what
@@ -127,9 +139,12 @@ def targets_by_linear(mcfg, spec: LoRASpec) -> dict[str, Target]:
             for t in linear_targets(mcfg, model, layer, spec)}
 
 
-def adapter_shapes(mcfg, spec: LoRASpec) -> dict[str, tuple[int, int]]:
+def adapter_shapes(mcfg, spec: LoRASpec) -> dict[str, tuple[int, ...]]:
     """Every adapter parameter's canonical name and full shape."""
-    out = {}
+    out, r = {}, spec.rank
+    for prefix, (E, H, I) in expert_targets(mcfg, spec).items():
+        for weight, (inp, outp) in (("gate_up", (H, 2 * I)), ("down", (I, H))):
+            out[f"{prefix}{MARK}{weight}.A"], out[f"{prefix}{MARK}{weight}.B"] = (E, r, inp), (E, outp, r)
     for prefix, t in targets_by_linear(mcfg, spec).items():
         pairs = [p for p in t.pairs if p is not None]
         out[f"{prefix}{MARK}A"] = (len(pairs) * spec.rank, t.in_features)
@@ -214,6 +229,53 @@ class RowLoRA(nn.Module):
         return F.linear(F.linear(x, self.A), self.B) * self.scale
 
 
+class _Pair(nn.Module):
+    """One projection's per-expert pair: A [E, r, in], B [E, out, r]."""
+
+    def __init__(self, experts: int, rank: int, inp: int, out: int, device):
+        super().__init__()
+        self.A = nn.Parameter(torch.empty(experts, rank, inp, device=device))
+        self.B = nn.Parameter(torch.empty(experts, out, rank, device=device))
+
+    def delta(self, x: torch.Tensor, sizes: list[int], grad_scale: float) -> torch.Tensor:
+        A, B = (_ScaleGrad.apply(w, grad_scale) if grad_scale != 1.0 else w for w in (self.A, self.B))
+        return per_expert(per_expert(x, A, sizes, None), B, sizes, None)
+
+
+class ExpertLoRA(nn.Module):
+    """The pairs of a mixture's experts (PEFT's target_parameters on gate_up_proj and down_proj): each expert e's
+    SwiGLU with W_e + s · B_e A_e in both projections, the base frozen. Expert parallelism splits the pairs with the
+    experts (their gradients scaled by 1/ep as the experts' are)."""
+
+    def __init__(self, experts: Experts, spec: LoRASpec, device):
+        super().__init__()
+        E, H, I = experts.down_proj.shape
+        self.gate_up = _Pair(E, spec.rank, H, 2 * I, device)
+        self.down = _Pair(E, spec.rank, I, H, device)
+        self.scale = spec.scale
+
+    def forward(self, x, gate_up, down, counts, sizes, grad_scale: float) -> torch.Tensor:
+        """The experts' SwiGLU with the pairs, by autograd (a loop over experts: the one host read of `counts`)."""
+        sizes = counts.tolist() if sizes is None else sizes
+        h = per_expert(x, gate_up, sizes, None) + self.scale * self.gate_up.delta(x, sizes, grad_scale).to(x.dtype)
+        gate, up = h.chunk(2, dim=-1)
+        a = F.silu(gate) * up
+        return per_expert(a, down, sizes, None) + self.scale * self.down.delta(a, sizes, grad_scale).to(x.dtype)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward, the gradient times `scale` backward (an expert's share under expert parallelism)."""
+
+    @staticmethod
+    def forward(ctx, w, scale):
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 # ---- applying them ------------------------------------------------------------------------------------------------
 def apply_lora(stage: CausalLM, spec: LoRASpec | None, group, size: int, rng: ShardedDropoutRNG | None) -> CausalLM:
     """Give every targeted linear of a tensor-parallel stage its pairs (`adapter`, which the linear adds to its
@@ -225,6 +287,9 @@ def apply_lora(stage: CausalLM, spec: LoRASpec | None, group, size: int, rng: Sh
         for t in linear_targets(stage.cfg, stage, layer, spec):
             linear = block.get_submodule(t.path)
             linear.lora = ColumnLoRA(t, spec, group, size, dev) if t.column else RowLoRA(t, spec, size, rng, dev)
+        for m in block.modules() if EXPERTS in spec.targets else ():
+            if isinstance(m, Experts):
+                m.lora = ExpertLoRA(m, spec, dev)
     return stage
 
 
@@ -259,7 +324,7 @@ def initial_value(name: str, shape: tuple, seed: int) -> torch.Tensor:
     """PEFT's start, as a pure function of the name: A ~ U(±1/√in) (nn.init.kaiming_uniform_ with a=√5), B = 0."""
     if name.endswith(".B"):
         return torch.zeros(shape)
-    bound = 1.0 / math.sqrt(shape[1])
+    bound = 1.0 / math.sqrt(shape[-1])  # (an expert's A [E, r, in]: each expert's as PEFT's [E·r, in])
     return name_seeded_uniform(name, shape, seed, -bound, bound)
 
 
@@ -280,13 +345,16 @@ def check_lora(mcfg, spec: LoRASpec) -> None:
     everything = LoRASpec(spec.rank, spec.alpha, targets=(ALL_LINEAR,))
     linears = [(t.path, p.hf_module) for layer in model.blocks
                for t in linear_targets(mcfg, model, layer, everything) for p in t.pairs]
-    unknown = [t for t in spec.targets if not any(names(t, hf, path) for path, hf in linears)]
+    experts = expert_targets(mcfg, LoRASpec(spec.rank, spec.alpha, targets=(EXPERTS,)))
+    unknown = [t for t in spec.targets if not any(names(t, hf, path) for path, hf in linears)
+               and not (t == EXPERTS and experts)]
     if unknown:
-        known = sorted({n.rpartition(".")[2] for link in linears for n in link})
+        known = sorted({n.rpartition(".")[2] for link in linears for n in link} | ({EXPERTS} if experts else set()))
         raise ConfigError(f"--lora-targets names {unknown[0]}, which is no linear of this {mcfg.family} model; its "
                           f"linears are {', '.join(known)} (or all-linear).")
-    narrowest = min((min(t.in_features, *(p.rows for p in t.pairs if p is not None)), t.path)
-                    for layer in model.blocks for t in linear_targets(mcfg, model, layer, spec))
+    narrowest = min([(min(t.in_features, *(p.rows for p in t.pairs if p is not None)), t.path)
+                     for layer in model.blocks for t in linear_targets(mcfg, model, layer, spec)]
+                    + [(min(H, I), EXPERTS) for E, H, I in expert_targets(mcfg, spec).values()])
     if spec.rank > narrowest[0]:
         raise ConfigError(f"--lora-rank {spec.rank} is wider than {narrowest[1]} ({narrowest[0]}); a rank above a "
                           "target's width adds parameters and no expressiveness: pick at most "

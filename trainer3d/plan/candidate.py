@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from trainer3d.parallel.lora import targets_by_linear
+from trainer3d.parallel.lora import expert_targets, targets_by_linear
 from trainer3d.parallel.param_counts import embedding_on_last, local_params
 from trainer3d.parallel.pipeline import balance_layers, stage_ids, stages_per_rank
 from trainer3d.zero.config import auto_buckets
@@ -204,7 +204,18 @@ def trainable_params(cand, stages: list[Stage]) -> float:
             pairs = sum(p is not None for p in t.pairs)
             total += (pairs * r * t.in_features + rows * r // cand.tp) if t.column else \
                 (r * t.in_features // cand.tp + rows * r)
-    return total
+    return total + lora_expert_params(cand, stages)
+
+
+def lora_expert_params(cand, stages: list[Stage]) -> int:
+    """A rank's adapters of a mixture's experts (--lora-targets experts): a pair per expert on both of its stacked
+    weights, split over ep as the experts are (ZeRO partitions them over edp)."""
+    if cand.lora is None:
+        return 0
+    blocks = {b for s in stages for b in s.blocks}
+    return sum(E // cand.ep * cand.lora.rank * (2 * H + 3 * I)  # gate_up: r·H + 2I·r; down: r·I + H·r
+               for prefix, (E, H, I) in expert_targets(cand.cfg, cand.lora).items()
+               if int(prefix.split(".")[1]) in blocks)
 
 
 def expert_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:

@@ -22,8 +22,8 @@ from trainer3d.parallel.param_counts import BlockParams, local_params
 from trainer3d.parallel.tensor_parallel import padded_vocab_size
 from trainer3d.zero.config import auto_buckets
 from trainer3d.plan.candidate import (
-    Candidate, Stage, block_params, expert_params, max_param_tensor, partition_params, persistent_params, rank_params,
-    trainable_params,
+    Candidate, Stage, block_params, expert_params, lora_expert_params, max_param_tensor, partition_params,
+    persistent_params, rank_params, trainable_params,
     tp_summed_params,
 )
 
@@ -221,7 +221,9 @@ def _lora_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> Non
         e.ddp_buckets = t * P.grad if cand.dp_cp > 1 else 0.0
         return
     e.params = (partition_params(cand, stages) if z >= 3 else n) * P.param + t * P.param
-    e.grads, e.optimizer = t / cand.dp_cp * 4, t / cand.dp_cp * 12
+    experts = lora_expert_params(cand, stages)  # (partitioned over edp by the experts' own engine)
+    part = (t - experts) / cand.dp_cp + experts / cand.edp
+    e.grads, e.optimizer = part * 4, part * 12
     if z >= 3:
         e.zero_buffers += 2 * block_params(cand.cfg, cand.tp, ep=cand.ep) * P.param
     if cand.offload_optimizer:

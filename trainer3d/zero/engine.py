@@ -73,13 +73,14 @@ class ZeroEngine(DataParallelEngine):
                     deepspeed, shard, ExpertMPU(topo), expert_config(spec.ds_config, topo.layout.edp), module))
         self._engine_of = {id(p): e for e in self.engines for p in self._params[id(e)]}
         # which of each engine's parameters this rank counts in the norm, decided once (as DDPEngine.norm_params)
-        self._norm_params = {id(e): [p for p in self._params[id(e)]
-                                     if counts_in_norm(self._stage_of[id(e)], p, topo.tp_rank)] for e in self.engines}
+        self._norm_params = {id(e): [p for p in self._params[id(e)] if p.requires_grad
+                                     and counts_in_norm(self._stage_of[id(e)], p, topo.tp_rank)] for e in self.engines}
         self._grad_mem = None  # (bytes, offloaded) of the gradients as the last step held them (memory.report)
 
     def _initialize(self, deepspeed, module: nn.Module, mpu, ds_config: dict, stage: nn.Module):
-        params = list(module.parameters())
-        engine, *_ = deepspeed.initialize(model=module, optimizer=self._client_optimizer(params),
+        params = list(module.parameters())  # (a frozen one, a LoRA base's, is the engine's but not its optimizer's)
+        trained = [p for p in params if p.requires_grad]
+        engine, *_ = deepspeed.initialize(model=module, optimizer=self._client_optimizer(trained),
                                           config=copy.deepcopy(ds_config), mpu=mpu, dist_init_required=False)
         self.engines.append(engine)
         self._params[id(engine)], self._stage_of[id(engine)] = params, stage
@@ -163,7 +164,7 @@ class ZeroEngine(DataParallelEngine):
             finally:
                 opt.loss_scale = 1.0
         else:
-            for p in self.params_of(engine):
+            for p in (p for p in self.params_of(engine) if p.requires_grad):
                 for share in grad_shares(p, opt):
                     share.tensor.mul_(coef)
             engine.step()
@@ -173,7 +174,7 @@ class ZeroEngine(DataParallelEngine):
                        *self._grad_access())
 
     def sum_tp_partial_grads(self) -> None:
-        params = tp_partial_params(e.module for e in self.stage_engines)
+        params = [p for p in tp_partial_params(e.module for e in self.stage_engines) if p.requires_grad]
         sum_tp_partial_grads(params, self.topo.tp_group, *self._grad_access())
 
     def _grad_access(self):

@@ -30,7 +30,7 @@ def grad_bytes(zero) -> tuple[int, int]:
         return total, off
     for e in zero.engines:
         for p in zero.params_of(e):
-            if id(p) in seen:
+            if id(p) in seen or not p.requires_grad:  # (a frozen parameter, a LoRA base's, has no gradient)
                 continue
             seen.add(id(p))
             tensors = [s.tensor for s in grad_shares(p, e.optimizer)]
