@@ -12,6 +12,8 @@ Under tensor parallelism a pair is split as its linear (DESIGN.md; Megatron-Brid
 A fused linear (q|k|v, gate|up) gets one pair per block that Hugging Face holds as a module of its own (q_proj,
 k_proj, v_proj), so the model is PEFT's: A stacked [pairs·r, in], B stacked by rows and split per block as the base.
 A block no target names gets no pair. Adapter parameters are named `<linear>.lora.A` / `.lora.B`.
+A mixture's experts (`experts`, PEFT's target_parameters) get a pair per expert on both stacked weights
+(`ExpertLoRA`), split over ep with the experts.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class Target:
     in_features: int
 
 
+@lru_cache(maxsize=4)
 def expert_targets(mcfg, spec: LoRASpec) -> dict[str, tuple[int, int, int]]:
     """The mixtures whose experts take pairs (--lora-targets experts): canonical prefix (`layers.3.mlp.experts`) ->
     (experts, hidden, expert hidden)."""
