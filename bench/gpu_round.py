@@ -433,6 +433,9 @@ def part_big(r: Round) -> None:
                                    "fp32" if r.dry else "bf16-mixed"), f)
     for name, run_name, extra, steps, layout in [
         ("big: recompute full", "recompute_full", [], 5, "tp=1,pp=1,mbs=1,zero=0,recompute=1"),
+        # LoRA rank 16 on all-linear, the same run otherwise: its speed and peak beside full training's (issue 73)
+        ("big: LoRA r16, recompute full", "lora", ["--lora-rank", "16", "--lora-alpha", "32"], 5,
+         "tp=1,pp=1,mbs=1,zero=0,recompute=1,lora=16"),
         ("big: ZeRO-3 + CPU offload (the planner's JSON)", "zero3_offload", ["--deepspeed_config", planned], 3,
          "tp=1,pp=1,mbs=1,zero=3,offload=all,recompute=1"),
     ]:

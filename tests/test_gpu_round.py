@@ -24,7 +24,8 @@ PARTS = ["env", "smoke", "paths: bf16 eager", "paths: fp32 GPU vs CPU", "paths: 
          "paths: save -> resume", "paths: export -> init-from-hf", "paths: ZeRO-1", "paths: ZeRO-3",
          "paths: document mask (flex)", "paths: Qwen3-MoE tiny", "paths: DeepSeek-V3 tiny", "paths: fp8 rowwise",
          "paths: fp8 tensorwise", "paths: DPO", "paths: engine (GRPO)", "fp8", "mfu",
-         "big: recompute full", "big: ZeRO-3 + CPU offload (the planner's JSON)", "engine"]
+         "big: recompute full", "big: LoRA r16, recompute full", "big: ZeRO-3 + CPU offload (the planner's JSON)",
+         "engine"]
 
 
 def _summary(out: Path) -> dict[str, tuple[str, str]]:
