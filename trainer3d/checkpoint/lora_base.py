@@ -18,7 +18,7 @@ import torch
 from trainer3d.checkpoint.hf import CONFIG_NAME, WEIGHT_FILES, HFDirectory
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.models import init_value
-from trainer3d.parallel.lora import MARK, LoRASpec, expert_targets, targets_by_linear
+from trainer3d.parallel.lora import EXPERT_PAIRS, MARK, LoRASpec, expert_targets, targets_by_linear
 
 _EDGE = 1 << 20  # bytes read from each end of a weight file
 
@@ -89,8 +89,8 @@ def merged(mcfg, spec: LoRASpec, name: str, base: torch.Tensor, adapter) -> torc
     """Canonical weight `name` with its adapters merged in: W[rows of pair j] += s · B_j A_j. `adapter(name)`: a
     saved adapter tensor, whole."""
     prefix, _, weight = name.rpartition(".")
-    if prefix in expert_targets(mcfg, spec) and weight in ("gate_up_proj", "down_proj"):  # W_e + s · B_e A_e
-        pair = f"{prefix}{MARK}{weight.removesuffix('_proj')}"
+    if prefix in expert_targets(mcfg, spec) and weight in EXPERT_PAIRS:  # W_e + s · B_e A_e
+        pair = f"{prefix}{MARK}{EXPERT_PAIRS[weight]}"
         return base + spec.scale * torch.bmm(adapter(f"{pair}.B"), adapter(f"{pair}.A"))
     target = targets_by_linear(mcfg, spec).get(name.removesuffix(".weight"))
     if target is None or not name.endswith(".weight"):

@@ -13,6 +13,7 @@ import torch
 
 from trainer3d.errors import CheckpointError, first_line
 from trainer3d.fsio import temp_name, replace_durably, write_text_atomic
+from trainer3d.models.moe import Experts
 from trainer3d.parallel.lora import (
     ALL_LINEAR, EXPERTS, MARK, LoRASpec, adapter_shapes, expert_targets, targets_by_linear,
 )
@@ -64,7 +65,7 @@ class PeftLayout:
         hf = family_of(mcfg).hf
         self.experts = {}
         for prefix in expert_targets(mcfg, spec):
-            first = hf.parts(mcfg, f"{prefix}.gate_up_proj")[0].name
+            first = hf.parts(mcfg, f"{prefix}.{Experts.STACKED[0]}")[0].name
             self.experts[prefix] = PREFIX + first[:first.index(".experts.")] + ".experts"
 
     def keys(self, name: str) -> list[str]:

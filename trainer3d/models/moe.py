@@ -162,12 +162,19 @@ class LocalDispatch:
 class Experts(nn.Module):
     """E SwiGLU experts as two stacked weights (of this rank's experts only, under expert parallelism)."""
 
+    STACKED = ("gate_up_proj", "down_proj")  # the stacked weights by name, for what sits beside them (LoRA's pairs)
+
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(spec.n_experts, 2 * spec.expert_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(spec.n_experts, hidden, spec.expert_hidden))
         self.grad_scale = 1.0  # what the weights' gradients are multiplied by (expert parallelism: 1/ep)
         self.lora = None  # --lora-targets experts: the per-expert pairs, which run the SwiGLU (parallel/lora.py)
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """(experts held, hidden, expert hidden)."""
+        return tuple(self.down_proj.shape)
 
     # Eager under --compile: the row count is data-dependent (a graph break at the dispatch anyway) and dynamo's fake
     # torch._grouped_mm accepts bf16 only, where the eager kernel also runs fp32 (CPU).

@@ -40,6 +40,7 @@ ALL_LINEAR = "all-linear"
 EXPERTS = "experts"  # the target naming a mixture's stacked expert weights (PEFT's target_parameters)
 WEIGHTED = (ColumnParallelLinear, RowParallelLinear, VocabParallelHead, Experts)  # the matmuls hold_base_in casts
 MARK = ".lora."  # in every adapter parameter's name, and in no base parameter's
+EXPERT_PAIRS = dict(zip(Experts.STACKED, ("gate_up", "down")))  # an expert weight -> its pair's name (ExpertLoRA)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def expert_targets(mcfg, spec: LoRASpec) -> dict[str, tuple[int, int, int]]:
         return {}
     with torch.device("meta"):
         model = build_model(mcfg)
-    return {f"{model.BLOCKS}.{layer}.{path}": (m.down_proj.shape[0], m.down_proj.shape[1], m.down_proj.shape[2])
+    return {f"{model.BLOCKS}.{layer}.{path}": m.dims
             for layer, block in model.blocks.items() for path, m in block.named_modules() if isinstance(m, Experts)}
 
 
@@ -252,7 +253,7 @@ class ExpertLoRA(nn.Module):
 
     def __init__(self, experts: Experts, spec: LoRASpec, device):
         super().__init__()
-        E, H, I = experts.down_proj.shape
+        E, H, I = experts.dims
         self.gate_up = _Pair(E, spec.rank, H, 2 * I, device)
         self.down = _Pair(E, spec.rank, I, H, device)
         self.scale = spec.scale
@@ -317,7 +318,7 @@ def hold_base_in(stages: list[nn.Module], dtype: torch.dtype) -> None:
     tied = {id(s.embedding.weight) for s in stages if s.embedding is not None}
     for s in stages:
         for m in s.modules():
-            for name in ("weight", "gate_up_proj", "down_proj"):
+            for name in ("weight", *Experts.STACKED):
                 p = m._parameters.get(name) if isinstance(m, WEIGHTED) else None
                 if p is not None and not p.requires_grad and p.dim() >= 2 and id(p) not in tied:
                     p.data = p.data.to(dtype)
