@@ -16,6 +16,7 @@ from pathlib import Path
 
 import datasets
 import peft
+import pytest
 import torch
 import transformers
 import trl
@@ -26,6 +27,7 @@ from test_llama import hf_llama
 from test_sft_trl import CHATML, N, STEPS, _trainer3d, compare, metrics, rendered, shapes, t3d_argv
 
 RANK, ALPHA = 4, 8.0
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # (PEFT's target_parameters)
 LORA_LR = 1e-2  # (adapters learn at a higher rate than full fine-tuning; 4 steps at test_sft_trl's 1e-3 move little)
 TARGETS = {"all-linear": "all-linear", "q,v": ["q_proj", "v_proj"]}
 LAYOUTS = {"1 process": (1, []),
@@ -335,7 +337,7 @@ def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
     from trainer3d.train.loop import main
     refused = {"give their rank with --lora-rank": ["--lora-alpha", "4"],
                "--lora-targets names wq, which is no linear": ["--lora-rank", "4", "--lora-targets", "wq"],
-               "--lora-rank 100 is wider than": ["--lora-rank", "100"],
+               "--lora-rank 200 is wider than": ["--lora-rank", "200", "--lora-targets", "q_proj"],
                "give that base with --init-from-hf": ["--lora-from", str(tmp_path)]}
     capsys.readouterr()
     for sentence, flags in refused.items():
@@ -356,15 +358,47 @@ def test_lora_experts_equal_peft(tmp_path, monkeypatch, capsys):
     experts' own engine): per step the same loss and
     gradient norm; each run's --adapter export loads in PeftModel.from_pretrained and equals TRL's trained adapter,
     its expert tensors in PEFT's nested keys and interleaved layout."""
-    from test_llama_hf import MOE_LR, hf_moe
-    from trainer3d.checkpoint.peft import EXPERT_PARAMETERS
+    from test_llama_hf import hf_moe
+
+    moe = hf_moe("qwen3", seed=3)
+    moe.config.router_aux_loss_coef = 0.0  # (TRL's SFTTrainer adds transformers' balance loss where it is set)
+    # attention's linears (PEFT 0.21 turns MLP names or all-linear on a MoE into more target_parameters, the router's
+    # weight and gate_up at twice the rank by a rank_pattern, which --lora-from refuses with one sentence)
+    _moe_against_peft(moe, ["q_proj", "k_proj", "v_proj", "o_proj"], EXPERT_LAYOUTS, "LoRA with experts", tmp_path,
+                      monkeypatch, capsys)
+
+
+MLA_LAYOUTS = {"1 process": (1, []), "tp2 sp": (2, ["--tp", "2", "--sequence-parallel"]),
+               "tp2": (2, ["--tp", "2"])}
+
+
+def test_lora_mla_and_shared_experts_equal_peft(tmp_path, monkeypatch, capsys):
+    """A random DeepSeek-V3 (MLA with q and kv latents, blocks 0-1 dense, 2-3 with 8 routed experts and a shared
+    one) with a PEFT adapter on every linear of the blocks, the tp-replicated ones included (MLA's q_a_proj and
+    kv_a_proj_with_mqa, the shared expert's gate/up/down), and on the routed experts: per step the same loss and norm
+    as TRL + PEFT at 1 process, tp 2 with sequence parallelism (the replicated pairs see a sequence shard) and tp 2
+    (the mixture's tokens split over tp, the latents' whole), and the same trained adapter. PEFT 0.21 rewrites MLP
+    names on a transformers-5 MoE into the experts' target_parameters (its v4 -> v5 conversion), which would leave the
+    dense and shared MLPs without pairs, so the reference runs PEFT's LoRA layers with that rewrite off."""
+    import peft.utils.transformers_weight_conversion as conversion
+    from test_deepseek_v3 import hf_deepseek
+
+    monkeypatch.setattr(conversion, "convert_peft_config_for_transformers", lambda *args, **kwargs: None)
+    linears = ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj"]
+    _moe_against_peft(hf_deepseek(seed=3), linears, MLA_LAYOUTS, "LoRA on MLA and shared experts", tmp_path,
+                      monkeypatch, capsys)
+
+
+def _moe_against_peft(hf_model, linears: list[str], layouts: dict, label: str, tmp_path, monkeypatch, capsys):
+    """`hf_model` with a PEFT adapter on `linears` and the experts (B drawn non-zero), continued by TRL + PEFT and by
+    trainer3d --lora-from at each of `layouts`; each run's --adapter export loaded by PEFT equals TRL's adapter."""
+    from test_llama_hf import MOE_LR
     from trainer3d.export import main as export
 
     monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "cache"))
     hf_dir = tmp_path / "hf"
-    moe = hf_moe("qwen3", seed=3)
-    moe.config.router_aux_loss_coef = 0.0  # (TRL's SFTTrainer adds transformers' balance loss where it is set)
-    moe.save_pretrained(hf_dir)
+    hf_model.save_pretrained(hf_dir)
     chat_tokenizer(hf_dir)
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations(N, seed=6)))
@@ -373,11 +407,9 @@ def test_lora_experts_equal_peft(tmp_path, monkeypatch, capsys):
     convs = rendered(transformers.AutoTokenizer.from_pretrained(hf_dir), CHATML)
     seq, batch = shapes([n for n, _ in convs], False)
     seq += seq % 2
-    # attention's linears (PEFT 0.21 turns MLP names or all-linear on a MoE into more target_parameters, the router's
-    # weight and gate_up at twice the rank by a rank_pattern, which --lora-from refuses with one sentence)
-    linears = ["q_proj", "k_proj", "v_proj", "o_proj"]
     model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), peft.LoraConfig(
         r=RANK, lora_alpha=ALPHA, target_modules=linears, target_parameters=EXPERT_PARAMETERS))
+    assert sorted(model.peft_config["default"].target_modules) == sorted(linears)  # (no rewrite of the targets)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -387,8 +419,8 @@ def test_lora_experts_equal_peft(tmp_path, monkeypatch, capsys):
     runs = {layout: t3d_argv(hf_dir, data, template, seq, batch, False,
                              [*flags, "--lr", str(MOE_LR), "--min-lr", str(MOE_LR), "--lora-from",
                               str(tmp_path / "adapter")], tmp_path / layout.replace(" ", "_"))
-            for layout, (_, flags) in EXPERT_LAYOUTS.items()}
-    codes = {layout: run_world(EXPERT_LAYOUTS[layout][0], _trainer3d, [argv], timeout=600)[0][0]
+            for layout, (_, flags) in layouts.items()}
+    codes = {layout: run_world(layouts[layout][0], _trainer3d, [argv], timeout=600)[0][0]
              for layout, argv in runs.items()}
     ref = trl_peft_run(hf_dir, tmp_path / "adapter", template, seq, tmp_path / "trl", lr=MOE_LR)
     lines, failures = [], []
@@ -396,7 +428,7 @@ def test_lora_experts_equal_peft(tmp_path, monkeypatch, capsys):
         if codes[layout] != 0:
             failures.append(f"{layout}: trainer3d exited {codes[layout]}")
             continue
-        more, failed = compare(f"LoRA with experts {layout}", ref, metrics(Path(argv[-1])), ref["supervised"])
+        more, failed = compare(f"{label} {layout}", ref, metrics(Path(argv[-1])), ref["supervised"])
         lines, failures = lines + more, failures + failed
         out = tmp_path / f"export-{layout}".replace(" ", "_")
         assert export([argv[-1], str(out), "--adapter"]) == 0
@@ -410,3 +442,48 @@ def test_lora_experts_equal_peft(tmp_path, monkeypatch, capsys):
         print("\n" + "\n".join(lines))
     assert ref["loss"][-1] < ref["loss"][0], ref["loss"]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny", "deepseek-v3-tiny", "qwen3.5-moe-tiny"])
+def test_expert_adapters_are_peft_keys_of_every_mixture(preset):
+    """For every family with a mixture, an --adapter export's experts are what PEFT builds on transformers' model of
+    the same config (target_parameters on the experts' stacked weights): the same keys, the same shapes, and the
+    target_parameters it writes. (Mixtral's checkpoint files name its experts block_sparse_moe.experts.N.w1;
+    transformers 5 holds them at mlp.experts, where PEFT looks.)"""
+    from trainer3d.checkpoint.peft import peft_config, peft_tensors
+    from trainer3d.models import MODEL_PRESETS, family_of
+    from trainer3d.parallel.lora import LoRASpec, adapter_shapes
+
+    mcfg, spec = MODEL_PRESETS[preset], LoRASpec(RANK, ALPHA, targets=("experts",))
+    model = transformers.AutoModelForCausalLM.from_config(family_of(mcfg).hf.hf_config(mcfg, torch.float32))
+    theirs = peft.get_peft_model_state_dict(peft.get_peft_model(model, peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=[], target_parameters=EXPERT_PARAMETERS)))
+    ours = peft_tensors(mcfg, spec, {n: torch.zeros(s) for n, s in adapter_shapes(mcfg, spec).items()})
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    assert peft_config(mcfg, spec, None)["target_parameters"] == EXPERT_PARAMETERS
+
+
+def test_expert_pairs_grouped_equal_the_loop(monkeypatch):
+    """The experts' pairs through torch._grouped_mm (where its rules hold) give the loop's output and gradients, an
+    expert with no token included (its pairs' gradients zero)."""
+    import trainer3d.parallel.lora as lora
+    from trainer3d.models.moe import Experts, MoESpec
+
+    torch.manual_seed(0)
+    experts = Experts(32, MoESpec(n_experts=4, top_k=1, expert_hidden=16))
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.1), torch.nn.init.normal_(experts.down_proj, std=0.1)
+    experts.lora = lora.ExpertLoRA(experts, lora.LoRASpec(4, 8.0, targets=("experts",)), "cpu")
+    for p in experts.lora.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, counts = torch.randn(24, 32), torch.tensor([10, 0, 6, 8])
+    assert lora.grouped_mm_applies(x, experts.gate_up_proj, experts.down_proj)  # (this machine's torch has it)
+    runs = []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(lora, "grouped_mm_applies", lambda *args: False)
+        experts.zero_grad()
+        y = experts(x, counts)
+        y.square().sum().backward()
+        runs.append([y.detach(), *(p.grad.clone() for p in experts.lora.parameters())])
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*runs))
+    assert runs[0][1][1].abs().sum() == 0 and runs[0][1][0].abs().sum() > 0  # expert 1's A: no token, no gradient

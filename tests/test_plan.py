@@ -726,10 +726,12 @@ def test_fp8_step_ratio_against_the_gpu_round():
 
 @pytest.mark.parametrize("tp, model, targets", [(1, "llama-tiny", "q_proj,v_proj,o_proj,gate_up_proj"),
                                                  (2, "llama-tiny", "q_proj,v_proj,o_proj,gate_up_proj"),
-                                                 (2, "qwen3-moe-tiny", "qkv_proj,o_proj,experts")])
+                                                 (2, "qwen3-moe-tiny", "qkv_proj,o_proj,experts"),
+                                                 (2, "deepseek-v3-tiny", "all-linear,experts")])
 def test_lora_counts_the_adapters_the_trainer_builds(tp, model, targets):
     """Under LoRA the planner's trainable parameters are the adapters parallel/lora.py builds on a tp rank (a
-    column-parallel target's A whole and B split, a row-parallel one's A split), and only they take gradients and
+    column-parallel target's A whole and B split, a row-parallel one's A split, a replicated one's (MLA's latents, a
+    shared expert) both whole), and only they take gradients and
     AdamW state: a ZeRO-3 rank holds its 1/dp of their fp32 gradient and 12-byte state beside the base's partition."""
     from trainer3d.models import build_model
     from trainer3d.parallel.expert_parallel import apply_expert_parallel

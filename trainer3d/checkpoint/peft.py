@@ -23,13 +23,29 @@ WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
-# PEFT's target_parameters for a mixture's experts; it wraps gate_up_proj first (its keys then read `base_layer.`)
-EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+def expert_modules(mcfg) -> dict[str, str]:
+    """Each mixture's experts (our prefix, `layers.3.mlp.experts`) -> the module of transformers' model that holds
+    their stacked weights (the family adapter's HFAdapter.experts_module)."""
+    from trainer3d.models import family_of
+
+    hf = family_of(mcfg).hf
+    return {prefix: hf.experts_module(mcfg, prefix)
+            for prefix in expert_targets(mcfg, LoRASpec(1, 1.0, targets=(EXPERTS,)))}
 
 
-def read_spec(path: str | os.PathLike) -> LoRASpec:
-    """The rank, α, dropout, targets and scaling of a PEFT directory's adapter_config.json; CheckpointError naming
-    the problem."""
+def target_parameters(mcfg) -> list[str]:
+    """PEFT's target_parameters for the experts' stacked weights, in Experts.STACKED's order (PEFT wraps the first
+    innermost: its keys read `base_layer.`): each weight's Hugging Face name, as the dotted suffix every mixture of the
+    model shares (`mlp.experts.gate_up_proj`)."""
+    names = [[f"{module}.{w}".split(".") for module in expert_modules(mcfg).values()] for w in Experts.STACKED]
+    shared = [next((k for k in range(1, min(map(len, ns)) + 1) if len({tuple(n[-k:]) for n in ns}) > 1), 0)
+              for ns in names]  # the first suffix length at which they differ (0: never, up to the whole name)
+    return [".".join(ns[0][-(k - 1):] if k else ns[0]) for ns, k in zip(names, shared)]
+
+
+def read_spec(path: str | os.PathLike, mcfg) -> LoRASpec:
+    """The rank, α, dropout, targets and scaling of a PEFT directory's adapter_config.json over the model `mcfg`;
+    CheckpointError naming the problem."""
     file = Path(path) / CONFIG
     try:
         raw = json.loads(file.read_text())
@@ -41,8 +57,9 @@ def read_spec(path: str | os.PathLike) -> LoRASpec:
                                "layers_pattern", "modules_to_save", "lora_bias") if raw.get(k)]
     unsupported += ["bias"] if raw.get("bias", "none") != "none" else []
     experts = raw.get("target_parameters") or []
-    unsupported += ["target_parameters other than the experts' gate_up_proj, down_proj"] \
-        if experts and sorted(experts) != sorted(EXPERT_PARAMETERS) else []
+    ours = target_parameters(mcfg) if experts else []
+    unsupported += [f"target_parameters other than the experts' {', '.join(ours) or '(this model has none)'}"] \
+        if experts and sorted(experts) != sorted(ours) else []
     if unsupported:
         raise CheckpointError(f"--lora-from {path} sets {', '.join(unsupported)}, which trainer3d's LoRA does not build.")
     targets = raw.get("target_modules") or []
@@ -59,14 +76,9 @@ class PeftLayout:
     ours [E, out, r] as [out, r·E] with B_e[o, k] at column k·E + e."""
 
     def __init__(self, mcfg, spec: LoRASpec):
-        from trainer3d.models import family_of
-
         self.spec, self.linears = spec, targets_by_linear(mcfg, spec)
-        hf = family_of(mcfg).hf
-        self.experts = {}
-        for prefix in expert_targets(mcfg, spec):
-            first = hf.parts(mcfg, f"{prefix}.{Experts.STACKED[0]}")[0].name
-            self.experts[prefix] = PREFIX + first[:first.index(".experts.")] + ".experts"
+        self.experts = {prefix: PREFIX + module for prefix, module in expert_modules(mcfg).items()} \
+            if expert_targets(mcfg, spec) else {}
 
     def keys(self, name: str) -> list[str]:
         prefix, _, factor = name.rpartition(MARK)
@@ -135,7 +147,7 @@ def peft_config(mcfg, spec: LoRASpec, base: str | None) -> dict:
                     for p in t.pairs if p is not None})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
             "lora_dropout": spec.dropout, "use_rslora": spec.rslora, "target_modules": names, "bias": "none",
-            "target_parameters": EXPERT_PARAMETERS if expert_targets(mcfg, spec) else None,
+            "target_parameters": target_parameters(mcfg) if expert_targets(mcfg, spec) else None,
             "fan_in_fan_out": family_of(mcfg).name == "gpt2", "init_lora_weights": True, "inference_mode": True,
             "base_model_name_or_path": base, "modules_to_save": None}
 

@@ -219,6 +219,12 @@ class HFAdapter:
     def sources(self, cfg, name: str) -> list[str]:
         return [p.name for p in self.parts(cfg, name)]
 
+    def experts_module(self, cfg, name: str) -> str:
+        """The module of transformers' model in memory that holds the mixture of experts `name` (ours, e.g.
+        `layers.3.mlp.experts`) as stacked weights named as Experts.STACKED: what PEFT's target_parameters and adapter
+        keys name. (A checkpoint's files hold the experts one by one under other names: `parts`.)"""
+        raise NotImplementedError(f"{type(self).__name__} has no mixture of experts")
+
     def from_hf(self, cfg, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         parts = self.parts(cfg, name)
         tensors = [t.t() if p.transposed else t for p, t in zip(parts, tensors)]

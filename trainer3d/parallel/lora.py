@@ -12,6 +12,9 @@ Under tensor parallelism a pair is split as its linear (DESIGN.md; Megatron-Brid
 A fused linear (q|k|v, gate|up) gets one pair per block that Hugging Face holds as a module of its own (q_proj,
 k_proj, v_proj), so the model is PEFT's: A stacked [pairs·r, in], B stacked by rows and split per block as the base.
 A block no target names gets no pair. Adapter parameters are named `<linear>.lora.A` / `.lora.B`.
+Every other nn.Linear of a block is replicated over tp (MLA's latent projections, a shared expert's, a gate): its pairs
+are whole on every rank and added by a forward hook; like their base, their gradients are whole, or per-rank shares
+summed over tp where the linear sees 1/tp of the tokens (sequence parallelism, a mixture's token split).
 A mixture's experts (`experts`, PEFT's target_parameters) get a pair per expert on both stacked weights
 (`ExpertLoRA`), split over ep with the experts.
 """
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from trainer3d.errors import ConfigError
 from trainer3d.models import build_model, family_of
 from trainer3d.models.interface import CausalLM, ColumnParallel, find_module
-from trainer3d.models.moe import Experts, per_expert
+from trainer3d.models.moe import Experts, grouped_mm_applies, leaves_empty_groups, per_expert
 from trainer3d.models.seeding import name_seeded_uniform
 from trainer3d.parallel.sequence_parallel import ShardedDropout
 from trainer3d.parallel.tensor_parallel import (
@@ -40,6 +43,7 @@ ALL_LINEAR = "all-linear"
 EXPERTS = "experts"  # the target naming a mixture's stacked expert weights (PEFT's target_parameters)
 WEIGHTED = (ColumnParallelLinear, RowParallelLinear, VocabParallelHead, Experts)  # the matmuls hold_base_in casts
 MARK = ".lora."  # in every adapter parameter's name, and in no base parameter's
+COLUMN, ROW, REPLICATED = "column", "row", "replicated"  # how tp splits a target linear, and so its pairs
 EXPERT_PAIRS = dict(zip(Experts.STACKED, ("gate_up", "down")))  # an expert weight -> its pair's name (ExpertLoRA)
 
 
@@ -93,8 +97,15 @@ class Target:
     pairs: tuple[Pair | None, ...]
     rows: tuple[int, ...]
     fused: tuple[int, ...] | None
-    column: bool
+    split: str  # COLUMN, ROW or REPLICATED over tp, as the base linear
     in_features: int
+
+    def local_params(self, rank: int, tp: int) -> int:
+        """A tp rank's adapter parameters: a column target's A whole and B split, a row target's A split and B
+        whole, a replicated target's both whole."""
+        n, rows = sum(p is not None for p in self.pairs), sum(p.rows for p in self.pairs if p is not None)
+        a, b = n * rank * self.in_features, rows * rank
+        return a + b // tp if self.split == COLUMN else a // tp + b if self.split == ROW else a + b
 
 
 @lru_cache(maxsize=4)
@@ -115,12 +126,10 @@ def linear_targets(mcfg, model: CausalLM, layer: str, spec: LoRASpec) -> list[Ta
     --lora-targets names."""
     block, plan, hf = model.blocks[layer], model.parallel_plan(), family_of(mcfg).hf
     out = []
-    for path, style in plan.linears.items():
+    for path, split in block_linears(block, plan):
         linear = _linear(block, path)
-        if linear is None:
-            continue
         parts = hf.parts(mcfg, f"{model.BLOCKS}.{layer}.{path}.weight")
-        fused = style.fused if isinstance(style, ColumnParallel) else None
+        fused = plan.linears[path].fused if split == COLUMN else None
         rows = [p.rows for p in parts] if len(parts) > 1 else [_out_features(linear)]
         pairs = tuple(Pair(p.name.removesuffix(".weight"), r)
                       if any(names(t, p.name.removesuffix(".weight"), path) for t in spec.targets) else None
@@ -129,9 +138,17 @@ def linear_targets(mcfg, model: CausalLM, layer: str, spec: LoRASpec) -> list[Ta
             if len(parts) > 1:  # one pair per HF module: B's blocks are the targeted ones
                 fused = tuple(p.rows for p in pairs if p is not None)
                 fused = fused if len(fused) > 1 else None
-            out.append(Target(path, pairs, tuple(rows), fused, isinstance(style, ColumnParallel),
-                              _in_features(linear)))
+            out.append(Target(path, pairs, tuple(rows), fused, split, _in_features(linear)))
     return out
+
+
+def block_linears(block: nn.Module, plan) -> list[tuple[str, str]]:
+    """Every linear of a block with its split over tp: the parallel plan's column- and row-parallel ones, then every
+    other nn.Linear, replicated (PEFT's all-linear takes them all)."""
+    out = [(path, COLUMN if isinstance(style, ColumnParallel) else ROW) for path, style in plan.linears.items()
+           if _linear(block, path) is not None]
+    return out + [(name, REPLICATED) for name, m in block.named_modules()
+                  if type(m) is nn.Linear and name not in plan.linears]
 
 
 @lru_cache(maxsize=4)
@@ -186,7 +203,8 @@ def _out_features(linear) -> int:
 
 # ---- the pairs ----------------------------------------------------------------------------------------------------
 class ColumnLoRA(nn.Module):
-    """The pairs of a column-parallel linear: s · [B_j (A x)_j per block], on this rank's output columns."""
+    """The pairs of a column-parallel linear: s · [B_j (A x)_j per block], on this rank's output columns. A replicated
+    linear's (size 1, no group) are the same with nothing split and no entry into a tp region."""
 
     def __init__(self, t: Target, spec: LoRASpec, group, size: int, device):
         super().__init__()
@@ -194,11 +212,12 @@ class ColumnLoRA(nn.Module):
         targeted = sum(p.rows for p in t.pairs if p is not None)
         self.A = nn.Parameter(torch.empty(n * r, t.in_features, device=device))
         self.B = nn.Parameter(torch.empty(targeted // size, r, device=device))
-        self.B.tp_spec = TPSpec(0, (targeted, r), t.fused)
+        if group is not None:
+            self.B.tp_spec = TPSpec(0, (targeted, r), t.fused)
         self.blocks = [(p is not None, rows // size) for p, rows in zip(t.pairs, t.rows)]
         self.rank, self.scale = r, spec.scale
         self.dropout = nn.Dropout(spec.dropout)  # (sequence parallelism swaps it for the per-rank stream)
-        self.entry = TPEntry(group)
+        self.entry = TPEntry(group) if group is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.entry(F.linear(to_compute_dtype(self.dropout(x)), self.A))
@@ -241,9 +260,10 @@ class _Pair(nn.Module):
         self.A = nn.Parameter(torch.empty(experts, rank, inp, device=device))
         self.B = nn.Parameter(torch.empty(experts, out, rank, device=device))
 
-    def delta(self, x: torch.Tensor, sizes: list[int], grad_scale: float) -> torch.Tensor:
+    def delta(self, x: torch.Tensor, sizes: list[int] | None, offsets, grad_scale: float) -> torch.Tensor:
         A, B = (_ScaleGrad.apply(w, grad_scale) if grad_scale != 1.0 else w for w in (self.A, self.B))
-        return per_expert(per_expert(x, A, sizes, None), B, sizes, None)
+        A, B = A.to(x.dtype), B.to(x.dtype)  # (autocast does not reach the grouped matmul: cast as it would)
+        return per_expert(per_expert(x, A, sizes, offsets), B, sizes, offsets)
 
 
 class ExpertLoRA(nn.Module):
@@ -259,12 +279,17 @@ class ExpertLoRA(nn.Module):
         self.scale = spec.scale
 
     def forward(self, x, gate_up, down, counts, sizes, grad_scale: float) -> torch.Tensor:
-        """The experts' SwiGLU with the pairs, by autograd (a loop over experts: the one host read of `counts`)."""
-        sizes = counts.tolist() if sizes is None else sizes
-        h = per_expert(x, gate_up, sizes, None) + self.scale * self.gate_up.delta(x, sizes, grad_scale).to(x.dtype)
+        """The experts' SwiGLU with the pairs, by autograd: six grouped matmuls where torch._grouped_mm's rules hold
+        for the base's and the pairs' shapes (and its weight gradients write empty experts' zeros), else a loop over
+        the experts (the one host read of `counts`)."""
+        grouped = (grouped_mm_applies(x, gate_up, down) and not leaves_empty_groups(x)
+                   and (self.gate_up.A.shape[1] * x.element_size()) % 16 == 0)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32) if grouped else None
+        sizes = None if grouped else counts.tolist() if sizes is None else sizes
+        h = per_expert(x, gate_up, sizes, offsets) + self.scale * self.gate_up.delta(x, sizes, offsets, grad_scale)
         gate, up = h.chunk(2, dim=-1)
         a = F.silu(gate) * up
-        return per_expert(a, down, sizes, None) + self.scale * self.down.delta(a, sizes, grad_scale).to(x.dtype)
+        return per_expert(a, down, sizes, offsets) + self.scale * self.down.delta(a, sizes, offsets, grad_scale)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -290,11 +315,21 @@ def apply_lora(stage: CausalLM, spec: LoRASpec | None, group, size: int, rng: Sh
     for layer, block in stage.blocks.items():
         for t in linear_targets(stage.cfg, stage, layer, spec):
             linear = block.get_submodule(t.path)
-            linear.lora = ColumnLoRA(t, spec, group, size, dev) if t.column else RowLoRA(t, spec, size, rng, dev)
+            if t.split == REPLICATED:
+                linear.lora = ColumnLoRA(t, spec, None, 1, dev)
+                linear.register_forward_hook(_add_pairs)
+            else:
+                linear.lora = ColumnLoRA(t, spec, group, size, dev) if t.split == COLUMN else \
+                    RowLoRA(t, spec, size, rng, dev)
         for m in block.modules() if EXPERTS in spec.targets else ():
             if isinstance(m, Experts):
                 m.lora = ExpertLoRA(m, spec, dev)
     return stage
+
+
+def _add_pairs(linear: nn.Linear, args, out: torch.Tensor) -> torch.Tensor:
+    """A replicated nn.Linear's output plus its pairs' (the tp linears add theirs in their own forward)."""
+    return out + linear.lora(args[0])
 
 
 def freeze_base(stages: list[nn.Module], input_grads: bool = False) -> None:
@@ -343,7 +378,8 @@ def with_adapters(base_value, adapter_value):
 
 
 def check_lora(mcfg, spec: LoRASpec) -> None:
-    """Targets that name a linear of this model, and a rank no wider than any of them: one sentence otherwise."""
+    """Targets that name a linear of this model, and a rank no wider than any linear named (all-linear, as PEFT, gives
+    every linear the rank, a 1-wide gate too): one sentence otherwise."""
     with torch.device("meta"):
         model = build_model(mcfg)
     everything = LoRASpec(spec.rank, spec.alpha, targets=(ALL_LINEAR,))
@@ -356,9 +392,10 @@ def check_lora(mcfg, spec: LoRASpec) -> None:
         known = sorted({n.rpartition(".")[2] for link in linears for n in link} | ({EXPERTS} if experts else set()))
         raise ConfigError(f"--lora-targets names {unknown[0]}, which is no linear of this {mcfg.family} model; its "
                           f"linears are {', '.join(known)} (or all-linear).")
+    named = LoRASpec(spec.rank, spec.alpha, targets=tuple(t for t in spec.targets if t != ALL_LINEAR))
     narrowest = min([(min(t.in_features, *(p.rows for p in t.pairs if p is not None)), t.path)
-                     for layer in model.blocks for t in linear_targets(mcfg, model, layer, spec)]
-                    + [(min(H, I), EXPERTS) for E, H, I in expert_targets(mcfg, spec).values()])
+                     for layer in model.blocks for t in linear_targets(mcfg, model, layer, named)]
+                    + [(min(H, I), EXPERTS) for E, H, I in expert_targets(mcfg, spec).values()], default=(spec.rank, ""))
     if spec.rank > narrowest[0]:
         raise ConfigError(f"--lora-rank {spec.rank} is wider than {narrowest[1]} ({narrowest[0]}); a rank above a "
                           "target's width adds parameters and no expressiveness: pick at most "

@@ -193,17 +193,14 @@ def rank_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
 
 def trainable_params(cand, stages: list[Stage]) -> float:
     """The parameters of a rank's stages that take gradients and AdamW state: every one, or under LoRA the adapters
-    alone (parallel/lora.py: a column-parallel target's A whole and B split by tp, a row-parallel one's A split)."""
+    alone (parallel/lora.py's Target.local_params)."""
     if cand.lora is None:
         return rank_params(cand.cfg, cand.tp, stages, cand.ep)
     blocks = {b for s in stages for b in s.blocks}
     total = 0
     for prefix, t in targets_by_linear(cand.cfg, cand.lora).items():
         if int(prefix.split(".")[1]) in blocks:
-            r, rows = cand.lora.rank, sum(p.rows for p in t.pairs if p is not None)
-            pairs = sum(p is not None for p in t.pairs)
-            total += (pairs * r * t.in_features + rows * r // cand.tp) if t.column else \
-                (r * t.in_features // cand.tp + rows * r)
+            total += t.local_params(cand.lora.rank, cand.tp)
     return total + lora_expert_params(cand, stages)
 
 

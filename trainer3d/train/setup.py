@@ -229,7 +229,7 @@ def resolve_lora(cfg: TrainConfig, mcfg) -> TrainConfig:
         if not cfg.init_from_hf:
             raise ConfigError("--lora-from continues an adapter over the base it was trained on; give that base with "
                               "--init-from-hf.")
-        spec = read_spec(cfg.lora_from)
+        spec = read_spec(cfg.lora_from, mcfg)
         saved = dict(lora_rank=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                      lora_targets=",".join(spec.targets), lora_rslora=spec.rslora)
         clash = [f for f in given if getattr(cfg, f) != saved[f]]

@@ -114,6 +114,11 @@ class LlamaAdapter(HFAdapter):
             return [HFPart(n, rows) for n, rows in zip(*split)]
         return [HFPart(name if name == "lm_head.weight" else "model." + name)]
 
+    def experts_module(self, cfg, name: str) -> str:
+        """transformers 5 holds every Llama-like family's experts stacked at `model.<ours>` (Mixtral's checkpoint
+        files still say block_sparse_moe.experts.N.w1)."""
+        return f"model.{name}"
+
     def ignored(self, cfg: LlamaConfig, hf_name: str) -> bool:
         return (hf_name == "lm_head.weight" and cfg.tie_embeddings) or hf_name.endswith(_DROPPED_BUFFER_SUFFIXES)
 
