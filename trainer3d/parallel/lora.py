@@ -395,7 +395,8 @@ def check_lora(mcfg, spec: LoRASpec) -> None:
     named = LoRASpec(spec.rank, spec.alpha, targets=tuple(t for t in spec.targets if t != ALL_LINEAR))
     narrowest = min([(min(t.in_features, *(p.rows for p in t.pairs if p is not None)), t.path)
                      for layer in model.blocks for t in linear_targets(mcfg, model, layer, named)]
-                    + [(min(H, I), EXPERTS) for E, H, I in expert_targets(mcfg, spec).values()], default=(spec.rank, ""))
+                    + [(min(H, I), EXPERTS) for E, H, I in expert_targets(mcfg, spec).values()],
+                    default=(spec.rank, ""))
     if spec.rank > narrowest[0]:
         raise ConfigError(f"--lora-rank {spec.rank} is wider than {narrowest[1]} ({narrowest[0]}); a rank above a "
                           "target's width adds parameters and no expressiveness: pick at most "
