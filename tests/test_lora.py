@@ -364,8 +364,8 @@ def test_lora_experts_equal_peft(tmp_path, monkeypatch, capsys):
     moe.config.router_aux_loss_coef = 0.0  # (TRL's SFTTrainer adds transformers' balance loss where it is set)
     # attention's linears (PEFT 0.21 turns MLP names or all-linear on a MoE into more target_parameters, the router's
     # weight and gate_up at twice the rank by a rank_pattern, which --lora-from refuses with one sentence)
-    _moe_against_peft(moe, ["q_proj", "k_proj", "v_proj", "o_proj"], EXPERT_LAYOUTS, "LoRA with experts", tmp_path,
-                      monkeypatch, capsys)
+    _against_peft(moe, ["q_proj", "k_proj", "v_proj", "o_proj"], True, EXPERT_LAYOUTS, "LoRA with experts", tmp_path,
+                  monkeypatch, capsys)
 
 
 MLA_LAYOUTS = {"1 process": (1, []), "tp2 sp": (2, ["--tp", "2", "--sequence-parallel"]),
@@ -386,12 +386,23 @@ def test_lora_mla_and_shared_experts_equal_peft(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(conversion, "convert_peft_config_for_transformers", lambda *args, **kwargs: None)
     linears = ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
                "down_proj"]
-    _moe_against_peft(hf_deepseek(seed=3), linears, MLA_LAYOUTS, "LoRA on MLA and shared experts", tmp_path,
-                      monkeypatch, capsys)
+    _against_peft(hf_deepseek(seed=3), linears, True, MLA_LAYOUTS, "LoRA on MLA and shared experts", tmp_path,
+                  monkeypatch, capsys)
 
 
-def _moe_against_peft(hf_model, linears: list[str], layouts: dict, label: str, tmp_path, monkeypatch, capsys):
-    """`hf_model` with a PEFT adapter on `linears` and the experts (B drawn non-zero), continued by TRL + PEFT and by
+def test_lora_gated_deltanet_equals_peft(tmp_path, monkeypatch, capsys):
+    """A random Qwen3.5 (Gated DeltaNet blocks and gated attention) with a PEFT adapter on all-linear: the linear
+    attention's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (one fused column-parallel linear of six blocks here,
+    q|k|v spanning three) and out_proj included. At 1 process and tp 2 with sequence parallelism: per step the same
+    loss and norm as TRL + PEFT, and the same trained adapter."""
+    from test_qwen3_5 import hf_qwen35
+
+    _against_peft(hf_qwen35(seed=3), "all-linear", False, {"1 process": (1, []), "tp2 sp": MLA_LAYOUTS["tp2 sp"]},
+                  "LoRA on Gated DeltaNet", tmp_path, monkeypatch, capsys)
+
+
+def _against_peft(hf_model, linears, experts: bool, layouts: dict, label: str, tmp_path, monkeypatch, capsys):
+    """`hf_model` with a PEFT adapter on `linears` (and the experts), B drawn non-zero, continued by TRL + PEFT and by
     trainer3d --lora-from at each of `layouts`; each run's --adapter export loaded by PEFT equals TRL's adapter."""
     from test_llama_hf import MOE_LR
     from trainer3d.export import main as export
@@ -408,8 +419,9 @@ def _moe_against_peft(hf_model, linears: list[str], layouts: dict, label: str, t
     seq, batch = shapes([n for n, _ in convs], False)
     seq += seq % 2
     model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), peft.LoraConfig(
-        r=RANK, lora_alpha=ALPHA, target_modules=linears, target_parameters=EXPERT_PARAMETERS))
-    assert sorted(model.peft_config["default"].target_modules) == sorted(linears)  # (no rewrite of the targets)
+        r=RANK, lora_alpha=ALPHA, target_modules=linears, target_parameters=EXPERT_PARAMETERS if experts else None))
+    if experts:  # (PEFT's v4 -> v5 conversion rewrote none of the targets)
+        assert sorted(model.peft_config["default"].target_modules) == sorted(linears)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -434,7 +446,7 @@ def _moe_against_peft(hf_model, linears: list[str], layouts: dict, label: str, t
         assert export([argv[-1], str(out), "--adapter"]) == 0
         loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), out)
         got = peft.get_peft_model_state_dict(loaded)
-        assert got.keys() == ref["adapter"].keys() and any("experts" in k for k in got)
+        assert got.keys() == ref["adapter"].keys() and any("experts" in k for k in got) == experts
         gap = max((got[k] - ref["adapter"][k]).abs().max().item() for k in got)
         lines.append(f"{layout}: the exported adapter against TRL's trained one, max |difference| {gap:.1e}")
         failures += [f"{layout}: adapter {gap:.1e}"] if gap > 1e-5 else []

@@ -135,10 +135,26 @@ def linear_targets(mcfg, model: CausalLM, layer: str, spec: LoRASpec) -> list[Ta
                       if any(names(t, p.name.removesuffix(".weight"), path) for t in spec.targets) else None
                       for p, r in zip(parts, rows))
         if any(pairs):
-            if len(parts) > 1:  # one pair per HF module: B's blocks are the targeted ones
-                fused = tuple(p.rows for p in pairs if p is not None)
+            if len(parts) > 1:  # one pair per HF module: B's blocks are the base's blocks of the targeted ones
+                fused = tuple(b for p, span in zip(pairs, spans(fused, rows)) if p is not None for b in span)
                 fused = fused if len(fused) > 1 else None
             out.append(Target(path, pairs, tuple(rows), fused, split, _in_features(linear)))
+    return out
+
+
+def spans(fused: tuple[int, ...] | None, rows: list[int]) -> list[tuple[int, ...]]:
+    """The base's fused blocks (each split over tp on its own) that each Hugging Face module's `rows` span, in order:
+    one each mostly, three for Qwen3.5's in_proj_qkv over q|k|v. A pair's B is split as those blocks, so each tp rank
+    holds the rows of its own output columns."""
+    if fused is None:
+        return [(r,) for r in rows]
+    blocks, out = iter(fused), []
+    for r in rows:
+        span = []
+        while sum(span) < r:
+            span.append(next(blocks))
+        assert sum(span) == r, (fused, rows)  # (a module's rows are whole blocks of the base)
+        out.append(tuple(span))
     return out
 
 
