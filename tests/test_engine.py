@@ -274,11 +274,17 @@ def _engine_run(hf_dir, layout, data, train, tmp):
             for step, aggregation in enumerate(AGGREGATIONS):
                 tokens, documents, mask, adv, noise = data[step]
                 old = engine.logprobs(tokens, documents, temperature=TEMPERATURE) + noise
+                if step == 1:  # a call abandoned (discard): its gradient leaves no trace in the step's
+                    engine.forward_backward(tokens, rl_loss, mask=mask, aggregation=aggregation, documents=documents,
+                                            fields={"old": old, "adv": -3 * adv}, temperature=TEMPERATURE, entropy=True)
+                    engine.discard()
                 out["losses"].append(engine.forward_backward(
                     tokens, rl_loss, mask=mask, aggregation=aggregation, fields={"old": old, "adv": adv},
                     documents=documents, temperature=TEMPERATURE, entropy=True))
                 out["norms"].append(engine.step()["grad_norm"])
-                if step == 0:  # between steps, to the host and back: the steps after it still equal the reference's
+                # between steps, to the host and back: the steps after it still equal the reference's (a config that
+                # offloads already is refused)
+                if step == 0 and "offload" not in (cfg.deepspeed_config or ""):
                     out["offloaded"] = engine.offload()
                     out["offload_refusal"] = refused(lambda: engine.logprobs(tokens, documents))
                     engine.onload()
@@ -313,7 +319,10 @@ def test_engine_against_transformers(tmp_path):
             "zero3 dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero3.json"), True),
             # ZeRO-1/2 reduce at DeepSpeed's accumulation boundary, which the engine holds back until step()
             "zero1 dp2 pp2": (str(tmp_path / "llama"), dict(dp=2, pp=2, deepspeed_config="ds_configs/zero1.json"), True),
-            "zero2 dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero2.json"), True)}
+            "zero2 dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero2.json"), True),
+            # (its host copies and its partitions: what a discarded call left there too)
+            "zero3 offload dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero3_offload.json"),
+                                  True)}
     every_rank = run_world(4, _world, runs, data, str(tmp_path / "runs"), timeout=600)
     results, last = every_rank[0], data[len(AGGREGATIONS) - 1][0]
     for rank, result in enumerate(every_rank):  # tp2·pp2: ranks 0-1 hold the first stage, 2-3 the last
@@ -379,7 +388,7 @@ def test_engine_against_transformers(tmp_path):
     assert abs(first["no entropy"] - first["token-mean"]) > 1e-3 * first["token-mean"]
     assert max(norms) > CLIP  # clipping was active at some step
     state = llama.state_dict()
-    for label in ("1p", "tp2 pp2", "zero3 dp4", "zero1 dp2 pp2", "zero2 dp4"):
+    for label in ("1p", "tp2 pp2", "zero3 dp4", "zero1 dp2 pp2", "zero2 dp4", "zero3 offload dp4"):
         run = results[label]
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], losses))
         norm_rel = max(abs(a - b) / b for a, b in zip(run["norms"], norms))
@@ -391,6 +400,8 @@ def test_engine_against_transformers(tmp_path):
         # lr on rounding alone (1.1e-5 at tp 2 x pp 2 on an AVX-512 machine)
         assert sorted(run["weights"]) == sorted(state) and weights < PARAM_ATOL, (label, weights)
         assert run["reloaded"] == 0.0
+        if "offload" in label:
+            continue
         assert run["offload_refusal"] == "The engine is offloaded: call onload() before its other calls."
         if "zero" in label:  # DeepSpeed reports what its engines held: the steps after the round trip still match
             assert run["offloaded"]["param_bytes"] > 0 and run["offloaded"]["optim_bytes"] > 0, run["offloaded"]

@@ -98,6 +98,9 @@ PRIVATE: tuple[Private, ...] = (
             "ZeRO-1's held gradients, reduced at the boundary", params=("self", "param", "i")),
     Private(f"{_Z}.stage_1_and_2.partition_gradients", "zero/engine.py", "ZeRO-2 reduced in its hooks", "set"),
     Private(f"{_Z}.stage_1_and_2.bit16_groups", "zero/engine.py", "ZeRO-1's parameters, by group", "set"),
+    Private(f"{_Z}.stage_1_and_2.all_grad_tensors", "zero/glue.py", "a discarded pass's sums (drop_gradients)", "set"),
+    Private(f"{_Z}.stage_1_and_2.micro_step_id", "zero/glue.py", "a discarded pass's count (drop_gradients)", "set"),
+    Private(f"{_Z}.stage_1_and_2.INITIAL_MICRO_STEP_ID", "zero/glue.py", "the count step() restarts from"),
     Private(f"{_S3}.loss_scale", "zero/engine.py", "clipping through the loss scale (ZeRO-3)"),
     # DeepSpeed: gradients, norms and the tied embedding
     Private(f"{_FRAGMENT}.get_lp_grad_fragment", "zero/grads.py", "ZeRO-1/2 gradient fragments"),

@@ -300,8 +300,8 @@ class Engine:
         local[1] = float(bool(returned))
         reduced = all_reduce(local, self.topo.world_group)
         if reduced[1] > 0:
-            # (a loss_fn whose shape depends on its values, which _probe could not see: DDP drops the step's earlier
-            # calls too and the step starts over; ZeRO keeps what it has reduced of them until its next step)
+            # (a loss_fn whose shape depends on its values, which _probe could not see: the step's earlier calls are
+            # dropped too, at every engine, and the step starts over)
             t.engine.zero_grad()
             self.passes = 0
             raise _not_per_token(returned[0] if returned else "another shape (on the last pipeline stage)")
@@ -354,8 +354,8 @@ class Engine:
             raise TrainingError("The engine is offloaded: call onload() before its other calls.")
 
     def discard(self) -> None:
-        """Drop the gradient of forward_backward calls that no step() used (a caller abandoning a step). ZeRO keeps
-        what its partitions already reduced until its next step (ZeroEngine.zero_grad); DDP's is dropped."""
+        """Drop the gradient of forward_backward calls that no step() used (a caller abandoning a step), at every
+        engine: DDP's gradients, and DeepSpeed's partitions and accumulation buffers (ZeroEngine.zero_grad)."""
         if self.passes:
             self.trainer.engine.zero_grad()
             self.passes = 0

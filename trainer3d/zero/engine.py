@@ -30,7 +30,8 @@ from trainer3d.zero import memory, state
 from trainer3d.zero.config import DeepSpeedSpec
 from trainer3d.zero.experts import ExpertMPU, ExpertShard, detached, expert_config, moe_blocks, over_edp
 from trainer3d.zero.glue import (
-    TopologyMPU, ZeroPipelineStage, check_glue, engines_backward, is_zero_optimizer, patch_zero3_trace_check,
+    TopologyMPU, ZeroPipelineStage, check_glue, drop_gradients, engines_backward, is_zero_optimizer,
+    patch_zero3_trace_check,
 )
 from trainer3d.zero.grads import grad_shares, is_zero_param, z3_set_local_grad
 from trainer3d.zero.ops import (
@@ -110,7 +111,9 @@ class ZeroEngine(DataParallelEngine):
         return self.stage_engines
 
     def zero_grad(self) -> None:
-        pass  # ZeRO resets its gradient partitions in engine.step()
+        """Drop the gradient of passes no step used (a step resets it itself): each engine's, experts' too."""
+        for e in self.engines:
+            drop_gradients(e)
 
     def hold_boundary(self, hold: bool) -> None:
         """Whether a pass's last backward stays short of DeepSpeed's accumulation boundary, for several passes before

@@ -199,6 +199,21 @@ def _engine_backward(engine, last_backward: bool):
             engine._running_engine_backward = engine._running_engine_backward_count > 0
 
 
+def drop_gradients(engine) -> None:
+    """Drop what the backwards since the last step left in `engine` (Engine.discard, a loss_fn refused mid-pass):
+    its optimizer's zero_grad; for ZeRO-1/2 also the sums it keeps across backwards short of the accumulation
+    boundary (all_grad_tensors) and its count of micro-steps, reset as its step() resets them, so the next backward
+    writes its buffers afresh instead of adding to them (an offloaded one's host copies too). ZeRO-3's zero_grad
+    restarts its own count, after which its next reduction overwrites the partitions."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    opt = engine.optimizer
+    opt.zero_grad(set_to_none=True)
+    if isinstance(opt, stage_1_and_2.DeepSpeedZeroOptimizer):
+        opt.all_grad_tensors = {}
+        opt.micro_step_id = stage_1_and_2.INITIAL_MICRO_STEP_ID
+
+
 def is_zero_optimizer(opt) -> bool:
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
