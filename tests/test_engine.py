@@ -233,6 +233,22 @@ def refused(call) -> str:
         return str(e)
 
 
+def fails_on_real_rows(logprobs, fields):
+    """A loss_fn that raises inside the pass (the engine's probe, a [1, 2] stand-in, passes)."""
+    if tuple(logprobs.shape) != (1, 2):
+        raise ValueError("the reward model went away")
+    return -logprobs
+
+
+def raised(call) -> str:
+    """`ExceptionType: message` of what a call raised, or "nothing"."""
+    try:
+        call()
+        return "nothing"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
 def rollout_step(engine, data, aggregation: str, calls: int) -> float:
     """forward_backward over rollouts of any shape: in one call, or split over `calls` calls that name the whole
     batch's total (its masked tokens, or its sequences); between two calls, one with a loss_fn that returns a scalar,
@@ -278,6 +294,8 @@ def _engine_run(hf_dir, layout, data, train, tmp):
                     engine.forward_backward(tokens, rl_loss, mask=mask, aggregation=aggregation, documents=documents,
                                             fields={"old": old, "adv": -3 * adv}, temperature=TEMPERATURE, entropy=True)
                     engine.discard()
+                    out["raised"] = raised(lambda: engine.forward_backward(tokens, fails_on_real_rows,
+                                                                           documents=documents))
                 out["losses"].append(engine.forward_backward(
                     tokens, rl_loss, mask=mask, aggregation=aggregation, fields={"old": old, "adv": adv},
                     documents=documents, temperature=TEMPERATURE, entropy=True))
@@ -325,6 +343,15 @@ def test_engine_against_transformers(tmp_path):
                                   True)}
     every_rank = run_world(4, _world, runs, data, str(tmp_path / "runs"), timeout=600)
     results, last = every_rank[0], data[len(AGGREGATIONS) - 1][0]
+    # a loss_fn raising inside a pass: its error on the last stage's ranks, one sentence on the others, after every
+    # stage's backward ran (no rank left waiting); the step's gradient so far dropped (the norms below still match)
+    for rank, result in enumerate(every_rank):
+        for label, run in result.items():
+            if run is not None and "raised" in run:
+                last_stage = "pp" not in label or rank >= 2
+                assert run["raised"] == ("ValueError: the reward model went away" if last_stage else
+                                         "TrainingError: loss_fn raised on the last pipeline stage (its ranks raise "
+                                         "the error); the step's gradient so far is dropped."), (label, rank, run)
     for rank, result in enumerate(every_rank):  # tp2·pp2: ranks 0-1 hold the first stage, 2-3 the last
         shape = "a tensor of shape []"  # (seen before any pass, on every rank)
         assert result["tp2 pp2"]["refusals"] == [

@@ -272,12 +272,14 @@ class Engine:
 
     def _train(self, batches: list[tuple], loss_fn: LossFn, temperature: float, entropy: bool) -> float:
         """Each pass's (tokens, documents, weights, fields with "mask", real inputs) through forward and backward;
-        one all-reduce for the loss and for whether loss_fn returned another shape (seen on the last stage)."""
+        one all-reduce for the loss and for whether loss_fn, on the last stage, returned another shape or raised.
+        Either is raised on every rank after the passes, every stage's backward having run (a pipeline's other
+        ranks are not left waiting), and drops the step's gradient so far, earlier calls' too, at every engine."""
         t = self.trainer
         scale = (t.loss_scale.scale if t.loss_scale else 1.0) * t.topo.layout.dp_cp  # the engine averages over dp·cp
         t.engine.train()
-        returned = []  # what loss_fn returned where it was not one loss per token (the last stage sees it)
-        local = torch.zeros(2, device=self.device)  # the loss, and whether loss_fn returned another shape
+        failed: list[Exception] = []  # what loss_fn raised, or the refusal of what it returned, on this rank
+        local = torch.zeros(3, device=self.device)  # the loss; whether loss_fn returned another shape; raised
         for tokens, documents, weights, fields, real in batches:
             names = list(fields)
 
@@ -287,24 +289,32 @@ class Engine:
                 given["mask"] = given["mask"] > 0
                 if h is not None:
                     given["entropy"] = h.to(logprobs.dtype)
-                losses = loss_fn(logprobs, given)
-                if not torch.is_tensor(losses) or losses.shape != logprobs.shape:  # refused after the passes
-                    returned.append(_described(losses))
+                try:
+                    losses = loss_fn(logprobs, given)
+                except Exception as e:  # noqa: BLE001 (the caller's error, raised again after the passes)
+                    failed.append(e)
+                    local[2] = 1.0
                     return logprobs.sum() * 0.0  # every stage's backward still runs: no rank is left waiting
+                if not torch.is_tensor(losses) or losses.shape != logprobs.shape:
+                    failed.append(_not_per_token(_described(losses)))
+                    local[1] = 1.0
+                    return logprobs.sum() * 0.0
                 return (losses * targets[..., WEIGHT].to(losses.dtype)).sum() * scale
 
             targets = self._targets(tokens, weights, fields)
             losses = self._pass(tokens, targets, documents, reduction, True, real)
             if t.parallel_model.has_last and self.topo.tp_rank == 0 and losses:
                 local[0] += torch.stack([x.detach().float() for x in losses]).sum() / scale
-        local[1] = float(bool(returned))
         reduced = all_reduce(local, self.topo.world_group)
-        if reduced[1] > 0:
-            # (a loss_fn whose shape depends on its values, which _probe could not see: the step's earlier calls are
-            # dropped too, at every engine, and the step starts over)
+        if reduced[1] > 0 or reduced[2] > 0:
             t.engine.zero_grad()
             self.passes = 0
-            raise _not_per_token(returned[0] if returned else "another shape (on the last pipeline stage)")
+            if failed:
+                raise failed[0]
+            if reduced[2] > 0:
+                raise TrainingError("loss_fn raised on the last pipeline stage (its ranks raise the error); the "
+                                    "step's gradient so far is dropped.")
+            raise _not_per_token("another shape (on the last pipeline stage)")
         self.passes += 1
         self._loss = reduced[0] + (self._loss if self.passes > 1 else 0.0)
         return float(self._loss)
