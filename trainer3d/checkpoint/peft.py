@@ -114,8 +114,8 @@ def adapter_reader(path: str | os.PathLike, mcfg, spec: LoRASpec):
     if not file.is_file():
         raise CheckpointError(f"--lora-from {path}: {file} does not exist (a PEFT save_pretrained directory has it).")
     layout = PeftLayout(mcfg, spec)
-    with safe_open(str(file), framework="pt", device="cpu") as f:
-        stored = set(f.keys())
+    f = safe_open(str(file), framework="pt", device="cpu")  # one handle, read tensor by tensor as they are asked for
+    stored = set(f.keys())
     wanted = {k for name in adapter_shapes(mcfg, spec) for k in layout.keys(name)}
     missing, extra = sorted(wanted - stored), sorted(stored - wanted)
     if missing or extra:
@@ -123,8 +123,7 @@ def adapter_reader(path: str | os.PathLike, mcfg, spec: LoRASpec):
         raise CheckpointError(f"--lora-from {path} does not fit the base: its {WEIGHTS} {which}.")
 
     def full_value(name: str, shape: tuple) -> torch.Tensor:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            value = layout.from_peft(name, [f.get_tensor(k).float() for k in layout.keys(name)], shape)
+        value = layout.from_peft(name, [f.get_tensor(k).float() for k in layout.keys(name)], shape)
         if tuple(value.shape) != tuple(shape):
             raise CheckpointError(f"--lora-from {path}: {name}'s tensors have shape {tuple(value.shape)}, the run's "
                                   f"{tuple(shape)}.")

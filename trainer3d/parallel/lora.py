@@ -31,12 +31,13 @@ import torch.nn.functional as F
 
 from trainer3d.errors import ConfigError
 from trainer3d.models import build_model, family_of
-from trainer3d.models.interface import CausalLM, ColumnParallel, find_module
+from trainer3d.models.interface import CausalLM, ColumnParallel
 from trainer3d.models.moe import Experts, grouped_mm_applies, leaves_empty_groups, per_expert
 from trainer3d.models.seeding import name_seeded_uniform
 from trainer3d.parallel.sequence_parallel import ShardedDropout
 from trainer3d.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, ShardedDropoutRNG, TPEntry, TPSpec, VocabParallelHead, to_compute_dtype,
+    ColumnParallelLinear, RowParallelLinear, ShardedDropoutRNG, TPEntry, TPSpec, VocabParallelHead, linear_at,
+    to_compute_dtype,
 )
 
 ALL_LINEAR = "all-linear"
@@ -78,6 +79,14 @@ def is_adapter(name: str) -> bool:
     return MARK in name
 
 
+@lru_cache(maxsize=2)
+def meta_model(mcfg) -> CausalLM:
+    """The model on the meta device, built once per config for the questions asked of its structure here (which
+    linears, which experts): read, never changed."""
+    with torch.device("meta"):
+        return build_model(mcfg)
+
+
 # ---- which blocks of which linears get a pair ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Pair:
@@ -114,8 +123,7 @@ def expert_targets(mcfg, spec: LoRASpec) -> dict[str, tuple[int, int, int]]:
     (experts, hidden, expert hidden)."""
     if EXPERTS not in spec.targets:
         return {}
-    with torch.device("meta"):
-        model = build_model(mcfg)
+    model = meta_model(mcfg)
     return {f"{model.BLOCKS}.{layer}.{path}": m.dims
             for layer, block in model.blocks.items() for path, m in block.named_modules() if isinstance(m, Experts)}
 
@@ -170,8 +178,7 @@ def block_linears(block: nn.Module, plan) -> list[tuple[str, str]]:
 @lru_cache(maxsize=4)
 def targets_by_linear(mcfg, spec: LoRASpec) -> dict[str, Target]:
     """Every targeted linear of the model by its canonical prefix (`layers.3.self_attn.qkv_proj`)."""
-    with torch.device("meta"):
-        model = build_model(mcfg)
+    model = meta_model(mcfg)
     return {f"{model.BLOCKS}.{layer}.{t.path}": t for layer in model.blocks
             for t in linear_targets(mcfg, model, layer, spec)}
 
@@ -205,8 +212,9 @@ def names(target: str, hf_module: str, path: str) -> bool:
 
 
 def _linear(block: nn.Module, path: str):
-    found = find_module(block, path)
-    return found if isinstance(found, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) else None
+    """The linear at `path`, before tensor parallelism or after it."""
+    return linear_at(block, path, (nn.Linear, ColumnParallelLinear, RowParallelLinear))
+
 
 
 def _in_features(linear) -> int:
@@ -396,8 +404,7 @@ def with_adapters(base_value, adapter_value):
 def check_lora(mcfg, spec: LoRASpec) -> None:
     """Targets that name a linear of this model, and a rank no wider than any linear named (all-linear, as PEFT, gives
     every linear the rank, a 1-wide gate too): one sentence otherwise."""
-    with torch.device("meta"):
-        model = build_model(mcfg)
+    model = meta_model(mcfg)
     everything = LoRASpec(spec.rank, spec.alpha, targets=(ALL_LINEAR,))
     linears = [(t.path, p.hf_module) for layer in model.blocks
                for t in linear_targets(mcfg, model, layer, everything) for p in t.pairs]

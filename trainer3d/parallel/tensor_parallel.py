@@ -375,11 +375,11 @@ def _shard_parameter(block: nn.Module, path: str, style: ColumnParallel, size: i
     setattr(module, leaf, local)
 
 
-def linear_at(block: nn.Module, path: str) -> nn.Linear | None:
-    """The nn.Linear at `path` in a block, or None where the path leads to something else (a mixture of experts in
-    place of the dense MLP holds its experts' weights as stacked parameters, not layers) or nowhere (a hybrid stack's
-    blocks hold one kind of attention each)."""
+def linear_at(block: nn.Module, path: str, kinds: tuple[type, ...] = (nn.Linear,)) -> nn.Module | None:
+    """The linear (an nn.Linear, or one of `kinds`) at `path` in a block, or None where the path leads to something
+    else (a mixture of experts in place of the dense MLP holds its experts' weights as stacked parameters, not layers)
+    or nowhere (a hybrid stack's blocks hold one kind of attention each)."""
     owner, _, leaf = path.rpartition(".")
     module = find_module(block, owner) if owner else block
     found = getattr(module, leaf, None)
-    return found if isinstance(found, nn.Linear) else None
+    return found if isinstance(found, kinds) else None
