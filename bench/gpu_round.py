@@ -25,6 +25,9 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
   engine   bench/engine_gpu.py: trainer3d.engine's offload()/onload() (what it        not yet run (~60 s est.)
            frees, their cost, the same log-probs after) and named_weights' rate,
            llama3.2-1b bf16 under DDP, ZeRO-1, ZeRO-3
+  lora     bench/lora_experts.py in bf16: one MoE layer's experts with LoRA       not yet run (~20 s est.)
+           pairs through torch._grouped_mm against the per-expert loop, full
+           training's grouped experts beside them
 
 The rounds' figures are in bench/gpu_round.md; --parts skips what a round need not repeat and --mfu-rows picks the
 mfu part's rows (the fourth round: env,fp8,mfu with the six compiled bf16 rows, then env,paths,fp8).
@@ -60,7 +63,7 @@ class Round:
         self.out, self.work, self.dry = out, work, dry
         self.deadline = time.monotonic() + budget_s
         self.rows: list[tuple[str, str, float, str]] = []  # (part, status, seconds, finding)
-        self.parts = ["env", "smoke", "paths", "fp8", "mfu", "big", "engine"]
+        self.parts = ["env", "smoke", "paths", "fp8", "mfu", "big", "engine", "lora"]
         self.mfu_rows = MFU_ROWS
         self.log_path = os.path.join(out, "round.log")
         # dry: each Python command forked from one process that imported the trainer (bench/preloaded.py)
@@ -464,11 +467,24 @@ def part_engine(r: Round) -> tuple[str, str]:
                            f"stream {c[7]} GB/s on device, {c[8]} to host" for c in cells)
 
 
+def part_lora(r: Round) -> tuple[str, str]:
+    """The experts' LoRA pairs on the GPU (bench/lora_experts.py): grouped against the loop, in bf16 (sm90/sm100:
+    torch._grouped_mm's fast path); the dry run at a tiny size in fp32."""
+    sizes = ["--experts", "4", "--hidden", "64", "--expert-hidden", "32", "--rows", "256", "--rounds", "1"]
+    rc, output = r.run("lora", [sys.executable, "bench/lora_experts.py", *(sizes if r.dry else ["--dtype", "bf16"])],
+                       90)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in output.splitlines()
+            if line.startswith(("| full", "| LoRA"))]
+    if rc != 0 or len(rows) != 3:
+        return "failed", output.strip().splitlines()[-1] if output.strip() else f"exit {rc}"
+    return "ok", "; ".join(f"{c[0]}: {c[1]} ms, {c[2]}x the loop's" for c in rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu_round"))
     ap.add_argument("--budget-s", type=float, default=450, help="the whole round's wall time")
-    ap.add_argument("--parts", default="env,smoke,paths,fp8,mfu,big,engine",
+    ap.add_argument("--parts", default="env,smoke,paths,fp8,mfu,big,engine,lora",
                     help="which parts, comma-separated (a later round may skip what an earlier one measured)")
     ap.add_argument("--dry", action="store_true", default=os.environ.get("GPU_ROUND_DRY") == "1",
                     help="every part on CPU at tiny sizes (GPU_ROUND_DRY=1)")
@@ -481,7 +497,7 @@ def main(argv=None) -> int:
     r.parts, r.mfu_rows = args.parts.split(","), args.mfu_rows
     r.log(f"# GPU round {'(dry, CPU)' if args.dry else ''} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     for name, fn in [("env", part_env), ("smoke", part_smoke), ("paths", part_paths), ("fp8", part_fp8),
-                     ("mfu", part_mfu), ("big", part_big), ("engine", part_engine)]:
+                     ("mfu", part_mfu), ("big", part_big), ("engine", part_engine), ("lora", part_lora)]:
         if name not in r.parts:
             continue
         t0 = time.monotonic()

@@ -25,7 +25,7 @@ PARTS = ["env", "smoke", "paths: bf16 eager", "paths: fp32 GPU vs CPU", "paths: 
          "paths: document mask (flex)", "paths: Qwen3-MoE tiny", "paths: DeepSeek-V3 tiny", "paths: fp8 rowwise",
          "paths: fp8 tensorwise", "paths: DPO", "paths: engine (GRPO)", "fp8", "mfu",
          "big: recompute full", "big: LoRA r16, recompute full", "big: ZeRO-3 + CPU offload (the planner's JSON)",
-         "engine"]
+         "engine", "lora"]
 
 
 def _summary(out: Path) -> dict[str, tuple[str, str]]:
