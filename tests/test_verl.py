@@ -13,6 +13,7 @@ trainer's) at tp2·dp2 equals its definition through trainer3d.engine at one pro
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -173,26 +174,34 @@ def sft_sequences():
     return seqs, [(torch.arange(len(s)) >= 3).long() for s in seqs]
 
 
-def sft_direct(hf_dir, tmp):
+LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="q_proj,v_proj")  # (verl's model config: LORA_VERL)
+LORA_VERL = dict(lora_rank=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+
+def sft_direct(hf_dir, tmp, lora: bool = False):
     """verl's sft_loss by its definition (the mean over the batch's masked tokens of -log p, the mask of the token
-    predicted), through trainer3d.engine at one process: (loss, norm)."""
+    predicted), through trainer3d.engine at one process: (loss, norm), and with `lora` (LoRA) the weights after the
+    step, merged and the adapters alone."""
     from trainer3d.engine import Engine
 
     cfg = TrainConfig(init_from_hf=hf_dir, seq_len=SEQ, global_batch=4, precision="fp32", lr=LR, beta1=BETAS[0],
                       beta2=BETAS[1], warmup_steps=0, min_lr=LR, grad_clip=CLIP, weight_decay=0.0,
-                      document_mask=True, reset_position_ids=True, out_dir=tmp)
+                      document_mask=True, reset_position_ids=True, out_dir=tmp, **(LORA if lora else {}))
     engine, out = Engine(cfg, ranks=[0]), None
     if engine.active:
         seqs, masks = sft_sequences()
         loss = engine.forward_backward(seqs, lambda lp, f: -lp, mask=[m[1:].bool() for m in masks])
         out = (loss, engine.step()["grad_norm"])
+        if lora:
+            out += (dict(engine.named_weights()), dict(engine.named_weights(adapters=True)))
     engine.close()
     return out
 
 
-def sft_through_verl(hf_dir, args, tmp):
+def sft_through_verl(hf_dir, args, tmp, lora: bool = False):
     """One train_batch with verl's own sft_loss on the same samples (loss summed over micro-batches, mean over dp;
-    the norm where verl collects it)."""
+    the norm where verl collects it). With `lora`, verl's LoRA model config (LORA_VERL), and then the weight syncs
+    verl's worker asks for: the base alone (base_sync_done False), the adapters with their config, merged."""
     from functools import partial
 
     import torch.distributed as dist
@@ -204,9 +213,11 @@ def sft_through_verl(hf_dir, args, tmp):
     from trainer3d.engine.verl_engine import Trainer3dEngineConfig
 
     engine = EngineRegistry.new(
-        model_type="language_model", backend="trainer3d", model_config=HFModelConfig(path=hf_dir, load_tokenizer=False),
+        model_type="language_model", backend="trainer3d",
+        model_config=HFModelConfig(path=hf_dir, load_tokenizer=False, **(LORA_VERL if lora else {})),
         engine_config=Trainer3dEngineConfig(args=[*args, "--seq-len", str(SEQ), "--global-batch", "4", "--precision",
-                                                  "fp32", "--out-dir", tmp], dtype="float32"),
+                                                  "fp32", "--out-dir", tmp], dtype="float32",
+                                            seed=TrainConfig().seed),  # (LoRA's A is drawn from the seed)
         optimizer_config=FSDPOptimizerConfig(lr=LR, betas=BETAS, weight_decay=0.0, clip_grad=CLIP,
                                              total_training_steps=10))
     seqs, masks = sft_sequences()
@@ -221,8 +232,17 @@ def sft_through_verl(hf_dir, args, tmp):
         result = engine.train_batch(td, partial(sft_loss, config=config))
     loss = torch.tensor(sum(result["loss"]), dtype=torch.float64)
     dist.all_reduce(loss, group=engine.get_data_parallel_group())
+    out = (float(loss) / dp, result["metrics"].get("grad_norm"))
+    if lora:
+        base, no_config = engine.get_per_tensor_param(base_sync_done=False)
+        out += (dict(base), no_config is not None)
+        adapters, peft_config = engine.get_per_tensor_param(base_sync_done=True)
+        out += (dict(adapters), peft_config)
+        engine.model_config.lora["merge"] = True  # (verl's peft_merge)
+        merged, none = engine.get_per_tensor_param(base_sync_done=True)
+        out += (dict(merged), none)
     engine.engine.close()
-    return float(loss) / dp, result["metrics"].get("grad_norm")
+    return out
 
 
 def refusals(hf_dir) -> list[str]:
@@ -236,11 +256,15 @@ def refusals(hf_dir) -> list[str]:
     cases = [(Trainer3dEngineConfig(args=["--lr", "1e-5"]), FSDPOptimizerConfig(lr=LR)),
              (Trainer3dEngineConfig(param_offload=True), FSDPOptimizerConfig(lr=LR)),  # (without the optimizer's)
              (Trainer3dEngineConfig(args=["--dropout", "0.1"]), FSDPOptimizerConfig(lr=LR)),
-             (Trainer3dEngineConfig(), FSDPOptimizerConfig(lr=LR, optimizer="AdamW8bit"))]
+             (Trainer3dEngineConfig(), FSDPOptimizerConfig(lr=LR, optimizer="AdamW8bit")),
+             (Trainer3dEngineConfig(args=["--lora-rank", "8"]), FSDPOptimizerConfig(lr=LR))]
+    lora_cases = [dict(lora_rank=4, exclude_modules="o_proj"), dict(lora_rank=4, target_parameters=["gate.weight"])]
     said = []
-    for engine_config, optimizer_config in cases:
+    for model_config, (engine_config, optimizer_config) in [(model, c) for c in cases] + [
+            (HFModelConfig(path=hf_dir, load_tokenizer=False, **kw), (Trainer3dEngineConfig(), FSDPOptimizerConfig(
+                lr=LR))) for kw in lora_cases]:
         try:
-            Trainer3dEngine(model, engine_config, optimizer_config)
+            Trainer3dEngine(model_config, engine_config, optimizer_config)
             said.append("accepted")
         except ConfigError as e:
             said.append(str(e))
@@ -255,6 +279,8 @@ def _world(rank, world_size, models, data, runs, site, tmp):
     out["refusals"] = refusals(models["llama"])
     out["sft reference"] = sft_direct(models["llama"], f"{tmp}/sft_reference")
     out["sft tp2 dp2"] = sft_through_verl(models["llama"], ["--tp", "2"], f"{tmp}/sft_tp2_dp2")
+    out["lora sft reference"] = sft_direct(models["llama"], f"{tmp}/lora_sft_reference", lora=True)
+    out["lora sft tp2 dp2"] = sft_through_verl(models["llama"], ["--tp", "2"], f"{tmp}/lora_sft_tp2_dp2", lora=True)
     for label, (model, args, offload) in runs.items():
         out[label] = through_verl(models[model], args, offload, data, f"{tmp}/{label.replace(' ', '_')}")
     return out
@@ -305,15 +331,45 @@ def test_verl_backend_equals_the_engine(tmp_path):
         assert abs(got_loss - loss) < 1e-5 * loss and (got_norm is None or abs(got_norm - norm) < 1e-5 * norm), \
             (rank, result["sft tp2 dp2"], (loss, norm))
     assert sum(r["sft tp2 dp2"][1] is not None for r in every_rank) == 2  # dp 2: one rank of each collects
+    lora_through_verl(every_rank, tmp_path / "llama")
     said = every_rank[0]["refusals"]
     assert said[0].startswith("--lr is verl's to set (optim.lr)"), said
     assert said[1].startswith("The trainer3d backend moves parameters, gradients and optimizer state to the host "
                               "together"), said
     assert said[2].startswith("The trainer3d backend applies verl's loss through a second forward pass"), said
     assert said[3] == "The trainer3d backend trains with AdamW; verl's optimizer config names 'adamw8bit'.", said
+    assert said[4].startswith("--lora-rank is verl's to set (model.lora_rank)"), said
+    assert said[5].startswith("The trainer3d backend's LoRA targets modules by name and excludes none"), said
+    assert said[6].startswith("model.target_parameters ['gate.weight']: the trainer3d backend's LoRA takes a "
+                              "mixture's experts' stacked weights (this model has none)"), said
     clipfrac = every_rank[0]["tp2 pp2"]["clipfrac"]  # (clipped at 1 ± ε, dual-clipped) summed over micro-batches
     assert all(upper > 0 and lower > 0 for upper, lower in clipfrac), clipfrac
     ref = every_rank[0]["reference llama"]
     assert len(set(ref["losses"])) == len(AGGREGATIONS) and min(ref["norms"]) > 0
     experts = [k for k in every_rank[0]["moe dp2 ep2 tp2"]["weights"] if ".mlp.experts." in k]
     assert len(experts) == 2 * 8 * 3 and "model.layers.1.mlp.experts.7.down_proj.weight" in experts, experts[:4]
+
+
+def lora_through_verl(every_rank: list, hf_dir) -> None:
+    """verl's LoRA model config (rank 4, α 8, q_proj and v_proj) at tp 2 × dp 2: verl's sft_loss equals the engine's
+    LoRA run at one process; verl's weight syncs are the base as loaded (bitwise), then the adapters under PEFT's
+    names with PEFT's config, or merged (model.lora.merge), each the engine's own stream."""
+    from safetensors.torch import load_file
+
+    loss, norm, merged, adapters = every_rank[0]["lora sft reference"]
+    on_disk = load_file(Path(hf_dir) / "model.safetensors")
+    for rank, result in enumerate(every_rank):
+        got_loss, got_norm, base, base_config, got_adapters, peft_config, got_merged, merged_config = \
+            result["lora sft tp2 dp2"]
+        assert abs(got_loss - loss) < 1e-5 * loss and (got_norm is None or abs(got_norm - norm) < 1e-5 * norm), \
+            (rank, got_loss, got_norm, loss, norm)
+        assert sorted(base) == sorted(on_disk) and all(torch.equal(base[k], v) for k, v in on_disk.items()), rank
+        assert base_config and merged_config is None
+        assert sorted(got_adapters) == sorted(adapters) and len(adapters) == 2 * 2 * 2  # q, v; A, B; 2 layers
+        assert max((got_adapters[k] - v).abs().max().item() for k, v in adapters.items()) < 1e-6, rank
+        assert (peft_config["r"], peft_config["lora_alpha"], sorted(peft_config["target_modules"])) == \
+            (4, 8.0, ["q_proj", "v_proj"]), peft_config
+        assert sorted(got_merged) == sorted(merged)
+        assert max((got_merged[k] - v).abs().max().item() for k, v in merged.items()) < 1e-6, rank
+    moved = max((merged[k] - on_disk[k]).abs().max().item() for k in on_disk)
+    assert moved > 1e-4, moved  # the merged weights carry the trained adapters (B moved off zero)

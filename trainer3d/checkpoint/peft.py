@@ -37,7 +37,10 @@ def target_parameters(mcfg) -> list[str]:
     """PEFT's target_parameters for the experts' stacked weights, in Experts.STACKED's order (PEFT wraps the first
     innermost: its keys read `base_layer.`): each weight's Hugging Face name, as the dotted suffix every mixture of the
     model shares (`mlp.experts.gate_up_proj`)."""
-    names = [[f"{module}.{w}".split(".") for module in expert_modules(mcfg).values()] for w in Experts.STACKED]
+    modules = list(expert_modules(mcfg).values())
+    if not modules:
+        return []
+    names = [[f"{module}.{w}".split(".") for module in modules] for w in Experts.STACKED]
     shared = [next((k for k in range(1, min(map(len, ns)) + 1) if len({tuple(n[-k:]) for n in ns}) > 1), 0)
               for ns in names]  # the first suffix length at which they differ (0: never, up to the whole name)
     return [".".join(ns[0][-(k - 1):] if k else ns[0]) for ns, k in zip(names, shared)]

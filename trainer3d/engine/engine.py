@@ -39,6 +39,7 @@ from typing import Callable, Iterator
 import torch
 
 from trainer3d.checkpoint.load import apply, prepare
+from trainer3d.checkpoint.peft import peft_config
 from trainer3d.checkpoint.save import save_checkpoint
 from trainer3d.config import TrainConfig
 from trainer3d.distributed.collectives import all_reduce
@@ -372,20 +373,33 @@ class Engine:
 
     # ---- weights and checkpoints -----------------------------------------------------------------------------
     def named_weights(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                      bucket_bytes: int = 1 << 28, adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                      bucket_bytes: int = 1 << 28, adapters: bool = False,
+                      base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, whole tensor) for every weight of the model, on every rank, in `dtype` on `device`
         (the engine's own for a CUDA-IPC or NCCL hand-over; tables stay fp32), per-expert tensors under HF's
         per-expert names. Gathered in buckets of at most `bucket_bytes` (a larger tensor alone): each element moves
         once from its one writer to every rank (engine/weights.py), so a rank holds one bucket at a time. Collective:
         every rank iterates to the end. A LoRA run's weights come merged with its adapters; with `adapters`, the
-        adapters alone under PEFT's names (an inference engine's LoRA hand-over: vLLM's LoRARequest)."""
+        adapters alone under PEFT's names, and with `base` the frozen base alone, unmerged (an inference engine
+        that applies LoRA itself: the base once, then the adapters after each step, with adapter_config())."""
         self._ready()
-        if adapters and LoRASpec.of(self.setup.cfg) is None:
-            raise ConfigError("named_weights(adapters=True) streams LoRA adapters, and this engine trains every "
-                              "weight (no --lora-rank).")
+        if (adapters or base) and LoRASpec.of(self.setup.cfg) is None:
+            raise ConfigError(f"named_weights({'adapters' if adapters else 'base'}=True) streams a LoRA run's "
+                              "parts, and this engine trains every weight (no --lora-rank).")
+        if adapters and base:
+            raise ConfigError("named_weights streams the adapters or the base, not both in one call.")
         if self._stream is None:
             self._stream = WeightStream(self.trainer, self.device)
-        yield from self._stream.stream(dtype, device, bucket_bytes, adapters)
+        yield from self._stream.stream(dtype, device, bucket_bytes, adapters, base)
+
+    def adapter_config(self) -> dict:
+        """A LoRA run's adapter_config.json as PEFT writes it (what `named_weights(adapters=True)` goes with: vLLM's
+        LoRA request takes it as its peft_config)."""
+        spec = LoRASpec.of(self.setup.cfg)
+        if spec is None:
+            raise ConfigError("adapter_config() describes LoRA adapters, and this engine trains every weight (no "
+                              "--lora-rank).")
+        return peft_config(self.trainer.mcfg, spec, self.setup.cfg.init_from_hf)
 
     def save(self, out_dir: str) -> str:
         """A checkpoint of the model, optimizer and step under `out_dir`/checkpoints (what --resume and

@@ -36,6 +36,8 @@ from verl.workers.config import EngineConfig
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
+from trainer3d.checkpoint.hf_init import hf_model_config
+from trainer3d.checkpoint.peft import target_parameters
 from trainer3d.config.cli import parse_args
 from trainer3d.engine.engine import Engine
 from trainer3d.errors import ConfigError
@@ -46,7 +48,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
 VERL_OWNS = {"init_from_hf": "model.path", "lr": "optim.lr", "weight_decay": "optim.weight_decay",
              "beta1": "optim.betas", "beta2": "optim.betas", "grad_clip": "optim.clip_grad", "seed": "engine.seed",
              "warmup_steps": "optim.lr_warmup_steps", "min_lr": "optim.min_lr_ratio",
-             "max_steps": "optim.total_training_steps"}
+             "max_steps": "optim.total_training_steps", "lora_rank": "model.lora_rank", "lora_alpha": "model.lora_alpha",
+             "lora_targets": "model.target_modules", "lora_from": "model.lora_adapter_path"}
 
 
 @dataclass
@@ -64,8 +67,27 @@ class Trainer3dEngineConfig(EngineConfig):
                               f"{self.strategy!r}.")
 
 
-def train_config(model_path: str, engine_config, optimizer_config):
-    """The TrainConfig of verl's three configs: trainer3d's flags, then the model and verl's optimizer on top."""
+def lora_fields(model_config) -> dict:
+    """verl's LoRA settings (model_config: lora_rank, lora_alpha, target_modules, target_parameters on a mixture's
+    experts, lora_adapter_path) as TrainConfig fields, as its FSDP engine hands them to PEFT's LoraConfig; PEFT's
+    exclude_modules, which trainer3d does not build, refused."""
+    rank = int(getattr(model_config, "lora_rank", 0) or 0)
+    if not rank:
+        return {}
+    if getattr(model_config, "exclude_modules", None):
+        raise ConfigError("The trainer3d backend's LoRA targets modules by name and excludes none: drop "
+                          "model.exclude_modules (or name fewer model.target_modules).")
+    if getattr(model_config, "lora_adapter_path", None):  # (its rank, α and targets are the adapter's, as PEFT's)
+        return dict(lora_from=str(model_config.lora_adapter_path))
+    targets = model_config.target_modules or []
+    targets = [targets] if isinstance(targets, str) else [str(t) for t in targets]
+    experts = ["experts"] if getattr(model_config, "target_parameters", None) else []
+    return dict(lora_rank=rank, lora_alpha=float(model_config.lora_alpha), lora_targets=",".join(targets + experts))
+
+
+def train_config(model_config, engine_config, optimizer_config):
+    """The TrainConfig of verl's three configs: trainer3d's flags, then the model (and its LoRA) and verl's optimizer
+    on top."""
     name = str(getattr(optimizer_config, "optimizer", "AdamW")).lower()
     if name not in ("adamw", "adam_w", "torch.optim.adamw"):
         raise ConfigError(f"The trainer3d backend trains with AdamW; verl's optimizer config names {name!r}.")
@@ -84,12 +106,21 @@ def train_config(model_path: str, engine_config, optimizer_config):
         raise ConfigError(f"--{owned[0].replace('_', '-')} is verl's to set ({VERL_OWNS[owned[0]]}); drop it from "
                           "Trainer3dEngineConfig.args.")
     cfg = dataclasses.replace(
-        typed, init_from_hf=model_path, lr=optimizer_config.lr, weight_decay=optimizer_config.weight_decay,
+        typed, **lora_fields(model_config), init_from_hf=model_config.local_path, lr=optimizer_config.lr,
+        weight_decay=optimizer_config.weight_decay,
         beta1=optimizer_config.betas[0], beta2=optimizer_config.betas[1], grad_clip=clip or 0.0,
         seed=engine_config.seed, warmup_steps=0)  # the lr comes from verl's schedule (Trainer3dEngine.lr_scheduler_step)
     if cfg.dropout:
         raise ConfigError("The trainer3d backend applies verl's loss through a second forward pass, which must see the "
                           "first one's log-probs: train without dropout (--dropout 0).")
+    wanted = sorted(getattr(model_config, "target_parameters", None) or [])
+    if wanted and cfg.lora_rank:
+        mcfg = cfg.model_config(model_config.hf_config.vocab_size, base=hf_model_config(cfg.init_from_hf))
+        experts = sorted(target_parameters(mcfg))
+        if wanted != experts:
+            raise ConfigError(f"model.target_parameters {wanted}: the trainer3d backend's LoRA takes a mixture's "
+                              f"experts' stacked weights ({', '.join(experts) or 'this model has none'}) and no other "
+                              "parameter.")
     return cfg
 
 
@@ -121,7 +152,7 @@ class Trainer3dEngine(BaseEngine):
         super().__init__()
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
-        self.cfg = train_config(model_config.local_path, engine_config, optimizer_config)
+        self.cfg = train_config(model_config, engine_config, optimizer_config)
         self.stream_dtype = DTYPES.get(str(engine_config.dtype))
         if self.stream_dtype is None:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {engine_config.dtype!r}.")
@@ -288,14 +319,20 @@ class Trainer3dEngine(BaseEngine):
         return [list(g.cpu()[:sum(rank)].split(rank)) for g, rank in zip(gathered, sizes)]
 
     # ---- weights and checkpoints ----------------------------------------------------------------------------
-    def get_per_tensor_param(self, **kwargs):
+    def get_per_tensor_param(self, layered_summon: bool = False, base_sync_done: bool = False, **kwargs):
         """(Hugging Face name, whole tensor) on this rank's device in engine_config.dtype, from trainer3d's bucketed
-        stream (engine/weights.py); no adapter config (None)."""
+        stream (engine/weights.py), and the adapter config. As verl's FSDP engine: without LoRA, or with
+        model.lora.merge, every weight (merged) and None; under LoRA, the base alone while the rollout has none
+        (base_sync_done False), then the adapters alone under PEFT's names, each with PEFT's adapter config (the
+        peft_config of vLLM's LoRA request)."""
+        lora = self.cfg.lora_rank > 0 and not (getattr(self.model_config, "lora", None) or {}).get("merge", False)
+        part = {} if not lora else dict(adapters=True) if base_sync_done else dict(base=True)
+
         def stream():
             with self._loaded():
-                yield from self.engine.named_weights(dtype=self.stream_dtype, device=self.engine.device)
+                yield from self.engine.named_weights(dtype=self.stream_dtype, device=self.engine.device, **part)
 
-        return stream(), None
+        return stream(), self.engine.adapter_config() if lora else None
 
     @contextlib.contextmanager
     def _loaded(self):

@@ -11,7 +11,8 @@ what it writes: (model bytes in dtype - its own pieces) in, no world-wide all-re
 gathered once per engine (the plan).
 
 A LoRA run's adapters are units too, streamed first and kept: each targeted weight is yielded merged (W + s · B A, in
-fp32, then the caller's dtype), or with `adapters` only the adapters, under PEFT's names (checkpoint/peft.py).
+fp32, then the caller's dtype), or with `adapters` only the adapters, under PEFT's names (checkpoint/peft.py), or
+with `base` only the base, unmerged (the adapters then not even gathered).
 """
 
 from __future__ import annotations
@@ -99,13 +100,14 @@ class WeightStream:
         nbytes = [torch.Size(u.shape).numel() * dtype.itemsize for u in self.units]
         return by_size(list(units), nbytes.__getitem__, bucket_bytes)
 
-    def stream(self, dtype: torch.dtype, device, bucket_bytes: int,
-               adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights (`adapters`: a LoRA run's adapters alone, PEFT-named), bucket by bucket."""
+    def stream(self, dtype: torch.dtype, device, bucket_bytes: int, adapters: bool = False,
+               base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights, bucket by bucket; a LoRA run's merged, or its adapters alone, PEFT-named (`adapters`), or its
+        base alone (`base`)."""
         mcfg = self.trainer.mcfg
         self.received = 0  # elements this rank received in the last stream (bench/engine_weights.py)
         held = {}  # a LoRA run's adapters, whole, fp32
-        for i, tensor in self._units(range(self.n_adapters), torch.float32, bucket_bytes):
+        for i, tensor in self._units(range(0 if base else self.n_adapters), torch.float32, bucket_bytes):
             held[self.units[i].name] = tensor
         if adapters:
             yield from ((k, v.to(device, dtype)) for k, v in peft_tensors(mcfg, self.lora, held).items())
@@ -113,7 +115,7 @@ class WeightStream:
         hf = family_of(mcfg).hf
         for i, tensor in self._units(range(self.n_adapters, len(self.units)), dtype, bucket_bytes):
             unit = self.units[i]
-            if held:
+            if held and not base:
                 tensor = merged(mcfg, self.lora, unit.name, tensor.float(), held.__getitem__).to(dtype)
             tensor = tensor.to(device)
             yield from (hf.expert_to_hf(mcfg, unit.name, unit.expert, tensor) if unit.expert is not None
