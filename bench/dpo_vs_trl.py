@@ -153,25 +153,28 @@ def child_env() -> dict:
 
 
 # ---- the three sides --------------------------------------------------------------------------------------------
-def trainer3d_cmd(model_dir, data, seq_len, pairs_per_step, steps, out_dir) -> list[str]:
+def trainer3d_cmd(model_dir, data, seq_len, rows, steps, out_dir, padding_free: bool = False) -> list[str]:
     return [sys.executable, "launch/train.py", "--init-from-hf", str(model_dir), "--objective", "dpo",
             "--data-format", "preference", "--data", str(data), "--seq-len", str(seq_len),
-            "--global-batch", str(2 * pairs_per_step), "--micro-batches", "1", "--precision", "fp32",
+            *(["--dpo-padding-free"] if padding_free else []),
+            "--global-batch", str(rows), "--micro-batches", "1", "--precision", "fp32",
             "--max-steps", str(steps), "--lr", str(LR), "--min-lr", str(LR), "--warmup-steps", "0",
             "--weight-decay", "0", "--beta1", "0.9", "--beta2", "0.999", "--adam-eps", "1e-8", "--grad-clip", "1.0",
             "--dpo-beta", str(BETA), "--dpo-loss", "sigmoid", "--recompute", "none", "--val-fraction", "0",
             "--eval-every", "0", "--log-every", "1", "--no-final-save", "--out-dir", str(out_dir)]
 
 
-def trainer3d_side(model_dir, data, seq_len, pairs_per_step, steps, work: Path, tag: str) -> dict:
-    out_dir = work / f"trainer3d{tag}"
-    cmd = trainer3d_cmd(model_dir, data, seq_len, pairs_per_step, steps, out_dir)
-    measured = run_measured(cmd, child_env(), work / f"trainer3d{tag}.log", marker="] rank 0 memory (")
+def trainer3d_side(model_dir, data, seq_len, rows, steps, work: Path, tag: str, padding_free: bool = False) -> dict:
+    """`rows` a step (unpacked: two a pair; padding-free: rows of several pairs, whose count each step logs)."""
+    out_dir = work / f"trainer3d{'-padding-free' if padding_free else ''}{tag}"
+    cmd = trainer3d_cmd(model_dir, data, seq_len, rows, steps, out_dir, padding_free)
+    measured = run_measured(cmd, child_env(), work / f"{out_dir.name}.log", marker="] rank 0 memory (")
     with open(out_dir / "metrics.jsonl") as f:
         records = [r for r in map(json.loads, f) if "step_time_s" in r]
     assert len(records) == steps, records
     return {**measured, "step_s": [r["step_time_s"] for r in records], "loss": [r["loss"] for r in records],
-            "margins": [r.get("rewards/margins") for r in records], "widths": [seq_len] * steps}
+            "margins": [r.get("rewards/margins") for r in records], "widths": [seq_len] * steps,
+            "pairs": [r.get("pairs", rows // 2) for r in records]}
 
 
 def trl_side(model_dir, data, pairs_per_step, steps, work: Path, tag: str, precompute: bool) -> dict:
@@ -241,19 +244,22 @@ def _status_bytes(key: str) -> int:
 
 
 # ---- main -------------------------------------------------------------------------------------------------------
-def summarize(side: dict, skip: int, pairs_per_step: int, tokens_per_pair: float) -> dict:
+def summarize(side: dict, skip: int, pairs_per_step: float, tokens_per_pair: float) -> dict:
+    """`pairs_per_step`: the mean over the steady steps (padding-free steps train the pairs their rows hold)."""
     steady = side["step_s"][skip:]
     step = statistics.median(steady)
     return {"step_ms": step * 1e3, "step_ms_iqr": [q * 1e3 for q in statistics.quantiles(steady, n=4)[::2]]
-            if len(steady) > 1 else [step * 1e3] * 2,
+            if len(steady) > 1 else [step * 1e3] * 2, "pairs_per_step": pairs_per_step,
             "pairs_per_s": pairs_per_step / step, "tokens_per_s": pairs_per_step * tokens_per_pair / step}
 
 
 SIDES = {  # name: the table's column
     "trainer3d": "trainer3d",
+    "trainer3d-padding-free": "trainer3d --dpo-padding-free",
     "trl": "TRL DPOTrainer",
     "trl-precomputed": "TRL, precompute_ref_log_probs",
 }
+PF_ROWS = 4  # padding-free: rows a step, each PF_WIDTH x the longest pair's side
 
 
 def main(argv=None) -> int:
@@ -261,6 +267,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=64, help="preference pairs in the set")
     ap.add_argument("--pairs-per-step", type=int, default=8, help="pairs a step (trainer3d: --global-batch 2×)")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--pf-width", type=int, default=4, help="padding-free rows: this many times the longest side")
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the timing")
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--layers", type=int, default=6)
@@ -301,7 +308,10 @@ def main(argv=None) -> int:
             for side in (args.sides if r % 2 == 0 else args.sides[::-1]):
                 t0 = time.perf_counter()
                 if side == "trainer3d":
-                    res = trainer3d_side(model_dir, data, seq_len, args.pairs_per_step, args.steps, work, str(r))
+                    res = trainer3d_side(model_dir, data, seq_len, 2 * args.pairs_per_step, args.steps, work, str(r))
+                elif side == "trainer3d-padding-free":
+                    res = trainer3d_side(model_dir, data, args.pf_width * longest - 1, PF_ROWS, args.steps, work,
+                                         str(r), padding_free=True)
                 else:
                     res = trl_side(model_dir, data, args.pairs_per_step, args.steps, work, str(r),
                                    precompute=side == "trl-precomputed")
@@ -313,8 +323,8 @@ def main(argv=None) -> int:
     # one summary per side: the median over the rounds' steady steps pooled, the highest peak
     def pooled(side):
         rs = runs[side]
-        out = summarize({"step_s": [x for r in rs for x in r["step_s"][args.skip:]]}, 0, args.pairs_per_step,
-                        tokens_per_pair)
+        pairs = statistics.mean(x for r in rs for x in r.get("pairs", [args.pairs_per_step] * args.steps)[args.skip:])
+        out = summarize({"step_s": [x for r in rs for x in r["step_s"][args.skip:]]}, 0, pairs, tokens_per_pair)
         out.update(vmhwm=max(r["vmhwm"] for r in rs), rss_before_step1=max(r["rss_before_step1"] or 0 for r in rs),
                    wall_s=statistics.median(r["wall_s"] for r in rs), first_loss=[r["loss"][0] for r in rs],
                    last_loss=[r["loss"][-1] for r in rs], padded_width=statistics.mean(rs[0]["widths"]),
@@ -345,6 +355,7 @@ def main(argv=None) -> int:
                                             for side in args.sides],
          *[" / ".join(f"{a / b:.2f}" for a, b in zip(t["round_step_ms"], s[o]["round_step_ms"])) for o in others]],
         row("row width as run (mean tokens)", lambda x: f"{x:.1f}", "padded_width"),
+        row("pairs a step (mean)", lambda x: f"{x:.2f}", "pairs_per_step"),
         row("peak RSS (VmHWM)", fmt_bytes, "vmhwm"),
         row("RSS before step 1", fmt_bytes, "rss_before_step1"),
         row("peak RSS - RSS before step 1", fmt_bytes, "rise"),

@@ -37,7 +37,14 @@ RUNS = {  # label: (our layout flags, loss, label smoothing)
     "1p sppo_hard": ({}, "sppo_hard", 0.0),
     "1p mix": (dict(dpo_loss_weights="0.8,0.2,1.0"), "sigmoid,bco_pair,sft", 0.0),  # MPO, TRL's loss_weights
     "dp4 mix": (dict(dp=4, dpo_loss_weights="0.8,0.2,1.0"), "sigmoid,bco_pair,sft", 0.0),  # sft's mean over dp
+    # padding-free (TRL's padding_free): the 16 pairs packed into 8 rows of 129 tokens, several pairs a row, each side
+    # a document of its own; the whole set a step, as TRL's batch; sft's chosen tokens counted per document
+    "1p padding-free": (dict(dpo_padding_free=True), "sigmoid", 0.0),
+    "tp2 pp2 padding-free": (dict(tp=2, pp=2, dpo_padding_free=True), "sigmoid", 0.0),
+    "dp2 padding-free mix": (dict(dp=2, dpo_padding_free=True, dpo_loss_weights="0.8,0.2,1.0"),
+                             "sigmoid,bco_pair,sft", 0.0),
 }
+PF_SEQ, PF_ROWS = 128, 8  # padding-free: the row, and how many rows the fixture's 16 pairs fill (checked)
 
 
 def write_rows(path, rows):
@@ -60,8 +67,10 @@ def _dpo_run(model_dir, data, val_data, layout, loss, smoothing, out_dir):
     layout = {k: {"REF": f"{model_dir}-ref", "ADAPTER": f"{model_dir}-adapter"}.get(v, v) if isinstance(v, str) else v
               for k, v in layout.items()}
     n = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
-    cfg = TrainConfig(init_from_hf=model_dir, objective="dpo", data_format="preference", data=data, seq_len=SEQ,
-                      global_batch=32, micro_batches=2, precision="fp32", lr=LR, warmup_steps=0, min_lr=LR,
+    padding_free = layout.get("dpo_padding_free", False)
+    seq, rows = (PF_SEQ, PF_ROWS) if padding_free else (SEQ, 32)
+    cfg = TrainConfig(init_from_hf=model_dir, objective="dpo", data_format="preference", data=data, seq_len=seq,
+                      global_batch=rows, micro_batches=2, precision="fp32", lr=LR, warmup_steps=0, min_lr=LR,
                       beta2=0.999, weight_decay=0.0, grad_clip=1.0, dpo_beta=BETA, dpo_loss=loss,
                       dpo_label_smoothing=smoothing, max_steps=STEPS, out_dir=out_dir, val_data=val_data,
                       eval_every=STEPS, **layout)
@@ -69,9 +78,10 @@ def _dpo_run(model_dir, data, val_data, layout, loss, smoothing, out_dir):
     topo = setup.topology(list(range(n)))
     out = None
     if topo.active:
-        pairs = build_pairs(data_config(setup.cfg), SEQ)
+        pairs = build_pairs(data_config(setup.cfg), seq, padding_free)
+        assert not padding_free or (len(pairs), pairs.stats["pairs"]) == (PF_ROWS, 16), pairs.stats  # all, one step
         val = build_val_pairs(setup.cfg, data_config(setup.cfg))
-        loader = BatchLoader(pairs, setup.plan.global_batch // 2, topo.dp_rank, setup.layout.dp, setup.cfg.seed)
+        loader = BatchLoader(pairs, rows if padding_free else rows // 2, topo.dp_rank, setup.layout.dp, setup.cfg.seed)
         mcfg = setup.model_config(pairs.vocab_size)
         start = prepare(setup.cfg, mcfg, topo)
         if setup.cfg.ref_model:

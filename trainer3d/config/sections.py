@@ -211,6 +211,9 @@ class LossConfig(Section):
         None,
         "dpo: the reference model, a Hugging Face directory of the policy's architecture (default: the initial "
         "weights, as TRL's ref_model=None)", metavar='DIR')
+    dpo_padding_free: bool = flag(
+        False, "dpo: several pairs a row, each side a document of its own (TRL's padding_free; implies --document-mask "
+        "and --reset-position-ids); --global-batch then counts rows of pairs")
 
 
 @dataclass

@@ -12,7 +12,10 @@ dropped and counted (`on_bad_row` drop) or stops the run (error).
 
 The pairs sit as rows 2i (chosen) and 2i + 1 (rejected) of a LabeledRows, and `PairRows` indexes pairs: the loader
 shuffles, shards over dp and batches whole pairs, so a pair never splits across ranks or micro-batches (an even number
-of rows per micro-batch). Small sets: rendered in memory on each rank, no cache.
+of rows per micro-batch). Padding-free (`--dpo-padding-free`, TRL's padding_free): a row holds several pairs, each
+pair's chosen and rejected sequences adjacent documents 2j and 2j + 1 of it (packed first-fit decreasing by the
+pair's tokens), the rest of the row padding in a document of its own; the loader batches rows, and a pair longer than
+a row is dropped and counted. Small sets: rendered in memory on each rank, no cache.
 """
 
 from __future__ import annotations
@@ -39,15 +42,19 @@ class PairRows(LabeledRows):
     rows of those pairs, each pair's two rows adjacent. `reference`: each row's reference log-probability (summed
     over its completion), set once the reference model has scored them (train/dpo.py)."""
 
-    def __init__(self, tokens, flags, lengths, stats: dict, vocab_size: int, eos_id: int | None):
-        super().__init__(tokens, flags, np.zeros_like(tokens), lengths)
+    def __init__(self, tokens, flags, lengths, stats: dict, vocab_size: int, eos_id: int | None,
+                 documents: np.ndarray | None = None):
+        super().__init__(tokens, flags, np.zeros_like(tokens) if documents is None else documents, lengths)
         self.stats, self.vocab_size, self.eos_id = stats, vocab_size, eos_id
-        self.shape = (len(tokens) // 2, tokens.shape[1])
+        self.packed = documents is not None  # padding-free: items are rows of several pairs (the module docstring)
+        self.shape = (len(self), tokens.shape[1])
 
     def __len__(self) -> int:
-        return len(self.tokens) // 2
+        return len(self.tokens) if self.packed else len(self.tokens) // 2
 
     def rows_of(self, index):
+        if self.packed:
+            return index
         pairs = np.atleast_1d(np.arange(len(self))[index])
         return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
 
@@ -116,8 +123,9 @@ def fit(prompt: list[int], completions: list[list[int]], limit: int, overlong: s
     return [(prompt[over:] + c, len(prompt) - over) for c in completions]
 
 
-def build_pairs(cfg: DataConfig, seq_len: int) -> PairRows:
-    """Every usable pair of the corpus as two rows of seq_len + 1 tokens, padded with the eos (in no loss)."""
+def build_pairs(cfg: DataConfig, seq_len: int, padding_free: bool = False) -> PairRows:
+    """Every usable pair of the corpus as two rows of seq_len + 1 tokens, padded with the eos (in no loss); or,
+    `padding_free`, packed several pairs a row."""
     tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
     if cfg.chat_template:
         from trainer3d.data.chat import read_template
@@ -126,7 +134,7 @@ def build_pairs(cfg: DataConfig, seq_len: int) -> PairRows:
     src = _resolve_source(cfg, Path(cfg.cache_dir or default_cache_dir()) / "hf")
     rows = src.load()
     width, pad = seq_len + 1, tok.eos_token_id if tok.eos_token_id is not None else 0
-    tokens, flags, lengths = [], [], []
+    tokens, flags, lengths, sequences = [], [], [], []  # (sequences: each pair's two (ids, start), padding-free)
     bad, overlong, examples = 0, 0, []
     for i, row in enumerate(rows):
         try:
@@ -138,8 +146,11 @@ def build_pairs(cfg: DataConfig, seq_len: int) -> PairRows:
             examples.append((i, str(e)))
             continue
         sides = fit(prompt, [chosen, rejected], width, cfg.overlong, cfg.truncation_mode)
-        if sides is None:
+        if sides is None or (padding_free and sum(len(ids) for ids, _ in sides) > width):
             overlong += 1
+            continue
+        if padding_free:
+            sequences.append(sides)
             continue
         for ids, start in sides:
             t = np.full(width, pad, dtype=np.int64)
@@ -149,13 +160,46 @@ def build_pairs(cfg: DataConfig, seq_len: int) -> PairRows:
             tokens.append(t)
             flags.append(f)
             lengths.append(len(ids))
-    stats = {"pairs": len(tokens) // 2, "bad": bad, "overlong": overlong, "overlong_rule": cfg.overlong,
-             "bad_examples": examples[:3], "corpus": src.name}
-    if not tokens:
+    stats = {"pairs": len(sequences) if padding_free else len(tokens) // 2, "bad": bad, "overlong": overlong,
+             "overlong_rule": cfg.overlong, "bad_examples": examples[:3], "corpus": src.name}
+    if not stats["pairs"]:
         raise DataError(f"{src.name} has no usable preference pair ({bad} bad, {overlong} longer than --seq-len "
                         f"{seq_len} + 1 tokens); each row needs 'prompt', 'chosen' and 'rejected'.")
+    if padding_free:
+        return packed_pairs(sequences, width, pad, stats, len(tok), tok.eos_token_id)
     return PairRows(np.stack(tokens), np.stack(flags), np.asarray(lengths, dtype=np.int64), stats, len(tok),
                     tok.eos_token_id)
+
+
+def packed_pairs(sequences: list, width: int, pad: int, stats: dict, vocab_size: int, eos_id: int | None) -> PairRows:
+    """Pairs (each its two sides' (ids, completion start)) packed first-fit decreasing by their tokens into rows of
+    `width`: pair j of a row its documents 2j (chosen) and 2j + 1 (rejected), the padding after them the next one."""
+    order = sorted(range(len(sequences)), key=lambda i: -sum(len(ids) for ids, _ in sequences[i]))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = sum(len(ids) for ids, _ in sequences[i])
+        fit = next((r for r, room in enumerate(free) if room >= n), None)
+        if fit is None:
+            rows.append([])
+            free.append(width)
+            fit = len(rows) - 1
+        rows[fit].append(i)
+        free[fit] -= n
+    tokens = np.full((len(rows), width), pad, dtype=np.int64)
+    flags = np.zeros((len(rows), width), dtype=np.uint8)
+    documents = np.zeros((len(rows), width), dtype=np.int64)
+    for r, members in enumerate(rows):
+        at, doc = 0, 0
+        for i in members:
+            for ids, start in sequences[i]:
+                tokens[r, at:at + len(ids)] = ids
+                flags[r, at + start:at + len(ids)] = 1
+                documents[r, at:at + len(ids)] = doc
+                at, doc = at + len(ids), doc + 1
+        documents[r, at:] = doc  # the padding: a document of its own
+    lengths = np.asarray([width - room for room in free], dtype=np.int64)
+    return PairRows(tokens, flags, lengths, {**stats, "rows": len(rows)}, vocab_size, eos_id, documents=documents)
 
 
 def describe(stats: dict) -> str:
@@ -166,4 +210,6 @@ def describe(stats: dict) -> str:
         line += f"; {stats['bad']} dropped ({named})"
     if stats["overlong"]:
         line += f"; {stats['overlong']} longer than a row dropped"
+    if "rows" in stats:
+        line += f"; padding-free: {stats['rows']} rows of several pairs"
     return line

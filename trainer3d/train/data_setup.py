@@ -16,7 +16,7 @@ def build_blocks(cfg, data_cfg: DataConfig, rank: int, local_rank: int) -> Token
     """`data_cfg` is the run's data config; a mixture's sources each replace its source fields (data, data_config,
     text_field, format, and the options an entry gives) and keep the rest (the tokenizer, ...)."""
     if cfg.data_format == "preference":  # DPO's pairs, rendered in memory on every rank
-        return build_pairs(data_cfg, cfg.seq_len)
+        return build_pairs(data_cfg, cfg.seq_len, cfg.dpo_padding_free)
     if not cfg.data_mixture:
         return leader_first("tokenize the data into the cache", lambda: build_rows(data_cfg, cfg.seq_len),
                             rank, local_rank)
@@ -31,7 +31,9 @@ def build_blocks(cfg, data_cfg: DataConfig, rank: int, local_rank: int) -> Token
 
 def build_val_pairs(cfg, data_cfg: DataConfig) -> PairRows | None:
     """--val-data's preference pairs (DPO's validation), rendered as the training pairs are; None without it."""
-    return build_pairs(dataclasses.replace(data_cfg, data=cfg.val_data), cfg.seq_len) if cfg.val_data else None
+    if not cfg.val_data:
+        return None
+    return build_pairs(dataclasses.replace(data_cfg, data=cfg.val_data), cfg.seq_len, cfg.dpo_padding_free)
 
 
 def make_loader(blocks, global_batch: int, dp_rank: int, dp_size: int, seed: int):

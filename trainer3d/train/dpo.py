@@ -74,7 +74,9 @@ class DPO:
         cfg = trainer.cfg.loss  # the run's LossConfig section
         self.trainer, self.beta, self.mix, self.smoothing = trainer, cfg.dpo_beta, loss_mix(cfg), cfg.dpo_label_smoothing
         self.sums = torch.zeros(len(METRICS) + 2 * len(TOKEN_METRICS), device=trainer.device)  # this pass's, on the last stage's tp rank 0
-        self.pairs = trainer.plan.global_batch // 2  # a step's (--global-batch counts rows, two a pair)
+        self.packed = trainer.cfg.dpo_padding_free  # rows of several pairs (data/preference.py), pairs a step vary
+        self.pairs = trainer.plan.global_batch // 2  # a step's (--global-batch counts rows, two a pair; packed: set
+        # by targets() for each step)
         self.chosen_tokens = 0.0  # the step's chosen completion tokens (sft's mean over them), set in targets()
         # every row's reference log-prob (load_or_score), checkpointed: the training pairs' and the --val-data pairs'
         self.references: dict[str, np.ndarray] = {}
@@ -92,29 +94,52 @@ class DPO:
                 self.references[name] = saved.double().numpy()
 
     def targets(self, batch: Batch, targets: torch.Tensor) -> torch.Tensor:
-        """[B, T + 1] float64: the targets (-1 where not supervised), then each row's reference log-prob."""
+        """[B, T + 1] float64: the targets (-1 where not supervised), then each row's reference log-prob; padding-free
+        [B, 2T + D]: the targets, each target's document, each document's reference log-prob (D: documents_room).
+        Padding-free, the step's pairs (and for sft its chosen tokens) are counted over dp here."""
         if batch.reference is None:
             raise DataError("DPO rows without reference log-probs: score them first (train/dpo.py reference).")
+        supervised = (targets >= 0).double()
+        if self.packed:
+            documents = batch.documents[:, 1:]  # the document of each target token
+            counts = per_sequence(supervised, documents, documents_room(targets.shape[1]))
+            local = torch.stack([(counts[:, 0::2] > 0).sum().double(), counts[:, 0::2].sum()])
+            self.pairs, self.chosen_tokens = (float(x) for x in all_reduce(local.to(self.trainer.device),
+                                                                           self.trainer.topo.dp_group))
+            return torch.cat([targets.double(), documents.double(), batch.reference.double()], dim=1)
         if any(kind == "sft" for kind, _ in self.mix):  # the step's chosen completion tokens, over dp
-            chosen = torch.tensor([float((targets[0::2] >= 0).sum())], device=self.trainer.device)
+            chosen = supervised[0::2].sum().reshape(1).to(self.trainer.device)
             self.chosen_tokens = float(all_reduce(chosen, self.trainer.topo.dp_group))
         return torch.cat([targets.double(), batch.reference.double()[:, None]], dim=1)
 
-    def row_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """[rows] each row's completion log-prob, summed over its tokens, from this rank's logits shard."""
-        ids = targets.long()
+    def sequence_sums(self, logits: torch.Tensor, targets: torch.Tensor, packed: bool | None = None) -> torch.Tensor:
+        """[sequences, 3]: each sequence's completion log-prob (summed over its tokens), its logits' mean over the
+        vocabulary summed over those tokens (TRL's logits/*), and their count, from this rank's logits shard; rows
+        [B, T] of targets, or padding-free [B, 2T] of targets and their documents: [B, D, 3], one a document."""
+        packed = self.packed if packed is None else packed
+        T = logits.shape[1]
+        ids = targets[:, :T].long()
         supervised = ids >= 0
-        return (-self.trainer.token_losses(logits, ids.clamp(min=0)) * supervised).sum(dim=1)
+        logit_means = self._mean_logits(logits)  # (before the loss consumes the logits)
+        policy = -self.trainer.token_losses(logits, ids.clamp(min=0)) * supervised
+        per_token = torch.stack([policy, logit_means.to(policy.dtype) * supervised, supervised.to(policy.dtype)], -1)
+        if not packed:
+            return per_token.sum(dim=1)
+        documents = targets[:, T:2 * T].long()
+        D = documents_room(T)
+        return per_token.new_zeros(len(ids), D, 3).scatter_add_(
+            1, documents.clamp(max=D - 1)[..., None].expand_as(per_token), per_token)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
         """The micro-batch's pairs' summed loss times `weight` (dp / the global pairs, times the loss scale)."""
-        logit_sums, tokens = self._mean_logits(logits, targets[:, :-1])  # (before the loss consumes the logits)
-        policy = self.row_logprobs(logits, targets[:, :-1])
-        ratios = policy - targets[:, -1].to(policy.dtype)
+        T = logits.shape[1]
+        sums = self.sequence_sums(logits, targets[:, :2 * T] if self.packed else targets[:, :T])
+        reference = targets[:, 2 * T:] if self.packed else targets[:, T]
+        policy, reference, logit_sums, tokens = pairs_of(sums, reference.to(sums.dtype), self.packed)
+        ratios = policy - reference
         chosen, rejected = ratios[0::2], ratios[1::2]
-        lengths = (targets[:, :-1] >= 0).sum(dim=1).clamp(min=1).to(ratios.dtype)
         sft = -policy[0::2] * (self.pairs / max(self.chosen_tokens, 1.0))  # (times the mean over pairs: per token)
-        losses = self.mixed(chosen, rejected, lengths, sft)
+        losses = self.mixed(chosen, rejected, tokens.clamp(min=1), sft)
         with torch.no_grad():
             self.sums += self.metric_sums(chosen, rejected, policy, logit_sums, tokens).to(self.sums)
         return losses.sum() * weight
@@ -136,15 +161,12 @@ class DPO:
             logit_sums[1::2].sum(), tokens[1::2].sum())])
 
     @torch.no_grad()
-    def _mean_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """([rows] the sum over each row's completion tokens of the logits' mean over the vocabulary, [rows] those
-        tokens): TRL's logits/* metrics, from this rank's vocab shard (its padding past the vocabulary left out) and
-        one sum over tp."""
+    def _mean_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, T] each position's logits' mean over the vocabulary (TRL's logits/* metrics), from this rank's vocab
+        shard (its padding past the vocabulary left out) and one sum over tp."""
         t = self.trainer
         real = max(0, min(logits.shape[-1], t.mcfg.vocab_size - t.parallel_model.vocab_start))
-        per_token = all_reduce(logits[..., :real].float().sum(-1), t.topo.tp_group) / t.mcfg.vocab_size
-        supervised = targets >= 0
-        return (per_token * supervised).sum(1), supervised.sum(1).float()
+        return all_reduce(logits[..., :real].float().sum(-1), t.topo.tp_group) / t.mcfg.vocab_size
 
     def _pair_losses(self, kind: str, chosen: torch.Tensor, rejected: torch.Tensor,
                      lengths: torch.Tensor) -> torch.Tensor:
@@ -175,30 +197,64 @@ class DPO:
             total, tokens = sums[len(METRICS) + 2 * i: len(METRICS) + 2 * i + 2]
             out[name] = total / max(tokens, 1.0)
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        if self.packed and pairs is None:  # padding-free: the step's pairs, which the rows decide
+            out["pairs"] = self.pairs
         return out
 
 
+def documents_room(T: int) -> int:
+    """How many documents a padding-free row of T targets can hold, its padding's included (every sequence has a token
+    or more), rounded up to pairs: the static width of its per-document sums."""
+    return 2 * ((T + 3) // 2)
+
+
+def per_sequence(values: torch.Tensor, documents: torch.Tensor, D: int) -> torch.Tensor:
+    """[B, T] per target -> [B, D] summed per document of its row."""
+    return values.new_zeros(values.shape[0], D).scatter_add_(1, documents.clamp(max=D - 1), values)
+
+
+def pairs_of(sums: torch.Tensor, reference: torch.Tensor, packed: bool) -> tuple[torch.Tensor, ...]:
+    """(policy, reference, logit sums, tokens), each [2 · pairs] with pair i's chosen at 2i and rejected at 2i + 1:
+    rows' sums (a pair's two rows adjacent) as they are; a padding-free row's per-document sums [B, D, 3] and
+    reference [B, D], the documents of the pairs it holds (its chosen documents with a supervised token)."""
+    if packed:
+        held = (sums[:, 0::2, 2] > 0).repeat_interleave(2, dim=1)
+        sums, reference = sums[held], reference[held]
+    return sums[:, 0], reference, sums[:, 1], sums[:, 2]
+
+
 def _row_batches(rows):
-    """forward_rows' make_batch over PairRows: inputs, targets (-1 where not supervised), documents."""
+    """forward_rows' make_batch over PairRows: inputs, targets (-1 where not supervised; padding-free, their
+    documents after them), documents."""
     flat = rows.tokens
 
     def make_batch(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         real = np.minimum(idx, len(flat) - 1)
         tokens = torch.from_numpy(flat[real].astype(np.int64))
         supervised = torch.from_numpy(rows.flags[real][:, 1:].astype(bool)) & torch.from_numpy(idx < len(flat))[:, None]
-        documents = torch.from_numpy(rows.documents[real][:, :-1].astype(np.int64))  # as the training rows carry them
-        return tokens[:, :-1], tokens[:, 1:].masked_fill(~supervised, -1), documents
+        documents = torch.from_numpy(rows.documents[real].astype(np.int64))  # as the training rows carry them
+        targets = tokens[:, 1:].masked_fill(~supervised, -1)
+        if rows.packed:
+            targets = torch.cat([targets, documents[:, 1:]], dim=1)
+        return tokens[:, :-1], targets, documents[:, :-1]
 
     return make_batch
 
 
+def _sequence_sums(trainer, rows) -> torch.Tensor:
+    """[rows, 3] (or padding-free [rows, D, 3]): DPO.sequence_sums of every row of `rows` under the current weights,
+    forward-only, every rank getting every value."""
+    dpo, D = trainer.objective, documents_room(rows.tokens.shape[1] - 1)
+    width = 3 * D if rows.packed else 3
+    out = forward_rows(trainer, len(rows.tokens), _row_batches(rows),
+                       lambda lg, tg: dpo.sequence_sums(lg, tg, rows.packed).reshape(len(tg), width), width=width)
+    return out.double().cpu().reshape(len(rows.tokens), D, 3) if rows.packed else out.double().cpu()
+
+
 def reference_logprobs(trainer, rows) -> np.ndarray:
-    """[2n] float64: each row's completion log-prob under the trainer's current weights (the reference, before the
-    first step): forward-only passes over every row, every rank getting every value."""
-    dpo = trainer.objective
-    out = forward_rows(trainer, len(rows.tokens), _row_batches(rows), lambda lg, tg: dpo.row_logprobs(lg, tg)[:, None],
-                       width=1)
-    return out[:, 0].double().cpu().numpy()
+    """[2n] float64 (padding-free [rows, D]): each row's (document's) completion log-prob under the trainer's current
+    weights (the reference, before the first step)."""
+    return _sequence_sums(trainer, rows)[..., 0].numpy()
 
 
 def evaluate(trainer) -> dict:
@@ -206,19 +262,13 @@ def evaluate(trainer) -> dict:
     mix of --dpo-loss, a mean over the pairs) as val_loss, and its metrics as val_rewards/*, val_logps/*,
     val_logits/*, each a mean over the pairs (logits/*: over the completions' tokens)."""
     dpo, rows = trainer.objective, trainer.objective.val_rows
-
-    def reduction(logits, targets):
-        logit_sums, tokens = dpo._mean_logits(logits, targets)  # (before the loss consumes the logits)
-        return torch.stack([dpo.row_logprobs(logits, targets), logit_sums, tokens], dim=1)
-
-    out = forward_rows(trainer, len(rows.tokens), _row_batches(rows), reduction, width=3).double().cpu()
-    policy, logit_sums, tokens = out.unbind(1)
-    ratios = policy - torch.from_numpy(dpo.references[TABLES[1]])
+    sums = _sequence_sums(trainer, rows)
+    policy, reference, logit_sums, tokens = pairs_of(sums, torch.from_numpy(dpo.references[TABLES[1]]), rows.packed)
+    ratios = policy - reference
     chosen, rejected = ratios[0::2], ratios[1::2]
-    lengths = torch.from_numpy(rows.flags[:, 1:].sum(1).astype(np.float64)).clamp(min=1)
     sft = -policy[0::2] * len(chosen) / tokens[0::2].sum().clamp(min=1)  # its mean: the chosen tokens' mean loss
     metrics = dpo.record(dpo.metric_sums(chosen, rejected, policy, logit_sums, tokens).tolist(), pairs=len(chosen))
-    return {"val_loss": float(dpo.mixed(chosen, rejected, lengths, sft).mean()),
+    return {"val_loss": float(dpo.mixed(chosen, rejected, tokens.clamp(min=1), sft).mean()),
             **{f"val_{name}": value for name, value in metrics.items()}}
 
 
@@ -247,9 +297,10 @@ def _load_or_score_one(trainer, rows, name: str, out_dir: str, fresh: bool) -> n
     scored = reference is None
     if scored:
         reference = reference_logprobs(trainer, rows)
-    if reference.shape != (len(rows.tokens),):
-        raise DataError(f"The reference log-probs ({name}) score {reference.shape[0]} rows and this run has "
-                        f"{len(rows.tokens)}; resume with the same preference data and --seq-len.")
+    shape = (len(rows.tokens), documents_room(rows.tokens.shape[1] - 1)) if rows.packed else (len(rows.tokens),)
+    if reference.shape != shape:
+        raise DataError(f"The reference log-probs ({name}) score {reference.shape} and this run has {shape} (rows, "
+                        "documents); resume with the same preference data, --seq-len and --dpo-padding-free.")
     if trainer.is_logging_rank and (scored or not path.exists()):  # the copy to read, in a resumed run's new dir too
         os.makedirs(out_dir, exist_ok=True)
         tmp = temp_name(path)
@@ -264,7 +315,8 @@ def check_dpo(cfg):
     """--objective dpo trains on --data-format preference pairs and nothing else does; its pairs hold nothing out for
     validation (--val-fraction is set to 0): --val-data's pairs are its validation."""
     dpo_flags = [k for k, v in (("dpo_beta", 0.1), ("dpo_loss", "sigmoid"), ("dpo_loss_weights", None),
-                                ("dpo_label_smoothing", 0.0), ("ref_model", None)) if getattr(cfg, k) != v]
+                                ("dpo_label_smoothing", 0.0), ("ref_model", None), ("dpo_padding_free", False))
+                 if getattr(cfg, k) != v]
     if cfg.objective != "dpo":
         if cfg.objective != "lm":
             raise ConfigError(f"--objective must be lm or dpo (got {cfg.objective!r}).")
@@ -292,8 +344,10 @@ def check_dpo(cfg):
                           "--eval-hellaswag.")
     if cfg.ref_model is not None and not (Path(cfg.ref_model).expanduser() / "config.json").is_file():
         raise ConfigError(f"--ref-model {cfg.ref_model} is not a Hugging Face model directory (no config.json).")
-    # its validation: --val-data's pairs only (no tail of the training pairs is held out)
-    return dataclasses.replace(cfg, val_fraction=0.0, eval_every=cfg.eval_every if cfg.val_data else 0)
+    # its validation: --val-data's pairs only (no tail of the training pairs is held out); padding-free: each side
+    # attends to itself from position 0, as alone (TRL's padding_free restarts the positions)
+    documents = dict(document_mask=True, reset_position_ids=True) if cfg.dpo_padding_free else {}
+    return dataclasses.replace(cfg, val_fraction=0.0, eval_every=cfg.eval_every if cfg.val_data else 0, **documents)
 
 
 def check_reference(cfg, mcfg, vocab_size: int) -> None:
@@ -306,13 +360,13 @@ def check_reference(cfg, mcfg, vocab_size: int) -> None:
                           f"{mcfg.num_params() / 1e6:.1f}M parameters); pass a model of the same shapes.")
 
 
-def check_dpo_batch(plan, layout) -> None:
-    """A pair's two rows share a micro-batch: an even number of rows in each; and one rank sums a row (--layout auto
-    chose no context parallelism)."""
+def check_dpo_batch(plan, layout, padding_free: bool = False) -> None:
+    """A pair's two rows share a micro-batch: an even number of rows in each (padding-free: a row holds whole pairs);
+    and one rank sums a row (--layout auto chose no context parallelism)."""
     if layout.cp > 1:
         raise ConfigError("--objective dpo runs without context parallelism: pass --cp 1 (--layout auto: as a "
                           "constraint).")
-    if plan.micro_batch_size % 2:
+    if plan.micro_batch_size % 2 and not padding_free:
         raise ConfigError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch, and a "
                           f"micro-batch here holds {plan.micro_batch_size} rows: make --global-batch (rows, two per "
                           "pair) / (dp · --micro-batches) even.")

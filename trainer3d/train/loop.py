@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         if env.rank == 0:
             for line in chat_lines(blocks, cfg) + document_lines(blocks, cfg):
                 print(f"[trainer3d] {line}", flush=True)
-        dpo = cfg.objective == "dpo"  # the loader draws pairs, two rows each
-        loader = make_loader(blocks, plan.global_batch // 2 if dpo else plan.global_batch, topo.dp_rank, layout.dp,
-                             cfg.seed)
+        dpo = cfg.objective == "dpo"  # the loader draws pairs, two rows each (padding-free: rows of pairs)
+        items = plan.global_batch // 2 if dpo and not cfg.dpo_padding_free else plan.global_batch
+        loader = make_loader(blocks, items, topo.dp_rank, layout.dp, cfg.seed)
         run_setup = with_epochs(setup, loader.steps_per_epoch)  # --epochs: max_steps from the rows
         if env.rank == 0 and cfg.epochs:
             print(f"[trainer3d] --epochs {cfg.epochs:g}: {run_setup.cfg.max_steps} steps ({loader.steps_per_epoch} "

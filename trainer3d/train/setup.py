@@ -425,7 +425,7 @@ def check_run(cfg: TrainConfig, mcfg, layout: Layout, plan: BatchPlan) -> None:
     --compile and --fp8 need of this machine."""
     check_pipeline(mcfg, layout.pp, cfg.schedule, cfg.virtual_stages, plan.micro_batches, cfg.sequence_parallel)
     if cfg.objective == "dpo":
-        check_dpo_batch(plan, layout)
+        check_dpo_batch(plan, layout, cfg.dpo_padding_free)
     if cfg.profile_steps is not None:
         parse_step_range(cfg.profile_steps, cfg.max_steps)
     if cfg.compiled_backend == "inductor":  # the other backends build no kernel

@@ -148,9 +148,9 @@ class Trainer:
         if batch.supervised is not None:
             targets = targets.masked_fill(~batch.supervised, -1)
         count = batch.targets if batch.targets is not None else self.plan.global_batch * self.cfg.seq_len
-        if self.objective is not None:  # DPO: the mean over the global batch's pairs
-            count = self.objective.pairs
+        if self.objective is not None:  # DPO: the mean over the global batch's pairs (padding-free: counted here)
             targets = self.objective.targets(batch, targets)
+            count = self.objective.pairs
             self.objective.begin_pass()
         self._weight = self.topo.layout.dp_cp / max(1, count)
         documents = batch.documents[:, :-1] if batch.documents is not None else None
