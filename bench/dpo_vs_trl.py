@@ -341,7 +341,7 @@ def main(argv=None) -> int:
 
     def row(label, fmt, key, ratio=True):
         cells = [fmt(s[side][key]) for side in args.sides]
-        return [label, *cells, *([f"{t[key] / s[o][key]:.2f}" if ratio else "" for o in others])]
+        return [label, *cells, *([f"{t[key] / s[o][key]:.2f}" if ratio and s[o][key] else "" for o in others])]
 
     def ms(v):
         return f"{v['step_ms']:.0f} ({v['step_ms_iqr'][0]:.0f}-{v['step_ms_iqr'][1]:.0f})"
