@@ -168,7 +168,7 @@ def trainer3d_side(model_dir, data, seq_len, rows, steps, work: Path, tag: str, 
     """`rows` a step (unpacked: two a pair; padding-free: rows of several pairs, whose count each step logs)."""
     out_dir = work / f"trainer3d{'-padding-free' if padding_free else ''}{tag}"
     cmd = trainer3d_cmd(model_dir, data, seq_len, rows, steps, out_dir, padding_free)
-    measured = run_measured(cmd, child_env(), work / f"{out_dir.name}.log", marker="] rank 0 memory (")
+    measured = run_measured(cmd, child_env(), work / f"{out_dir.name}.log", marker="] rank 0 memory at start")
     with open(out_dir / "metrics.jsonl") as f:
         records = [r for r in map(json.loads, f) if "step_time_s" in r]
     assert len(records) == steps, records
@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     ]
     print()
     print(table(rows_, ["", *[SIDES[side] for side in args.sides], *[f"trainer3d / {SIDES[o]}" for o in others]]))
-    inside = {side: fmt_bytes(runs[side][0]["rss_before_step1_inside"]) for side in others}
+    inside = {side: fmt_bytes(runs[side][0]["rss_before_step1_inside"]) for side in others if side.startswith("trl")}
     print(f"ln 2 = {ln2:.6f}. RSS at step 1's start read inside the TRL processes (round 1): {inside}. Child "
           f"processes seen: { {side: s[side]['children'] for side in args.sides} }")
     line = stamp(cmd_line) + "; threads: 1 in every process (OMP_NUM_THREADS=1; TRL's child torch.set_num_threads(1))"
