@@ -41,6 +41,7 @@ step 1 policy = reference and every loss is ln 2, which the bench checks.
 
     python bench/dpo_vs_trl.py                        # the bench/dpo_vs_trl.md table (~4 min)
     python bench/dpo_vs_trl.py --rounds 1 --sides trainer3d trl
+    python bench/dpo_vs_trl.py --prompt-words 4 64 --completion-words 2 44    # lengths spread out: more padding
 """
 
 from __future__ import annotations
@@ -268,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs-per-step", type=int, default=8, help="pairs a step (trainer3d: --global-batch 2×)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--pf-width", type=int, default=4, help="padding-free rows: this many times the longest side")
+    ap.add_argument("--prompt-words", type=int, nargs=2, default=[48, 64], metavar=("LO", "HI"))
+    ap.add_argument("--completion-words", type=int, nargs=2, default=[28, 44], metavar=("LO", "HI"))
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the timing")
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--layers", type=int, default=6)
@@ -292,7 +295,7 @@ def main(argv=None) -> int:
         work = Path(tmp)
         model_dir, data = work / "model", work / "pairs.jsonl"
         model = make_model(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, args.ffn)
-        rows = make_pairs(args.pairs)
+        rows = make_pairs(args.pairs, prompt=tuple(args.prompt_words), completion=tuple(args.completion_words))
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         lengths = pair_lengths(model_dir, rows)
         longest = max(p + max(c, r) for p, c, r in lengths)

@@ -11,7 +11,8 @@ every part rewrites $OUT/summary.md when it ends, so a round cut short still say
            --recompute selective, save -> resume, export -> --init-from-hf,
            ZeRO-1, ZeRO-3, --document-mask (flex attention), Qwen3-MoE tiny
            (grouped GEMM), DeepSeek-V3 tiny (MLA, MTP), --fp8 rowwise and tensorwise,
-           --objective dpo, trainer3d.engine (examples/grpo, 3 steps)
+           --objective dpo (and --dpo-padding-free), trainer3d.engine
+           (examples/grpo, 3 steps)
   fp8      llama3.1-8b's first 8 layers (d = 4096) on the bundled corpus,          169 s H100
            --compile, 60 steps of 32k tokens: bf16 against --fp8 tensorwise,
            the loss after the same steps and tokens/s
@@ -256,12 +257,19 @@ def path_runs(r: Round, n: int) -> dict:
                 pick = lambda k, j: " ".join(words[(i * 7 + j * 3 + m) % len(words)] for m in range(k))  # noqa: E731
                 row = {"prompt": pick(6, 0), "chosen": " " + pick(4, 1), "rejected": " " + pick(5, 2)}
                 f.write(json.dumps(row) + "\n")
-        run = r.train("dpo", [*flags(n), "--precision", half_precision, "--objective", "dpo", "--data-format",
-                              "preference", "--data", data, "--seq-len", "64", "--global-batch", "8"])
+        dpo_flags = [*flags(n), "--precision", half_precision, "--objective", "dpo", "--data-format", "preference",
+                     "--data", data]
+        run = r.train("dpo", [*dpo_flags, "--seq-len", "64", "--global-batch", "8"])
         if not ok(run):
             return "failed", failed(run)
+        # padding-free: ~8 pairs a row of 257 tokens, each side a document (flex attention's block mask on CUDA)
+        free = r.train("dpo_padding_free", [*dpo_flags, "--seq-len", "256", "--global-batch", "2", "--dpo-padding-free"])
+        if not ok(free):
+            return "failed", f"--dpo-padding-free: {failed(free)}"
         return "ok", (f"--objective dpo: loss {run['steps'][1]['loss']:.6f} (ln 2 = 0.693147) -> {last(run):.4f}, "
-                      f"rewards/margins {last(run, 'rewards/margins'):.4f}; {tok_s(run)}")
+                      f"rewards/margins {last(run, 'rewards/margins'):.4f}; {tok_s(run)}; --dpo-padding-free: loss "
+                      f"{free['steps'][1]['loss']:.6f} -> {last(free):.4f}, {last(free, 'pairs'):.0f} pairs a step; "
+                      f"{tok_s(free)}")
 
     def engine(base):  # the GRPO example: the engine on this device, its rollouts in a CPU process of transformers
         out, env = os.path.join(r.work, "grpo"), {"CUDA_VISIBLE_DEVICES": ""} if r.dry else None
