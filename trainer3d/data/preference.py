@@ -13,8 +13,8 @@ dropped and counted (`on_bad_row` drop) or stops the run (error).
 The pairs sit as rows 2i (chosen) and 2i + 1 (rejected) of a LabeledRows, and `PairRows` indexes pairs: the loader
 shuffles, shards over dp and batches whole pairs, so a pair never splits across ranks or micro-batches (an even number
 of rows per micro-batch). Padding-free (`--dpo-padding-free`, TRL's padding_free): a row holds several pairs, each
-pair's chosen and rejected sequences adjacent documents 2j and 2j + 1 of it (packed first-fit decreasing by the
-pair's tokens), the rest of the row padding in a document of its own; the loader batches rows, and a pair longer than
+pair's chosen and rejected sequences adjacent documents 2j and 2j + 1 of it (packed best-fit decreasing by the
+pair's tokens, data/packing.py), the rest of the row padding in a document of its own; the loader batches rows, and a pair longer than
 a row is dropped and counted. Small sets: rendered in memory on each rank, no cache.
 """
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from trainer3d.data.batch import LabeledRows
 from trainer3d.data.cache import default_cache_dir
+from trainer3d.data.packing import best_fit_decreasing
 from trainer3d.data.sources import DataConfig, _resolve_source
 from trainer3d.data.tokenizer import load_tokenizer
 from trainer3d.errors import DataError
@@ -172,23 +173,14 @@ def build_pairs(cfg: DataConfig, seq_len: int, padding_free: bool = False) -> Pa
 
 
 def packed_pairs(sequences: list, width: int, pad: int, stats: dict, vocab_size: int, eos_id: int | None) -> PairRows:
-    """Pairs (each its two sides' (ids, completion start)) packed first-fit decreasing by their tokens into rows of
-    `width`: pair j of a row its documents 2j (chosen) and 2j + 1 (rejected), the padding after them the next one."""
-    order = sorted(range(len(sequences)), key=lambda i: -sum(len(ids) for ids, _ in sequences[i]))
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in order:
-        n = sum(len(ids) for ids, _ in sequences[i])
-        fit = next((r for r, room in enumerate(free) if room >= n), None)
-        if fit is None:
-            rows.append([])
-            free.append(width)
-            fit = len(rows) - 1
-        rows[fit].append(i)
-        free[fit] -= n
+    """Pairs (each its two sides' (ids, completion start)) packed best-fit decreasing by their tokens into rows of
+    `width` (data/packing.py, as SFT's conversations): pair j of a row its documents 2j (chosen) and 2j + 1
+    (rejected), the padding after them the next one."""
+    rows = best_fit_decreasing(np.asarray([sum(len(ids) for ids, _ in pair) for pair in sequences]), width)
     tokens = np.full((len(rows), width), pad, dtype=np.int64)
     flags = np.zeros((len(rows), width), dtype=np.uint8)
     documents = np.zeros((len(rows), width), dtype=np.int64)
+    lengths = np.zeros(len(rows), dtype=np.int64)  # each row's tokens before its padding
     for r, members in enumerate(rows):
         at, doc = 0, 0
         for i in members:
@@ -197,8 +189,7 @@ def packed_pairs(sequences: list, width: int, pad: int, stats: dict, vocab_size:
                 flags[r, at + start:at + len(ids)] = 1
                 documents[r, at:at + len(ids)] = doc
                 at, doc = at + len(ids), doc + 1
-        documents[r, at:] = doc  # the padding: a document of its own
-    lengths = np.asarray([width - room for room in free], dtype=np.int64)
+        documents[r, at:], lengths[r] = doc, at  # the padding: a document of its own
     return PairRows(tokens, flags, lengths, {**stats, "rows": len(rows)}, vocab_size, eos_id, documents=documents)
 
 
