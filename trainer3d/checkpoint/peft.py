@@ -36,7 +36,7 @@ def expert_modules(mcfg) -> dict[str, str]:
 def target_parameters(mcfg) -> list[str]:
     """PEFT's target_parameters for the experts' stacked weights, in Experts.STACKED's order (PEFT wraps the first
     innermost: its keys read `base_layer.`): each weight's Hugging Face name, as the dotted suffix every mixture of the
-    model shares (`mlp.experts.gate_up_proj`)."""
+    model shares."""
     modules = list(expert_modules(mcfg).values())
     if not modules:
         return []

@@ -229,7 +229,8 @@ class LoRAConfig(Section):
     lora_targets: str = flag(
         "all-linear",
         "LoRA: the linears that get adapters: all-linear (every linear of the blocks, as PEFT's; not the output head), "
-        "or comma-separated names, Hugging Face's (q_proj,v_proj) or the family's (qkv_proj)", metavar='NAMES')
+        "or comma-separated names, Hugging Face's module names (as PEFT's target_modules) or the family's (qkv_proj)",
+        metavar='NAMES')
     lora_rslora: bool = flag(False, "LoRA: scale by α/√r (rank-stabilized LoRA, PEFT's use_rslora)")
     lora_from: str | None = flag(
         None, "LoRA: start the adapters from a PEFT adapter directory (adapter_config.json, "

@@ -9,8 +9,8 @@ Under tensor parallelism a pair is split as its linear (DESIGN.md; Megatron-Brid
   - row-parallel: A split by columns as the base's input, B whole. B (A_local x_local) is a partial sum added to the
     base's before the one reduction that leaves the region, so the pair adds no collective; B's gradient is a share
     per tp rank (`tp_partial`, summed by the engines).
-A fused linear (q|k|v, gate|up) gets one pair per block that Hugging Face holds as a module of its own (q_proj,
-k_proj, v_proj), so the model is PEFT's: A stacked [pairs·r, in], B stacked by rows and split per block as the base.
+A fused linear (q|k|v, gate|up) gets one pair per block that Hugging Face holds as a module of its own (the q, k
+and v projections), so the model is PEFT's: A stacked [pairs·r, in], B stacked by rows and split per block as the base.
 A block no target names gets no pair. Adapter parameters are named `<linear>.lora.A` / `.lora.B`.
 Every other nn.Linear of a block is replicated over tp (MLA's latent projections, a shared expert's, a gate): its pairs
 are whole on every rank and added by a forward hook; like their base, their gradients are whole, or per-rank shares
@@ -130,7 +130,7 @@ def expert_targets(mcfg, spec: LoRASpec) -> dict[str, tuple[int, int, int]]:
 
 def linear_targets(mcfg, model: CausalLM, layer: str, spec: LoRASpec) -> list[Target]:
     """The targets among the parallel plan's linears of block `layer` (its key in the model's blocks). A linear's
-    Hugging Face modules are its family adapter's parts; the leaf of their name (q_proj) or of ours (qkv_proj) is what
+    Hugging Face modules are its family adapter's parts; the leaf of their name or of ours (qkv_proj) is what
     --lora-targets names."""
     block, plan, hf = model.blocks[layer], model.parallel_plan(), family_of(mcfg).hf
     out = []
@@ -152,8 +152,8 @@ def linear_targets(mcfg, model: CausalLM, layer: str, spec: LoRASpec) -> list[Ta
 
 def spans(fused: tuple[int, ...] | None, rows: list[int]) -> list[tuple[int, ...]]:
     """The base's fused blocks (each split over tp on its own) that each Hugging Face module's `rows` span, in order:
-    one each mostly, three for Qwen3.5's in_proj_qkv over q|k|v. A pair's B is split as those blocks, so each tp rank
-    holds the rows of its own output columns."""
+    one each mostly, three where one module covers q|k|v (Qwen3.5's linear attention). A pair's B is split as those
+    blocks, so each tp rank holds the rows of its own output columns."""
     if fused is None:
         return [(r,) for r in rows]
     blocks, out = iter(fused), []
@@ -205,7 +205,7 @@ def trained_flops_per_token(mcfg, seq_len: int, spec: LoRASpec | None) -> float:
 
 def names(target: str, hf_module: str, path: str) -> bool:
     """Whether a --lora-targets entry names a linear's block: all-linear; PEFT's rule for Hugging Face module names
-    (the name, or a suffix of it after a dot: q_proj, layers.0.self_attn.q_proj); or the leaf of the family's own
+    (the name, or a suffix of it after a dot); or the leaf of the family's own
     path (qkv_proj, every block it fuses)."""
     return (target == ALL_LINEAR or hf_module == target or hf_module.endswith("." + target)
             or path.rpartition(".")[2] == target)
@@ -291,7 +291,7 @@ class _Pair(nn.Module):
 
 
 class ExpertLoRA(nn.Module):
-    """The pairs of a mixture's experts (PEFT's target_parameters on gate_up_proj and down_proj): each expert e's
+    """The pairs of a mixture's experts (PEFT's target_parameters on both stacked weights): each expert e's
     SwiGLU with W_e + s · B_e A_e in both projections, the base frozen. Expert parallelism splits the pairs with the
     experts (their gradients scaled by 1/ep as the experts' are)."""
 
