@@ -115,7 +115,7 @@ class WeightStream:
         hf = family_of(mcfg).hf
         for i, tensor in self._units(range(self.n_adapters, len(self.units)), dtype, bucket_bytes):
             unit = self.units[i]
-            if held and not base:
+            if held:  # (empty with `base`: the adapters were not gathered)
                 tensor = merged(mcfg, self.lora, unit.name, tensor.float(), held.__getitem__).to(dtype)
             tensor = tensor.to(device)
             yield from (hf.expert_to_hf(mcfg, unit.name, unit.expert, tensor) if unit.expert is not None
