@@ -234,19 +234,23 @@ def _engine_stream(hf_dir: str, layout: dict, out_dir: str) -> dict:
             "moved": max((merged[k] - base[k]).abs().max().item() for k in merged if k in base)}
 
 
-def _bf16_base(hf_dir: str, layout: dict) -> dict:
-    """Three bf16 LoRA steps under DDP and autocast with the frozen base's matmul weights held in bf16
-    (parallel/lora.hold_base_in) and with it patched out (fp32 copies): (loss, grad norm) of each, and the bytes of
-    this rank's parameters."""
+def _bf16_base(source: dict, layout: dict) -> dict:
+    """Three bf16 LoRA steps of the model `source` names (init_from_hf or a preset) under DDP and autocast with the
+    frozen base's matmul weights held in bf16 (parallel/lora.hold_base_in) and with it patched out (fp32 copies):
+    (loss, grad norm) of each, the bytes of this rank's parameters, and the elements of its frozen bf16 ones; the
+    frozen >= 2-D parameters still in fp32 by name."""
     from trainer3d.checkpoint.load import apply, prepare
     from trainer3d.config import TrainConfig
     from trainer3d.parallel import parallelize
+    from trainer3d.parallel.lora import LoRASpec
+    from trainer3d.plan.candidate import Candidate
+    from trainer3d.plan.memory import estimate_memory
     from trainer3d.train.setup import validate
     from trainer3d.train.trainer import Trainer
 
     out = {}
     for held in (True, False):
-        cfg = TrainConfig(init_from_hf=hf_dir, lora_rank=RANK, seq_len=32, global_batch=4, precision="bf16",
+        cfg = TrainConfig(**source, lora_rank=RANK, seq_len=32, global_batch=4, precision="bf16",
                           max_steps=3, lr=1e-2, warmup_steps=0, val_fraction=0.0, eval_every=0, **layout)
         setup = validate(cfg, 2)
         topo = setup.topology([0, 1])
@@ -263,10 +267,15 @@ def _bf16_base(hf_dir: str, layout: dict) -> dict:
                  for _ in range(3)]
         stages = trainer.parallel_model.stages
         embeddings = {id(st.embedding.weight) for st in stages if st.embedding is not None}
+        frozen = {n: p for st in stages for n, p in st.named_parameters()
+                  if not p.requires_grad and p.dim() >= 2 and id(p) not in embeddings}
         out[held] = {"steps": [(r["loss"], r["grad_norm"]) for r in steps],
                      "bytes": sum(p.numel() * p.element_size() for st in stages for p in st.parameters()),
-                     "frozen matmul elements": sum(p.numel() for st in stages for p in st.parameters()
-                                                   if not p.requires_grad and p.dim() >= 2 and id(p) not in embeddings)}
+                     "bf16 elements": sum(p.numel() for p in frozen.values() if p.dtype == torch.bfloat16),
+                     "planned": estimate_memory(Candidate(
+                         trainer.mcfg, dp=setup.layout.dp, pp=setup.layout.pp, precision="bf16-autocast",
+                         lora=LoRASpec.of(cfg)), topo.pp_rank).params,
+                     "fp32": sorted(n for n, p in frozen.items() if p.dtype == torch.float32)}
         topo.destroy()
     return out
 
@@ -283,7 +292,9 @@ def _runs_then_bases(rank: int, world_size: int, runs: list[list[str]], hf_dir: 
             ("dp2 zero3", dict(world=2, deepspeed_config="ds_configs/zero3.json")))}
         out["streams"] = {label: _engine_stream(hf_dir, layout, f"{tmp}/engine-{label}") for label, layout in (
             ("tp2", dict(tp=2)), ("zero3", dict(deepspeed_config="ds_configs/zero3.json")))}
-        out["bf16"] = {label: _bf16_base(hf_dir, layout) for label, layout in (("dp2", {}), ("pp2", dict(pp=2)))}
+        out["bf16"] = {label: _bf16_base(source, layout) for label, source, layout in (
+            ("dp2", dict(init_from_hf=hf_dir), {}), ("pp2", dict(init_from_hf=hf_dir), dict(pp=2)),
+            ("dp2 DSA", dict(model="deepseek-v3.2-tiny"), {}))}
     return out
 
 
@@ -292,7 +303,8 @@ def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
     the adapters only); a resume with other LoRA flags, or over a base whose files changed, is refused (exit 2); bad
     flags are refused before any process group; the base stays bitwise as loaded; trainer3d.engine streams the
     merged weights, or the adapters alone, as the exports hold them; a bf16 run under DDP holds the frozen base's
-    matmul weights in bf16 and computes bitwise what fp32 copies under autocast compute."""
+    matmul weights in bf16 (DeepSeek-V3.2's replicated latents too, not DSA's fp32 weights_proj), computes bitwise
+    what fp32 copies under autocast compute, and holds the parameter bytes the planner counts."""
     monkeypatch.setenv("TRAINER3D_CACHE", str(tmp_path / "cache"))
     hf_dir, moved = tmp_path / "hf", tmp_path / "hf-moved"
     hf_llama(tie=True, seed=5).save_pretrained(hf_dir)
@@ -330,7 +342,14 @@ def test_lora_resume_base_and_refusals(tmp_path, monkeypatch, capsys):
         assert got["base"] > 0 and not got["changed"] and not got["B still zero"], (label, got)
     for label, got in second["bf16"].items():  # the same steps, bitwise, on fewer bytes (pp2: the tied head's copy)
         saved = got[False]["bytes"] - got[True]["bytes"]
-        assert got[True]["steps"] == got[False]["steps"] and saved == 2 * got[False]["frozen matmul elements"] > 0, got
+        assert got[True]["steps"] == got[False]["steps"] and saved == 2 * got[True]["bf16 elements"] > 0, got
+        # every frozen matmul weight held, MLA's replicated latents too; DSA's weights_proj and the routers in fp32
+        fp32, dsa = got[True]["fp32"], label == "dp2 DSA"
+        allowed = ("mlp.gate.weight", "indexer.weights_proj.weight") if dsa else ()
+        assert all(n.endswith(allowed) for n in fp32) and any("weights_proj" in n for n in fp32) == dsa, (label, fp32)
+        assert got[False]["bf16 elements"] == 0, label
+        # the planner's bytes for this rank's parameters: the held base (norms and routers with it), to 1%
+        assert abs(got[True]["planned"] / got[True]["bytes"] - 1) < 0.01, (label, got[True])
     for label, got in second["streams"].items():  # the engine's weights: merged, or the adapters, as exported
         assert got["merged"] < 1e-6 and got["adapters"] < 1e-6 and got["moved"] > 1e-4, (label, got)
 

@@ -372,13 +372,16 @@ def freeze_base(stages: list[nn.Module], input_grads: bool = False) -> None:
 def hold_base_in(stages: list[nn.Module], dtype: torch.dtype) -> None:
     """A frozen base's matmul weights held in the compute dtype (a bf16 run under DDP and autocast): autocast casts an
     fp32 weight to it at every matmul anyway, so the values computed are the same, and the fp32 copy that only the
-    optimizer needed goes (half the base's bytes). Norms, biases and the embedding stay as they are (the residual
-    stream keeps its dtype)."""
+    optimizer needed goes (half the base's bytes). The parallel linears, the experts and the tp-replicated nn.Linear
+    (MLA's latents, a shared expert's gate) alike; not a linear computed in fp32 outside autocast (`keeps_fp32`: DSA's
+    weights_proj), the routers (not linears: fp32 by rule), norms, biases or the embedding (the residual stream keeps
+    its dtype)."""
     tied = {id(s.embedding.weight) for s in stages if s.embedding is not None}
     for s in stages:
         for m in s.modules():
+            held = isinstance(m, WEIGHTED) or (isinstance(m, nn.Linear) and not getattr(m, "keeps_fp32", False))
             for name in ("weight", *Experts.STACKED):
-                p = m._parameters.get(name) if isinstance(m, WEIGHTED) else None
+                p = m._parameters.get(name) if held else None
                 if p is not None and not p.requires_grad and p.dim() >= 2 and id(p) not in tied:
                     p.data = p.data.to(dtype)
 

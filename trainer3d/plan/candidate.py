@@ -191,6 +191,15 @@ def rank_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
     return sum(stage_params(cfg, tp, s, ep) for s in stages)
 
 
+def matmul_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
+    """A rank's parameters in its blocks and an untied head: what a frozen LoRA base under DDP and autocast holds in
+    the compute dtype (parallel/lora.hold_base_in; the blocks' norms and routers, a few per mille, counted with them);
+    the embedding, its tied copy and the stages' extras stay fp32."""
+    lp = local_params(cfg, tp)
+    return sum(sum(b.total(ep) * k for b, k in lp.kinds(s.blocks)) + (lp.head if s.last and not cfg.tie_embeddings
+                                                                          else 0) for s in stages)
+
+
 def trainable_params(cand, stages: list[Stage]) -> float:
     """The parameters of a rank's stages that take gradients and AdamW state: every one, or under LoRA the adapters
     alone (parallel/lora.py's Target.local_params)."""

@@ -23,8 +23,7 @@ from trainer3d.parallel.tensor_parallel import padded_vocab_size
 from trainer3d.zero.config import auto_buckets
 from trainer3d.plan.candidate import (
     Candidate, Stage, block_params, expert_params, lora_expert_params, max_param_tensor, partition_params,
-    persistent_params, rank_params, trainable_params,
-    tp_summed_params,
+    matmul_params, persistent_params, rank_params, trainable_params, tp_summed_params,
 )
 
 EXPERT_BUCKET = inspect.signature(all_reduce_grads).parameters["bucket_elems"].default  # DDP's experts over edp
@@ -85,9 +84,10 @@ def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
 def expert_weight_copies(cand: Candidate, blocks: range) -> float:
     """Under autocast (fp32 parameters, bf16 matmuls) each MoE layer casts this rank's experts to the matmul dtype
     itself (autocast does not reach the grouped matmul), once a step (models/moe.expert_casts_cached, as autocast
-    caches a dense linear's cast), and the copies live through the schedule, whatever the micro-batches in flight."""
+    caches a dense linear's cast), and the copies live through the schedule, whatever the micro-batches in flight.
+    A LoRA base holds them in that dtype already (parallel/lora.hold_base_in): no copy."""
     P = cand.prec
-    if P.param == P.matmul:
+    if P.param == P.matmul or cand.lora is not None:
         return 0.0
     return sum(b.experts(cand.ep) * k for b, k in local_params(cand.cfg, cand.tp).kinds(blocks)) * P.matmul
 
@@ -213,11 +213,14 @@ def _model_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> No
 
 
 def _lora_states(e: MemoryEstimate, cand: Candidate, stages: list[Stage]) -> None:
-    """A LoRA run's: the base as the engine holds it (DDP: whole, fp32 under autocast; ZeRO: in the compute dtype,
-    partitioned at stage 3), the adapters with gradients and AdamW state, partitioned as ZeRO partitions them."""
+    """A LoRA run's: the base as the engine holds it (DDP: whole, its matmul weights in the compute dtype, the rest
+    as the precision keeps parameters; ZeRO: in the compute dtype, partitioned at stage 3), the adapters with
+    gradients and AdamW state, partitioned as ZeRO partitions them."""
     P, z, n, t = cand.prec, cand.zero_stage, e.n_params, trainable_params(cand, stages)
     if z == 0:
-        e.params, e.grads, e.optimizer = (n + t) * P.param, t * P.grad, t * P.optim
+        held = matmul_params(cand.cfg, cand.tp, stages, cand.ep)
+        e.params = held * P.matmul + (n - held + t) * P.param
+        e.grads, e.optimizer = t * P.grad, t * P.optim
         e.ddp_buckets = t * P.grad if cand.dp_cp > 1 else 0.0
         return
     e.params = (partition_params(cand, stages) if z >= 3 else n) * P.param + t * P.param

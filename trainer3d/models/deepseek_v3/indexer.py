@@ -40,6 +40,7 @@ class Indexer(nn.Module):
         self.wk = nn.Linear(d, hd, bias=False)
         self.k_norm = nn.LayerNorm(hd, eps=INDEXER_NORM_EPS)
         self.weights_proj = nn.Linear(d, n, bias=False)
+        self.weights_proj.keeps_fp32 = True  # computed in fp32 (forward): a bf16 hold (parallel/lora.py) passes it by
         self.heads, self.head_dim, self.rope = n, hd, cfg.qk_rope_head_dim
         self.interleaved = cfg.index_rope_interleave
 
