@@ -133,7 +133,7 @@ def label(case: Case) -> str:
 
 def main(quick: bool = False) -> int:
     from bench.measure import preloaded_memhook
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     all_cases = cases()
     if quick:

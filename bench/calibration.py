@@ -101,7 +101,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def main() -> None:
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=4)

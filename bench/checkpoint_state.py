@@ -177,7 +177,7 @@ class Sampler:
 
 
 def run_saves(model: str, world: int, layouts) -> list[list]:
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     results = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as out, Sampler() as sampler:
@@ -374,7 +374,7 @@ def _zero3(case: Case, offload: bool) -> dict:
 
 
 def vs_deepspeed(model: str, world: int, rounds: int, offload: bool) -> list[list]:
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as out:
         results = run_world(world, _vs_deepspeed_world, model, out, rounds, offload, timeout=3000)
@@ -401,7 +401,7 @@ def main() -> None:
     p.add_argument("--startup-rows", default="0,1,2", help="which of STARTUP the startup section runs")
     args = p.parse_args()
     sections = set(args.sections.split(","))
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     print(stamp("python bench/checkpoint_state.py " + " ".join(sys.argv[1:])))
     header = ["save (layout)", "rank", "RSS before", "rise (outside)", "rise (VmHWM)", "held (params+Adam)",

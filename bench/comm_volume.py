@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-zero", action="store_true", help="skip the ZeRO rows")
     ap.add_argument("--only-zero", action="store_true", help="only the ZeRO rows")
     args = ap.parse_args(argv)
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     cases = default_cases(zero=not args.no_zero, only_zero=args.only_zero)
     world = max(c.world for c in cases)

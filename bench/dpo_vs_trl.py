@@ -3,13 +3,13 @@ fp32, one thread: step time, pairs/s and tokens/s, and the peak resident memory 
 one run.
 
 The same model and data for every side: a random Llama (tests/test_llama.hf_llama at the sizes below) with the tests'
-chat tokenizer (tests/chat_data.chat_tokenizer: byte-level BPE, 392 tokens, a ChatML-like template), saved as a
-Hugging Face directory; conversational pairs of words from chat_data.WORDS (tests/trl_dpo_reference.preference_rows's
+chat tokenizer (tests/helpers/chat_data.chat_tokenizer: byte-level BPE, 392 tokens, a ChatML-like template), saved as a
+Hugging Face directory; conversational pairs of words from chat_data.WORDS (tests/helpers/trl_dpo_reference.preference_rows's
 shape, longer: a user turn, one assistant turn a side). The same settings: the same pairs a step (trainer3d's
 --global-batch counts rows, two a pair), the same steps, a constant lr, AdamW (0.9/0.999, eps 1e-8, no weight decay),
 clip 1.0, β 0.1, the sigmoid loss, the reference = the initial weights, no activation checkpointing, no checkpoint at
 the end. TRL: per_device_train_batch_size = the pairs a step, gradient_accumulation_steps 1, bf16 False, report_to
-none, no truncation: tests/trl_dpo_reference._config, the settings tests/test_dpo.py checks trainer3d against.
+none, no truncation: tests/helpers/trl_dpo_reference._config, the settings tests/test_dpo.py checks trainer3d against.
 
 Three sides, each run in a process of its own, one after the other:
 - trainer3d: `python launch/train.py --init-from-hf ... --objective dpo --data-format preference` (the reference
@@ -73,7 +73,7 @@ TRL_MARKER = "[bench] step 1 begins"
 # ---- the model and the pairs ------------------------------------------------------------------------------------
 def make_model(directory: Path, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> dict:
     """The tests' chat tokenizer and a random Llama of these sizes (fp32) in `directory`."""
-    from chat_data import chat_tokenizer
+    from helpers.chat_data import chat_tokenizer
     from test_llama import hf_llama
 
     vocab = chat_tokenizer(directory)
@@ -85,9 +85,9 @@ def make_model(directory: Path, hidden: int, layers: int, heads: int, kv_heads: 
 
 
 def make_pairs(n: int, seed: int = 0, prompt=(48, 64), completion=(28, 44)) -> list[dict]:
-    """n conversational pairs (tests/trl_dpo_reference.preference_rows's shape, longer): a user turn of `prompt` words
+    """n conversational pairs (tests/helpers/trl_dpo_reference.preference_rows's shape, longer): a user turn of `prompt` words
     (a system turn first in ~30%), one assistant turn of `completion` words a side, chosen != rejected."""
-    from chat_data import WORDS
+    from helpers.chat_data import WORDS
 
     rng, rows = random.Random(seed), []
 
@@ -189,12 +189,12 @@ def trl_side(model_dir, data, pairs_per_step, steps, work: Path, tag: str, preco
 
 def trl_child(model_dir: str, data: str, pairs_per_step: int, steps: int, precompute: bool, out_dir: str,
               out: str) -> None:
-    """TRL's DPOTrainer with tests/trl_dpo_reference's settings (`precompute`: precompute_ref_log_probs=True, the
+    """TRL's DPOTrainer with tests/helpers/trl_dpo_reference's settings (`precompute`: precompute_ref_log_probs=True, the
     reference scored in the trainer's __init__ and no reference model kept); per step the callback's times, the
     padded width of the batch its collator made, the loss; the RSS at step 1's start."""
     import torch
     import transformers
-    from trl_dpo_reference import _config, _trainer
+    from helpers.trl_dpo_reference import _config, _trainer
 
     torch.set_num_threads(1)
     with open(data) as f:

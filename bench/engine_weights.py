@@ -67,7 +67,7 @@ def _world(rank, world, model, layout, out, dtype_name, bucket_bytes):
 
 
 def main() -> int:
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2")

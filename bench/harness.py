@@ -1,5 +1,5 @@
 """Shared by the benchmarks and tests/test_plan.py: build a Trainer for one layout inside a spawned gloo world
-(tests/distributed.run_world), feed it synthetic batches, and a few formatting helpers."""
+(tests/helpers/distributed.run_world), feed it synthetic batches, and a few formatting helpers."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def run(layouts=LAYOUTS, timeout: float = 900) -> dict:
     from bench.measure import preloaded_memhook
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     cases = [(pp, s, v, free) for pp, s, v in layouts for free in (False, True)]
     with preloaded_memhook():

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     args = ap.parse_args(argv)
     from bench.measure import preloaded_memhook
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     all_cases = cases(args.lengths)
     world = max(c.world for c in all_cases)

@@ -2,7 +2,7 @@
 the planner's figure beside each, and speed, as ratios within one run, on CPU in fp32.
 
 The same model and data for every side: a random Llama (tests/test_llama.hf_llama at the size below) with the tests'
-chat tokenizer and ChatML template (tests/chat_data, tests/test_sft_trl.CHATML), N conversations, the whole set in
+chat tokenizer and ChatML template (tests/helpers/chat_data, tests/test_sft_trl.CHATML), N conversations, the whole set in
 each step's batch, unpacked (one conversation a row), constant lr, AdamW, clip 1.0. LoRA: rank 16, α 32, all-linear.
 Sides, each a process (or a torchrun world) of its own, one after the other:
   - trainer3d full SFT and trainer3d LoRA SFT, at 1 process and at dp 2 under ZeRO-3 (ds_configs/zero3.json);
@@ -96,7 +96,7 @@ def trl_child(work: Path, seq: int, steps: int, lora: bool) -> None:
     import torch
     import transformers
     import trl
-    from chat_data import conversations
+    from helpers.chat_data import conversations
 
     torch.set_num_threads(1)
     tok = transformers.AutoTokenizer.from_pretrained(work / "hf")
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import transformers
-    from chat_data import chat_tokenizer, conversations
+    from helpers.chat_data import chat_tokenizer, conversations
     from test_llama import hf_llama
     from test_sft_trl import CHATML, rendered, shapes
     from trainer3d.checkpoint.hf_init import hf_model_config

@@ -101,7 +101,7 @@ def measure_layouts(rank: int, world: int, cases: list[tuple[Case, int, bool]], 
 def run(cases: list[tuple[Case, int, bool]], world: int, timeout: float = 900, steps: int = STEPS) -> list[list]:
     """[case][rank] -> measurement (None on idle ranks)."""
     from bench.measure import preloaded_memhook
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     with preloaded_memhook():
         per_rank = run_world(world, measure_layouts, cases, steps, timeout=timeout)

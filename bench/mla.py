@@ -180,7 +180,7 @@ def cp_rows() -> list[list]:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from bench.comm_volume import compare, count_layouts
     from bench.harness import Case
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     mla = dict(n_layer=4, n_embd=64, n_head=4, vocab=512, seq_len=32, global_batch=8)
     extra = {"model": "deepseek-v3-tiny", "mtp_layers": 0}

@@ -200,7 +200,7 @@ def expected_a2a(ep: int) -> int:
 
 
 def ep_section(rounds: int) -> str:
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     eps = [1, 2, 4]
     with preloaded_memhook():

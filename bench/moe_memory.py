@@ -93,7 +93,7 @@ def planner(layout: str) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     from bench.measure import preloaded_memhook
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     use_prebuilt_ops()  # DeepSpeed's CPU ops in the checkout's .cache/torch_extensions (--build-ops)
     from bench.measure import preloaded_memhook
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     variants = ["trainer3d DDP"] + (["trainer3d ZeRO-3"] if zero_available() else []) + ["HF + DeepSpeed ZeRO-3"]
     if args.offload:

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--forward-ms", type=float, default=40.0, help="forward time per stage and micro-batch")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     from trainer3d.parallel.pipeline import SCHEDULES
 

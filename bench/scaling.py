@@ -118,7 +118,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> int:
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5)

@@ -158,7 +158,7 @@ def _epoch(rank: int, world: int, rows, seq: int, pack: bool, gb: int, steps: in
 
 
 def section_b(built: dict, seq: int, gb: int, steps: int) -> list:
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     step, n, rows = {}, {}, []
     for packing in PACKINGS:

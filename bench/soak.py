@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from bench.harness import stamp, table  # noqa: E402
-from distributed import free_port  # noqa: E402
+from helpers.distributed import free_port  # noqa: E402
 
 COMMON = ["--model", "tiny", "--n-layer", "4", "--seq-len", "64", "--global-batch", "8", "--max-steps", "10000000",
           "--eval-every", "100", "--eval-batches", "2", "--save-every", "250", "--keep-last", "1", "--log-every", "500",

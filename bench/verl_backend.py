@@ -6,7 +6,7 @@ logprobs), on the same rollouts, at one process; medians of --repeats after a wa
 
     python bench/verl_backend.py [--rollouts 32] [--seq-len 256] [--repeats 3]
 
-verl must be importable: the suite installs it into .cache/verl-site-* (tests/verl_site.py); this script adds that
+verl must be importable: the suite installs it into .cache/verl-site-* (tests/helpers/verl_site.py); this script adds that
 folder to the path (or pass --verl-site).
 """
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if site is None:
         sys.exit("verl is not installed here: run tests/test_verl.py once (it installs it into .cache), or pass "
                  "--verl-site.")
-    sys.path.insert(0, site)  # (its pins first: tests/verl_site.py)
+    sys.path.insert(0, site)  # (its pins first: tests/helpers/verl_site.py)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
     torch.set_num_threads(1)

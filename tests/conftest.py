@@ -1,7 +1,7 @@
 """The suite's one rule for skipping: a test skips only for a condition of the machine it cannot change, declared with
 `@pytest.mark.needs(<condition>)` (NEEDS below) and decided here, before the test runs. Any other skip (a
 `pytest.skip` somewhere, a test helper giving up) is a failure when CI is set, and so is a skip for a condition
-that TRAINER3D_ALLOWED_SKIPS (which .ci/run sets) does not list. `python tests/counts.py` derives the README's test
+that TRAINER3D_ALLOWED_SKIPS (which .ci/run sets) does not list. `python tests/helpers/counts.py` derives the README's test
 counts from these markers, and tests/test_docs.py checks that the README states them."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def pytest_runtest_makereport(item, call):
 
 # Files whose one or few tests run for minutes: queued first. xdist's default queue (pyproject's
 # --no-loadscope-reorder turns it off) hands out the files with the most tests first, so these came last, and one
-# worker ran them alone while the other sat idle (277 s of a 41-minute run, tests/timeline.py).
+# worker ran them alone while the other sat idle (277 s of a 41-minute run, tests/helpers/timeline.py).
 LONG_FEW = ("test_gpu_round.py", "test_compile.py", "test_sft_trl.py", "test_deepspeed_launcher.py", "test_dsa.py")
 
 
@@ -125,7 +125,7 @@ def _timeline(path: str, event: str, nodeid: str) -> None:
 
 def _cpu_seconds() -> float:
     """This process's CPU time, its finished children's (the runs a test started and joined), and its live children's
-    with the children they reaped (a forkserver's ranks: tests/distributed.py)."""
+    with the children they reaped (a forkserver's ranks: tests/helpers/distributed.py)."""
     import resource
 
     total = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
@@ -146,7 +146,7 @@ def _cpu_seconds() -> float:
 def pytest_runtest_protocol(item, nextitem):
     """With TRAINER3D_TEST_TIMELINE set, each test's start and end (setup to teardown) where it runs (a worker, or
     the one process under -n 0; never xdist's controller), and the CPU seconds it used: when each worker was busy,
-    what ran last while the other waited, and what the suite's CPU-bound time is spent on (tests/timeline.py)."""
+    what ran last while the other waited, and what the suite's CPU-bound time is spent on (tests/helpers/timeline.py)."""
     path = os.environ.get(TIMELINE_ENV)
     if path:
         _timeline(path, "start", item.nodeid)

@@ -262,7 +262,7 @@ def test_the_pick_is_a_layout_the_model_runs(world):
     experts over ep) train a step in a world of that size (a loss near ln 512). DSA runs without sequence parallelism, so its picks have none (until
     2026-12-06 every tp > 1 pick turned sequence parallelism on, and `deepseek-v3-tiny --layout auto --tp 2` was
     refused naming --sequence-parallel, a flag the user never passed, when MTP was not built for it)."""
-    from distributed import run_world
+    from helpers.distributed import run_world
     from trainer3d.models import MODEL_PRESETS
     from trainer3d.train.setup import validate
 

@@ -18,7 +18,7 @@ import random
 import pytest
 import transformers
 
-from chat_data import END, EOS, WORDS, chat_tokenizer, template
+from helpers.chat_data import END, EOS, WORDS, chat_tokenizer, template
 from test_llama import hf_llama
 from trainer3d.data.turn_end import end_of_turn_ids
 from trainer3d.errors import DataError

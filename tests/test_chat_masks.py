@@ -14,7 +14,7 @@ import pytest
 import transformers
 import trl
 
-from chat_data import chat_jsonl, chat_tokenizer, conversations
+from helpers.chat_data import chat_jsonl, chat_tokenizer, conversations
 from trainer3d.data.chat import Conversation, MaskRule, encode
 from trainer3d.data.packing import best_fit_decreasing
 from trainer3d.data.sft import build_chat_rows, build_rows, describe

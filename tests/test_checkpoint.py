@@ -1,7 +1,7 @@
 """Checkpoints (trainer3d/checkpoint.py, resume.py, export.py): exact resume, resume at another layout, a kill in
 the middle of a save, SIGTERM to a torchrun job, the Hugging Face round trip, and bad input.
 
-The layout tests run in one spawned 8-process world (tests/distributed.py), with the real BatchLoader over a
+The layout tests run in one spawned 8-process world (tests/helpers/distributed.py), with the real BatchLoader over a
 small synthetic array of blocks (so its dp-size-independent state is what carries the data position), fp32 and
 dropout 0 except where dropout is the point. The CLI tests run launch/train_gpt2.py (python or torchrun) in
 subprocesses and `train.main` in-process, on a small text corpus tokenized into a per-module cache.
@@ -24,9 +24,9 @@ import pytest
 import torch
 import transformers
 
-import fault_plugin
-from distributed import free_port, launch_env, run_world
-from parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL, max_rel
+from helpers import fault_plugin
+from helpers.distributed import free_port, launch_env, run_world
+from helpers.parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL, max_rel
 from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.checkpoint.format import Checkpoint, latest_checkpoint, resolve_checkpoint
 from trainer3d.checkpoint.save import save_checkpoint
@@ -134,7 +134,7 @@ RESHARD = [dict(tp=2, pp=4, schedule="interleaved-1f1b", virtual_stages=2), dict
 # sum over more than two ranks then rounds differently, as it does at dp 8 without cp; over two ranks it is exact)
 L_CP = dict(tp=2, cp=2, pp=2, sequence_parallel=True)
 # a mixture of experts (Qwen3-MoE's blocks, block 0 dense) with the balance loss, experts split over ep 2 at (2,2,2);
-# lr as tests/parity.py's MOE (routing is discontinuous). (Loss-free balancing's bias, refused on Qwen3-MoE's softmax
+# lr as tests/helpers/parity.py's MOE (routing is discontinuous). (Loss-free balancing's bias, refused on Qwen3-MoE's softmax
 # scores, is saved as a table all the same: zeros here.)
 MOE = dict(model="qwen3-moe-tiny", n_kv_heads=4, ffn_hidden=160, lr=3e-4, moe_aux_loss_coef=0.01)
 MOE_RESHARD = {"moe_to_ep4": dict(dp=4, tp=2, ep=4), "moe_to_ep1_pp4": dict(dp=2, pp=4), "moe_to_111": dict()}
@@ -226,7 +226,7 @@ def _assert_continues(results, straight_key, resumed_key, rel: float = LOSS_RTOL
                       abs_param: float | None = PARAM_ATOL, n: int = N, norm_rel: float = NORM_RTOL) -> dict:
     """A run resumed (possibly at another layout or engine) from the straight run's checkpoint at step n starts from
     exactly the saved state and continues its losses and gradient norms within `rel` (the parity tolerances by
-    default: tests/parity.py) and its final parameters within `abs_param` (None: not compared). Returns the resumed
+    default: tests/helpers/parity.py) and its final parameters within `abs_param` (None: not compared). Returns the resumed
     run's rank-0 record."""
     ref, ref_losses, ref_params = _merged(results, straight_key)
     res, losses, params = _merged(results, resumed_key)
@@ -415,7 +415,7 @@ def _zero_scenarios(rank, world_size, tmp):
 
 @pytest.fixture(scope="module")
 def zero_results(tmp_path_factory):
-    from ds_ops import require_ops
+    from helpers.ds_ops import require_ops
 
     require_ops()
     tmp = tmp_path_factory.mktemp("zero_ckpt_world")
@@ -522,7 +522,7 @@ def test_zero_infinity_checkpoint(nvme_results, kind):
 
 @pytest.fixture(scope="module")
 def nvme_results(tmp_path_factory):
-    from ds_ops import nvme_op_available, require_ops
+    from helpers.ds_ops import nvme_op_available, require_ops
 
     require_ops()
     assert nvme_op_available(), "libaio is here but DeepSpeed's async_io op could not be built"
@@ -659,7 +659,7 @@ def test_sigterm_under_torchrun_saves_and_exits_cleanly(corpus, tmp_path, monkey
     out = tmp_path / "run"
     layout = ["--pp", "2"]
     if engine.startswith("zero"):
-        from ds_ops import require_ops
+        from helpers.ds_ops import require_ops
         from test_zero import ds_config
 
         require_ops()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from distributed import launch_env
+from helpers.distributed import launch_env
 
 BASE = ["--model", "tiny", "--n-layer", "2", "--max-steps", "1", "--eval-every", "0"]
 
@@ -25,7 +25,7 @@ def _cases(tmp):
     hellaswag.write_text(good_line + "\n" + good_line + "\n")
     chat = tmp / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    from chat_data import chat_tokenizer
+    from helpers.chat_data import chat_tokenizer
 
     chat_tokenizer(tmp / "tok")
     chat_run = ["--data-format", "chat", "--data", str(chat), "--tokenizer", str(tmp / "tok")]

@@ -1,5 +1,5 @@
 """--compile against the one-process eager run (fp32, dropout 0, same seed and data, 6 steps, losses, gradient norms
-and final parameters within tests/parity.py's tolerances, and dynamo's compiled graphs counted) at (1,1,1), (1,2,2) 1F1B and tp 2 × cp 2 (the cp
+and final parameters within tests/helpers/parity.py's tolerances, and dynamo's compiled graphs counted) at (1,1,1), (1,2,2) 1F1B and tp 2 × cp 2 (the cp
 attention and positions run eagerly between the compiled graphs); and, with dropout 0.2
 at (1,2,2), recomputation under --compile draws the same masks again: selective (its checkpointed attention core runs
 eagerly between compiled graphs) and full (the checkpoint runs the compiled block) give bitwise the same losses (and
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from distributed import run_world
-from parity import MOE, MOE_BALANCED, MOE_GLOBAL, check, run_groups, train_layout
+from helpers.distributed import run_world
+from helpers.parity import MOE, MOE_BALANCED, MOE_GLOBAL, check, run_groups, train_layout
 from test_parity import case
 
 STEPS = 6  # test_parity.STEPS

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_world
-from parity import LLAMA, VOCAB, check, parity_config, run_groups
+from helpers.distributed import run_world
+from helpers.parity import LLAMA, VOCAB, check, parity_config, run_groups
 from test_parity import case
 from trainer3d.errors import LayoutError
 from trainer3d.models import build_model, init_value

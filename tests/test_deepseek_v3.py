@@ -1,6 +1,6 @@
 """The DeepSeek-V3 family (models/deepseek_v3/: MLA with YaRN and interleaved rope, dense first blocks, DeepSeek's
 group-limited sigmoid routing with its selection bias and shared experts) against transformers' DeepseekV3ForCausalLM:
-a random one trained by tests/reference.py's plain loop (torch's AdamW, the schedule written there) and by trainer3d
+a random one trained by tests/helpers/reference.py's plain loop (torch's AdamW, the schedule written there) and by trainer3d
 --init-from-hf gives the same loss and gradient norm at every step in one process and at tp 2, tp 2 with sequence
 parallelism, pp 2, dp 2 × ep 2 and cp 2 × tp 2, all in one world of 4; a run that learns the bias exports a directory
 whose logits, bias (read by transformers) and greedy text are trainer3d's. Multi-token prediction: a model with an
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from distributed import run_world
-from reference import adamw, lr_schedule
+from helpers.distributed import run_world
+from helpers.reference import adamw, lr_schedule
 from test_cli import BASE, launched_alone
 from test_llama_hf import OPTIM, VOCAB, batches, bpe_tokenizer, reference_run, train_from_hf
 from trainer3d.models import MODEL_PRESETS, build_model, plain_model
@@ -249,7 +249,7 @@ def hf_deepseek_mtp(directory, seed: int, depth: int = 1):
 
 def mtp_reference_run(hf, mtps, data: torch.Tensor, coef: float,
                       chain: bool = True) -> tuple[list[float], list[float], list[float]]:
-    """transformers' model and the PaperMTP modules trained in a plain loop (torch's AdamW, tests/reference.py's
+    """transformers' model and the PaperMTP modules trained in a plain loop (torch's AdamW, tests/helpers/reference.py's
     schedule and decay rule) on loss + coef/D·Σ_k L_k, L_k depth k's mean cross-entropy; h^0 is the last decoder
     layer's output (before the final norm), h^k module k's output, which module k + 1 reads (`chain=False`: every
     module reads h^0, a mistake the tests must catch). Returns per step the main loss, the mean of the L_k and the
@@ -515,7 +515,7 @@ def test_the_tiny_preset_trains_from_the_command_line(tmp_path):
     import sys
     from pathlib import Path
 
-    from distributed import launch_env
+    from helpers.distributed import launch_env
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, str(root / "launch" / "train.py"), "--model", "deepseek-v3-tiny", "--n-layer", "3",

@@ -16,8 +16,8 @@ import subprocess
 import sys
 
 
-from distributed import free_port
-from ds_ops import require_ops
+from helpers.distributed import free_port
+from helpers.ds_ops import require_ops
 from trainer3d.zero import ops as zero_ops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

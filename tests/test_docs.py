@@ -1,4 +1,4 @@
-"""What the documents say must stay true of the code: the README states the suite's counts as tests/counts.py derives
+"""What the documents say must stay true of the code: the README states the suite's counts as tests/helpers/counts.py derives
 them from the tests' markers, every `trainer3d.` name and every repository path that README.md, bench/*.md (the
 benchmarks' index and one page per benchmark) and docs/ mention exists, every relative link in them resolves, and the
 index links every benchmark's page."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "docs").glob("*.md"))]
-SOURCES = [p for p in (ROOT / "trainer3d").rglob("*.py")] + [p for p in (ROOT / "tests").glob("*.py")] + \
+SOURCES = [p for p in (ROOT / "trainer3d").rglob("*.py")] + [p for p in (ROOT / "tests").rglob("*.py")] + \
     [p for p in (ROOT / "bench").glob("*.py")] + [p for p in (ROOT / "launch").rglob("*.py")]
 PACKAGE = "parallel|zero|checkpoint|train|data|models|plan|distributed"
 DOTTED = re.compile(r"\btrainer3d(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
@@ -72,18 +72,18 @@ def _in_libraries(name: str) -> bool:
 
 
 def test_readme_states_the_suite_counts():
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "counts.py"), "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "counts.py"), "--json"], capture_output=True, text=True,
                          timeout=300, cwd=str(ROOT))
     assert out.returncode == 0, out.stderr[-2000:]
     readme = (ROOT / "README.md").read_text()
-    from counts import line
+    from helpers.counts import line
 
     for machine, (passed, skipped) in json.loads(out.stdout.splitlines()[-1]).items():
         assert f"| {machine} | `{line(passed, skipped)}` |" in readme, (machine, line(passed, skipped))
 
 
 def _defined_in_source(parts: list[str]) -> bool:
-    """Where a module imports an optional library the suite keeps apart (verl: tests/verl_site.py), its names are
+    """Where a module imports an optional library the suite keeps apart (verl: tests/helpers/verl_site.py), its names are
     read from its source: a top-level definition, then a name in that class's body."""
     for i in range(len(parts), 0, -1):
         path = ROOT.joinpath(*parts[:i]).with_suffix(".py")

@@ -1,4 +1,4 @@
-"""--objective dpo against TRL's DPOTrainer (tests/trl_dpo_reference.py): a random Llama with a chat tokenizer, 16
+"""--objective dpo against TRL's DPOTrainer (tests/helpers/trl_dpo_reference.py): a random Llama with a chat tokenizer, 16
 conversational preference pairs, the whole set one batch a step, fp32, a constant lr. Per step the loss, the gradient
 norm and TRL's rewards/chosen, rewards/rejected and rewards/margins (and accuracies once the policy has moved) equal
 TRL's, at one process, tp2·pp2 and ZeRO-3 at dp4 (sigmoid), and at one process for IPO, robust DPO and another model
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import launch_env, run_world
+from helpers.distributed import launch_env, run_world
 from test_lora import adapter
-from trl_dpo_reference import preference_rows, tiny_chat_model, trl_dpo_run, trl_dpo_tokenized
+from helpers.trl_dpo_reference import preference_rows, tiny_chat_model, trl_dpo_run, trl_dpo_tokenized
 from trainer3d.config import TrainConfig
 
 STEPS, LR, BETA, SEQ = 3, 1e-3, 0.1, 64
@@ -210,7 +210,7 @@ def test_a_resume_into_a_new_out_dir_keeps_the_reference_and_its_mask(tmp_path):
     scored with the rows' own documents, as training sees them: at step 1 the policy is the reference, every reward 0
     and the loss ln 2 (scored by eos-opened documents instead, they were not). The --val-data pairs' reference is the
     checkpoint's too: the resumed run's validation at step 3 is the uninterrupted run's, and at step 0 it is ln 2."""
-    from distributed import free_port
+    from helpers.distributed import free_port
 
     tiny_chat_model(tmp_path / "model")
     write_rows(tmp_path / "pairs.jsonl", preference_rows(8, conversational=True))

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave, rotate_half
 
-from distributed import run_world
-from reference import plain_loop
+from helpers.distributed import run_world
+from helpers.reference import plain_loop
 from test_cli import BASE, launched_alone
 from test_deepseek_v3 import perturb
 from test_llama_hf import OPTIM, VOCAB, batches, train_from_hf

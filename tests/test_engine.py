@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-from distributed import run_world
-from parity import PARAM_ATOL
+from helpers.distributed import run_world
+from helpers.parity import PARAM_ATOL
 from test_llama import hf_llama
 from test_llama_hf import hf_moe
 from trainer3d.config import TrainConfig
@@ -423,7 +423,7 @@ def test_engine_against_transformers(tmp_path):
         print(f"{label}: loss rel diff {loss_rel:.1e}, norm rel diff {norm_rel:.1e}, weights {weights:.1e}, "
               f"after save -> load {run['reloaded']:.1e}")
         assert loss_rel < 1e-5 and norm_rel < 1e-5, (label, run["losses"], run["norms"])
-        # the parity rule's bound on weights (tests/parity.py): AdamW moves an element whose gradient is ~0 by up to
+        # the parity rule's bound on weights (tests/helpers/parity.py): AdamW moves an element whose gradient is ~0 by up to
         # lr on rounding alone (1.1e-5 at tp 2 x pp 2 on an AVX-512 machine)
         assert sorted(run["weights"]) == sorted(state) and weights < PARAM_ATOL, (label, weights)
         assert run["reloaded"] == 0.0
@@ -469,7 +469,7 @@ def test_grpo_example(tmp_path):
     import json
     import subprocess
 
-    from distributed import free_port, launch_env
+    from helpers.distributed import free_port, launch_env
 
     env = launch_env()
     p = subprocess.run([sys.executable, "examples/grpo/sft.py", "--out-dir", str(tmp_path / "sft")], env=env,

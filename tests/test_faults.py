@@ -1,7 +1,7 @@
 """A rank that dies or hangs never leaves the others waiting forever, and torchrun's elastic restarts resume.
 
 Real jobs under `torchrun --nproc_per_node 2` (tiny model, tp=2 so the ranks talk every step). Faults are
-injected with TRAINER3D_FAULT through tests/fault_plugin.py (loaded by TRAINER3D_PLUGINS): `kill` SIGKILLs the rank after a step,
+injected with TRAINER3D_FAULT through tests/helpers/fault_plugin.py (loaded by TRAINER3D_PLUGINS): `kill` SIGKILLs the rank after a step,
 `hang` makes it sleep forever. Each test reports its measured times (pytest -s shows them).
 """
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import fault_plugin
-from distributed import free_port, launch_env
-from parity import LOSS_RTOL, NORM_RTOL
+from helpers import fault_plugin
+from helpers.distributed import free_port, launch_env
+from helpers.parity import LOSS_RTOL, NORM_RTOL
 from trainer3d.checkpoint.format import Checkpoint, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distributed import run_world
-from parity import MOE, run_layouts
+from helpers.distributed import run_world
+from helpers.parity import MOE, run_layouts
 from test_parity import case
 from trainer3d.config import TrainConfig
 from trainer3d.errors import ConfigError

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_ops import require_ops
+from helpers.ds_ops import require_ops
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ["env", "smoke", "paths: bf16 eager", "paths: fp32 GPU vs CPU", "paths: compile", "paths: recompute",

@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import launch_env, run_world
-from ds_ops import require_ops
+from helpers.distributed import launch_env, run_world
+from helpers.ds_ops import require_ops
 from trainer3d.data.hellaswag import IGNORE, encode_rows, read_examples, score
 from trainer3d.errors import DataError
 from trainer3d.generate import pick_next_token
@@ -33,7 +33,7 @@ from trainer3d.models import init_value
 from trainer3d.parallel.shards import from_full
 from trainer3d.models.gpt2 import GPT
 from trainer3d.train.downstream import sample_generator
-from wandb_reader import read_history
+from helpers.wandb_reader import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["<eos>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [f"w{i}" for i in range(37)]  # 64 ids
@@ -220,7 +220,7 @@ def test_picks_losses_and_samples_at_every_layout(tmp_path):
         dict(dp=1, tp=4),  # tp ranks 1-3 hold only vocabulary padding (64 ids, padded to 512)
     ]
     names = ["1x1x1", "2x2x1 1f1b", "1x2x2 1f1b", "2x1x2 zbv", "2x1x2 dualpipev", "1x4x1"]
-    require_ops()  # ZeRO-3's CPU ops (tests/ds_ops.py builds them once)
+    require_ops()  # ZeRO-3's CPU ops (tests/helpers/ds_ops.py builds them once)
     cases.append(dict(dp=2, pp=2, deepspeed_config=zero3()))
     names.append("2x1x2 1f1b ZeRO-3")
     results = run_world(4, _layouts, path, cases, timeout=300)

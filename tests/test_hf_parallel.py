@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distributed import run_world
+from helpers.distributed import run_world
 from trainer3d.config import TrainConfig
 from trainer3d.train.setup import validate
 from trainer3d.checkpoint.hf import load_hf_checkpoint

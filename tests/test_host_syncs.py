@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-from distributed import run_world
-from parity import MOE_BALANCED, VOCAB, global_batches, parity_config
+from helpers.distributed import run_world
+from helpers.parity import MOE_BALANCED, VOCAB, global_batches, parity_config
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer3d") + os.sep
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__", "__setitem__")
@@ -115,7 +115,7 @@ def test_one_read_per_train_step_ddp():
 
 
 def test_one_read_per_train_step_zero():
-    from ds_ops import require_ops
+    from helpers.ds_ops import require_ops
 
     require_ops()
     cases = {"zero1": {"deepspeed_config": _ds(1)}, "zero3": {"deepspeed_config": _ds(3)},

@@ -1,5 +1,5 @@
 """The families against Hugging Face, trained: random LlamaForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM (with
-and without transformers' balance loss) and MixtralForCausalLM, each trained by tests/reference.py's plain loop
+and without transformers' balance loss) and MixtralForCausalLM, each trained by tests/helpers/reference.py's plain loop
 (torch's AdamW, nothing of trainer3d's) and by trainer3d (--init-from-hf) on the same batches, give the same loss and
 gradient norm at every step, in one process and at parallel layouts (tp × pp; experts over ep 2 and 4); and the round
 trip import -> train at a parallel layout -> save -> export gives a directory that transformers loads with
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from distributed import run_world
-from reference import plain_loop
+from helpers.distributed import run_world
+from helpers.reference import plain_loop
 from test_hf import _hf_model as hf_gpt2
 from test_llama import hf_llama
 from trainer3d.checkpoint.load import apply, prepare
@@ -31,7 +31,7 @@ def batches(steps: int = STEPS, vocab: int = VOCAB) -> torch.Tensor:
 
 
 def reference_run(hf, data: torch.Tensor, lr: float = OPTIM["lr"], aux_loss=None) -> tuple[list[float], list[float]]:
-    """transformers' model trained by tests/reference.py's plain loop (torch's AdamW, clip and the documented schedule)
+    """transformers' model trained by tests/helpers/reference.py's plain loop (torch's AdamW, clip and the documented schedule)
     with the run's hyper-parameters."""
     return plain_loop(hf, data, lr=lr, warmup_steps=OPTIM["warmup_steps"], max_steps=OPTIM["max_steps"],
                       grad_clip=OPTIM["grad_clip"], weight_decay=OPTIM["weight_decay"], aux_loss=aux_loss)
@@ -100,7 +100,7 @@ def hf_moe(family: str, seed: int = 0):
 
 
 # name -> (model, reference flags, {layout label: trainer3d flags}); MoE rows at lr 1e-3: routing is discontinuous
-# (tests/parity.py's MOE), and transformers computes in another order than trainer3d.
+# (tests/helpers/parity.py's MOE), and transformers computes in another order than trainer3d.
 MOE_LR = 1e-3
 RUNS = {
     "llama": (lambda: hf_llama(seed=3), {}, {"1x1x1": {}, "tp2 pp2": dict(tp=2, pp=2)}),
@@ -237,7 +237,7 @@ def test_llama_end_to_end_under_torchrun(tmp_path):
     import sys
     from pathlib import Path
 
-    from distributed import free_port, launch_env
+    from helpers.distributed import free_port, launch_env
     from test_hellaswag import REAL_EXAMPLES, write_jsonl
 
     root = Path(__file__).resolve().parents[1]

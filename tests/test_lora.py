@@ -3,7 +3,7 @@ non-zero, so that every factor has a gradient from step 1), continued by trl.SFT
 trainer3d's entry point with --init-from-hf and --lora-from, at one process, tp 2 with sequence parallelism × pp 2,
 tp 2 × dp 2 under ZeRO-3 and pp 2 × dp 2 under ZeRO-1: fp32, the whole conversation set in one batch a step, constant lr (1e-2), AdamW with TRL's
 defaults, clipping at 1.0. Per step: the same loss and gradient norm (the adapters', before clipping) within
-tests/parity.py's tolerances. Two target sets: all-linear, and q_proj,v_proj (two of the three blocks of our fused
+tests/helpers/parity.py's tolerances. Two target sets: all-linear, and q_proj,v_proj (two of the three blocks of our fused
 q|k|v, none of the MLP). Then the run's own export: the adapter directory loads in PeftModel.from_pretrained, its
 tensors equal TRL's trained adapter, and the base's every tensor in the checkpoint is bitwise the one it started from."""
 
@@ -21,8 +21,8 @@ import torch
 import transformers
 import trl
 
-from chat_data import chat_tokenizer, conversations
-from distributed import run_world
+from helpers.chat_data import chat_tokenizer, conversations
+from helpers.distributed import run_world
 from test_llama import hf_llama
 from test_sft_trl import CHATML, N, STEPS, _trainer3d, compare, metrics, rendered, shapes, t3d_argv
 

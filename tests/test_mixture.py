@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_world
-from parity import LOSS_RTOL
-from wandb_reader import read_history
+from helpers.distributed import run_world
+from helpers.parity import LOSS_RTOL
+from helpers.wandb_reader import read_history
 from trainer3d.data.batch import LabeledRows, supervised_count
 from trainer3d.data.cache import TokenBlocks
 from trainer3d.data.mixture import MixtureBlocks, MixtureLoader, draw, mixture_validation, read_mixture

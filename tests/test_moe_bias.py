@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import launch_env, run_world
+from helpers.distributed import launch_env, run_world
 from test_cli import BASE, launched_alone
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import copy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distributed import run_world
+from helpers.distributed import run_world
 from test_moe import SPEC, _balance, block
 
 aten = torch.ops.aten

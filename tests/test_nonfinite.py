@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import free_port, launch_env, run_world
-from ds_ops import require_ops
-from parity import VOCAB, global_batches, parity_config
+from helpers.distributed import free_port, launch_env, run_world
+from helpers.ds_ops import require_ops
+from helpers.parity import VOCAB, global_batches, parity_config
 from trainer3d.zero import ops as zero_ops
 
 ROOT = Path(__file__).resolve().parents[1]

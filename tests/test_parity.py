@@ -1,14 +1,14 @@
 """The parity matrix: every layout must reproduce the one-process run (same init, same data, fp32, dropout 0, clipping
-active) for 6 steps (5 in the world of 8), within tests/parity.py's tolerances (per-step loss and gradient norm, final
+active) for 6 steps (5 in the world of 8), within tests/helpers/parity.py's tolerances (per-step loss and gradient norm, final
 parameters), with the tied embedding's copies bitwise identical under pp > 1.
 
-Each world is spawned once and runs its reference and all its layouts in sequence (tests/parity.py)."""
+Each world is spawned once and runs its reference and all its layouts in sequence (tests/helpers/parity.py)."""
 
 from __future__ import annotations
 
-import parity
-from distributed import run_world
-from parity import (LLAMA, LOSS_RTOL, MOE, MOE_BALANCED, MOE_GLOBAL, PARAM_ATOL, as_trained, check, compare, run_groups,
+from helpers import parity
+from helpers.distributed import run_world
+from helpers.parity import (LLAMA, LOSS_RTOL, MOE, MOE_BALANCED, MOE_GLOBAL, PARAM_ATOL, as_trained, check, compare, run_groups,
                     run_layouts)
 from trainer3d.config import RECOMPUTE_MODES
 from trainer3d.parallel.batch import default_micro_batches
@@ -113,14 +113,14 @@ def llama_matrix() -> list[dict]:
 
 
 def sft_matrix() -> list[dict]:
-    """Supervised fine-tuning's rows (tests/parity.py: SFT) against the one-process packed run: tp 2 × pp 2 and dp 2 ×
+    """Supervised fine-tuning's rows (tests/helpers/parity.py: SFT) against the one-process packed run: tp 2 × pp 2 and dp 2 ×
     cp 2 packed (each micro-batch, dp rank and cp chunk holding its own count of supervised targets), and the same
     conversations one per row (--no-pack) at one process and at dp 2 × pp 2: packed equals unpacked."""
     return [case(1, 2, 2, sft="packed"), case(2, 1, 1, cp=2, sft="packed"), case(1, sft="unpacked"),
             case(2, 1, 2, sft="unpacked")]
 
 
-# A mixture of experts on SFT's padded rows (tests/parity.py: SFT): the padding counted in no load or balance loss
+# A mixture of experts on SFT's padded rows (tests/helpers/parity.py: SFT): the padding counted in no load or balance loss
 MOE_PADDED = dict(MOE_BALANCED, sft="packed")
 MOE_GLOBAL_PADDED = dict(MOE_GLOBAL, sft="packed")
 

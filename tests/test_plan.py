@@ -174,9 +174,9 @@ def test_memory_estimate_within_10_percent_of_measured():
         (Case(pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batches=4, **m), 0, False),
     ]
     if zero_available():
-        from ds_ops import require_ops
+        from helpers.ds_ops import require_ops
 
-        require_ops()  # DeepSpeed's CPU ops, built once into the checkout (tests/ds_ops.py)
+        require_ops()  # DeepSpeed's CPU ops, built once into the checkout (tests/helpers/ds_ops.py)
         # ZeRO layouts span the whole world (ZeRO-3's set-up has a barrier on the world group)
         for base, stages in ((Case(dp=4, **m), (1, 2, 3)), (Case(dp=2, tp=2, **m), (1, 3))):
             for stage in stages:
@@ -591,7 +591,7 @@ def test_calibration_measures_caches_and_replaces_the_assumed_constants(tmp_path
     """A world of 2 measures this machine (`python -m trainer3d.plan --calibrate`'s body), rank 0 caches it; the
     planner's --calibrated then plans with the measured speed, bandwidth, latency and overlap instead of its
     assumptions."""
-    from distributed import run_world
+    from helpers.distributed import run_world
 
     from trainer3d.plan import calibrate
 

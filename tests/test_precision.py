@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from distributed import run_world
-from parity import MOE, VOCAB, global_batches, parity_config, run_groups
+from helpers.distributed import run_world
+from helpers.parity import MOE, VOCAB, global_batches, parity_config, run_groups
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer
 
@@ -27,7 +27,7 @@ MOE_LAYOUTS = [dict(dp=2, tp=2, ep=2, sequence_parallel=True, precision="bf16", 
 def test_mixed_precision_tracks_fp32():
     """Within 2e-3 of fp32, and not equal to it: the modules computed in the precision asked for (the dtypes their
     outputs had in the first step), and the losses moved by more than five times fp32's parity noise (every fp32 layout
-    is within 2e-7 of the one-process run: tests/parity.py's tables)."""
+    is within 2e-7 of the one-process run: tests/helpers/parity.py's tables)."""
     groups = [({}, LAYOUTS), (MOE, MOE_LAYOUTS)]
     results = run_world(4, run_groups, groups, 6, timeout=600)
     rows = [(g, i, layout) for g, (_, layouts) in enumerate(groups) for i, layout in enumerate(layouts, start=1)]

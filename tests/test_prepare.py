@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distributed import free_port, launch_env
-import fault_plugin
+from helpers.distributed import free_port, launch_env
+from helpers import fault_plugin
 from trainer3d.data.prepare import build_parser, prepare
 from trainer3d.data.shards import TokenWindows, open_windows, read_manifest
 from trainer3d.errors import DataError

@@ -1,5 +1,5 @@
 """The Qwen3.5 family (models/qwen3_5/: Gated DeltaNet blocks with a gated full-attention block every 4th, dense and
-MoE) against transformers' Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM: a random model trained by tests/reference.py's
+MoE) against transformers' Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM: a random model trained by tests/helpers/reference.py's
 plain loop and by trainer3d --init-from-hf gives the same loss and gradient norm at every step, in one process and at
 tp 2, tp 2 with sequence parallelism, pp 2 (also with full recomputation), cp 2, cp 2 × tp 2 (also compiled by
 dynamo) and ZeRO-3 (dense), dp 2 × ep 2 (MoE), and with
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from distributed import run_world
-from reference import plain_loop
+from helpers.distributed import run_world
+from helpers.reference import plain_loop
 from test_llama_hf import OPTIM, VOCAB, bpe_tokenizer, train_from_hf
 from trainer3d.models import MODEL_PRESETS, build_model, canonical_shapes, init_value, plain_model
 from trainer3d.models.qwen3_5 import delta_rule

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_world
+from helpers.distributed import run_world
 from trainer3d.config import TrainConfig
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from distributed import launch_env
+from helpers.distributed import launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "tiny", "--n-layer", "2", "--seq-len", "32", "--global-batch", "4", "--max-steps", "3",
@@ -54,8 +54,8 @@ def test_peak_memory_is_the_highest_rank_and_restarts_each_interval(tmp_path):
     step 4's peak shows it, step 6's (peaks restarted at step 4) does not."""
     import json
 
-    import fault_plugin
-    from distributed import free_port
+    from helpers import fault_plugin
+    from helpers.distributed import free_port
 
     out = tmp_path / "run"
     env = dict(launch_env(), **fault_plugin.env(TRAINER3D_FAULT="alloc:rank=0:step=2:mib=800"))

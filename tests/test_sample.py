@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import launch_env
+from helpers.distributed import launch_env
 from trainer3d.generate import generate, new_token_budget, pick_next_token
 from trainer3d.models.attention import KVCache
 from trainer3d.models.gpt2 import GPT, GPTConfig

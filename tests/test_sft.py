@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from chat_data import chat_jsonl, chat_tokenizer, conversations, template
-from distributed import run_world
+from helpers.chat_data import chat_jsonl, chat_tokenizer, conversations, template
+from helpers.distributed import run_world
 from test_llama import hf_llama
 from trainer3d.data.chat import BadRow, Conversation, MaskRule, encode
 from trainer3d.data.sft import build_chat_rows

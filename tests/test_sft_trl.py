@@ -4,7 +4,7 @@ qwen2_5_training.jinja, and a ChatML one written here whose {% generation %} tag
 trl.SFTTrainer(assistant_only_loss=True) and by trainer3d's entry point at one process and at tp 2 × pp 2: fp32, the
 whole set in one batch a step (so each step's loss is the mean over all of the set's supervised tokens, whatever the
 batching), constant lr, AdamW with TRL's defaults, clipping at 1.0. Per step: the same loss and gradient norm (before
-clipping) within tests/parity.py's tolerances, over the same count of supervised tokens; the losses move. Unpacked
+clipping) within tests/helpers/parity.py's tolerances, over the same count of supervised tokens; the losses move. Unpacked
 (--no-pack against packing=False) and packed (trainer3d's best-fit-decreasing rows against TRL's padding-free "bfd"
 packing, whose per-conversation attention on CPU is checked here too)."""
 
@@ -20,9 +20,9 @@ import torch
 import transformers
 import trl
 
-from chat_data import chat_tokenizer, conversations
-from distributed import run_world
-from parity import LOSS_RTOL, NORM_RTOL
+from helpers.chat_data import chat_tokenizer, conversations
+from helpers.distributed import run_world
+from helpers.parity import LOSS_RTOL, NORM_RTOL
 from test_llama import hf_llama
 
 N, STEPS, LR = 16, 4, 1e-3  # conversations (all in every step's batch), steps; lr as parity.py's (see parity_config)

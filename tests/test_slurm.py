@@ -1,9 +1,9 @@
-"""launch/slurm/train_gpt2.sbatch on a real SLURM cluster: two fake nodes on this machine (tests/slurm_cluster.py).
+"""launch/slurm/train_gpt2.sbatch on a real SLURM cluster: two fake nodes on this machine (tests/helpers/slurm_cluster.py).
 
 Each test submits the sbatch file with `sbatch` as a user would (2 nodes × 2 processes, tiny model, tp=2, so
 dp=2), waits for the job through `scontrol show job`, and reads the job's log and metrics.jsonl. Skipped where
 the machine cannot run SLURM (not root, no apt-get, install or start failure), except under CI=true, where
-those are failures. The machine is left as it was (tests/slurm_cluster.py: a private hosts file per daemon, and the
+those are failures. The machine is left as it was (tests/helpers/slurm_cluster.py: a private hosts file per daemon, and the
 packages installed for the tests purged after them).
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-import slurm_cluster
-from parity import LOSS_RTOL, NORM_RTOL
-from distributed import launch_env
-from slurm_cluster import ClusterError, SlurmCluster, in_ci
+from helpers import slurm_cluster
+from helpers.parity import LOSS_RTOL, NORM_RTOL
+from helpers.distributed import launch_env
+from helpers.slurm_cluster import ClusterError, SlurmCluster, in_ci
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = str(ROOT / "launch" / "slurm" / "train_gpt2.sbatch")

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from distributed import run_world
-from parity import PARAM_ATOL
+from helpers.distributed import run_world
+from helpers.parity import PARAM_ATOL
 from test_llama import hf_llama
 from test_llama_hf import hf_moe
 from trainer3d.config import TrainConfig
-from verl_site import verl_site
+from helpers.verl_site import verl_site
 
 B, PROMPT, RESPONSE, SEQ = 8, 10, 14, 32  # rollouts; longest prompt and response; rows of SEQ + 1 tokens
 LR, BETAS, CLIP, TEMPERATURE, ENTROPY_COEFF = 2e-3, (0.9, 0.999), 1.0, 0.8, 0.5
@@ -317,7 +317,7 @@ def test_verl_backend_equals_the_engine(tmp_path):
             assert run["offloaded"] == ("offload" in label)
             assert list(run["weights"]) == list(ref["weights"])
             worst = max((run["weights"][k] - v).abs().max().item() for k, v in ref["weights"].items())
-            assert worst < PARAM_ATOL, (label, rank, worst)  # the parity rule's bound (tests/parity.py)
+            assert worst < PARAM_ATOL, (label, rank, worst)  # the parity rule's bound (tests/helpers/parity.py)
         assert sorted(r[label]["dp_rank"] for r in every_rank if r[label]["collects"]) == list(range(run["dp"]))
     refs = {label: every_rank[0][f"reference {model}"] for label, (model, _, _) in runs.items()}
     print("verl backend vs engine: loss", max(abs(a - b) for r in every_rank for label in runs

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from distributed import launch_env
+from helpers.distributed import launch_env
 from trainer3d.models import MODEL_PRESETS
 from trainer3d.train.tracking import resolve_mode
-from wandb_reader import read_config, read_history
+from helpers.wandb_reader import read_config, read_history
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = str(ROOT / "launch" / "train_gpt2.py")
@@ -61,7 +61,7 @@ def single(tmp_path_factory):
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wandb2")
     out, logs = tmp / "run", tmp / "logs"
-    from distributed import free_port
+    from helpers.distributed import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
            "--master-port", str(free_port()), "--redirects", "3", "--log-dir", str(logs),

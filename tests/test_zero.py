@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO as the data-parallel axis (trainer3d/zero/), composed with TP and PP.
 
 - Parity: per-step losses of every ZeRO stage (0-3), with and without CPU offload, under 1F1B and interleaved
-  1F1B, equal the one-process reference within tests/parity.py's tolerances (fp32, 5 steps, clipping active):
+  1F1B, equal the one-process reference within tests/helpers/parity.py's tolerances (fp32, 5 steps, clipping active):
   losses, grad norms and final parameters (gathered from ZeRO's fp32 masters). (DDP at the same layouts is
   tests/test_parity.py's.)
 - Memory: under ZeRO-3 each rank holds 1/dp of its stage's parameters, gradients and optimizer states.
@@ -27,9 +27,9 @@ import deepspeed  # noqa: F401 - required: a broken install fails here, not as s
 import pytest
 import torch
 
-from distributed import run_world
-from ds_ops import nvme_op_available, require_ops
-from parity import (
+from helpers.distributed import run_world
+from helpers.ds_ops import nvme_op_available, require_ops
+from helpers.parity import (
     LLAMA, LOSS_RTOL, MODEL_FLAGS, MOE, MOE_BALANCED, NORM_RTOL, PARAM_ATOL, SFT, VOCAB, FeatureWatch,
     max_rel as rel, parity_config, rows_of, step_batches, train_layout,
 )
@@ -293,7 +293,7 @@ def world2_cases():
     cases = [(lay, ds_config(s)) for s in (0, 1, 2, 3)]
     cases += [(lay, ds_config(1, "opt")), (lay, ds_config(3, "all"))]  # ZeRO-2 + offload: worlds 4 and 8
     cases += [(dict(lay, compile=True), ds_config(3))]  # ZeRO-3 gathering around compiled blocks
-    cases += [(dict(lay, sft="packed"), ds_config(3))]  # supervised fine-tuning's rows (tests/parity.py: SFT)
+    cases += [(dict(lay, sft="packed"), ds_config(3))]  # supervised fine-tuning's rows (tests/helpers/parity.py: SFT)
     # FP8 matmuls on ZeRO-3's gathered parameters (emulated), against DDP with FP8 at the same layout (a rowwise scale
     # over a dp rank's tokens differs from one over all of them: FP8 at dp 2 is not the one-process FP8 run), within
     # FP8_RTOL: ZeRO-3's reduce-scatter sums in another order (1e-8 in the weights), and a weight that close to a float8

@@ -1,5 +1,5 @@
 """TRAINER3D_PLUGINS: comma-separated module names that every entry point (training, prepare) imports first, before
-anything runs: the place for site- or test-specific hooks that patch trainer3d from outside (tests/fault_plugin.py
+anything runs: the place for site- or test-specific hooks that patch trainer3d from outside (tests/helpers/fault_plugin.py
 injects faults and pauses there), so that the runtime path holds none of them."""
 
 from __future__ import annotations

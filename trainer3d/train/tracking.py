@@ -11,7 +11,7 @@ The config logged is the TrainConfig as a dict, the layout (with --layout auto's
 dropped, a mapping such as a mixture's `data_mix` spread into `data_mix/<source>`); text samples (`--sample-every`) go to a table, `samples`. A resumed run (trainer.step > 0 at start)
 continues the W&B run whose id is in `<out-dir>/wandb_run_id`.
 
-tests/wandb_reader.py decodes the `.wandb` files back, to compare the logged history with metrics.jsonl.
+tests/helpers/wandb_reader.py decodes the `.wandb` files back, to compare the logged history with metrics.jsonl.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 CPU, the whole set of pairs as one batch a step, constant lr, AdamW with TRL's defaults; per step the loss, the
 gradient norm (before clipping) and the reward metrics as TRL logs them. Also TRL's own tokenization of the rows
 (`trl_dpo_tokenized`) and the DPO loss and metrics written out by hand from those tokens (`dpo_by_hand`), which
-check each other. Not a test module: tests import it (`python tests/trl_dpo_reference.py` runs a small check).
+check each other. Not a test module: tests import it (`python tests/helpers/trl_dpo_reference.py` runs a small check).
 
 What TRL 1.16 does (trl/trainer/dpo_trainer.py):
 - tokens: a conversational prompt is the chat template with add_generation_prompt=True, prompt + chosen (and prompt +
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-for _path in Path(__file__).resolve().parents[:2]:  # chat_data and test_llama, trainer3d (which test_llama imports)
+for _path in Path(__file__).resolve().parents[1:3]:  # tests (helpers, test_llama), trainer3d (which test_llama imports)
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from chat_data import WORDS, chat_tokenizer
+from helpers.chat_data import WORDS, chat_tokenizer
 
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
            "logps/chosen", "logps/rejected")

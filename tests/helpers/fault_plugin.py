@@ -22,13 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def env(**variables: str) -> dict[str, str]:
     """The environment entries that load this plugin into a subprocess, plus `variables` (PYTHONPATH: the
     repository and tests/)."""
-    return {"TRAINER3D_PLUGINS": "fault_plugin", "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+    return {"TRAINER3D_PLUGINS": "helpers.fault_plugin", "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
             **variables}
 
 # When saving this step, every rank stops after writing its file, creates `PAUSED` in the temporary directory and

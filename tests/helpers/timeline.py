@@ -3,7 +3,7 @@ test's start and end per worker, and the CPU seconds it used): each test file's 
 the most CPU (on a machine the suite keeps busy, the time to cut), the files that ran last, and how long each worker
 sat idle before the run ended (a long file started late leaves the other core waiting).
 
-    TRAINER3D_TEST_TIMELINE=/tmp/timeline.txt python -m pytest && python tests/timeline.py /tmp/timeline.txt
+    TRAINER3D_TEST_TIMELINE=/tmp/timeline.txt python -m pytest && python tests/helpers/timeline.py /tmp/timeline.txt
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Work every rank of a test world would otherwise repeat, done once in the forkserver its ranks fork from
-(tests/distributed.py PRELOAD imports this module there): each rank inherits the results.
+(tests/helpers/distributed.py PRELOAD imports this module there): each rank inherits the results.
 
 - DeepSpeed's Muon optimizer module, which the first ZeRO engine of a process imports (its optimizer check) and which
   runs torch.compile's decorators at import: ~2.5 s of CPU in each rank otherwise.

@@ -28,6 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -37,14 +38,14 @@ def launch_env(**extra: str) -> dict[str, str]:
     with the presets' constants there too); one thread; the repository importable; `extra` on top."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES
            and (k == "TRAINER3D_CALIBRATION" or not k.startswith(("WANDB_", "TRAINER3D_")))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     return {**env, **extra}
 
 
 # imported once by the forkserver, before it forks a rank (each rank re-imports nothing of these); rank_preload also
 # does once there what each rank would otherwise repeat (DeepSpeed's Muon import, its glue check, its CPU probe)
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "trainer3d.train.trainer", "parity",
-           "rank_preload"]
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "trainer3d.train.trainer", "helpers.parity",
+           "helpers.rank_preload"]
 
 
 def _worker(rank, world_size, port, out_dir, environ, fn, args):
@@ -87,8 +88,7 @@ def _start_forkserver() -> None:
     rank_preload failed to import there, silently: every rank imported them again itself)."""
     from bench.preloaded import start_forkserver
 
-    tests = os.path.dirname(os.path.abspath(__file__))
-    start_forkserver(PRELOAD, [os.path.dirname(tests), tests])
+    start_forkserver(PRELOAD, [ROOT, os.path.join(ROOT, "tests")])
 
 
 def run_world(world_size: int, fn, *args, timeout: float = 300.0) -> list:

@@ -2,8 +2,8 @@
 what `python -m pytest` ends with where the conditions hold or not. The README states these numbers and
 tests/test_docs.py checks that it does.
 
-    python tests/counts.py          # a table
-    python tests/counts.py --json   # for test_docs
+    python tests/helpers/counts.py          # a table
+    python tests/helpers/counts.py --json   # for test_docs
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The machine conditions a skip may depend on, as the README names them: (condition, name when met, name when not).
 MACHINES = (("root", "as root", "not as root"), ("libaio", "with libaio-dev", "without libaio-dev"))
 

@@ -23,7 +23,7 @@ def verl_site() -> str:
     """The folder that holds verl (installed here the first time); the test fails with pip's reason if it cannot."""
     pins = open(REQUIREMENTS).read()
     key = hashlib.sha256(pins.encode()).hexdigest()[:12]
-    cache = os.path.join(os.path.dirname(HERE), ".cache")
+    cache = os.path.join(os.path.dirname(os.path.dirname(HERE)), ".cache")
     site = os.path.join(cache, f"verl-site-{key}")
     if os.path.isdir(site):
         return site

@@ -29,7 +29,7 @@ from pathlib import Path
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "munged"]
 NODES = ("n1", "n2")
-HOSTS_LINE = "127.0.0.1 n1 n2  # trainer3d tests/slurm_cluster.py"
+HOSTS_LINE = "127.0.0.1 n1 n2  # trainer3d tests/helpers/slurm_cluster.py"
 # Runs a command in a new mount namespace with $0 (the cluster's hosts file) over /etc/hosts; a daemon it starts stays
 # in that namespace, and so do the jobs a slurmd forks.
 IN_PRIVATE_HOSTS = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
