@@ -259,9 +259,8 @@ def _train_each_pick(rank, world_size, runs):
 def test_the_pick_is_a_layout_the_model_runs(world):
     """Every tiny preset, free and at --tp 2: the pick passes every check of the run (train/setup.validate: the family's
     tp rule, experts over ep, DeepSeek Sparse Attention's layouts, ...), and the --tp 2 picks (sequence parallelism,
-    experts over ep) train a step in a world of that size (a loss near ln 512). DSA runs without sequence parallelism, so its picks have none (until
-    2026-12-06 every tp > 1 pick turned sequence parallelism on, and `deepseek-v3-tiny --layout auto --tp 2` was
-    refused naming --sequence-parallel, a flag the user never passed, when MTP was not built for it)."""
+    experts over ep) train a step in a world of that size (a loss near ln 512). DSA's picks at --tp 2 have sequence
+    parallelism too (until 2026-12-07 DSA ran without it, and its picks had none)."""
     from helpers.distributed import run_world
     from trainer3d.models import MODEL_PRESETS
     from trainer3d.train.setup import validate
@@ -272,8 +271,8 @@ def test_the_pick_is_a_layout_the_model_runs(world):
             picked = validate(TrainConfig(model=name, **{**TINY, **flags}), world, vocab_size=512,
                               machine=_machine(world)).cfg
             assert picked.tp == flags.get("tp", picked.tp), (name, flags)
-            if name == "deepseek-v3.2-tiny":
-                assert not picked.sequence_parallel, picked.layout_choice["pick"]
+            if name == "deepseek-v3.2-tiny" and flags:
+                assert picked.sequence_parallel, picked.layout_choice["pick"]
     runs = [(name, {"tp": 2}) for name in names]  # (the free picks of these tiny models are all plain dp)
     trained = {k: v for r in run_world(world, _train_each_pick, runs, timeout=900) for k, v in r.items()}
     assert set(trained) == {(name, flags.get("tp")) for name, flags in runs}

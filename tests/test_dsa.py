@@ -132,11 +132,14 @@ def reference(hf, interleaved: bool, data: torch.Tensor, coef: float = COEF, per
     return losses, norms, kls
 
 
-SPARSE = {"1x1x1": {}, "tp2": dict(tp=2), "pp2 recompute full": dict(pp=2, recompute="full"), "cp2": dict(cp=2),
+# tp2 sp: the indexer reads the whole sequence (its detached inputs all-gathered) and keeps whole gradients
+SPARSE = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_parallel=True),
+          "pp2 recompute full": dict(pp=2, recompute="full"), "cp2": dict(cp=2),
           "dp2 ep2": dict(dp=2, ep=2),
           # ZeRO-3: every parameter partitioned, the indexer's too (its modules gathered where they are called)
           "zero3 dp4 ep2": dict(dp=4, ep=2, deepspeed_config="ds_configs/zero3.json")}
-DOCUMENTS = {"docs 1x1x1": {}, "docs cp2 tp2": dict(cp=2, tp=2)}  # --document-mask
+DOCUMENTS = {"docs 1x1x1": {}, "docs cp2 tp2": dict(cp=2, tp=2),  # --document-mask
+             "docs cp2 tp2 sp": dict(cp=2, tp=2, sequence_parallel=True)}
 
 
 def document_batches() -> torch.Tensor:
@@ -261,15 +264,14 @@ def test_decoding_keeps_the_indexer_keys_and_equals_the_whole_forward(tmp_path, 
 
 
 def test_dsa_flags_and_layouts_are_refused_before_any_process_group(monkeypatch, capsys):
-    """Guards: DSA's flags on a model without indexers, sequence parallelism, the warm-up under DeepSpeed or with no
-    loss to train on: one sentence and exit 2, before any process group."""
+    """Guards: DSA's flags on a model without indexers, the warm-up under DeepSpeed or with no loss to train on: one
+    sentence and exit 2, before any process group."""
     from trainer3d.train.loop import main
 
     launched_alone(monkeypatch, 2)
     tiny = ["--model", "deepseek-v3.2-tiny"]
     for flags, says in (
             (["--dsa-stage", "warmup"], "--dsa-stage applies to DeepSeek Sparse Attention"),
-            (tiny + ["--tp", "2", "--sequence-parallel"], "not built with --sequence-parallel"),
             (tiny + ["--dsa-stage", "warmup", "--dsa-loss-coef", "0"], "leaves nothing to train"),
             (tiny + ["--dsa-loss-coef", "-1"], "--dsa-loss-coef must be at least 0.0 (got -1.0).")):
         assert main(BASE + flags) == 2, flags

@@ -49,8 +49,11 @@ class ParallelPlan:
     head-sharded region without a column-parallel linear (MLA's rope key, one head shared by all): tensor parallelism
     makes each the all-reduce of its gradient (Megatron's f), sequence parallelism the all-gather of the sequence.
     `sharded`: parameters inside a block, no linear's, split along dim 0 as a column-parallel output is (per-head
-    or per-channel tables of a head-sharded region: a linear attention's convolution, decays and biases). A path a
-    block lacks is skipped (hybrid stacks). The token embedding and the head are always vocab-parallel; every other
+    or per-channel tables of a head-sharded region: a linear attention's convolution, decays and biases).
+    `whole_sequence`: entry (an nn.Identity inside a block) -> the replicated module that reads it, where detached
+    activations reach a module computing on the whole sequence on every tp rank (DSA's indexer): sequence parallelism
+    makes the entry an all-gather of the sequence, and the module's parameters, seeing every token on every rank,
+    keep whole gradients (no tp sum). A path a block lacks is skipped (hybrid stacks). The token embedding and the head are always vocab-parallel; every other
     parameter is replicated over tp."""
 
     linears: Mapping[str, ColumnParallel | RowParallel]
@@ -59,6 +62,7 @@ class ParallelPlan:
     head_shared: tuple[str, ...] = ()
     tp_entries: tuple[str, ...] = ()
     sharded: Mapping[str, ColumnParallel] = dataclasses.field(default_factory=dict)
+    whole_sequence: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def mixer(self, block: nn.Module) -> nn.Module:
         """The block's attention module: the first of `attention`'s paths the block has (a hybrid stack's blocks

@@ -13,7 +13,8 @@ Applied to a stage after tensor parallelism, in place:
     mask), like the head-sharded attention dropout (inside SDPA: no nn.Dropout);
   - every tp-replicated parameter (norms, row-parallel biases, positions) sees only its shard's tokens, so
     it is marked `tp_partial` and the data-parallel engine sums its gradient over tp before the norm
-    (engine.sum_tp_partial_grads), which keeps the tp copies identical.
+    (engine.sum_tp_partial_grads), which keeps the tp copies identical; but a module that reads the whole sequence
+    (ParallelPlan.whole_sequence: DSA's indexer, its detached inputs all-gathered) keeps whole gradients.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer3d.errors import LayoutError
-from trainer3d.models.interface import CausalLM
+from trainer3d.models.interface import CausalLM, find_module
 from trainer3d.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, ShardedDropoutRNG, TPEntry, VocabParallelEmbedding, VocabParallelHead,
+    WholeSequenceEntry,
 )
 
 
@@ -59,16 +61,22 @@ def apply_sequence_parallel(stage: CausalLM, rank: int, size: int, rng: ShardedD
     """Switch one tensor-parallel stage to sequence shards (see the module docstring), in place."""
     for module in stage.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
-                               TPEntry)):
+                               TPEntry, WholeSequenceEntry)):
             module.sequence_parallel = True
-    positions = stage.parallel_plan().positions
+    plan = stage.parallel_plan()
+    positions = plan.positions
     if positions is not None and getattr(stage, positions) is not None:
         setattr(stage, positions, ShardedPositions(getattr(stage, positions), rank, size))
     dropouts = [(name, m) for name, m in stage.named_modules() if type(m) is nn.Dropout]
     for name, m in dropouts:
         stage.set_submodule(name, ShardedDropout(m.p, rng))
+    whole = set()  # the parameters of modules that read the whole sequence
+    for block in [*stage.blocks.values(), *stage.extra_blocks()]:
+        for path in plan.whole_sequence.values():
+            module = find_module(block, path)
+            whole |= {id(p) for p in module.parameters()} if module is not None else set()
     for p in stage.parameters():
-        if getattr(p, "tp_spec", None) is None:
+        if getattr(p, "tp_spec", None) is None and id(p) not in whole:
             p.tp_partial = True
     return stage
 

@@ -169,6 +169,20 @@ class TPEntry(nn.Module):
         return copy_to_tp(x, self.group)
 
 
+class WholeSequenceEntry(nn.Module):
+    """Where detached activations reach a replicated module that computes on the whole sequence on every rank
+    (ParallelPlan.whole_sequence: DSA's indexer): identity, or under sequence parallelism the all-gather of the
+    sequence. Nothing flows back (the inputs are detached), so no backward collective."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = False
+
+    def forward(self, x):
+        return all_gather_sequence(x, self.group) if self.sequence_parallel else x
+
+
 def leave_tp(x, group, sequence_parallel: bool):
     """Out of a region whose outputs are partial sums (a row-parallel layer, the vocab-parallel embedding)."""
     return _ReduceScatterSequence.apply(x, group) if sequence_parallel else reduce_from_tp(x, group)
@@ -343,6 +357,9 @@ def apply_tensor_parallel(model: CausalLM, group, rank: int, size: int,
             block.set_submodule(path, new)
         for path in plan.tp_entries:
             block.set_submodule(path, TPEntry(group))
+        for path in plan.whole_sequence:
+            if find_module(block, path) is not None:
+                block.set_submodule(path, WholeSequenceEntry(group))
         if dropout_rng is not None:
             plan.mixer(block).sharded_rng = dropout_rng
         for path, style in plan.sharded.items():

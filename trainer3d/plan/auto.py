@@ -26,7 +26,6 @@ from trainer3d.parallel.pipeline import pipeline_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import CLUSTERS, Cluster
 from trainer3d.plan.report import deepspeed_config, why
-from trainer3d.plan.memory import without_sequence_parallel
 from trainer3d.plan.search import Plan, cp_problem, enumerate_plans
 
 # A CPU rank's nominal numbers: a core's fp32 rate, gloo over loopback. They rank layouts by the model's proportions
@@ -144,8 +143,6 @@ def satisfies(c: Candidate, cfg: TrainConfig, zero: str) -> bool:
 def trainer_problem(c: Candidate, mcfg, seq_len: int) -> str | None:
     """The trainer's own rules for a plan (the planner uses the same ones; this is the last word)."""
     problem = pipeline_problem(mcfg, c.pp, c.schedule, c.virtual_stages, c.micro_batches, c.sequence_parallel)
-    if problem is None and c.sequence_parallel and without_sequence_parallel(mcfg):
-        return "DeepSeek Sparse Attention runs without sequence parallelism"
     if problem is None and c.cp > 1 and cp_problem(mcfg, c.tp, c.cp):
         return cp_problem(mcfg, c.tp, c.cp)
     return problem[1] if problem else check_expert_parallel(mcfg, c.ep, c.tp, seq_len, c.cp)

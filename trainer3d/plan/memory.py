@@ -52,12 +52,6 @@ def mtp_depth(cfg) -> int:
     return getattr(cfg, "mtp_layers", 0) or 0
 
 
-def without_sequence_parallel(cfg) -> bool:
-    """The model runs without sequence parallelism (train/setup.py refuses it): DeepSeek Sparse Attention, whose
-    indexer reads its tp rank's whole sequence."""
-    return bool(getattr(cfg, "sparse", False))
-
-
 def stage_activation_bytes(cand: Candidate, st: Stage) -> float:
     """Bytes one stage holds per micro-batch in flight: saved activations plus the stage output that torch's
     PipelineStage keeps until that micro-batch's backward (the hidden state, or the logits on the last stage).

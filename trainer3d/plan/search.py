@@ -19,7 +19,7 @@ from trainer3d.parallel.pipeline import SCHEDULES, pipeline_problem
 from trainer3d.parallel.sequence_parallel import sequence_split_problem
 from trainer3d.plan.candidate import Candidate, describe, gib
 from trainer3d.plan.cluster import Cluster
-from trainer3d.plan.memory import MemoryEstimate, estimate_memory, without_sequence_parallel
+from trainer3d.plan.memory import MemoryEstimate, estimate_memory
 from trainer3d.plan.step_time import step_times
 
 
@@ -152,8 +152,7 @@ def _grids(cfg, C: Cluster, global_batch: int, seq_len: int, cp_sizes, allow_tp_
             if cp > 1 and cp_problem(cfg, tp, cp):
                 refuse("cp does not divide the model's heads", f"cp{cp} tp{tp}: {cp_problem(cfg, tp, cp)}")
                 continue
-            # plans use SP at every tp > 1, but where the model runs without it (the trainer refuses it there)
-            problem = sequence_split_problem(tp, seq_len, cp) if tp > 1 and not without_sequence_parallel(cfg) else None
+            problem = sequence_split_problem(tp, seq_len, cp) if tp > 1 else None  # plans use SP at every tp > 1
             if problem is not None:
                 refuse("sequence parallelism cannot split a rank's tokens over tp", f"cp{cp} tp{tp}")
                 continue
@@ -224,8 +223,8 @@ def _fitting(layout: dict, C: Cluster, zero_stages, offload: bool, recompute: bo
             prec = precision or ("bf16-autocast" if z == 0 else "bf16-mixed")
             cand = Candidate(**layout, precision=prec, zero_stage=z,
                              offload_optimizer=off_o, offload_params=off_p, recompute=rc,
-                             # the same tp bytes, activations /tp: on at tp > 1 where the model allows it
-                             sequence_parallel=layout["tp"] > 1 and not without_sequence_parallel(layout["cfg"]),
+                             # the same tp bytes, activations /tp: on at tp > 1
+                             sequence_parallel=layout["tp"] > 1,
                              fp8=fp8, lora=lora)
             mem, host = memory_per_gpu(cand)
             if mem > C.usable_bytes:

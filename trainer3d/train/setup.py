@@ -194,19 +194,15 @@ def check_mtp(cfg: TrainConfig, mcfg, layout) -> None:
 
 
 def check_dsa(cfg: TrainConfig, mcfg, layout) -> None:
-    """DeepSeek Sparse Attention's flags need a model with indexers, and its layouts: the indexer runs on the whole
-    sequence of its tp rank (not under sequence parallelism); GLM-5's shared layers read the selection of an earlier
-    layer in the same forward (no recomputation, no pipeline cut between them); the warm-up's frozen parameters are
-    built for DDP."""
+    """DeepSeek Sparse Attention's flags need a model with indexers, and its layouts: GLM-5's shared layers read the
+    selection of an earlier layer in the same forward (no recomputation, no pipeline cut between them); the warm-up's
+    frozen parameters are built for DDP."""
     if not getattr(mcfg, "sparse", False):
         given = [f for f in ("dsa_stage", "dsa_loss_coef") if cfg.given(f)]
         if given:
             raise ConfigError(f"{option_name(given[0])} applies to DeepSeek Sparse Attention (a DeepSeek-V3.2 or "
                               "GLM-5 model), and this model has no indexer; drop it.")
         return
-    if cfg.sequence_parallel:
-        raise LayoutError("DeepSeek Sparse Attention is not built with --sequence-parallel (each tp rank's indexer "
-                          "reads the whole sequence); drop it.")
     if any(mcfg.index_shared) and (layout.pp > 1 or cfg.recompute != "none"):
         raise LayoutError("This model's shared indexer layers reuse an earlier layer's selection within one forward, "
                           "which is not built with --pp > 1 or --recompute; drop them.")

@@ -121,6 +121,9 @@ class MLAttention(AttentionCore):
         # indexer's loss) are the trainer's (parallel/dsa.py)
         self.sparse, self.layer, self.heads = cfg.sparse, layer, cfg.n_head
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
+        # where the indexer's detached inputs enter: the whole sequence under sequence parallelism
+        # (ParallelPlan.whole_sequence)
+        self.index_inputs = nn.Identity() if self.indexer is not None else None
         self.topk, self.selections = cfg.index_topk, None
         self.dense_warmup, self.observer = False, None
         self.keys = WholeKeys()
@@ -179,11 +182,13 @@ class MLAttention(AttentionCore):
 
     def _sparse(self, x, q_latent, q, k, v, rope: tuple, kv_cache: KVCache | None, layer: int) -> torch.Tensor:
         """MLA over each query's selected keys (a masked dense SDPA, what every device runs; v padded to the keys'
-        width only on CPU). k and v come whole: one process, or context parallelism's gathered latent (DSA runs
-        without sequence parallelism); the indexer's keys are gathered as the latent is."""
+        width only on CPU). k and v come whole (context parallelism's gathered latent; under sequence parallelism as
+        well, gathered here as the expanded keys and values); the indexer's keys are gathered as the latent is."""
         T = q.shape[2]
         visible = self.keys.visible(T, q.device) if kv_cache is None else causal_mask(T, T, q.device)  # (a prefill)
         allowed, scores = self._select(x, q_latent, rope, visible, kv_cache, layer)
+        if k.shape[2] != visible.shape[-1]:  # context parallelism under sequence parallelism: the expanded ones travel
+            k, v = self.keys.gather(k), self.keys.gather(v)
         dropout_p = self.attn_dropout_p if self.training else 0.0
         width = v.shape[-1]
         if q.device.type == "cpu" and width != q.shape[-1]:  # CPU's flash kernel takes a mask but one head size
@@ -202,7 +207,8 @@ class MLAttention(AttentionCore):
         detached inputs, or the selection of the layer it shares (GLM-5)."""
         if self.indexer is None:
             return self.selections[self.source], None
-        iq, ik, w = self.indexer(x.detach(), q_latent.detach(), *rope)
+        both = self.index_inputs(torch.cat((x, q_latent), dim=-1).detach())
+        iq, ik, w = self.indexer(*both.split([x.shape[-1], q_latent.shape[-1]], dim=-1), *rope)
         ik = self.keys.gather(ik) if kv_cache is None else self._cached_index_keys(ik, kv_cache, layer)
         scores = index_scores(iq, ik, w, visible)
         allowed = visible if self.dense_warmup else select(scores.detach(), self.topk, visible)
@@ -294,7 +300,8 @@ class DeepseekV3(Llama):
         """Heads split over tp: q_b (or q_proj) and kv_b column-parallel, o_proj row-parallel. The latent projections
         and their norms are replicated and see whole gradients (the column-parallel q_b and kv_b sum their inputs'
         gradients over tp); the rope key, used by every rank's heads without such a linear, enters the region through
-        `rope_key`. A dense block's SwiGLU as Llama's; an MoE block is left to expert parallelism."""
+        `rope_key`. A dense block's SwiGLU as Llama's; an MoE block is left to expert parallelism. DSA's indexer,
+        replicated, reads the whole sequence through `index_inputs` on every rank."""
         c = self.cfg
         q = "self_attn.q_proj" if c.q_lora_rank is None else "self_attn.q_b_proj"
         return ParallelPlan(
@@ -303,4 +310,5 @@ class DeepseekV3(Llama):
                      "mlp.down_proj": RowParallel()},
             attention="self_attn",
             tp_entries=("self_attn.rope_key",),
+            whole_sequence={"self_attn.index_inputs": "self_attn.indexer"} if c.sparse else {},
         )
