@@ -302,14 +302,92 @@ def test_presets_and_formulas():
 
 
 def test_index_scores_keep_no_per_head_scores_and_have_their_gradient():
-    """Guards: the indexer's scores (a head at a time, recomputed in the backward) are Σ_h w_h·ReLU(q_h·kᵀ/√d) with
-    that formula's gradient (torch.autograd.gradcheck in float64), and the backward keeps only q, k and w."""
+    """Guards: the indexer's scores (a head at a time, recomputed in the backward) are Σ_h w_h·ReLU(q_h·kᵀ/√d), −inf
+    where not visible, with that formula's gradient (torch.autograd.gradcheck in float64), and the backward keeps only
+    q, k, w and the caller's mask itself (no mask of its own)."""
     from trainer3d.models.deepseek_v3.indexer import _IndexScores
 
     torch.manual_seed(0)
     q, k, w = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((2, 3, 5, 4), (2, 1, 7, 4),
                                                                                    (2, 5, 3)))
-    assert torch.autograd.gradcheck(lambda q, k, w: _IndexScores.apply(q, k, w, 0.5), (q, k, w))
-    out = _IndexScores.apply(q, k, w, 0.5)
-    torch.testing.assert_close(out, torch.einsum("btn,bnts->bts", w, F.relu(q @ k.transpose(-1, -2) * 0.5)))
-    assert [t.shape for t in out.grad_fn.saved_tensors] == [q.shape, k.shape, w.shape]
+    visible = torch.rand(2, 5, 7) > 0.3
+
+    def finite(q, k, w):  # (gradcheck's differences need finite outputs)
+        return _IndexScores.apply(q, k, w, visible, 0.5).masked_fill(~visible, 0.0)
+
+    assert torch.autograd.gradcheck(finite, (q, k, w))
+    out = _IndexScores.apply(q, k, w, visible, 0.5)
+    want = torch.einsum("btn,bnts->bts", w, F.relu(q @ k.transpose(-1, -2) * 0.5)).masked_fill(~visible, -torch.inf)
+    torch.testing.assert_close(out, want)
+    saved = out.grad_fn.saved_tensors
+    assert [t.shape for t in saved] == [q.shape, k.shape, w.shape, visible.shape] and saved[3] is visible
+
+
+def test_indexer_kl_keeps_one_tensor_and_has_autograds_gradient():
+    """The indexer's KL(p ‖ softmax(I)) over the allowed keys, per query: the value and the gradient autograd gives the
+    formula written here (p summing to 1, and to 0.7: the gradient's general form), keeping one [B, T, S] tensor."""
+    from trainer3d.models.deepseek_v3.indexer import kl_per_query
+
+    torch.manual_seed(1)
+    allowed = torch.rand(2, 5, 7) > 0.4
+    allowed[..., 0] = True
+    for mass in (1.0, 0.7):
+        p = torch.rand(2, 5, 7, dtype=torch.float64).masked_fill(~allowed, 0.0)
+        p = p / p.sum(-1, keepdim=True) * mass
+        scores = torch.randn(2, 5, 7, dtype=torch.float64).masked_fill(~allowed, -torch.inf).requires_grad_(True)
+        grad = torch.randn(2, 5, dtype=torch.float64)
+        ours = kl_per_query(p, scores, allowed)
+        assert [t.shape for t in ours.grad_fn.saved_tensors] == [p.shape]
+        (mine,) = torch.autograd.grad(ours, scores, grad)
+        log_q = scores.masked_fill(~allowed, -torch.inf).log_softmax(-1).masked_fill(~allowed, 0.0)
+        theirs = (p * (torch.where(p > 0, p, 1.0).log() - log_q)).sum(-1)
+        (want,) = torch.autograd.grad(theirs, scores, grad)
+        torch.testing.assert_close(ours, theirs)
+        torch.testing.assert_close(mine, want)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_planner_counts_what_a_sparse_block_keeps_per_query_key_pair(shared):
+    """Measured (CPU, bf16 autocast, the tensors autograd keeps; tests/test_plan.py's measure): the [T, S] tensors a
+    sparse block keeps for its backward, per (query, key) pair, are what the planner's LayerActivations say: 7 bytes
+    with an indexer of its own (the loss's gradient direction in fp32, the scores' visible mask, the attention's
+    mask in bf16), 2 in a layer sharing another's selection (GLM-5's). Until 2026-12-07 the planner counted none, and
+    the block kept 12.4 bytes (the KL's autograd: log q, p and two masks)."""
+    from test_plan import _saved_bytes
+    from trainer3d.models import MODEL_PRESETS, build_model
+    from trainer3d.plan.candidate import PRECISIONS
+
+    T = 120  # (no other dimension of the tiny model: 96 is o_proj's input)
+    cfg = dataclasses.replace(MODEL_PRESETS["deepseek-v3.2-tiny"], n_layer=2, first_k_dense_replace=2,
+                              index_shared=(False, True))
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    model.init_tables(torch.device("cpu"))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    model.train()
+    attention = [model.blocks[i].self_attn for i in "01"]
+    selections = {}
+    for a in attention:
+        a.observer, a.selections, a.source = _Observer(), selections, 0
+    x = torch.randn(1, T, cfg.n_embd, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention[0](model.blocks["0"].input_layernorm(x))  # (the shared layer reads layer 0's selection)
+    block = model.blocks["1" if shared else "0"]
+    pairs = _saved_bytes(block, x, keep=lambda t: tuple(t.shape[-2:]) == (T, T)) / T ** 2
+    A = cfg.layer_activations()
+    planned = A.pair_matmul * PRECISIONS["bf16-autocast"].matmul + (0 if shared else 5)
+    assert pairs == planned == (2 if shared else 7), pairs
+    assert A.pair_bytes == 5 * 1 / 2  # one layer of two has an indexer of its own
+
+
+class _Observer:
+    """IndexerLoss's part in a plain block (no tp: the probabilities are this process's; the KL joins the output)."""
+
+    @staticmethod
+    def over_heads(probs):
+        return probs
+
+    @staticmethod
+    def attach(out, kl):
+        return out + 0 * kl.sum()

@@ -357,13 +357,13 @@ def test_moe_totals_over_ranks_are_the_published_ones():
         assert round(cfg.num_params(active=True) / 1e9, 2) == active
 
 
-def _saved_bytes(module, x) -> int:
+def _saved_bytes(module, x, keep=lambda t: True) -> int:
     """Bytes autograd keeps for the backward of `module(x)` under bf16 autocast (each storage once; parameters and
-    the input excluded)."""
+    the input excluded; only the tensors `keep` names)."""
     kept, skip = {}, {p.data_ptr() for p in module.parameters()} | {x.data_ptr()}
 
     def pack(t):
-        if t.data_ptr() not in skip:
+        if t.data_ptr() not in skip and keep(t):
             kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 

@@ -89,13 +89,17 @@ class LayerActivations:
     """Elements one block saves for its backward, per token (Korthikanti et al. 2022's accounting), by dtype and by
     whether tensor parallelism splits them: `resid` in the residual stream's dtype and `matmul` in the matmul dtype are
     replicated over tp (split by tp under sequence parallelism); `sharded_matmul` is split by tp; `fp32` replicated
-    statistics (norms), `sharded_fp32` split ones (attention's log-sum-exp per head)."""
+    statistics (norms), `sharded_fp32` split ones (attention's log-sum-exp per head). `pair_matmul` and `pair_bytes`:
+    what a block keeps per (query, key) pair, on average over the blocks, in the matmul dtype and in fixed bytes
+    (attention that masks its keys itself: DSA's selection and its indexer's loss); 0 for a fused causal kernel."""
 
     resid: int
     matmul: int
     sharded_matmul: int
     fp32: int
     sharded_fp32: int
+    pair_matmul: float = 0.0
+    pair_bytes: float = 0.0
 
 
 # ---- the plain model ------------------------------------------------------------------------------------------------

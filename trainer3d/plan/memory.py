@@ -34,11 +34,14 @@ def layer_activation_bytes(cand: Candidate) -> float:
     replicated, the two LayerNorms' inputs and outputs, and their statistics, split by t under sequence parallelism;
     12h/t sharded; flash attention's log-sum-exp). No s×s scores (scaled_dot_product_attention never stores them) and
     no dropout masks (dropout 0). Under context parallelism a rank has 1/cp of the tokens, and attention also keeps
-    the keys and values it gathered, the whole sequence's (cp × its own; bench/long_context.py measures it)."""
+    the keys and values it gathered, the whole sequence's (cp × its own; bench/long_context.py measures it). An
+    attention that masks keys itself keeps per (query, key) pair what LayerActivations.pair_* say: each rank's
+    queries (the whole of its cp share, sequence parallelism or not) against the whole sequence's keys."""
     A, t, P = cand.cfg.layer_activations(), cand.tp, cand.prec
     replicated = (A.resid * P.resid + A.matmul * P.matmul + A.fp32 * 4) / (t if cand.sequence_parallel else 1)
     gathered_kv = cand.cp * 2 * cand.cfg.kv_width // t * P.matmul if cand.cp > 1 else 0
-    return cand.tokens * (replicated + A.sharded_matmul // t * P.matmul + A.sharded_fp32 // t * 4 + gathered_kv)
+    pairs = cand.tokens * cand.seq_len * (A.pair_matmul * P.matmul + A.pair_bytes)
+    return cand.tokens * (replicated + A.sharded_matmul // t * P.matmul + A.sharded_fp32 // t * 4 + gathered_kv) + pairs
 
 
 def hidden_tokens(cand: Candidate) -> float:

@@ -197,7 +197,10 @@ class DeepseekV3Config:
         matmul dtype (q_a has Llama's), each latent norm's fp32 copy of its input, its statistics, its output before
         the gain and q_b's (kv_b's) input, and the rotary cos and sin. Split by head: the query, key and output of the
         attention kernel (qk_head_dim wide each), its values (padded to qk_head_dim; where v_head_dim is qk_head_dim
-        already, a view of kv_b's output, which is kept whole), o_proj's input (v_head_dim wide) and the log-sum-exp."""
+        already, a view of kv_b's output, which is kept whole), o_proj's input (v_head_dim wide) and the log-sum-exp.
+        DSA, per (query, key) pair of a sparse layer: the attention's mask in the matmul dtype (the kernel's additive
+        form) and, where the layer has its own indexer, its loss's gradient direction (fp32) and its scores' visible
+        mask (bool): 7 bytes a pair in bf16 (tests/test_dsa.py measures them)."""
         h, H, qk = self.n_embd, self.n_head, self.qk_head_dim
         q, kv = self.q_lora_rank or 0, self.kv_lora_rank
         values = qk if self.v_head_dim != qk else self.qk_nope_head_dim + self.v_head_dim
@@ -209,4 +212,5 @@ class DeepseekV3Config:
         return LayerActivations(
             resid=2 * h, matmul=round(3 * h - share * h + 2 * q + 2 * kv + 2 * self.qk_rope_head_dim),
             sharded_matmul=round(H * (3 * qk + values + self.v_head_dim) + mlp), fp32=2 + q + kv + (2 if q else 1),
-            sharded_fp32=round(H + moe_fp32))
+            sharded_fp32=round(H + moe_fp32), pair_matmul=1.0 if self.sparse else 0.0,
+            pair_bytes=5 * sum(map(self.has_indexer, range(self.n_layer))) / self.n_layer)

@@ -61,22 +61,24 @@ class Indexer(nn.Module):
 
 
 class _IndexScores(torch.autograd.Function):
-    """Σ_h w_h·ReLU(q_h·kᵀ·scale) a head at a time, and the backward recomputes each head's scores: what autograd
-    would keep is the [B, heads, T, S] of them (2 GiB for 8 heads at 4096 tokens, bench/dsa.md); this keeps q, k, w."""
+    """Σ_h w_h·ReLU(q_h·kᵀ·scale) a head at a time, −inf where not visible, and the backward recomputes each head's
+    scores: what autograd would keep is the [B, heads, T, S] of them (2 GiB for 8 heads at 4096 tokens, bench/dsa.md)
+    and a mask of its own; this keeps q, k, w and the caller's `visible`."""
 
     @staticmethod
-    def forward(ctx, q, k, w, scale):
-        ctx.save_for_backward(q, k, w)
+    def forward(ctx, q, k, w, visible, scale):
+        ctx.save_for_backward(q, k, w, visible)
         ctx.scale = scale
         keys = k[:, 0].transpose(-1, -2)
         out = torch.zeros(q.shape[0], q.shape[2], k.shape[2], dtype=q.dtype, device=q.device)
         for h in range(q.shape[1]):
             out.addcmul_(w[:, :, h, None], F.relu(q[:, h] @ keys * scale))
-        return out
+        return out.masked_fill_(~visible, float("-inf"))
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, w = ctx.saved_tensors
+        q, k, w, visible = ctx.saved_tensors
+        grad = grad.masked_fill(~visible, 0.0)
         keys = k[:, 0]
         dq, dk, dw = torch.empty_like(q), torch.zeros_like(keys), torch.empty_like(w)
         for h in range(q.shape[1]):
@@ -85,13 +87,13 @@ class _IndexScores(torch.autograd.Function):
             through = grad * w[:, :, h, None] * (scores > 0) * ctx.scale
             dq[:, h] = through @ keys
             dk += through.transpose(-1, -2) @ q[:, h]
-        return dq, dk.unsqueeze(1), dw, None
+        return dq, dk.unsqueeze(1), dw, None, None
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """I [B, T, S] (fp32) of queries q [B, n, T, hd] over keys k [B, 1, S, hd], −inf where `visible` [B|1, T, S] is
     False; w [B, T, n] the heads' weights."""
-    return _IndexScores.apply(q, k, w, q.shape[-1] ** -0.5).masked_fill(~visible, float("-inf"))
+    return _IndexScores.apply(q, k, w, visible, q.shape[-1] ** -0.5)
 
 
 def select(scores: torch.Tensor, topk: int, visible: torch.Tensor) -> torch.Tensor:
@@ -120,6 +122,22 @@ def head_probabilities(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, 
 def kl_per_query(p: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """KL(p[t] ‖ softmax(I[t])) over the allowed keys, [B, T]: p [B, T, S] the target (rows sum to 1, 0 where not
     allowed), scores I [B, T, S] with their gradient."""
-    log_q = scores.masked_fill(~allowed, float("-inf")).log_softmax(-1).masked_fill(~allowed, 0.0)
-    log_p = torch.where(p > 0, p, 1.0).log()
-    return (p * (log_p - log_q)).sum(-1)
+    return _IndexerKL.apply(p, scores, allowed)
+
+
+class _IndexerKL(torch.autograd.Function):
+    """kl_per_query, keeping for the backward one [B, T, S] fp32, its gradient's direction dKL_t/dI = q·Σp − p (q =
+    softmax(I) over the allowed keys; 0 elsewhere): autograd kept log q, p and two masks (10 bytes a query-key pair
+    where this keeps 4; bench/dsa.md)."""
+
+    @staticmethod
+    def forward(ctx, p, scores, allowed):
+        log_q = scores.masked_fill(~allowed, float("-inf")).log_softmax(-1).masked_fill_(~allowed, 0.0)
+        log_p = torch.where(p > 0, p, 1.0).log()
+        ctx.save_for_backward(log_q.exp().masked_fill_(~allowed, 0.0) * p.sum(-1, keepdim=True) - p)
+        return (p * (log_p - log_q)).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (direction,) = ctx.saved_tensors
+        return None, grad.unsqueeze(-1) * direction, None
