@@ -156,6 +156,9 @@ def _world(rank, world_size, v32_dir, glm_dir, docs_dir, data, out_dir):
     out.update({label: train_from_hf(docs_dir, {**flags, "document_mask": True, **layout}, document_batches(),
                                      boundary=BOUNDARY) for label, layout in DOCUMENTS.items()})
     out["glm 1x1x1"] = train_from_hf(glm_dir, flags, data, out_dir=out_dir + "_glm")
+    # the shared layers' recomputation reads its own micro-batch's selection (GPipe: both forwards before a backward)
+    out["glm recompute full gpipe"] = train_from_hf(glm_dir, {**flags, "recompute": "full", "schedule": "gpipe"},
+                                                    data)
     out["warmup dp2"] = train_from_hf(v32_dir, {**flags, "dsa_stage": "warmup", "dp": 2, "lr": 1e-2}, data,
                                       out_dir=out_dir)
     return out

@@ -22,10 +22,12 @@ from trainer3d.parallel.tensor_parallel import ShardedDropoutRNG
 class _ReplayShardedStream:
     """checkpoint's context_fn: (forward context, recomputation context) for one checkpointed call. Both are plain
     re-enterable objects: a split-backward (zero-bubble) schedule recomputes twice, for its input- and its
-    weight-gradient pass, and gets the same masks both times."""
+    weight-gradient pass, and gets the same masks both times. `held`: the block's own forward state (its mixer's
+    `recompute_state`, with snapshot() and swap(): DSA's shared selections), replayed the same way."""
 
-    def __init__(self, rng):
+    def __init__(self, rng, held=None):
         self.rng = rng if isinstance(rng, ShardedDropoutRNG) else None
+        self.held, self.held_state, self.held_live = held, None, None
         self.state = self.live = None
 
     def __call__(self):
@@ -34,18 +36,24 @@ class _ReplayShardedStream:
     def record(self):
         if self.rng is not None:
             self.state = self.rng.state.clone()
+        if self.held is not None:
+            self.held_state = self.held.snapshot()
 
     def replay(self):
         global _recomputing
         _recomputing += 1
         if self.rng is not None:
             self.live, self.rng.state = self.rng.state, self.state.clone()
+        if self.held is not None:
+            self.held_live = self.held.swap(self.held_state)
 
     def restore(self):
         global _recomputing
         _recomputing -= 1
         if self.rng is not None:
             self.rng.state = self.live
+        if self.held is not None:
+            self.held.swap(self.held_live)
 
 
 _recomputing = 0  # recomputations under way (nested: a block's and its attention core's)
@@ -75,11 +83,11 @@ class Checkpointed:
     the recomputation: --compile (compile.py) compiles it in place, so both run the same code and save the same
     tensors (non-reentrant checkpoint matches them by order)."""
 
-    def __init__(self, fn, rng):
-        self.fn, self.rng = fn, rng
+    def __init__(self, fn, rng, held=None):
+        self.fn, self.rng, self.held = fn, rng, held
 
     def __call__(self, *args):
-        return checkpoint(self.fn, *args, use_reentrant=False, context_fn=_ReplayShardedStream(self.rng))
+        return checkpoint(self.fn, *args, use_reentrant=False, context_fn=_ReplayShardedStream(self.rng, self.held))
 
 
 def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
@@ -90,7 +98,7 @@ def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
     for block in stage.blocks.values():
         attn = plan.mixer(block)
         if mode == "full":
-            block.forward = Checkpointed(block.forward, attn.sharded_rng)
+            block.forward = Checkpointed(block.forward, attn.sharded_rng, getattr(attn, "recompute_state", None))
         elif mode == "selective":
             attn.core = Checkpointed(attn.core, attn.sharded_rng)
         else:

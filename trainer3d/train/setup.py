@@ -195,17 +195,17 @@ def check_mtp(cfg: TrainConfig, mcfg, layout) -> None:
 
 def check_dsa(cfg: TrainConfig, mcfg, layout) -> None:
     """DeepSeek Sparse Attention's flags need a model with indexers, and its layouts: GLM-5's shared layers read the
-    selection of an earlier layer in the same forward (no recomputation, no pipeline cut between them); the warm-up's
-    frozen parameters are built for DDP."""
+    selection of an earlier layer in the same forward (no pipeline cut between them); the warm-up's frozen parameters
+    are built for DDP."""
     if not getattr(mcfg, "sparse", False):
         given = [f for f in ("dsa_stage", "dsa_loss_coef") if cfg.given(f)]
         if given:
             raise ConfigError(f"{option_name(given[0])} applies to DeepSeek Sparse Attention (a DeepSeek-V3.2 or "
                               "GLM-5 model), and this model has no indexer; drop it.")
         return
-    if any(mcfg.index_shared) and (layout.pp > 1 or cfg.recompute != "none"):
+    if any(mcfg.index_shared) and layout.pp > 1:
         raise LayoutError("This model's shared indexer layers reuse an earlier layer's selection within one forward, "
-                          "which is not built with --pp > 1 or --recompute; drop them.")
+                          "which is not built across pipeline stages (--pp > 1); drop it.")
     if cfg.dsa_stage == "warmup" and cfg.deepspeed_config is not None:
         raise ConfigError("--dsa-stage warmup freezes all but the indexers, which is built for DDP, not DeepSpeed; "
                           "drop --deepspeed_config for the warm-up (it trains a few parameters).")

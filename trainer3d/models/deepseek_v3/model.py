@@ -96,6 +96,22 @@ class YarnRotary(Rotary):
         return (emb.cos() * f).to(like.dtype), (emb.sin() * f).to(like.dtype)
 
 
+class Selections(dict):
+    """GLM-5's shared layers: the keys each layer with an indexer selected in this forward, for the layers after it
+    that reuse them. A block's recomputation (--recompute full, in the backward) reads the selections its forward
+    read, not the live ones a later micro-batch's forward has replaced since (`recompute_state`: snapshot and swap,
+    parallel/recompute.py); a snapshot holds references, no copy."""
+
+    def snapshot(self) -> dict:
+        return dict(self)
+
+    def swap(self, state: dict) -> dict:
+        live = dict(self)
+        self.clear()
+        self.update(state)
+        return live
+
+
 class MLAttention(AttentionCore):
     def __init__(self, cfg: DeepseekV3Config, layer: int = 0):
         super().__init__(cfg.dropout)
@@ -124,7 +140,7 @@ class MLAttention(AttentionCore):
         # where the indexer's detached inputs enter: the whole sequence under sequence parallelism
         # (ParallelPlan.whole_sequence)
         self.index_inputs = nn.Identity() if self.indexer is not None else None
-        self.topk, self.selections = cfg.index_topk, None
+        self.topk, self.selections, self.recompute_state = cfg.index_topk, None, None
         self.dense_warmup, self.observer = False, None
         self.keys = WholeKeys()
 
@@ -263,11 +279,11 @@ class DeepseekV3(Llama):
         self.mtp_embed_tokens: nn.Module | None = None
         self.next_tokens = None  # a callable: the running micro-batch's next tokens, or None (parallel/mtp.py)
         if cfg.sparse and cfg.n_indexers < n + cfg.mtp_layers:  # GLM-5's shared layers read an earlier selection
-            selections: dict[int, torch.Tensor] = {}
+            selections = Selections()
             source = None
             for i in range(n):
                 attention = self.layers[str(i)].self_attn
-                attention.selections = selections
+                attention.selections = attention.recompute_state = selections
                 source = i if attention.indexer is not None else source
                 attention.source = source
 
