@@ -135,6 +135,7 @@ def reference(hf, interleaved: bool, data: torch.Tensor, coef: float = COEF, per
 # tp2 sp: the indexer reads the whole sequence (its detached inputs all-gathered) and keeps whole gradients
 SPARSE = {"1x1x1": {}, "tp2": dict(tp=2), "tp2 sp": dict(tp=2, sequence_parallel=True),
           "pp2 recompute full": dict(pp=2, recompute="full"), "cp2": dict(cp=2),
+          "compile": dict(compile=True),  # the indexer, its scores and KL functions, top-k and the mask, compiled
           "dp2 ep2": dict(dp=2, ep=2),
           # ZeRO-3: every parameter partitioned, the indexer's too (its modules gathered where they are called)
           "zero3 dp4 ep2": dict(dp=4, ep=2, deepspeed_config="ds_configs/zero3.json")}
