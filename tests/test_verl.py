@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 
 from helpers.distributed import run_world
 from helpers.parity import PARAM_ATOL
@@ -201,7 +202,9 @@ def sft_direct(hf_dir, tmp, lora: bool = False):
 def sft_through_verl(hf_dir, args, tmp, lora: bool = False):
     """One train_batch with verl's own sft_loss on the same samples (loss summed over micro-batches, mean over dp;
     the norm where verl collects it). With `lora`, verl's LoRA model config (LORA_VERL), and then the weight syncs
-    verl's worker asks for: the base alone (base_sync_done False), the adapters with their config, merged."""
+    verl's worker asks for: the base alone (base_sync_done False), the adapters with their config, merged; and verl's
+    log-probs of this rank's sequences (its compute_log_prob: infer_batch in eval mode) under disable_adapter (its
+    reference policy when the actor holds it) and without, each [len] (position t scores token t + 1)."""
     from functools import partial
 
     import torch.distributed as dist
@@ -241,6 +244,14 @@ def sft_through_verl(hf_dir, args, tmp, lora: bool = False):
         engine.model_config.lora["merge"] = True  # (verl's peft_merge)
         merged, none = engine.get_per_tensor_param(base_sync_done=True)
         out += (dict(merged), none)
+        scored = lambda: tu.get_tensordict(  # noqa: E731
+            {"input_ids": nested(seqs[part]), "position_ids": nested([torch.arange(len(x)) for x in seqs[part]])},
+            non_tensor_dict={"temperature": 1.0, "use_dynamic_bsz": True, "max_token_len_per_gpu": 32})
+        with engine.eval_mode():
+            with engine.disable_adapter():
+                reference = engine.infer_batch(scored())["model_output"]["log_probs"].unbind()
+            policy = engine.infer_batch(scored())["model_output"]["log_probs"].unbind()
+        out += (list(range(len(seqs))[part]), [r.clone() for r in reference], [p.clone() for p in policy])
     engine.engine.close()
     return out
 
@@ -353,14 +364,16 @@ def test_verl_backend_equals_the_engine(tmp_path):
 def lora_through_verl(every_rank: list, hf_dir) -> None:
     """verl's LoRA model config (rank 4, α 8, q_proj and v_proj) at tp 2 × dp 2: verl's sft_loss equals the engine's
     LoRA run at one process; verl's weight syncs are the base as loaded (bitwise), then the adapters under PEFT's
-    names with PEFT's config, or merged (model.lora.merge), each the engine's own stream."""
+    names with PEFT's config, or merged (model.lora.merge), each the engine's own stream; verl's log-probs under
+    disable_adapter are transformers' base model's, and without it the merged model's (until 2026-12-08 BaseEngine's
+    no-op scored verl's reference with the adapters on: the policy itself)."""
     from safetensors.torch import load_file
 
     loss, norm, merged, adapters = every_rank[0]["lora sft reference"]
     on_disk = load_file(Path(hf_dir) / "model.safetensors")
     for rank, result in enumerate(every_rank):
-        got_loss, got_norm, base, base_config, got_adapters, peft_config, got_merged, merged_config = \
-            result["lora sft tp2 dp2"]
+        got_loss, got_norm, base, base_config, got_adapters, peft_config, got_merged, merged_config, which, \
+            reference, policy = result["lora sft tp2 dp2"]
         assert abs(got_loss - loss) < 1e-5 * loss and (got_norm is None or abs(got_norm - norm) < 1e-5 * norm), \
             (rank, got_loss, got_norm, loss, norm)
         assert sorted(base) == sorted(on_disk) and all(torch.equal(base[k], v) for k, v in on_disk.items()), rank
@@ -373,3 +386,19 @@ def lora_through_verl(every_rank: list, hf_dir) -> None:
         assert max((got_merged[k] - v).abs().max().item() for k, v in merged.items()) < 1e-6, rank
     moved = max((merged[k] - on_disk[k]).abs().max().item() for k in on_disk)
     assert moved > 1e-4, moved  # the merged weights carry the trained adapters (B moved off zero)
+    seqs, _ = sft_sequences()
+    hf = {"base": transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()}
+    hf["merged"] = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    missing, unexpected = hf["merged"].load_state_dict(merged, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # (a tied head)
+    gaps, apart = {"base": 0.0, "merged": 0.0}, 0.0
+    for result in every_rank:
+        which, reference, policy = result["lora sft tp2 dp2"][-3:]
+        for i, ref, pol in zip(which, reference, policy):
+            with torch.no_grad():
+                want = {k: m(seqs[i][None]).logits[0, :-1].log_softmax(-1).gather(-1, seqs[i][1:, None])[:, 0]
+                        for k, m in hf.items()}
+            gaps["base"] = max(gaps["base"], (ref[:-1] - want["base"]).abs().max().item())
+            gaps["merged"] = max(gaps["merged"], (pol[:-1] - want["merged"]).abs().max().item())
+            apart = max(apart, (want["merged"] - want["base"]).abs().max().item())
+    assert gaps["base"] < 1e-5 and gaps["merged"] < 1e-5 and apart > 1e-4, (gaps, apart)

@@ -50,7 +50,7 @@ from trainer3d.engine.batch import (
 from trainer3d.engine.weights import WeightStream
 from trainer3d.errors import ConfigError, TrainingError
 from trainer3d.parallel.cross_entropy import vocab_parallel_entropy
-from trainer3d.parallel.lora import LoRASpec
+from trainer3d.parallel.lora import LoRASpec, adapters_off
 from trainer3d.train.setup import validate
 from trainer3d.train.trainer import Trainer
 
@@ -391,6 +391,14 @@ class Engine:
         if self._stream is None:
             self._stream = WeightStream(self.trainer, self.device)
         yield from self._stream.stream(dtype, device, bucket_bytes, adapters, base)
+
+    def adapters_disabled(self):
+        """A context in which the model is the base alone (PEFT's disable_adapter): every call inside scores, or
+        trains through, the frozen base; the adapters are back on leaving. LoRA runs only."""
+        if LoRASpec.of(self.setup.cfg) is None:
+            raise ConfigError("adapters_disabled() turns LoRA adapters off, and this engine trains every weight (no "
+                              "--lora-rank).")
+        return adapters_off(self.trainer.parallel_model.stages)
 
     def adapter_config(self) -> dict:
         """A LoRA run's adapter_config.json as PEFT writes it (what `named_weights(adapters=True)` goes with: vLLM's

@@ -205,6 +205,11 @@ class Trainer3dEngine(BaseEngine):
         t = self.topo
         return t.tp_rank == 0 and t.cp_rank == 0 and t.pp_rank == t.layout.pp - 1
 
+    def disable_adapter(self):
+        """verl's reference policy when the actor holds it (ref_in_actor, under LoRA): the base alone. Without this,
+        BaseEngine's no-op scored the reference with the adapters on: the policy itself, a KL penalty of 0."""
+        return self.engine.adapters_disabled() if self.cfg.lora_rank > 0 else contextlib.nullcontext()
+
     def optimizer_zero_grad(self):
         self.engine.discard()
 

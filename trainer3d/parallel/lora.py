@@ -21,6 +21,7 @@ A mixture's experts (`experts`, PEFT's target_parameters) get a pair per expert 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -384,6 +385,21 @@ def hold_base_in(stages: list[nn.Module], dtype: torch.dtype) -> None:
                 p = m._parameters.get(name) if held else None
                 if p is not None and not p.requires_grad and p.dim() >= 2 and id(p) not in tied:
                     p.data = p.data.to(dtype)
+
+
+@contextlib.contextmanager
+def adapters_off(stages: list[nn.Module]):
+    """The base alone inside the block (PEFT's disable_adapter: verl scores its reference policy so when the actor
+    holds it): every pair's scale 0, so each adds exactly nothing (y + 0); restored on leaving."""
+    pairs = [m for s in stages for m in s.modules() if isinstance(m, (ColumnLoRA, RowLoRA, ExpertLoRA))]
+    scales = [m.scale for m in pairs]
+    try:
+        for m in pairs:
+            m.scale = 0.0
+        yield
+    finally:
+        for m, scale in zip(pairs, scales):
+            m.scale = scale
 
 
 def initial_value(name: str, shape: tuple, seed: int) -> torch.Tensor:
