@@ -1,5 +1,6 @@
 """What trainer3d.engine's named_weights() costs each rank: the bytes it receives against the rule (every element of
-the model once in the stream's dtype, less the pieces the rank writes itself: engine/weights.py), and the rise of its
+the model once in the stream's dtype, less the pieces the rank writes itself and the tensors every rank holds whole:
+engine/weights.py), and the rise of its
 resident memory while it streams the whole model's Hugging Face tensors in buckets, against the bucket, the largest
 tensor and the rank's share of the training state; and how long the stream takes (docs/post_training.md).
 
@@ -59,9 +60,10 @@ def _world(rank, world, model, layout, out, dtype_name, bucket_bytes):
     stream = engine._stream
     own = sum(d.numel() for *_, d in stream.mine) * dtype.itemsize
     model_bytes = sum(torch.Size(u.shape).numel() for u in stream.units) * dtype.itemsize
+    local = sum(torch.Size(stream.units[i].shape).numel() for i in stream.everywhere) * dtype.itemsize
     out = dict(layout=layout, rank=rank, pid=os.getpid(), share=share, largest=largest, tensors=count, t0=t0, t1=t1,
                inside=_hwm() - before, seconds=t1 - t0, received=stream.received * dtype.itemsize,
-               rule=model_bytes - own, model=model_bytes)
+               rule=model_bytes - local - own, model=model_bytes)
     engine.close()
     return out
 
@@ -84,7 +86,8 @@ def main() -> int:
                                args.dtype, bucket, timeout=3000):
                 outside = sampler.rise(r["pid"], r["t0"], r["t1"])
                 rows.append([layout, r["rank"], fmt_bytes(r["model"]), fmt_bytes(r["received"]), fmt_bytes(r["rule"]),
-                             f"{r['received'] / r['rule']:.3f}", fmt_bytes(r["share"]), fmt_bytes(r["largest"]),
+                             f"{r['received'] / r['rule']:.3f}" if r["rule"] else f"{r['received']} B of 0 B",
+                             fmt_bytes(r["share"]), fmt_bytes(r["largest"]),
                              fmt_bytes(outside), fmt_bytes(r["inside"]),
                              f"{max(outside, r['inside']) / max(r['largest'], min(bucket, r['model'])):.2f}",
                              f"{r['seconds']:.1f}"])

@@ -312,6 +312,7 @@ def _engine_run(hf_dir, layout, data, train, tmp):
             if layout.get("pp", 1) > 1:
                 out["refusals"] = refusals(engine, tokens, documents)
             out["weights"] = dict(engine.named_weights())
+            out["received"] = engine._stream.received
             before = engine.logprobs(tokens, documents)
             engine.load(engine.save(tmp))
             out["reloaded"] = (engine.logprobs(tokens, documents) - before).abs().max().item()
@@ -333,6 +334,8 @@ def test_engine_against_transformers(tmp_path):
     data = [batch(seed) for seed in range(len(AGGREGATIONS))] + [rollouts(seed) for seed in range(len(ROLLOUT_STEPS))]
     runs = {"1p": (str(tmp_path / "llama"), {}, True),
             "tp2 pp2": (str(tmp_path / "llama"), dict(tp=2, pp=2), True),
+            # DDP: every rank holds every weight, and its stream reads them where they are (nothing received)
+            "dp2": (str(tmp_path / "llama"), dict(dp=2), True),
             "moe dp2 ep2": (str(tmp_path / "moe"), dict(dp=2, ep=2), False),
             "zero3 dp4": (str(tmp_path / "llama"), dict(dp=4, deepspeed_config="ds_configs/zero3.json"), True),
             # ZeRO-1/2 reduce at DeepSpeed's accumulation boundary, which the engine holds back until step()
@@ -415,7 +418,7 @@ def test_engine_against_transformers(tmp_path):
     assert abs(first["no entropy"] - first["token-mean"]) > 1e-3 * first["token-mean"]
     assert max(norms) > CLIP  # clipping was active at some step
     state = llama.state_dict()
-    for label in ("1p", "tp2 pp2", "zero3 dp4", "zero1 dp2 pp2", "zero2 dp4", "zero3 offload dp4"):
+    for label in ("1p", "tp2 pp2", "dp2", "zero3 dp4", "zero1 dp2 pp2", "zero2 dp4", "zero3 offload dp4"):
         run = results[label]
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], losses))
         norm_rel = max(abs(a - b) / b for a, b in zip(run["norms"], norms))
@@ -427,6 +430,8 @@ def test_engine_against_transformers(tmp_path):
         # lr on rounding alone (1.1e-5 at tp 2 x pp 2 on an AVX-512 machine)
         assert sorted(run["weights"]) == sorted(state) and weights < PARAM_ATOL, (label, weights)
         assert run["reloaded"] == 0.0
+        # a DDP replica streams from its own parameters; a split model's ranks receive what they do not hold
+        assert (run["received"] == 0) == (label in ("1p", "dp2")), (label, run["received"])
         if "offload" in label:
             continue
         assert run["offload_refusal"] == "The engine is offloaded: call onload() before its other calls."

@@ -8,7 +8,9 @@ rank. Per bucket, each writer broadcasts its pieces of the bucket's units in one
 every rank places them into the units and yields their HF tensors. A rank receives each element once and sends only
 what it writes: (model bytes in dtype - its own pieces) in, no world-wide all-reduce of fp32 copies (the stream until
 2026-12-07), and it holds one bucket (or one unit, where a unit is larger) at a time. Which rank writes which piece is
-gathered once per engine (the plan).
+gathered once per engine (the plan). A unit every rank holds whole and unpartitioned (DDP's replicas, a tensor
+replicated over tp where nothing else splits the model) is read where it is: the value its writers would have sent,
+and nothing moves (until 2026-12-08 a DDP rank received three quarters of the model at dp 4).
 
 A LoRA run's adapters are units too, streamed first and kept: each targeted weight is yielded merged (W + s · B A, in
 fp32, then the caller's dtype), or with `adapters` only the adapters, under PEFT's names (checkpoint/peft.py), or
@@ -59,13 +61,36 @@ class WeightStream:
             experts = sorted({p.expert for p in parts}) if parts[0].expert is not None else [None]
             self.units += [Unit(name, e, tuple(shape) if e is None else tuple(shape[1:])) for e in experts]
         self.table_shapes = {n: s for n, s in canonical_tables(mcfg).items() if n in self.tables}
+        self.held = named_full_params(trainer.parallel_model)
+        self.full_shapes = {**lora_units, **canonical_shapes(mcfg)}
+        self.everywhere = self._held_everywhere()  # units every rank reads from its own parameter
         self.mine = self._my_pieces()
         self.plan = self._gather_plan()  # [n, 2 + 2 * MAX_DIMS]: (rank, unit, start..., size...) of every piece
 
+    def _local(self, unit: Unit) -> torch.Tensor | None:
+        """The unit's value from this rank's own parameter, where it holds the whole tensor unpartitioned (the value
+        parameter_pieces gives its writers); else None."""
+        engine, held = self.trainer.engine, self.held.get(unit.name)
+        if held is None or engine.partition_of(held[0], moments=False) is not None:
+            return None
+        value, spec, full = engine.param_value(held[0]), held[1], tuple(self.full_shapes[unit.name])
+        if spec is not None and spec.padded is not None and value.shape[spec.dim] == spec.padded:
+            value = value.narrow(spec.dim, 0, full[spec.dim])  # a whole padded vocabulary: its real rows
+        if tuple(value.shape) != full:
+            return None  # (split over tp or ep)
+        return value if unit.expert is None else value[unit.expert]
+
+    def _held_everywhere(self) -> set[int]:
+        """The units every rank holds whole (one MIN all-reduce of a flag per unit)."""
+        flags = torch.tensor([float(self._local(u) is not None) for u in self.units], device=self.device)
+        flags = all_reduce(flags, self.trainer.topo.world_group, dist.ReduceOp.MIN)
+        return {i for i, f in enumerate(flags.tolist()) if f}
+
     def _my_pieces(self) -> list[tuple[int, tuple, tuple, torch.Tensor]]:
-        """(unit index, start, size, data) of each piece this rank writes, data a view of its parameter."""
+        """(unit index, start, size, data) of each piece this rank writes, data a view of its parameter; none of the
+        units every rank holds."""
         t = self.trainer
-        held = named_full_params(t.parallel_model)
+        held = self.held
         index = {(u.name, u.expert): i for i, u in enumerate(self.units)}
         out = []
         for name in dict.fromkeys(u.name for u in self.units):
@@ -78,7 +103,7 @@ class WeightStream:
                     continue
                 for e in range(start[0], start[0] + size[0]):  # a stacked expert weight: one piece per expert
                     out.append((index[(name, e)], tuple(start[1:]), tuple(size[1:]), data[e - start[0]]))
-        return out
+        return [piece for piece in out if piece[0] not in self.everywhere]
 
     def _gather_plan(self) -> torch.Tensor:
         """Every rank's pieces, on every rank: an all-gather of their (unit, box) rows, once."""
@@ -129,7 +154,8 @@ class WeightStream:
         topo = self.trainer.topo
         for bucket in self.buckets(dtype, bucket_bytes, units):
             inside = set(bucket)
-            full = {i: torch.empty(self.units[i].shape, dtype=dtype, device=self.device) for i in bucket}
+            full = {i: self._local(self.units[i]).to(self.device, dtype, copy=True) if i in self.everywhere
+                    else torch.empty(self.units[i].shape, dtype=dtype, device=self.device) for i in bucket}
             rows = self.plan[torch.isin(self.plan[:, 1], torch.tensor(bucket))]
             for writer in sorted(set(rows[:, 0].tolist())):
                 boxes = rows[rows[:, 0] == writer]
