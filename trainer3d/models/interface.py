@@ -53,8 +53,8 @@ class ParallelPlan:
     `whole_sequence`: entry (an nn.Identity inside a block) -> the replicated module that reads it, where detached
     activations reach a module computing on the whole sequence on every tp rank (DSA's indexer): sequence parallelism
     makes the entry an all-gather of the sequence, and the module's parameters, seeing every token on every rank,
-    keep whole gradients (no tp sum). A path a block lacks is skipped (hybrid stacks). The token embedding and the head are always vocab-parallel; every other
-    parameter is replicated over tp."""
+    keep whole gradients (no tp sum). A path a block lacks is skipped (hybrid stacks). The token embedding and the
+    head are always vocab-parallel; every other parameter is replicated over tp."""
 
     linears: Mapping[str, ColumnParallel | RowParallel]
     attention: str | tuple[str, ...]

@@ -196,8 +196,8 @@ def matmul_params(cfg, tp: int, stages: list[Stage], ep: int = 1) -> int:
     the compute dtype (parallel/lora.hold_base_in; the blocks' norms and routers, a few per mille, counted with them);
     the embedding, its tied copy and the stages' extras stay fp32."""
     lp = local_params(cfg, tp)
-    return sum(sum(b.total(ep) * k for b, k in lp.kinds(s.blocks)) + (lp.head if s.last and not cfg.tie_embeddings
-                                                                          else 0) for s in stages)
+    blocks = sum(b.total(ep) * k for s in stages for b, k in lp.kinds(s.blocks))
+    return blocks + sum(lp.head for s in stages if s.last and not cfg.tie_embeddings)
 
 
 def trainable_params(cand, stages: list[Stage]) -> float:

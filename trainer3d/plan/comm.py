@@ -116,8 +116,8 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
                             "backward: gradients of the row-parallel outputs gathered (b·s·h)"))
         out.append(Transfer("tp", "all_gather", act, n_gather * m, t,
                             "backward: the saved input shards gathered again for the weight gradients (b·s·h)"))
-        indexers = sum(cand.cfg.has_indexer(b) for s in stages for b in s.blocks) if getattr(cand.cfg, "sparse",
-                                                                                             False) else 0
+        sparse = getattr(cand.cfg, "sparse", False)
+        indexers = sum(cand.cfg.has_indexer(b) for s in stages for b in s.blocks) if sparse else 0
         if indexers:  # (models/deepseek_v3: index_inputs)
             out.append(Transfer("tp", "all_gather", T * (h + cand.cfg.q_lora_rank) * P.resid, indexers * m, t,
                                 "forward, per DSA indexer: its detached inputs gathered, x and the q latent "
