@@ -72,8 +72,9 @@ def _in_libraries(name: str) -> bool:
 
 
 def test_readme_states_the_suite_counts():
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "counts.py"), "--json"], capture_output=True, text=True,
-                         timeout=300, cwd=str(ROOT))
+    counts = ROOT / "tests" / "helpers" / "counts.py"
+    out = subprocess.run([sys.executable, str(counts), "--json"], capture_output=True, text=True, timeout=300,
+                         cwd=str(ROOT))
     assert out.returncode == 0, out.stderr[-2000:]
     readme = (ROOT / "README.md").read_text()
     from helpers.counts import line

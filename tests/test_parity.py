@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from helpers import parity
 from helpers.distributed import run_world
-from helpers.parity import (LLAMA, LOSS_RTOL, MOE, MOE_BALANCED, MOE_GLOBAL, PARAM_ATOL, as_trained, check, compare, run_groups,
-                    run_layouts)
+from helpers.parity import (
+    LLAMA, LOSS_RTOL, MOE, MOE_BALANCED, MOE_GLOBAL, PARAM_ATOL, as_trained, check, compare, run_groups, run_layouts,
+)
 from trainer3d.config import RECOMPUTE_MODES
 from trainer3d.parallel.batch import default_micro_batches
 from trainer3d.parallel.pipeline import PIPELINING_BEFORE_2_13, SCHEDULES
