@@ -4,7 +4,7 @@ engine/weights.py), and the rise of its
 resident memory while it streams the whole model's Hugging Face tensors in buckets, against the bucket, the largest
 tensor and the rank's share of the training state; and how long the stream takes (docs/post_training.md).
 
-    python bench/engine_weights.py [--model gpt2] [--layouts tp2pp2,dp4,zero3dp4,tp2pp2ep2] [--dtype bf16]
+    python bench/engine_weights.py [--model gpt2] [--layouts tp2pp2,dp4,zero2dp4,zero3dp4,tp2pp2ep2] [--dtype bf16]
         [--bucket-mib 64]
 
 tp2pp2ep2 runs --moe-model (8 processes: dp 2 = ep 2); the others --model at 4 processes.
@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.checkpoint_state import Sampler, _hwm, _reset_hwm, _rss  # noqa: E402
 from bench.harness import fmt_bytes, stamp, table  # noqa: E402
 
-LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "dp4": dict(), "zero3dp4": dict(deepspeed_config="ds_configs/zero3.json"),
+LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "dp4": dict(), "zero2dp4": dict(deepspeed_config="ds_configs/zero2.json"),
+           "zero3dp4": dict(deepspeed_config="ds_configs/zero3.json"),
            "tp2pp2ep2": dict(tp=2, pp=2, ep=2)}
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -58,9 +59,9 @@ def _world(rank, world, model, layout, out, dtype_name, bucket_bytes):
         del tensor
     t1 = time.time()
     stream = engine._stream
-    own = sum(d.numel() for *_, d in stream.mine) * dtype.itemsize
+    own = sum(d.numel() for u, *_, d in stream.mine if u not in stream.held_everywhere(dtype)) * dtype.itemsize
     model_bytes = sum(torch.Size(u.shape).numel() for u in stream.units) * dtype.itemsize
-    local = sum(torch.Size(stream.units[i].shape).numel() for i in stream.everywhere) * dtype.itemsize
+    local = sum(torch.Size(stream.units[i].shape).numel() for i in stream.held_everywhere(dtype)) * dtype.itemsize
     out = dict(layout=layout, rank=rank, pid=os.getpid(), share=share, largest=largest, tensors=count, t0=t0, t1=t1,
                inside=_hwm() - before, seconds=t1 - t0, received=stream.received * dtype.itemsize,
                rule=model_bytes - local - own, model=model_bytes)
@@ -74,7 +75,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2")
     ap.add_argument("--moe-model", default="qwen3-moe-tiny")
-    ap.add_argument("--layouts", default="tp2pp2,dp4,zero3dp4,tp2pp2ep2")
+    ap.add_argument("--layouts", default="tp2pp2,dp4,zero2dp4,zero3dp4,tp2pp2ep2")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--bucket-mib", type=float, default=64)
     args = ap.parse_args()

@@ -313,6 +313,8 @@ def _engine_run(hf_dir, layout, data, train, tmp):
                 out["refusals"] = refusals(engine, tokens, documents)
             out["weights"] = dict(engine.named_weights())
             out["received"] = engine._stream.received
+            engine._stream.everywhere = {torch.float32: set()}  # every tensor from its writers: what the reads replace
+            out["sent"] = dict(engine.named_weights())
             before = engine.logprobs(tokens, documents)
             engine.load(engine.save(tmp))
             out["reloaded"] = (engine.logprobs(tokens, documents) - before).abs().max().item()
@@ -430,8 +432,10 @@ def test_engine_against_transformers(tmp_path):
         # lr on rounding alone (1.1e-5 at tp 2 x pp 2 on an AVX-512 machine)
         assert sorted(run["weights"]) == sorted(state) and weights < PARAM_ATOL, (label, weights)
         assert run["reloaded"] == 0.0
-        # a DDP replica streams from its own parameters; a split model's ranks receive what they do not hold
-        assert (run["received"] == 0) == (label in ("1p", "dp2")), (label, run["received"])
+        # a DDP replica (ZeRO-2's fp32 parameters too) streams from its own parameters, bitwise what their writers send;
+        # a split model's ranks receive what they do not hold
+        assert (run["received"] == 0) == (label in ("1p", "dp2", "zero2 dp4")), (label, run["received"])
+        assert all(torch.equal(run["sent"][k], v) for k, v in run["weights"].items()), label
         if "offload" in label:
             continue
         assert run["offload_refusal"] == "The engine is offloaded: call onload() before its other calls."

@@ -8,9 +8,10 @@ rank. Per bucket, each writer broadcasts its pieces of the bucket's units in one
 every rank places them into the units and yields their HF tensors. A rank receives each element once and sends only
 what it writes: (model bytes in dtype - its own pieces) in, no world-wide all-reduce of fp32 copies (the stream until
 2026-12-07), and it holds one bucket (or one unit, where a unit is larger) at a time. Which rank writes which piece is
-gathered once per engine (the plan). A unit every rank holds whole and unpartitioned (DDP's replicas, a tensor
-replicated over tp where nothing else splits the model) is read where it is: the value its writers would have sent,
-and nothing moves (until 2026-12-08 a DDP rank received three quarters of the model at dp 4).
+gathered once per engine (the plan). A unit every rank holds whole (DDP's replicas; ZeRO-1/2's parameters where they
+are the fp32 master or in the stream's dtype, so that they are the master as the stream would cast it) is read where
+it is: the value its writers would have sent, and nothing moves (until 2026-12-08 a DDP rank received three quarters
+of the model at dp 4).
 
 A LoRA run's adapters are units too, streamed first and kept: each targeted weight is yielded merged (W + s · B A, in
 fp32, then the caller's dtype), or with `adapters` only the adapters, under PEFT's names (checkpoint/peft.py), or
@@ -63,32 +64,41 @@ class WeightStream:
         self.table_shapes = {n: s for n, s in canonical_tables(mcfg).items() if n in self.tables}
         self.held = named_full_params(trainer.parallel_model)
         self.full_shapes = {**lora_units, **canonical_shapes(mcfg)}
-        self.everywhere = self._held_everywhere()  # units every rank reads from its own parameter
+        self.everywhere: dict[torch.dtype, set[int]] = {}  # by dtype: units every rank reads from its own parameter
         self.mine = self._my_pieces()
         self.plan = self._gather_plan()  # [n, 2 + 2 * MAX_DIMS]: (rank, unit, start..., size...) of every piece
 
-    def _local(self, unit: Unit) -> torch.Tensor | None:
-        """The unit's value from this rank's own parameter, where it holds the whole tensor unpartitioned (the value
-        parameter_pieces gives its writers); else None."""
+    def _local(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor | None:
+        """The unit's value from this rank's own parameter where it holds the whole tensor, as its writers would send
+        it in `dtype`: unpartitioned (their value, parameter_pieces'), or ZeRO-1/2's parameter beside the master's
+        partition where it is fp32 (the master) or `dtype` (the master rounded as the cast rounds); else None."""
         engine, held = self.trainer.engine, self.held.get(unit.name)
-        if held is None or engine.partition_of(held[0], moments=False) is not None:
+        if held is None:
             return None
-        value, spec, full = engine.param_value(held[0]), held[1], tuple(self.full_shapes[unit.name])
+        p, spec, full = held[0], held[1], tuple(self.full_shapes[unit.name])
+        if engine.partition_of(p, moments=False) is None:
+            value = engine.param_value(p)
+        elif p.dtype in (torch.float32, dtype) and p.numel() > 0:  # (ZeRO-3's parameter is empty between gathers)
+            value = p.data
+        else:
+            return None
         if spec is not None and spec.padded is not None and value.shape[spec.dim] == spec.padded:
             value = value.narrow(spec.dim, 0, full[spec.dim])  # a whole padded vocabulary: its real rows
         if tuple(value.shape) != full:
             return None  # (split over tp or ep)
         return value if unit.expert is None else value[unit.expert]
 
-    def _held_everywhere(self) -> set[int]:
-        """The units every rank holds whole (one MIN all-reduce of a flag per unit)."""
-        flags = torch.tensor([float(self._local(u) is not None) for u in self.units], device=self.device)
-        flags = all_reduce(flags, self.trainer.topo.world_group, dist.ReduceOp.MIN)
-        return {i for i, f in enumerate(flags.tolist()) if f}
+    def held_everywhere(self, dtype: torch.dtype) -> set[int]:
+        """The units every rank holds whole for a stream in `dtype` (one MIN all-reduce of a flag per unit, once per
+        dtype)."""
+        if dtype not in self.everywhere:
+            flags = torch.tensor([float(self._local(u, dtype) is not None) for u in self.units], device=self.device)
+            flags = all_reduce(flags, self.trainer.topo.world_group, dist.ReduceOp.MIN)
+            self.everywhere[dtype] = {i for i, f in enumerate(flags.tolist()) if f}
+        return self.everywhere[dtype]
 
     def _my_pieces(self) -> list[tuple[int, tuple, tuple, torch.Tensor]]:
-        """(unit index, start, size, data) of each piece this rank writes, data a view of its parameter; none of the
-        units every rank holds."""
+        """(unit index, start, size, data) of each piece this rank writes, data a view of its parameter."""
         t = self.trainer
         held = self.held
         index = {(u.name, u.expert): i for i, u in enumerate(self.units)}
@@ -103,7 +113,7 @@ class WeightStream:
                     continue
                 for e in range(start[0], start[0] + size[0]):  # a stacked expert weight: one piece per expert
                     out.append((index[(name, e)], tuple(start[1:]), tuple(size[1:]), data[e - start[0]]))
-        return [piece for piece in out if piece[0] not in self.everywhere]
+        return out
 
     def _gather_plan(self) -> torch.Tensor:
         """Every rank's pieces, on every rank: an all-gather of their (unit, box) rows, once."""
@@ -151,12 +161,12 @@ class WeightStream:
     def _units(self, units: range, dtype: torch.dtype, bucket_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
         """(unit index, whole tensor in `dtype` on the engine's device) of `units`, every writer's pieces broadcast
         bucket by bucket."""
-        topo = self.trainer.topo
+        topo, local = self.trainer.topo, self.held_everywhere(dtype)
         for bucket in self.buckets(dtype, bucket_bytes, units):
-            inside = set(bucket)
-            full = {i: self._local(self.units[i]).to(self.device, dtype, copy=True) if i in self.everywhere
+            inside = {i for i in bucket if i not in local}
+            full = {i: self._local(self.units[i], dtype).to(self.device, dtype, copy=True) if i in local
                     else torch.empty(self.units[i].shape, dtype=dtype, device=self.device) for i in bucket}
-            rows = self.plan[torch.isin(self.plan[:, 1], torch.tensor(bucket))]
+            rows = self.plan[torch.isin(self.plan[:, 1], torch.tensor(sorted(inside), dtype=torch.long))]
             for writer in sorted(set(rows[:, 0].tolist())):
                 boxes = rows[rows[:, 0] == writer]
                 numels = [int(torch.prod(b[2 + MAX_DIMS:2 + MAX_DIMS + len(self.units[int(b[1])].shape)]))
