@@ -375,7 +375,7 @@ def hold_base_in(stages: list[nn.Module], dtype: torch.dtype) -> None:
     fp32 weight to it at every matmul anyway, so the values computed are the same, and the fp32 copy that only the
     optimizer needed goes (half the base's bytes). The parallel linears, the experts and the tp-replicated nn.Linear
     (MLA's latents, a shared expert's gate) alike; not a linear computed in fp32 outside autocast (`keeps_fp32`: DSA's
-    weights_proj), the routers (not linears: fp32 by rule), norms, biases or the embedding (the residual stream keeps
+    indexer head weights), the routers (not linears: fp32 by rule), norms, biases or the embedding (the residual stream keeps
     its dtype)."""
     tied = {id(s.embedding.weight) for s in stages if s.embedding is not None}
     for s in stages:

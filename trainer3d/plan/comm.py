@@ -116,12 +116,12 @@ def tensor_parallel_comm(cand: Candidate, stages) -> list[Transfer]:
                             "backward: gradients of the row-parallel outputs gathered (b·s·h)"))
         out.append(Transfer("tp", "all_gather", act, n_gather * m, t,
                             "backward: the saved input shards gathered again for the weight gradients (b·s·h)"))
-        sparse = getattr(cand.cfg, "sparse", False)
-        indexers = sum(cand.cfg.has_indexer(b) for s in stages for b in s.blocks) if sparse else 0
-        if indexers:  # (models/deepseek_v3: index_inputs)
-            out.append(Transfer("tp", "all_gather", T * (h + cand.cfg.q_lora_rank) * P.resid, indexers * m, t,
-                                "forward, per DSA indexer: its detached inputs gathered, x and the q latent "
-                                "(b·s·(h + q_lora_rank))"))
+        width = getattr(cand.cfg, "sp_whole_sequence_width", None)  # (the family's: DSA's indexer inputs)
+        widths = [w for s in stages for b in s.blocks if (w := width(b))] if width else []
+        if widths:
+            out.append(Transfer("tp", "all_gather", T * widths[0] * P.resid, len(widths) * m, t,
+                                "forward, per block reading the whole sequence (a DSA indexer): its detached inputs "
+                                "gathered (b·s·width)"))
         if first:
             out.append(Transfer("tp", "reduce_scatter", T * h * P.resid, m, t,
                                 "vocab-parallel embedding forward: partial lookups reduce-scattered (b·s·h)"))

@@ -88,6 +88,11 @@ class DeepseekV3Config:
         index = self.index_head_dim if self.sparse else 0  # (DSA: its indexer's keys travel too)
         return (2 * self.kv_width // tp if sequence_parallel else self.kv_lora_rank + self.qk_rope_head_dim) + index
 
+    def sp_whole_sequence_width(self, layer: int) -> int:
+        """Numbers a token takes on sequence parallelism's all-gather into block `layer`'s whole-sequence entry
+        (model.py's index_inputs: x and the q latent, its indexer's detached inputs); 0 without an indexer."""
+        return self.n_embd + self.q_lora_rank if self.has_indexer(layer) else 0
+
     @property
     def sparse(self) -> bool:
         """DeepSeek Sparse Attention: the layers carry a lightning indexer (indexer.py)."""
